@@ -1,0 +1,394 @@
+"""A GPT whose attention is MHA, GQA or MQA (set by n_kv_head), with a preallocated KV cache for decoding.
+
+GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, RoPE: https://arxiv.org/abs/2104.09864
+"""
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+POS_ENCODINGS = ("learned", "rope")
+# SDPA shares K/V heads across query groups itself (no repeated K/V in memory) from torch 2.5 on.
+SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass(slots=True)
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64 for faster matmuls
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None  # None or n_head: MHA; 1: MQA; a divisor of n_head in between: GQA
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
+    pos_encoding: str = "learned"  # 'learned' (GPT-2 absolute positions) or 'rope' (rotary)
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        problems = [f"{f.name}={getattr(self, f.name)!r} must be a positive integer"
+                    for f in fields(self) if f.name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head",
+                                                        "n_embd")
+                    and (type(getattr(self, f.name)) is not int or getattr(self, f.name) < 1)]
+        if not problems:
+            if self.n_embd % self.n_head:
+                problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+            if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
+                problems.append(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head} "
+                                f"(1 <= n_kv_head <= n_head; n_head: MHA, 1: MQA, a divisor in between: GQA)")
+        if not (isinstance(self.dropout, int | float) and 0.0 <= self.dropout < 1.0):
+            problems.append(f"dropout={self.dropout!r} must be a number in [0, 1)")
+        if self.pos_encoding not in POS_ENCODINGS:
+            problems.append(f"pos_encoding={self.pos_encoding!r} must be one of {', '.join(POS_ENCODINGS)}")
+        elif self.pos_encoding == "rope" and not problems and self.head_dim % 2:
+            problems.append(f"pos_encoding='rope' needs an even head_dim = n_embd/n_head, got head_dim={self.head_dim}")
+        if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
+            problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
+        if problems:
+            raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def attention_kind(self) -> str:
+        """'MHA' (n_kv_head == n_head), 'MQA' (n_kv_head == 1 < n_head) or 'GQA' (in between)."""
+        if self.n_kv_head == self.n_head:
+            return "MHA"
+        return "MQA" if self.n_kv_head == 1 else "GQA"
+
+    def kv_cache_bytes(self, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of K and V for every layer: 2 * n_layer * batch * n_kv_head * seq_len * head_dim * element size."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.n_layer * batch_size * self.n_kv_head * seq_len * self.head_dim * elem
+
+
+class KVCache:
+    """Preallocated K/V for every layer, (n_layer, B, n_kv_head, max_len, head_dim), K/V heads stored un-repeated.
+
+    `pos` is the number of positions written; GPT.forward advances it once per call, after the last layer.
+    """
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.pos = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, n_kv_head, T, head_dim) at pos; return all K, V so far, (B, n_kv_head, pos + T, head_dim)."""
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's rotation angles, each (block_size, head_dim // 2)."""
+    inv_freq = config.rope_theta ** (-torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves of x (B, heads, T, head_dim) by angles whose cos/sin are (B or 1, 1, T, head_dim // 2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask (B or 1, 1, T, start + T) for queries at positions start..start+T-1, or None when SDPA needs none.
+
+    None covers the two common cases: a full causal block from an empty cache (is_causal=True) and one decoded token
+    with no padding (it may see everything). Otherwise the mask is explicit, because is_causal aligns top-left.
+    Left-padding slots (pad[b] per row) are hidden from every real query; a pad query sees itself only, so no row
+    is fully masked (which would make NaNs).
+    """
+    if pad is None and (start == 0 or T == 1):
+        return None
+    q = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
+    k = torch.arange(start + T, device=device)[None, :]  # (1, Tk)
+    mask = k <= q
+    if pad is not None:
+        mask = mask & ((k >= pad[:, None, None]) | (k == q))  # (B, T, Tk)
+        return mask[:, None]
+    return mask[None, None]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.n_head, self.n_kv_head, self.head_dim = layer, config.n_head, config.n_kv_head, config.head_dim
+        kv_dim = config.n_kv_head * config.head_dim
+        self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_k = nn.Linear(config.n_embd, kv_dim, bias=config.bias)
+        self.c_v = nn.Linear(config.n_embd, kv_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None,
+                kv_cache: KVCache | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, pos + T, head_dim)
+        y = sdpa(q, k, v, mask, is_causal=mask is None and T > 1 and k.size(2) == T,
+                 dropout_p=self.dropout if self.training else 0.0)  # (B, n_head, T, head_dim)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+         dropout_p: float) -> torch.Tensor:
+    """Attention of q (B, n_head, T, hd) over k, v (B, n_kv_head, Tk, hd); each K/V head serves n_head/n_kv_head
+    query heads. Where SDPA cannot share K/V heads itself (torch < 2.5), they are repeated here instead."""
+    gqa = k.size(1) != q.size(1)
+    if gqa and not SDPA_HAS_GQA:
+        rep = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, n_head, Tk, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p,
+                                          enable_gqa=gqa)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config, layer)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None,
+                kv_cache: KVCache | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), rope, mask, kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        if config.pos_encoding == "learned":
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
+        else:  # derived from the config, so kept out of the state_dict
+            cos, sin = rope_tables(config)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying, https://arxiv.org/abs/1608.05859
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameter count; non_embedding leaves out the token (= tied lm_head) and position embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel()
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def attention_params_per_layer(self) -> int:
+        return sum(p.numel() for p in self.transformer.h[0].attn.parameters())
+
+    def make_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for up to max_len (default block_size) positions, on the model's device and dtype."""
+        w = self.transformer.wte.weight
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, w.device, dtype or w.dtype)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
+                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab) and the loss for targets; with no targets, logits of the last position only (B, 1, V).
+
+        idx (B, T) continues what kv_cache holds (if any). pad (B,) counts left-padding tokens at the start of each
+        row's sequence (the cache's slots included): they are masked out and each row's positions start after them.
+        """
+        B, T = idx.shape
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+        if kv_cache is not None and start + T > kv_cache.max_len:
+            raise ValueError(f"KV cache holds {kv_cache.max_len} positions, {start + T} needed")
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        if pad is not None:
+            pos = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
+        x = self.transformer.wte(idx)  # (B, T, n_embd)
+        rope = None
+        if self.config.pos_encoding == "learned":
+            x = x + self.transformer.wpe(pos)
+        else:
+            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T or B, T, head_dim // 2)
+            rope = (cos.view(-1, 1, T, cos.size(-1)), sin.view(-1, 1, T, sin.size(-1)))
+        x = self.transformer.drop(x)
+        mask = attention_mask(T, start, pad, idx.device)
+        for block in self.transformer.h:
+            x = block(x, rope, mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.pos += T
+        x = self.transformer.ln_f(x)
+        if targets is None:
+            return self.lm_head(x[:, [-1], :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
+               pad: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+        """Yield the next token of every row, (B,), up to max_new_tokens times; see generate()."""
+        B, T0 = idx.shape
+        bs = self.config.block_size
+        tokens = torch.empty(B, T0 + max_new_tokens, dtype=idx.dtype, device=idx.device)
+        tokens[:, :T0] = idx
+        start = max(0, T0 - bs)  # the window the model sees is tokens[:, start:n]
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        kv_cache = None
+        for n in range(T0, T0 + max_new_tokens):
+            if n - start > bs:  # the window is full: slide it, keeping the last half, and prefill again
+                start, kv_cache = n - max(1, bs // 2), None
+            window_pad = None if pad is None else (pad - start).clamp(min=0)
+            if not use_cache:
+                logits, _ = self(tokens[:, start:n], pad=window_pad)
+            elif kv_cache is None:
+                kv_cache = self.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - start))
+                logits, _ = self(tokens[:, start:n], kv_cache=kv_cache, pad=window_pad)
+            else:
+                logits, _ = self(tokens[:, n - 1:n], kv_cache=kv_cache, pad=window_pad)
+            nxt = sample_logits(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+            if eos is not None:
+                nxt = torch.where(done, eos, nxt)
+                done |= nxt == eos
+            tokens[:, n] = nxt
+            yield nxt
+            if eos is not None and bool(done.all()):
+                return
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
+                 pad: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue idx (B, T) by up to max_new_tokens tokens; returns (B, T + new tokens).
+
+        The cache is prefilled once and then fed one token per step; use_cache=False recomputes the whole window
+        every step (same tokens, slower). Rows of unequal length are left-padded, pad (B,) counting each row's pad
+        tokens (see left_pad). temperature 0 is greedy. A row that emits eos keeps emitting eos; generation stops
+        when every row has. When the context reaches block_size the window slides: the newest block_size // 2 tokens
+        are kept and prefilled again, so past block_size a prefill happens every block_size // 2 tokens.
+        """
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos, use_cache, pad, generator))
+        return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                             device_type: str) -> torch.optim.AdamW:
+        """AdamW with weight decay on matrices (embeddings included) only, fused on CUDA."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs (forward + backward) per token: 6 per weight of every matmul (the smaller K/V projections
+        of GQA/MQA included, lm_head included) plus 12 * n_layer * n_embd * seq_len for the attention scores and
+        weighted sum (causal masking not subtracted, as in the PaLM paper's appendix B)."""
+        cfg = self.config
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * (seq_len or cfg.block_size)
+
+    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float, seq_len: int | None = None) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over peak_flops (the device's dense peak)."""
+        return self.flops_per_token(seq_len) * tokens_per_iter / dt / peak_flops
+
+
+def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row from logits (B, V): temperature 0 is argmax; top_k and top_p (nucleus) restrict the
+    candidates to the k most likely, and to the fewest whose probability sums to at least top_p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, [-1]]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_token: int = 0, device: torch.device | str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists of unequal length into idx (B, max_len) and pad (B,), the pad count of each row."""
+    width = max(len(p) for p in prompts)
+    idx = torch.tensor([[pad_token] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=device)
+    return idx, pad
+
+
+def variant_table(config: GPTConfig, seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Markdown table: parameters and KV-cache bytes per sequence of config's MHA, GQA and MQA variants."""
+    seq_len = seq_len or config.block_size
+    elem = str(dtype).removeprefix("torch.")
+    rows = [f"| n_kv_head | kind | total params | attention params/layer | KV cache/sequence @ {seq_len} ({elem}) |",
+            "|---:|:---|---:|---:|---:|"]
+    for g in sorted({d for d in range(1, config.n_head + 1) if config.n_head % d == 0}, reverse=True):
+        cfg = replace(config, n_kv_head=g)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        kv = cfg.kv_cache_bytes(1, seq_len, dtype)
+        rows.append(f"| {g} | {cfg.attention_kind} | {model.num_params() / 1e6:.2f} M "
+                    f"| {model.attention_params_per_layer():,} | {kv / 2**20:.2f} MiB |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    gpt2_small = GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
+    print(f"GPT-2 small ({gpt2_small.n_layer} layers, {gpt2_small.n_head} heads, {gpt2_small.n_embd} wide):")
+    print(variant_table(gpt2_small))

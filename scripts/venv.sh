@@ -1,0 +1,17 @@
+# Sourced by the other scripts: create or reuse .venv, (re)install the given requirement files when they change,
+# and put the venv first on PATH.
+venv_setup() {
+    [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+    local want stamp=.venv/.requirements.sha1
+    want=$(cat "$@" | sha1sum)
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        echo "installing $* into .venv ..."
+        # A bare 'torch' may resolve to a multi-GB CUDA build; pin the tested release unless torch is already there.
+        .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+        local reqs=()
+        for f in "$@"; do reqs+=(-r "$f"); done
+        .venv/bin/pip install -q "${reqs[@]}"
+        echo "$want" > "$stamp"
+    fi
+    export PATH="$PWD/.venv/bin:$PATH"
+}

@@ -1,0 +1,176 @@
+import re
+
+import pytest
+import torch
+
+import model as model_module
+from conftest import VARIANTS, tiny_model
+from model import GPT, GPTConfig
+
+
+@pytest.mark.parametrize(("D", "H", "G"), [(64, 8, 8), (64, 8, 4), (64, 8, 2), (64, 8, 1), (96, 6, 3), (48, 4, 1)])
+def test_param_counts_and_kv_bytes_follow_the_formulas(D: int, H: int, G: int) -> None:
+    L, V, T = 3, 50, 16
+    m = GPT(GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_kv_head=G, n_embd=D, bias=False))
+    attn = 2 * D * D + 2 * D * D * G // H
+    assert m.attention_params_per_layer() == attn
+    if G == H:
+        assert attn == 4 * D * D
+    if G == 1:
+        assert attn == 2 * D * D + 2 * D * D // H
+    block = attn + 8 * D * D + 2 * D  # attention + MLP (4x) + two LayerNorm weights
+    assert m.num_params() == L * block + D + V * D + T * D  # + ln_f + tied wte/lm_head + wpe
+    assert m.num_params(non_embedding=True) == L * block + D
+    hd = D // H
+    for dtype, size in [(torch.float32, 4), (torch.bfloat16, 2)]:
+        for batch, seq in [(1, 16), (3, 7)]:
+            expected = 2 * L * batch * G * seq * hd * size
+            assert m.config.kv_cache_bytes(batch, seq, dtype) == expected
+            cache = m.make_kv_cache(batch, seq, dtype=dtype)
+            assert cache.nbytes == expected
+            assert cache.k.shape == (L, batch, G, seq, hd)
+
+
+def test_mqa_cache_is_n_head_times_smaller_than_mha() -> None:
+    mha = GPTConfig(n_layer=2, n_head=8, n_embd=64, block_size=32, vocab_size=10)
+    mqa = GPTConfig(n_layer=2, n_head=8, n_kv_head=1, n_embd=64, block_size=32, vocab_size=10)
+    assert mha.kv_cache_bytes(2, 32) == 8 * mqa.kv_cache_bytes(2, 32)
+
+
+@pytest.mark.parametrize(("n_kv_head", "kind"), [(None, "MHA"), (4, "MHA"), (2, "GQA"), (1, "MQA")])
+def test_attention_kind(n_kv_head: int | None, kind: str) -> None:
+    cfg = GPTConfig(n_head=4, n_kv_head=n_kv_head, n_embd=32)
+    assert cfg.n_kv_head == (n_kv_head or 4)
+    assert cfg.attention_kind == kind
+
+
+@pytest.mark.parametrize(("overrides", "names"), [
+    (dict(n_head=6, n_kv_head=4, n_embd=48), ["n_head=6", "n_kv_head=4"]),
+    (dict(n_head=4, n_kv_head=8), ["n_kv_head=8"]),
+    (dict(n_kv_head=0), ["n_kv_head=0"]),
+    (dict(n_embd=100, n_head=12), ["n_embd=100", "n_head=12"]),
+    (dict(block_size=0), ["block_size=0"]),
+    (dict(vocab_size=-5), ["vocab_size=-5"]),
+    (dict(n_layer=2.5), ["n_layer=2.5"]),
+    (dict(dropout=1.5), ["dropout=1.5"]),
+    (dict(pos_encoding="alibi"), ["pos_encoding='alibi'", "learned", "rope"]),
+    (dict(pos_encoding="rope", n_embd=36, n_head=12), ["head_dim=3"]),
+    (dict(rope_theta=0), ["rope_theta=0"]),
+])
+def test_invalid_config_raises_one_clear_error(overrides: dict, names: list[str]) -> None:
+    with pytest.raises(ValueError) as err:
+        GPTConfig(**overrides)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("invalid GPTConfig")
+    for name in names:
+        assert name in msg
+
+
+@pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causality(variant: str, pos_encoding: str) -> None:
+    m = tiny_model(VARIANTS[variant], pos_encoding)
+    idx = torch.randint(0, 61, (2, 20))
+    logits, _ = m(idx, targets=idx)
+    changed = idx.clone()
+    changed[:, 12:] = (changed[:, 12:] + 7) % 61
+    logits2, _ = m(changed, targets=changed)
+    torch.testing.assert_close(logits[:, :12], logits2[:, :12], rtol=0, atol=1e-6)
+    assert (logits[:, 12:] - logits2[:, 12:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
+@pytest.mark.parametrize("n_kv_head", [2, 1])
+def test_gqa_equals_mha_with_kv_heads_copied_within_groups(n_kv_head: int, pos_encoding: str) -> None:
+    gqa = tiny_model(n_kv_head, pos_encoding)
+    mha = tiny_model(4, pos_encoding)
+    rep, hd = 4 // n_kv_head, gqa.config.head_dim
+    state = gqa.state_dict()
+    for name, t in list(state.items()):
+        if re.search(r"attn\.c_[kv]\.(weight|bias)$", name):  # (n_kv_head * hd, ...) -> (n_head * hd, ...)
+            state[name] = t.view(n_kv_head, hd, *t.shape[1:]).repeat_interleave(rep, dim=0).reshape(4 * hd,
+                                                                                                   *t.shape[1:])
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 61, (3, 24))
+    a, _ = gqa(idx, targets=idx)
+    b, _ = mha(idx, targets=idx)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_sdpa_gqa_equals_explicit_repeat_reference(monkeypatch: pytest.MonkeyPatch, mask: bool) -> None:
+    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    m = torch.rand(2, 1, 5, 9) > 0.3 if mask else None
+    if m is not None:
+        m[..., 0] = True
+    k_rep, v_rep = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
+    ref = torch.softmax((q @ k_rep.transpose(-1, -2) / 4.0).masked_fill(m.logical_not(), float("-inf"))
+                        if m is not None else q @ k_rep.transpose(-1, -2) / 4.0, dim=-1) @ v_rep
+    for has_gqa in (True, False):  # SDPA's enable_gqa, and the repeat fallback for torch < 2.5
+        monkeypatch.setattr(model_module, "SDPA_HAS_GQA", has_gqa)
+        torch.testing.assert_close(model_module.sdpa(q, k, v, m, is_causal=False, dropout_p=0.0), ref,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_overfits_one_batch(variant: str, pos_encoding: str) -> None:
+    m = tiny_model(VARIANTS[variant], pos_encoding).train()
+    opt = m.configure_optimizers(weight_decay=0.0, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu")
+    x = torch.randint(0, 61, (4, 32))
+    y = torch.roll(x, -1, dims=1)
+    _, first = m(x, targets=y)
+    for _ in range(150):
+        _, loss = m(x, targets=y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    assert first.item() > 3.5  # about ln(61) = 4.1 at initialisation
+    assert loss.item() < 0.2 * first.item()
+
+
+def test_forward_without_targets_returns_last_position_only() -> None:
+    m = tiny_model(2)
+    idx = torch.randint(0, 61, (2, 10))
+    last, loss = m(idx)
+    full, _ = m(idx, targets=idx)
+    assert loss is None and last.shape == (2, 1, 61)
+    torch.testing.assert_close(last[:, 0], full[:, -1], rtol=0, atol=1e-6)
+
+
+def test_too_long_input_is_a_clear_error() -> None:
+    m = tiny_model(2)
+    with pytest.raises(ValueError, match="longer than block_size=32"):
+        m(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_gpt2_init_and_tied_head() -> None:
+    m = tiny_model(2, n_layer=8, n_embd=256, n_head=4)
+    assert m.lm_head.weight is m.transformer.wte.weight
+    assert abs(m.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 2e-3
+    assert abs(m.transformer.h[0].attn.c_proj.weight.std().item() - 0.02 / 4) < 1e-3  # 1/sqrt(2 * 8)
+    assert m.transformer.h[0].attn.c_q.bias.abs().sum() == 0
+
+
+def test_optimizer_decays_matrices_only() -> None:
+    m = tiny_model(2)
+    opt = m.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == m.num_params()
+
+
+@pytest.mark.parametrize("G", [4, 2, 1])
+def test_flops_per_token_counts_smaller_kv_projections(G: int) -> None:
+    D, H, L, V, T = 32, 4, 2, 61, 32
+    m = tiny_model(G)
+    matmul = L * (2 * D * D + 2 * D * D * G // H + 8 * D * D) + V * D
+    assert m.flops_per_token() == 6 * matmul + 12 * L * D * T
+    assert m.estimate_mfu(tokens_per_iter=1000, dt=1.0, peak_flops=1e9) == pytest.approx(m.flops_per_token() * 1e-6)
+
+
+def test_variant_table_lists_every_divisor() -> None:
+    table = model_module.variant_table(GPTConfig(n_layer=2, n_head=6, n_embd=48, block_size=64, vocab_size=100))
+    kinds = [line.split("|")[2].strip() for line in table.splitlines()[2:]]
+    assert kinds == ["MHA", "GQA", "GQA", "MQA"]  # n_kv_head 6, 3, 2, 1
