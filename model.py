@@ -4,8 +4,12 @@ GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, Ro
 """
 
 import math
+import os
+import pickle
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -370,6 +374,48 @@ def left_pad(prompts: list[list[int]], pad_token: int = 0, device: torch.device 
     idx = torch.tensor([[pad_token] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
     pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=device)
     return idx, pad
+
+
+def save_checkpoint(path: str | Path, model: GPT, **state: Any) -> None:
+    """Write {'model', 'model_config', **state} atomically: to a temp file in the same folder, fsynced, then renamed
+    over the old checkpoint, so a crash mid-write leaves the previous one intact. state holds plain data only."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"model": model.state_dict(), "model_config": asdict(model.config), **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint written by save_checkpoint, loaded with weights_only=True (it cannot run code)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"refusing to load {path}: it holds objects other than tensors and plain data, which "
+                         f"could run code ({str(e).splitlines()[0]})") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0]})") from e
+    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys():
+        raise ValueError(f"{path} is not a checkpoint written by this project (no 'model' and 'model_config')")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
+    """The GPT a checkpoint describes, with its weights."""
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+    except TypeError as e:
+        raise ValueError(f"checkpoint's model_config does not fit GPTConfig ({e})") from e
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint weights do not match its model_config ({str(e).splitlines()[0]})") from e
+    return model
 
 
 def variant_table(config: GPTConfig, seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16) -> str:

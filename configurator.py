@@ -1,0 +1,117 @@
+"""nanoGPT's command line: `python train.py config/a.py config/b.py --key=value ...`, checked against a dataclass.
+
+Config files are trusted Python, run in a fresh namespace; their top-level names and the --key=value overrides are
+applied in order, each validated against the dataclass's field types. Nothing here touches globals().
+"""
+
+import ast
+import dataclasses
+import difflib
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expected: str = "") -> Any:
+    """value converted to the field type hint, or a ValueError naming key, value, expected type and source."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or raw == "None":
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(key, value, inner[0], source, raw, f"{inner[0].__name__} or None")
+    elif origin in (list, tuple) and args:
+        if isinstance(value, str):  # --tags=a,b
+            value = [v for v in value.split(",") if v]
+        if isinstance(value, list | tuple) and all(isinstance(v, args[0]) for v in value):
+            return list(value)
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if raw is not None:  # from the command line: the text as typed, unless it was a quoted literal
+            return value if isinstance(value, str) else raw
+        if isinstance(value, str):
+            return value
+    name = expected or (hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", ""))
+    raise ValueError(f"{key}={raw if raw is not None else repr(value)} (from {source}) has the wrong type: "
+                     f"expected {name}, got {type(value).__name__}")
+
+
+def _unknown(key: str, known: list[str], source: str) -> ValueError:
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else "; see the defaults at the top of the script"
+    return ValueError(f"unknown config key '{key}' (from {source}){hint}")
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    """Top-level names a config file defines (imports, functions and _private names left out)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"config file {path} not found (arguments are config files or --key=value)")
+    namespace: dict[str, Any] = {"__file__": str(file)}
+    exec(compile(file.read_text(), str(file), "exec"), namespace)
+    return {k: v for k, v in namespace.items() if not k.startswith("_")
+            and not isinstance(v, types.ModuleType | types.FunctionType | type)}
+
+
+def parse_config(cls: type[T], argv: list[str]) -> T:
+    """An instance of the dataclass cls from config files and --key=value overrides, applied left to right."""
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    for arg in argv:
+        if arg.startswith("--"):
+            if "=" not in arg:
+                raise ValueError(f"override {arg} needs a value: --key=value")
+            key, raw = arg[2:].split("=", 1)
+            try:
+                value = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                value = raw
+            items, source, raws = {key: value}, f"flag {arg}", {key: raw}
+        else:
+            items, source, raws = _read_file(arg), f"config file {arg}", {}
+        for key, value in items.items():
+            if key not in hints:
+                raise _unknown(key, known, source)
+            values[key] = _coerce(key, value, hints[key], source, raws.get(key))
+    return cls(**values)
+
+
+def print_config(cfg: Any) -> None:
+    width = max(len(f.name) for f in dataclasses.fields(cfg))
+    for f in dataclasses.fields(cfg):
+        print(f"  {f.name:<{width}} = {getattr(cfg, f.name)!r}")
+
+
+def run_cli(main: Callable[[T], Any], cls: type[T], argv: list[str] | None = None) -> None:
+    """Parse the config and run main(cfg); a user error ends the process with one `error: ...` line and exit 2.
+
+    SMALLGPT_DEBUG=1 shows the traceback instead.
+    """
+    try:
+        main(parse_config(cls, sys.argv[1:] if argv is None else argv))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if os.environ.get("SMALLGPT_DEBUG") == "1":
+            raise
+        rank = os.environ.get("RANK")
+        prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        print(f"{prefix}error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)

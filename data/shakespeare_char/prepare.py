@@ -1,0 +1,45 @@
+"""shakespeare_char: tiny shakespeare (1 MB) as a character-level dataset, as in nanoGPT.
+
+Downloads the text when online; with no network, pass a local copy: --input=path/to/input.txt.
+Usage: python data/shakespeare_char/prepare.py [--input=FILE] [--out_dir=data/shakespeare_char]
+"""
+
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
+
+from configurator import run_cli  # noqa: E402
+from dataset import prepare_text  # noqa: E402
+
+URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+
+
+@dataclass(slots=True)
+class PrepareConfig:
+    input: str | None = None  # a local copy of the text; None downloads it from url
+    url: str = URL
+    out_dir: str = str(Path(__file__).resolve().parent)
+    val_fraction: float = 0.1
+
+
+def download(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.read().decode("utf-8")
+    except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
+        raise RuntimeError(f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
+                           f"of tiny shakespeare as --input=FILE") from e
+
+
+def main(cfg: PrepareConfig) -> None:
+    if cfg.input is not None and not Path(cfg.input).is_file():
+        raise FileNotFoundError(f"input file {cfg.input} not found")
+    text = Path(cfg.input).read_text(encoding="utf-8") if cfg.input else download(cfg.url)
+    prepare_text(text, Path(cfg.out_dir), "char", cfg.val_fraction)
+
+
+if __name__ == "__main__":
+    run_cli(main, PrepareConfig)

@@ -1,0 +1,185 @@
+"""Token datasets on disk, as nanoGPT lays them out: data/<name>/{train,val}.bin (flat token ids) + meta.json.
+
+meta.json (JSON, not pickle, so loading a dataset cannot run code) holds the token dtype, vocab_size and the
+tokenizer: 'char' with its character list, or 'gpt2' (tiktoken BPE). Run as a script it turns any local text file
+into such a dataset: `python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=char` (or gpt2).
+"""
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from configurator import run_cli
+
+DATA_ROOT = Path(__file__).resolve().parent / "data"
+GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
+
+
+def data_dir(dataset: str) -> Path:
+    """A dataset name (a folder under data/) or a path to a dataset folder."""
+    return Path(dataset) if os.sep in dataset or dataset.startswith(".") else DATA_ROOT / dataset
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
+    """Write train.bin, val.bin, then meta.json (last: a folder with meta.json is complete), each atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(meta["vocab_size"])
+    for split, ids in (("train", train_ids), ("val", val_ids)):
+        _write_atomic(out_dir / f"{split}.bin", np.asarray(ids, dtype=dtype).tobytes())
+    meta = meta | {"dtype": dtype.name, "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids))}
+    _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    print(f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size {meta['vocab_size']}")
+
+
+def load_meta(path: Path) -> dict:
+    file = path / "meta.json"
+    if not file.is_file():
+        hint = (f"run python data/{path.name}/prepare.py first" if (DATA_ROOT / path.name / "prepare.py").is_file()
+                else "prepare it first (python dataset.py --help)")
+        raise FileNotFoundError(f"no dataset at {path} (missing meta.json): {hint}")
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
+
+
+def open_tokens(path: Path, split: str, meta: dict) -> np.memmap:
+    """The split's token ids as a read-only memmap, after checking the file against meta.json."""
+    file = path / f"{split}.bin"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing; prepare the dataset again")
+    dtype = np.dtype(meta["dtype"])
+    size = file.stat().st_size
+    expected = meta.get(f"{split}_tokens")
+    if size % dtype.itemsize or (expected is not None and size != expected * dtype.itemsize):
+        raise ValueError(f"{file} has {size} bytes, expected {expected} tokens of {dtype.name}: the file is truncated "
+                         f"or of another dtype; prepare the dataset again")
+    return np.memmap(file, dtype=dtype, mode="r")
+
+
+def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    n = int(len(ids) * (1 - val_fraction))
+    return ids[:n], ids[n:]
+
+
+class CharTokenizer:
+    """Characters to ids by their index in a fixed character list."""
+
+    def __init__(self, chars: list[str]) -> None:
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.eot_token = None  # as tiktoken's Encoding: char datasets have no end-of-text token
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls(sorted(set(text)))
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted(set(text) - self.stoi.keys())
+        if unknown:
+            raise ValueError(f"characters not in the dataset's vocabulary: {''.join(unknown)!r}")
+        return [self.stoi[c] for c in text]
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode() for long texts: a lookup table over code points instead of a Python loop."""
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        table = np.full(max(map(ord, self.chars)) + 1, -1, dtype=np.int64)
+        table[[ord(c) for c in self.chars]] = np.arange(len(self.chars))
+        ids = table[np.minimum(codes, len(table) - 1)]
+        if (ids < 0).any() or (codes >= len(table)).any():
+            self.encode(text)  # raises with the unknown characters listed
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:  # as tiktoken's, for incremental (streamed) decoding
+        return self.decode(ids).encode()
+
+    def meta(self) -> dict:
+        return {"tokenizer": "char", "vocab_size": len(self.chars), "chars": self.chars}
+
+
+def gpt2_encoding(bpe_file: str | None = None) -> "object":
+    """tiktoken's GPT-2 BPE: from bpe_file (or $GPT2_BPE_FILE) if given, else tiktoken's cache or download."""
+    import tiktoken
+
+    bpe_file = bpe_file or os.environ.get(GPT2_BPE_ENV)
+    if bpe_file:
+        from tiktoken_ext.openai_public import r50k_pat_str
+
+        try:  # one base64 token and its rank per line, as in r50k_base.tiktoken
+            lines = Path(bpe_file).read_text().split("\n")
+            ranks = {base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in lines if ln)}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read GPT-2 BPE file {bpe_file}: {e}") from e
+        return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                                 special_tokens={"<|endoftext|>": len(ranks)})
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken raises requests' errors (or others) when it cannot download
+        raise RuntimeError(f"cannot load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use. Run "
+                           f"once with network, point TIKTOKEN_CACHE_DIR at a cache that has it, or set "
+                           f"{GPT2_BPE_ENV} to a local gpt2.tiktoken file") from e
+
+
+def load_tokenizer(meta: dict) -> "CharTokenizer | object":
+    """The tokenizer a dataset was made with: encode(str) -> ids, decode(ids) -> str, eot_token (or None)."""
+    if meta.get("tokenizer") == "char":
+        return CharTokenizer(meta["chars"])
+    if meta.get("tokenizer") == "gpt2":
+        return gpt2_encoding()
+    raise ValueError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char' or 'gpt2')")
+
+
+def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction: float = 0.1) -> None:
+    """Tokenise one text (char-level or GPT-2 BPE) and write it as a dataset with a train/val split."""
+    if tokenizer == "char":
+        tok = CharTokenizer.from_text(text)
+        ids, meta = tok.encode_array(text), tok.meta()
+    elif tokenizer == "gpt2":
+        enc = gpt2_encoding()
+        ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
+        meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab}
+    else:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'gpt2'")
+    if len(ids) < 2:
+        raise ValueError(f"the text has {len(ids)} tokens: too few for a dataset")
+    write_dataset(out_dir, *split_ids(ids, val_fraction), meta)
+
+
+@dataclass(slots=True)
+class TextConfig:
+    input: str = ""  # a UTF-8 text file
+    out_dir: str = ""  # the dataset folder to write, e.g. data/mytext
+    tokenizer: str = "char"  # 'char' or 'gpt2'
+    val_fraction: float = 0.1
+
+
+def main(cfg: TextConfig) -> None:
+    if not cfg.input or not cfg.out_dir:
+        raise ValueError("usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2]")
+    if not Path(cfg.input).is_file():
+        raise FileNotFoundError(f"input file {cfg.input} not found")
+    prepare_text(Path(cfg.input).read_text(encoding="utf-8"), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
+
+
+if __name__ == "__main__":
+    run_cli(main, TextConfig)

@@ -1,0 +1,95 @@
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run
+from dataset import CharTokenizer, load_meta, load_tokenizer, open_tokens
+
+
+def test_pycode_char_is_deterministic_and_round_trips(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        run(["data/pycode_char/prepare.py", f"--out_dir={out}"])
+    for name in ("train.bin", "val.bin", "meta.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    meta = load_meta(a)
+    train, val = open_tokens(a, "train", meta), open_tokens(a, "val", meta)
+    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16" and meta["vocab_size"] == len(meta["chars"])
+    assert abs(len(val) / (len(train) + len(val)) - 0.1) < 1e-3
+    assert len(train) > 1_000_000 and int(train.max()) < meta["vocab_size"]
+    text = load_tokenizer(meta).decode(train[:50000].tolist())
+    assert text.startswith("# ") and "def " in text and "import " in text
+    assert "/test/" not in text and "site-packages" not in text
+
+
+def test_char_tokenizer_round_trip_and_unknown_characters() -> None:
+    tok = CharTokenizer.from_text("hello world\n")
+    ids = tok.encode("low hello")
+    assert tok.decode(ids) == "low hello" and tok.encode_array("low hello").tolist() == ids
+    with pytest.raises(ValueError, match="characters not in the dataset's vocabulary: 'XZ'"):
+        tok.encode("hello ZX")
+    with pytest.raises(ValueError, match="'é'"):
+        tok.encode_array("helé")
+
+
+def test_shakespeare_offline_download_fails_with_a_clear_line(tmp_path: Path) -> None:
+    out = tmp_path / "shakespeare"
+    r = subprocess.run([sys.executable, "data/shakespeare_char/prepare.py", "--url=http://127.0.0.1:9/input.txt",
+                        f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("error: cannot download http://127.0.0.1:9/input.txt") and "--input=FILE" in r.stderr
+    assert not out.exists()
+
+
+def test_shakespeare_from_a_local_file(tmp_path: Path) -> None:
+    src = tmp_path / "input.txt"
+    src.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n" * 50)
+    out = tmp_path / "shakespeare"
+    run(["data/shakespeare_char/prepare.py", f"--input={src}", f"--out_dir={out}"])
+    meta = load_meta(out)
+    ids = np.concatenate([open_tokens(out, "train", meta), open_tokens(out, "val", meta)])
+    assert load_tokenizer(meta).decode(ids.tolist()) == src.read_text()
+
+
+def test_any_text_file_as_char_or_bpe_dataset(tmp_path: Path) -> None:
+    src = tmp_path / "notes.txt"
+    src.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    run(["dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'char'}"])
+    assert load_meta(tmp_path / "char")["vocab_size"] == len(set(src.read_text()))
+    # a tiny byte-level BPE file in tiktoken's format stands in for GPT-2's (which needs a download)
+    bpe = tmp_path / "tiny.tiktoken"
+    bpe.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    run(["dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'bpe'}", "--tokenizer=gpt2"],
+        env={"GPT2_BPE_FILE": str(bpe)})
+    meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())
+    assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 257
+    ids = np.concatenate([open_tokens(tmp_path / "bpe", "train", meta), open_tokens(tmp_path / "bpe", "val", meta)])
+    assert ids.tolist() == list(src.read_bytes())
+
+
+def test_gpt2_bpe_offline_is_a_clear_error(tmp_path: Path) -> None:
+    src = tmp_path / "notes.txt"
+    src.write_text("hello")
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"), "HTTPS_PROXY": "http://127.0.0.1:9",
+           "https_proxy": "http://127.0.0.1:9", "GPT2_BPE_FILE": ""}
+    r = subprocess.run([sys.executable, "dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'o'}",
+                        "--tokenizer=gpt2"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, **env})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "cannot load the GPT-2 BPE" in r.stderr and "GPT2_BPE_FILE" in r.stderr
+
+
+def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
+    src = tmp_path / "t.txt"
+    src.write_text("abcdefghij" * 100)
+    run(["dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'd'}"])
+    f = tmp_path / "d" / "train.bin"
+    f.write_bytes(f.read_bytes()[:-3])
+    with pytest.raises(ValueError, match="truncated or of another dtype"):
+        open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))

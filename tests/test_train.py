@@ -1,0 +1,96 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_TRAIN, read_log, run
+from dataset import load_meta
+from model import load_checkpoint
+
+
+def train(data: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return run(["train.py", f"--dataset={data}", f"--out_dir={out}", *TINY_TRAIN, *extra], env=env)
+
+
+def test_training_lowers_val_loss_writes_checkpoint_and_resumes(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    train(pycode_small, out, "--max_iters=60", "--eval_interval=30", "--lr_decay_iters=100")
+    log = read_log(out)
+    evals = [r for r in log if r["event"] == "eval"]
+    assert [r["iter"] for r in evals] == [0, 30, 60]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 1.0  # from about ln(vocab) to well below it
+    assert [r["iter"] for r in log if r["event"] == "train"] == [10, 20, 30, 40, 50, 60]
+    assert log[0]["event"] == "config" and log[0]["config"]["max_iters"] == 60 and log[0]["versions"]["torch"]
+    ckpt = load_checkpoint(out / "ckpt.pt")
+    assert ckpt["iter_num"] == 60 and ckpt["best_val_loss"] == evals[-1]["val_loss"]
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in ckpt["model"])
+
+    r = train(pycode_small, out, "--init_from=resume", "--max_iters=80", "--eval_interval=30", "--lr_decay_iters=100",
+              "--always_save_checkpoint=True")
+    log = read_log(out)
+    resumed = log[len(evals) + 6 + 1:]  # after the first run's records
+    assert resumed[0]["event"] == "config"
+    assert [r["iter"] for r in resumed if r["event"] == "train"] == [70, 80]
+    resumed_evals = [r for r in resumed if r["event"] == "eval"]
+    assert [r["iter"] for r in resumed_evals] == [60, 80]
+    assert abs(resumed_evals[0]["val_loss"] - evals[-1]["val_loss"]) < 1e-6  # the same weights, the same eval batches
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 80
+    assert "step 60:" in r.stdout
+
+
+def test_resume_with_another_architecture_is_refused(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    train(pycode_small, out, "--max_iters=10", "--eval_interval=10")
+    r = subprocess.run([sys.executable, "train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN,
+                        "--init_from=resume", "--n_kv_head=2", "--max_iters=20"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "cannot resume" in r.stderr and "n_kv_head: checkpoint 4, config 2" in r.stderr
+
+
+def test_missing_dataset_names_the_prepare_script(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="run python data/shakespeare_char/prepare.py first"):
+        load_meta(tmp_path / "shakespeare_char")
+
+
+def test_missing_dataset_path_is_one_line(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "train.py", f"--dataset={tmp_path / 'nothing'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: no dataset at") and len(r.stderr.splitlines()) == 1
+
+
+def test_eval_only_writes_no_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = train(pycode_small, out, "--eval_only=True")
+    assert "step 0: train loss" in r.stdout
+    assert not (out / "ckpt.pt").exists()
+
+
+def test_wandb_offline_records_the_run(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    train(pycode_small, out, "--max_iters=20", "--eval_interval=10", "--wandb_log=True", "--wandb_group=g1",
+          "--wandb_tags=MHA,test", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
+    r = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--summary", "--json",
+                        str(runs[0])], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    log = read_log(out)
+    last_train = [x for x in log if x["event"] == "train"][-1]
+    assert info["summary"]["val_loss"] == [x for x in log if x["event"] == "eval"][-1]["val_loss"]
+    assert abs(info["summary"]["loss"] - last_train["loss"]) < 1e-9
+    assert set(info["tags"]) == {"MHA", "test"} and info["config"]["wandb_group"] == "g1"
+
+
+def test_float16_off_cuda_and_missing_cuda_are_clear_errors(pycode_small: Path, tmp_path: Path) -> None:
+    for flag, msg in [("--dtype=float16", "dtype='float16' needs a GradScaler"), ("--device=cuda", "no CUDA GPU")]:
+        if flag == "--device=cuda" and torch.cuda.is_available():
+            continue
+        r = subprocess.run([sys.executable, "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}",
+                            "--device=cpu", flag], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,370 @@
+"""Train a GPT from a config file: `python train.py config/train_pycode_char.py --n_kv_head=2`.
+
+Single process, or DDP under torchrun (nccl on CUDA, gloo on CPU):
+    torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py
+"""
+
+import json
+import math
+import os
+import platform
+import subprocess
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import print_config, run_cli
+from dataset import data_dir, load_meta, open_tokens
+from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
+
+MODEL_FIELDS = [f.name for f in fields(GPTConfig)]
+# Dense bf16/fp16 tensor-core peak FLOP/s by GPU name (datasheet figures, without sparsity).
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+                  "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 250
+    log_interval: int = 10
+    eval_iters: int = 50
+    eval_only: bool = False
+    always_save_checkpoint: bool = False  # False: save only when val loss improves
+    init_from: str = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+    # logging: wandb honours WANDB_MODE (online, offline, disabled); out_dir/log.jsonl is always written
+    wandb_log: bool = False
+    wandb_project: str = "smallgpt"
+    wandb_run_name: str | None = None  # None: '<dataset>-<attention kind>'
+    wandb_group: str | None = None
+    wandb_tags: list[str] = field(default_factory=list)
+    # data
+    dataset: str = "pycode_char"  # a folder under data/, or a path to one
+    gradient_accumulation_steps: int = 1  # in total over all DDP ranks
+    batch_size: int = 12
+    block_size: int = 256
+    # model (see GPTConfig); vocab_size None takes the dataset's
+    n_layer: int = 6
+    n_head: int = 6
+    n_kv_head: int | None = None
+    n_embd: int = 384
+    dropout: float = 0.0
+    bias: bool = False
+    pos_encoding: str = "learned"
+    rope_theta: float = 10000.0
+    vocab_size: int | None = None
+    # AdamW and the learning-rate schedule (linear warm-up, cosine decay to min_lr)
+    learning_rate: float = 1e-3
+    max_iters: int = 5000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    decay_lr: bool = True
+    warmup_iters: int = 100
+    lr_decay_iters: int = 5000
+    min_lr: float = 1e-4
+    # system
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'
+    dtype: str = "auto"  # 'auto' (bfloat16 on CUDA when supported, else float32), 'float32', 'bfloat16', 'float16'
+    compile: bool = False
+    seed: int = 1337
+
+    def __post_init__(self) -> None:
+        positive = ["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
+                    "block_size"]
+        problems = [f"{k}={getattr(self, k)} must be positive" for k in positive if getattr(self, k) < 1]
+        problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("max_iters", "warmup_iters",
+                     "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip") if getattr(self, k) < 0]
+        choices = {"init_from": ("scratch", "resume"), "dtype": ("auto", "float32", "bfloat16", "float16")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                problems.append(f"{key}={getattr(self, key)!r} must be one of {', '.join(allowed)}")
+        if problems:
+            raise ValueError("invalid config: " + "; ".join(problems))
+        self.model_config(vocab_size=1)  # the model's own checks (n_head % n_kv_head, ...), before any work
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(**{k: getattr(self, k) for k in MODEL_FIELDS} | {"vocab_size": self.vocab_size or vocab_size})
+
+
+@dataclass(slots=True)
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str
+    is_master: bool
+
+
+def resolve_device(name: str, local_rank: int) -> str:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return f"cuda:{local_rank}"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={name!r} but this machine has no CUDA GPU that torch can use; use --device=cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise RuntimeError("device='mps' but MPS is not available here; use --device=cpu")
+    return f"cuda:{local_rank}" if name == "cuda" else name
+
+
+def setup_distributed(device: str) -> Dist:
+    """Join the torchrun process group when RANK/LOCAL_RANK/WORLD_SIZE are set (nccl on CUDA, gloo otherwise)."""
+    if "RANK" not in os.environ:
+        return Dist(0, 0, 1, resolve_device(device, 0), True)
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    dev = resolve_device(device, local_rank)
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+    return Dist(rank, local_rank, world, dev, rank == 0)
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if name == "float16" and device_type != "cuda":
+        raise ValueError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {device_type}); "
+                         f"use bfloat16 or float32")
+    return getattr(torch, name)
+
+
+def peak_flops(device: str, dtype: torch.dtype) -> float | None:
+    """The device's dense peak FLOP/s: a table lookup for known GPUs, a 0.2 s matmul probe on CPU, else None."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
+        return peak if peak is None or dtype != torch.float32 else peak / 16  # tf32-free fp32 is far slower
+    if device != "cpu":
+        return None
+    a = torch.randn(1024, 1024, dtype=dtype)
+    a @ a  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.2:
+        a @ a
+        n += 1
+    return 2 * 1024**3 * n / (time.perf_counter() - t0)
+
+
+class Batches:
+    """Random windows of block_size + 1 tokens. The batch of (iteration, micro-step) depends on the seed alone,
+    so a run draws the same data with any number of DDP ranks, and again when resumed."""
+
+    def __init__(self, cfg: TrainConfig, device: str) -> None:
+        self.path, self.cfg, self.device = data_dir(cfg.dataset), cfg, device
+        self.meta = load_meta(self.path)
+        for split in ("train", "val"):
+            n = len(open_tokens(self.path, split, self.meta))
+            if n <= cfg.block_size:
+                raise ValueError(f"the {split} split of {self.path} has {n} tokens, fewer than block_size+1="
+                                 f"{cfg.block_size + 1}; lower block_size or use more data")
+
+    def get(self, split: str, *key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        data = open_tokens(self.path, split, self.meta)  # a fresh memmap each time avoids a slow memory build-up
+        rng = np.random.default_rng([self.cfg.seed, *key])
+        T = self.cfg.block_size
+        ix = rng.integers(0, len(data) - T, size=self.cfg.batch_size)
+        buf = torch.from_numpy(np.stack([data[i:i + T + 1] for i in ix]).astype(np.int64))  # (B, T + 1)
+        if self.device.startswith("cuda"):
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        return buf[:, :-1], buf[:, 1:]
+
+    def train(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get("train", 0, it, micro)
+
+    def eval(self, split: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # the same batches at every eval
+        return self.get(split, 1, ("train", "val").index(split), k)
+
+
+def lr_at(it: int, cfg: TrainConfig) -> float:
+    if not cfg.decay_lr:
+        return cfg.learning_rate
+    if it < cfg.warmup_iters:
+        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
+    if it >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Batches, eval_iters: int, autocast: Any) -> dict[str, float]:
+    model.eval()
+    out = {}
+    for split in ("train", "val"):
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            with autocast:
+                losses[k] = model(*batches.eval(split, k))[1].item()
+        out[split] = losses.mean().item()
+    model.train()
+    return out
+
+
+class RunLog:
+    """Metrics to out_dir/log.jsonl (appended, one JSON object per line) and, if enabled, to wandb."""
+
+    def __init__(self, cfg: TrainConfig, model_cfg: GPTConfig) -> None:
+        self.path = Path(cfg.out_dir) / "log.jsonl"
+        self.wandb = None
+        if cfg.wandb_log:
+            if os.environ.get("WANDB_MODE") == "":  # an empty WANDB_MODE crashes wandb.init
+                del os.environ["WANDB_MODE"]
+            import wandb
+
+            name = cfg.wandb_run_name or f"{Path(cfg.dataset).name}-{model_cfg.attention_kind}"
+            try:
+                self.wandb = wandb.init(project=cfg.wandb_project, name=name, group=cfg.wandb_group,
+                                        tags=cfg.wandb_tags, config=asdict(cfg), dir=cfg.out_dir)
+            except Exception as e:  # wandb raises its own errors (no API key, no network)
+                raise RuntimeError(f"wandb could not start ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                                   f"set WANDB_MODE=offline to log locally, or --wandb_log=False") from e
+        self.write(event="config", config=asdict(cfg), model_config=asdict(model_cfg), versions=versions())
+
+    def write(self, **record: Any) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record | {"time": time.time()}) + "\n")
+        if self.wandb is not None and "iter" in record:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["iter"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def versions() -> dict[str, str | None]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        sha = None
+    return {"git_sha": sha, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
+
+
+def print0(*args: Any, d: Dist) -> None:
+    if d.is_master:
+        print(*args, flush=True)
+
+
+def main(cfg: TrainConfig) -> None:
+    d = setup_distributed(cfg.device)
+    try:
+        train(cfg, d)
+        if d.world_size > 1:
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig, d: Dist) -> None:
+    if cfg.gradient_accumulation_steps % d.world_size:
+        raise ValueError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
+                         f"{d.world_size} DDP processes")
+    accum = cfg.gradient_accumulation_steps // d.world_size
+    device_type = d.device.split(":")[0]
+    dtype = resolve_dtype(cfg.dtype, device_type)
+    autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
+    batches = Batches(cfg, d.device)
+    model_cfg = cfg.model_config(batches.meta["vocab_size"])
+    ckpt_path = Path(cfg.out_dir) / "ckpt.pt"
+    iter_num, best_val = 0, float("inf")
+    ckpt = load_checkpoint(ckpt_path, d.device) if cfg.init_from == "resume" else None
+    if ckpt is not None:
+        differ = [f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}" for k, v in ckpt["model_config"].items()
+                  if getattr(model_cfg, k) != v]
+        if differ:
+            raise ValueError(f"cannot resume {ckpt_path}: the config asks for another model ({'; '.join(differ)}); "
+                             f"drop those overrides or use a new out_dir")
+        raw_model = model_from_checkpoint(ckpt)
+        iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+    else:
+        raw_model = GPT(model_cfg)
+    raw_model.to(d.device)
+    optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if ckpt["scaler"]:  # empty when saved by a disabled scaler
+            scaler.load_state_dict(ckpt["scaler"])
+    ckpt = None  # free the loaded copy
+    model = torch.compile(raw_model) if cfg.compile else raw_model  # raw_model keeps plain state_dict names
+    ddp_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None,
+                    broadcast_buffers=False) if d.world_size > 1 else model
+    log = None
+    if d.is_master:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+        print(f"config ({d.world_size} process{'es' if d.world_size > 1 else ''}, {d.device}, {dtype}):")
+        print_config(cfg)
+        (Path(cfg.out_dir) / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+        log = RunLog(cfg, model_cfg)
+        print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_cfg.attention_kind} "
+              f"(n_head={model_cfg.n_head}, n_kv_head={model_cfg.n_kv_head}), {model_cfg.pos_encoding} positions")
+    tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
+    peak = peak_flops(d.device, dtype) if d.is_master else None
+    t_last, t_start, loss_sum = time.perf_counter(), time.perf_counter(), torch.zeros((), device=d.device)
+    try:
+        while True:
+            lr = lr_at(iter_num, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if d.is_master and (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only):
+                losses = evaluate(model, batches, cfg.eval_iters, autocast)
+                print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                log.write(event="eval", iter=iter_num, train_loss=losses["train"], val_loss=losses["val"], lr=lr,
+                          elapsed_s=time.perf_counter() - t_start)
+                if iter_num > 0 and not cfg.eval_only and (losses["val"] < best_val or cfg.always_save_checkpoint):
+                    best_val = min(best_val, losses["val"])
+                    save_checkpoint(ckpt_path, raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                                    iter_num=iter_num, best_val_loss=best_val, config=asdict(cfg),
+                                    data_meta=batches.meta)
+                    print(f"saved checkpoint to {ckpt_path}")
+                t_last = time.perf_counter()  # ms/iter leaves evaluation out
+            if cfg.eval_only or iter_num >= cfg.max_iters:
+                break
+            for micro in range(accum):
+                x, y = batches.train(iter_num, d.rank * accum + micro)
+                sync = ddp_model.no_sync() if d.world_size > 1 and micro < accum - 1 else nullcontext()
+                with sync, autocast:
+                    _, loss = ddp_model(x, y)
+                scaler.scale(loss / accum).backward()
+                loss_sum += loss.detach() / accum
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            iter_num += 1
+            if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+                n_iters = iter_num % cfg.log_interval or cfg.log_interval
+                if d.world_size > 1:  # a collective on every rank, only at log steps
+                    dist.all_reduce(loss_sum)
+                train_loss = loss_sum.item() / d.world_size / n_iters  # the only host sync of the step
+                loss_sum.zero_()
+                now = time.perf_counter()
+                dt = (now - t_last) / n_iters
+                t_last = now
+                if d.is_master:
+                    mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak, cfg.block_size) if peak else None
+                    print(f"iter {iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
+                          f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu is not None else ""))
+                    log.write(event="train", iter=iter_num, loss=train_loss, lr=lr, ms_per_iter=dt * 1000,
+                              tokens_per_s=tokens_per_iter / dt, mfu=mfu, elapsed_s=now - t_start)
+    finally:
+        if log is not None:
+            log.close()
+
+
+if __name__ == "__main__":
+    run_cli(main, TrainConfig)
