@@ -281,7 +281,7 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
                pad: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:

@@ -9,12 +9,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from configurator import run_cli
 from dataset import data_dir, load_meta, load_tokenizer
-from model import left_pad, load_checkpoint, model_from_checkpoint
+from model import GPT, left_pad, load_checkpoint, model_from_checkpoint
 from train import resolve_device
 
 
@@ -31,7 +32,6 @@ class SampleConfig:
     seed: int = 1337
     device: str = "auto"
     dtype: str = "float32"  # 'float32' or 'bfloat16' (on CPU, float32 decodes faster)
-    compile: bool = False
     kv_cache: bool = True  # False recomputes the whole context every token, for comparison
 
     def __post_init__(self) -> None:
@@ -52,65 +52,64 @@ def read_prompts(start: str) -> list[str]:
     return [line for line in text.splitlines() if line] if kind == "LINES" else [text]
 
 
+def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig
+           ) -> tuple[list[str], int, float]:
+    """Each row's new text (ending at end-of-text, or just after the stop string), the number of tokens decoded and
+    the seconds to the first token (the prefill). A batch of one row streams to stdout."""
+    B, streaming = idx.size(0), idx.size(0) == 1
+    texts, done, n_tokens, t0, prefill_s = [""] * B, [False] * B, 0, time.perf_counter(), 0.0
+    utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(B)]  # BPE tokens split characters
+    gen = torch.Generator(idx.device).manual_seed(cfg.seed)
+    for step in model.stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, tok.eot_token,
+                             cfg.kv_cache, pad, gen):
+        prefill_s = prefill_s or time.perf_counter() - t0
+        for b, t in enumerate(step.tolist()):
+            done[b] = done[b] or t == tok.eot_token
+            if done[b]:
+                continue
+            n_tokens += 1
+            piece = utf8[b].decode(tok.decode_bytes([t]))
+            texts[b] += piece
+            if cfg.stop is not None and cfg.stop in texts[b][-len(piece) - len(cfg.stop):]:
+                end = texts[b].index(cfg.stop) + len(cfg.stop)
+                piece, texts[b], done[b] = piece[: len(piece) - (len(texts[b]) - end)], texts[b][:end], True
+            if streaming:
+                print(piece, end="", flush=True)
+        if all(done):
+            break
+    return texts, n_tokens, prefill_s
+
+
 def main(cfg: SampleConfig) -> None:
     device = resolve_device(cfg.device, 0)
     ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", map_location=device)
     model = model_from_checkpoint(ckpt).to(device=device, dtype=getattr(torch, cfg.dtype)).eval()
-    meta = ckpt.get("data_meta") or load_meta(data_dir(ckpt.get("config", {}).get("dataset", "?")))
-    tok = load_tokenizer(meta)
+    tok = load_tokenizer(ckpt.get("data_meta") or load_meta(data_dir(ckpt.get("config", {}).get("dataset", "?"))))
     del ckpt
-    prompts = [tok.encode(p) for p in read_prompts(cfg.start)]
+    prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
+    ids = [tok.encode(p) for p in prompts]
     bs = model.config.block_size
-    for p in prompts:
+    for p in ids:
         if not p or len(p) > bs:
             raise ValueError(f"a prompt has {len(p)} tokens; it needs 1 to block_size={bs} (shorten it, or train "
                              f"with a larger block_size)")
-    idx, pad = left_pad([p for p in prompts for _ in range(cfg.num_samples)], device=device)
-    pad = pad if bool(pad.any()) else None
-    if cfg.compile:
-        model.forward = torch.compile(model.forward, dynamic=True)
-    gen = torch.Generator(device).manual_seed(cfg.seed)
-    B, stream = idx.size(0), idx.size(0) == 1
-    new: list[list[int]] = [[] for _ in range(B)]
-    texts, done = [""] * B, [False] * B
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    if stream:
-        print(tok.decode(prompts[0]), end="", flush=True)
+    idx, pad = left_pad(ids, device=device)
+    B = idx.size(0)
+    if B == 1:
+        print(prompts[0], end="", flush=True)
     t0 = time.perf_counter()
-    t_first = None
-    for step in model.stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, tok.eot_token,
-                             cfg.kv_cache, pad, gen):
-        t_first = t_first or time.perf_counter()
-        for b, t in enumerate(step.tolist()):
-            if done[b] or t == tok.eot_token:
-                done[b] = True
-                continue
-            new[b].append(t)
-            piece = utf8.decode(tok.decode_bytes([t])) if stream else ""
-            if cfg.stop is not None:
-                texts[b] = tok.decode(new[b]) if not stream else texts[b] + piece
-                done[b] = cfg.stop in texts[b]
-            if stream:
-                print(piece, end="", flush=True)
-        if all(done):
-            break
+    texts, n_new, prefill_s = decode(model, tok, idx, pad if bool(pad.any()) else None, cfg)
     elapsed = time.perf_counter() - t0
-    n_new = sum(len(r) for r in new)
-    if stream:
-        print(flush=True)
+    if B == 1:
+        print(flush=True)  # the text was streamed
     else:
-        for b in range(B):
-            text = tok.decode(new[b])
-            if cfg.stop is not None and cfg.stop in text:
-                text = text[: text.index(cfg.stop) + len(cfg.stop)]
-            print(tok.decode(idx[b, int(pad[b]) if pad is not None else 0:].tolist()) + text)
-            print("---------------")
-    decode_s = elapsed - ((t_first or t0) - t0)
-    print(f"{n_new} tokens in {elapsed:.2f} s ({n_new / max(elapsed, 1e-9):,.0f} tok/s; prefill "
-          f"{((t_first or t0) - t0) * 1000:.1f} ms, then {(n_new - B) / max(decode_s, 1e-9):,.0f} tok/s), batch {B}, "
+        for prompt, text in zip(prompts, texts, strict=True):
+            print(f"{prompt}{text}\n---------------", flush=True)
+    kv = model.config.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.lm_head.weight.dtype)
+    print(f"{n_new} tokens in {elapsed:.2f} s ({n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill "
+          f"{prefill_s * 1000:.1f} ms), batch {B}, "
           f"{model.config.attention_kind} (n_kv_head={model.config.n_kv_head}), KV cache "
-          f"{model.config.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens), model.lm_head.weight.dtype):,}"
-          f" bytes{'' if cfg.kv_cache else ' (not used: --kv_cache=False)'}", file=sys.stderr)
+          f"{kv if cfg.kv_cache else 0:,} bytes", file=sys.stderr)
 
 
 if __name__ == "__main__":

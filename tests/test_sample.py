@@ -1,0 +1,115 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, VARIANTS, run
+from dataset import CharTokenizer
+from model import GPT, GPTConfig, save_checkpoint
+
+CHARS = CharTokenizer.from_text("".join(chr(c) for c in range(32, 127)) + "\n")
+
+
+def make_checkpoint(out: Path, n_kv_head: int, pos_encoding: str = "learned", block_size: int = 64) -> Path:
+    torch.manual_seed(n_kv_head)
+    cfg = GPTConfig(block_size=block_size, vocab_size=len(CHARS.chars), n_layer=2, n_head=4, n_kv_head=n_kv_head,
+                    n_embd=32, pos_encoding=pos_encoding)
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(out / "ckpt.pt", GPT(cfg), iter_num=0, data_meta=CHARS.meta())
+    return out
+
+
+def sample(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return run(["sample.py", f"--out_dir={out}", "--device=cpu", *args])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_with_and_without_cache_agree(variant: str, tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path, VARIANTS[variant], "rope", block_size=32)
+    args = ["--start=def f(x):", "--temperature=0", "--max_new_tokens=60"]  # 60 > block_size: the window slides
+    cached, recomputed = sample(out, *args).stdout, sample(out, *args, "--kv_cache=False").stdout
+    assert cached == recomputed and len(cached) == len("def f(x):") + 60 + 1
+    batch = sample(out, *args, "--num_samples=3").stdout
+    assert batch.split("---------------\n")[:3] == [cached] * 3
+
+
+def test_same_seed_same_text_other_seed_other_text(tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path, 2)
+    args = ["--start=x", "--temperature=1.0", "--top_k=None", "--max_new_tokens=40"]
+    a, b, c = (sample(out, *args, f"--seed={s}").stdout for s in (1, 1, 2))
+    assert a == b and a != c
+
+
+def test_top_k_1_is_greedy(tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path, 1)
+    args = ["--start=import", "--max_new_tokens=30"]
+    assert sample(out, *args, "--top_k=1", "--temperature=1.0").stdout == sample(out, *args, "--temperature=0").stdout
+
+
+def test_prompts_of_different_lengths_in_one_batch(tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path, 2, "rope")
+    prompts = ["a", "def main():", "class Foo(Bar):  #", "x = 1"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    args = ["--temperature=0", "--max_new_tokens=25"]
+    batch = sample(out, f"--start=LINES:{tmp_path / 'prompts.txt'}", *args).stdout.split("\n---------------\n")
+    for prompt, text in zip(prompts, batch, strict=False):
+        assert text == sample(out, f"--start={prompt}", *args).stdout.rstrip("\n")
+    assert len(batch) == len(prompts) + 1 and batch[-1] == ""
+
+
+def test_stop_string_ends_the_sample(tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path, 4)
+    args = ["--start=ab", "--temperature=0", "--max_new_tokens=40"]
+    full = sample(out, *args).stdout.rstrip("\n")
+    stop = full[6:8]  # characters the model produces after 4 new ones
+    stopped = sample(out, *args, f"--stop={stop}").stdout.rstrip("\n")
+    assert stopped == full[: full.index(stop, 2) + len(stop)]
+    assert len(stopped) < len(full)
+
+
+def test_prompt_from_file(tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path, 2)
+    (tmp_path / "p.txt").write_text("for i in range(3):\n    ")
+    a = sample(out, f"--start=FILE:{tmp_path / 'p.txt'}", "--temperature=0", "--max_new_tokens=10").stdout
+    assert a.startswith("for i in range(3):\n    ") and a == sample(
+        out, "--start=for i in range(3):\n    ", "--temperature=0", "--max_new_tokens=10").stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--start=héllo ü"], "characters not in the dataset's vocabulary: 'éü'"),
+    (["--start=FILE:/no/such/prompt.txt"], "prompt file /no/such/prompt.txt not found"),
+    (["--start=" + "x" * 65], "a prompt has 65 tokens; it needs 1 to block_size=64"),
+    (["--max_new_tokens=-1"], "max_new_tokens=-1"),
+    (["--out_dir=/no/such/dir"], "no checkpoint at /no/such/dir/ckpt.pt"),
+])
+def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    out = make_checkpoint(tmp_path, 2)
+    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+    assert message in r.stderr
+
+
+def test_corrupt_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path / "a", 2)
+    data = (out / "ckpt.pt").read_bytes()
+    (out / "ckpt.pt").write_bytes(data[: len(data) // 2])
+    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "is corrupt or truncated" in r.stderr and "Traceback" not in r.stderr
+    evil = tmp_path / "b"
+    evil.mkdir()
+    torch.save({"model": {}, "model_config": {}, "payload": Path("x")}, evil / "ckpt.pt")  # a pickled class
+    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={evil}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "refusing to load" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_summary_line_reports_speed_cache_and_attention_kind(tmp_path: Path) -> None:
+    out = make_checkpoint(tmp_path, 1)
+    r = sample(out, "--start=a", "--max_new_tokens=20", "--num_samples=2")
+    assert "40 tokens in" in r.stderr and "prefill" in r.stderr and "MQA (n_kv_head=1)" in r.stderr
+    kv = GPTConfig(n_layer=2, n_head=4, n_kv_head=1, n_embd=32).kv_cache_bytes(2, 20)  # 1 prompt + 20 new - 1
+    assert f"KV cache {kv:,} bytes" in r.stderr
