@@ -101,13 +101,14 @@ def print_config(cfg: Any) -> None:
         print(f"  {f.name:<{width}} = {getattr(cfg, f.name)!r}")
 
 
-def run_cli(main: Callable[[T], Any], cls: type[T], argv: list[str] | None = None) -> None:
-    """Parse the config and run main(cfg); a user error ends the process with one `error: ...` line and exit 2.
-
-    SMALLGPT_DEBUG=1 shows the traceback instead.
+def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T],
+            argv: list[str] | None = None) -> None:
+    """Parse the command line (into the dataclass `config`, or by the function `config`) and run main on it; a user
+    error ends the process with one `error: ...` line and exit 2. SMALLGPT_DEBUG=1 shows the traceback instead.
     """
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        main(parse_config(cls, sys.argv[1:] if argv is None else argv))
+        main(parse_config(config, argv) if dataclasses.is_dataclass(config) else config(argv))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         if os.environ.get("SMALLGPT_DEBUG") == "1":
             raise

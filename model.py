@@ -7,7 +7,7 @@ import math
 import os
 import pickle
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,9 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        problems = [f"{f.name}={getattr(self, f.name)!r} must be a positive integer"
-                    for f in fields(self) if f.name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head",
-                                                        "n_embd")
-                    and (type(getattr(self, f.name)) is not int or getattr(self, f.name) < 1)]
+        sizes = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
+        problems = [f"{k}={getattr(self, k)!r} must be a positive integer" for k in sizes
+                    if type(getattr(self, k)) is not int or getattr(self, k) < 1]
         if not problems:
             if self.n_embd % self.n_head:
                 problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -70,8 +69,7 @@ class GPTConfig:
 
     def kv_cache_bytes(self, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes of K and V for every layer: 2 * n_layer * batch * n_kv_head * seq_len * head_dim * element size."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.n_layer * batch_size * self.n_kv_head * seq_len * self.head_dim * elem
+        return 2 * self.n_layer * batch_size * self.n_kv_head * seq_len * self.head_dim * dtype.itemsize
 
 
 class KVCache:
@@ -418,23 +416,20 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     return model
 
 
-def variant_table(config: GPTConfig, seq_len: int | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Markdown table: parameters and KV-cache bytes per sequence of config's MHA, GQA and MQA variants."""
-    seq_len = seq_len or config.block_size
-    elem = str(dtype).removeprefix("torch.")
-    rows = [f"| n_kv_head | kind | total params | attention params/layer | KV cache/sequence @ {seq_len} ({elem}) |",
-            "|---:|:---|---:|---:|---:|"]
-    for g in sorted({d for d in range(1, config.n_head + 1) if config.n_head % d == 0}, reverse=True):
-        cfg = replace(config, n_kv_head=g)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        kv = cfg.kv_cache_bytes(1, seq_len, dtype)
-        rows.append(f"| {g} | {cfg.attention_kind} | {model.num_params() / 1e6:.2f} M "
-                    f"| {model.attention_params_per_layer():,} | {kv / 2**20:.2f} MiB |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    gpt2_small = GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
-    print(f"GPT-2 small ({gpt2_small.n_layer} layers, {gpt2_small.n_head} heads, {gpt2_small.n_embd} wide):")
-    print(variant_table(gpt2_small))
+def convert_kv_heads(model: GPT, n_kv_head: int) -> GPT:
+    """A copy of model whose K/V heads are pooled into n_kv_head groups: each new K (and V) head is the mean of the
+    heads of its group, query and output projections unchanged (GQA paper, https://arxiv.org/abs/2305.13245 s2.1)."""
+    old = model.config.n_kv_head
+    config = replace(model.config, n_kv_head=n_kv_head)  # checks that n_kv_head divides n_head
+    if old % n_kv_head:
+        raise ValueError(f"cannot pool the model's {old} K/V heads into n_kv_head={n_kv_head} groups: "
+                         f"n_kv_head must divide {old}")
+    state = model.state_dict()
+    for name, t in state.items():
+        if name.endswith(("attn.c_k.weight", "attn.c_k.bias", "attn.c_v.weight", "attn.c_v.bias")):
+            # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...) -> mean over each group
+            grouped = t.view(n_kv_head, old // n_kv_head, config.head_dim, *t.shape[1:])
+            state[name] = grouped.mean(dim=1).reshape(n_kv_head * config.head_dim, *t.shape[1:])
+    converted = GPT(config).to(next(model.parameters()).device)
+    converted.load_state_dict(state)
+    return converted

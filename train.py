@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import print_config, run_cli
 from dataset import data_dir, load_meta, open_tokens
-from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint, save_checkpoint
+from model import GPT, GPTConfig, convert_kv_heads, load_checkpoint, model_from_checkpoint, save_checkpoint
 
 MODEL_FIELDS = [f.name for f in fields(GPTConfig)]
 # Dense bf16/fp16 tensor-core peak FLOP/s by GPU name (datasheet figures, without sparsity).
@@ -39,7 +39,9 @@ class TrainConfig:
     eval_iters: int = 50
     eval_only: bool = False
     always_save_checkpoint: bool = False  # False: save only when val loss improves
-    init_from: str = "scratch"  # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+    # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'convert:<ckpt or out_dir>': start from another run's model with
+    # its K/V heads mean-pooled into n_kv_head groups (MHA -> GQA/MQA uptraining), optimizer and iteration fresh
+    init_from: str = "scratch"
     # logging: wandb honours WANDB_MODE (online, offline, disabled); out_dir/log.jsonl is always written
     wandb_log: bool = False
     wandb_project: str = "smallgpt"
@@ -84,10 +86,10 @@ class TrainConfig:
         problems = [f"{k}={getattr(self, k)} must be positive" for k in positive if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("max_iters", "warmup_iters",
                      "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip") if getattr(self, k) < 0]
-        choices = {"init_from": ("scratch", "resume"), "dtype": ("auto", "float32", "bfloat16", "float16")}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                problems.append(f"{key}={getattr(self, key)!r} must be one of {', '.join(allowed)}")
+        if self.init_from not in ("scratch", "resume") and not self.init_from.startswith("convert:"):
+            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume' or 'convert:<checkpoint>'")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
             raise ValueError("invalid config: " + "; ".join(problems))
         self.model_config(vocab_size=1)  # the model's own checks (n_head % n_kv_head, ...), before any work
@@ -250,11 +252,6 @@ def versions() -> dict[str, str | None]:
     return {"git_sha": sha, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
 
 
-def print0(*args: Any, d: Dist) -> None:
-    if d.is_master:
-        print(*args, flush=True)
-
-
 def main(cfg: TrainConfig) -> None:
     d = setup_distributed(cfg.device)
     try:
@@ -264,6 +261,42 @@ def main(cfg: TrainConfig) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def init_model(cfg: TrainConfig, model_cfg: GPTConfig, device: str) -> tuple[GPT, dict | None]:
+    """The model to train: new, resumed from out_dir (the checkpoint is returned too) or converted to n_kv_head."""
+    if cfg.init_from == "scratch":
+        return GPT(model_cfg), None
+    resume = cfg.init_from == "resume"
+    path = Path(cfg.out_dir if resume else cfg.init_from.removeprefix("convert:"))
+    ckpt = load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", device)
+    differ = [f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}" for k, v in ckpt["model_config"].items()
+              if getattr(model_cfg, k) != v and (resume or k != "n_kv_head")]
+    if differ:
+        raise ValueError(f"cannot {'resume' if resume else 'convert'} {path}: the config asks for another model "
+                         f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")
+    model = model_from_checkpoint(ckpt)
+    return (model, ckpt) if resume else (convert_kv_heads(model, model_cfg.n_kv_head), None)
+
+
+def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+               batches: Batches, it: int, d: Dist, accum: int, autocast: Any, grad_clip: float) -> torch.Tensor:
+    """One optimizer step over this rank's accum micro-batches; returns their mean loss (a tensor: no host sync)."""
+    loss_sum = torch.zeros((), device=d.device)
+    for micro in range(accum):
+        x, y = batches.train(it, d.rank * accum + micro)
+        sync = model.no_sync() if d.world_size > 1 and micro < accum - 1 else nullcontext()  # all-reduce once
+        with sync, autocast:
+            _, loss = model(x, y)
+        scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach() / accum
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum
 
 
 def train(cfg: TrainConfig, d: Dist) -> None:
@@ -277,27 +310,17 @@ def train(cfg: TrainConfig, d: Dist) -> None:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
     batches = Batches(cfg, d.device)
     model_cfg = cfg.model_config(batches.meta["vocab_size"])
-    ckpt_path = Path(cfg.out_dir) / "ckpt.pt"
-    iter_num, best_val = 0, float("inf")
-    ckpt = load_checkpoint(ckpt_path, d.device) if cfg.init_from == "resume" else None
-    if ckpt is not None:
-        differ = [f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}" for k, v in ckpt["model_config"].items()
-                  if getattr(model_cfg, k) != v]
-        if differ:
-            raise ValueError(f"cannot resume {ckpt_path}: the config asks for another model ({'; '.join(differ)}); "
-                             f"drop those overrides or use a new out_dir")
-        raw_model = model_from_checkpoint(ckpt)
-        iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
-    else:
-        raw_model = GPT(model_cfg)
+    raw_model, ckpt = init_model(cfg, model_cfg, d.device)
     raw_model.to(d.device)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+    iter_num, best_val = 0, float("inf")
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt["scaler"]:  # empty when saved by a disabled scaler
             scaler.load_state_dict(ckpt["scaler"])
-    ckpt = None  # free the loaded copy
+        iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+    del ckpt
     model = torch.compile(raw_model) if cfg.compile else raw_model  # raw_model keeps plain state_dict names
     ddp_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None,
                     broadcast_buffers=False) if d.world_size > 1 else model
@@ -312,7 +335,8 @@ def train(cfg: TrainConfig, d: Dist) -> None:
               f"(n_head={model_cfg.n_head}, n_kv_head={model_cfg.n_kv_head}), {model_cfg.pos_encoding} positions")
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     peak = peak_flops(d.device, dtype) if d.is_master else None
-    t_last, t_start, loss_sum = time.perf_counter(), time.perf_counter(), torch.zeros((), device=d.device)
+    t_start = t_last = time.perf_counter()
+    last_log, loss_sum = iter_num, torch.zeros((), device=d.device)
     try:
         while True:
             lr = lr_at(iter_num, cfg)
@@ -325,36 +349,25 @@ def train(cfg: TrainConfig, d: Dist) -> None:
                           elapsed_s=time.perf_counter() - t_start)
                 if iter_num > 0 and not cfg.eval_only and (losses["val"] < best_val or cfg.always_save_checkpoint):
                     best_val = min(best_val, losses["val"])
-                    save_checkpoint(ckpt_path, raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                    path = Path(cfg.out_dir) / "ckpt.pt"
+                    save_checkpoint(path, raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                                     iter_num=iter_num, best_val_loss=best_val, config=asdict(cfg),
                                     data_meta=batches.meta)
-                    print(f"saved checkpoint to {ckpt_path}")
+                    print(f"saved checkpoint to {path}")
                 t_last = time.perf_counter()  # ms/iter leaves evaluation out
             if cfg.eval_only or iter_num >= cfg.max_iters:
                 break
-            for micro in range(accum):
-                x, y = batches.train(iter_num, d.rank * accum + micro)
-                sync = ddp_model.no_sync() if d.world_size > 1 and micro < accum - 1 else nullcontext()
-                with sync, autocast:
-                    _, loss = ddp_model(x, y)
-                scaler.scale(loss / accum).backward()
-                loss_sum += loss.detach() / accum
-            if cfg.grad_clip > 0:
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            loss_sum += train_step(ddp_model, raw_model, optimizer, scaler, batches, iter_num, d, accum, autocast,
+                                   cfg.grad_clip)
             iter_num += 1
             if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
-                n_iters = iter_num % cfg.log_interval or cfg.log_interval
                 if d.world_size > 1:  # a collective on every rank, only at log steps
                     dist.all_reduce(loss_sum)
-                train_loss = loss_sum.item() / d.world_size / n_iters  # the only host sync of the step
-                loss_sum.zero_()
+                train_loss = loss_sum.item() / d.world_size / (iter_num - last_log)  # the step's only host sync
                 now = time.perf_counter()
-                dt = (now - t_last) / n_iters
-                t_last = now
+                dt = (now - t_last) / (iter_num - last_log)
+                t_last, last_log = now, iter_num
+                loss_sum.zero_()
                 if d.is_master:
                     mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak, cfg.block_size) if peak else None
                     print(f"iter {iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "

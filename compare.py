@@ -1,0 +1,241 @@
+"""Compare attention variants: train MHA, GQA and MQA versions of one config, then report what each costs and scores.
+
+    python compare.py config/compare/cpu.py                # sweep + report in the config's out_dir
+    python compare.py config/compare/cpu.py --convert=True # also MHA -> GQA/MQA conversion + uptraining
+    python compare.py config/compare/cpu.py --mode=report  # the report alone, from the runs' log.jsonl files
+    python compare.py config/train_gpt2.py --mode=costs    # parameters and KV-cache bytes of every n_kv_head
+
+Positional arguments and --key=value flags of train.py's TrainConfig describe the base run; the keys below steer
+the comparison. Each variant trains in <out_dir>/<name> with wandb group <out_dir name> and a tag naming it.
+"""
+
+import csv
+import dataclasses
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench import timed_decode
+from configurator import parse_config, run_cli
+from dataset import data_dir
+from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint
+from train import TrainConfig, resolve_device
+
+
+@dataclass(slots=True)
+class CompareConfig:
+    mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both) or 'costs' (a table, no training)
+    kv_heads: list[int] = field(default_factory=list)  # the variants; empty: n_head, a middle divisor, 1
+    convert: bool = False  # also convert the trained MHA model to each GQA/MQA variant and uptrain it
+    uptrain_fraction: float = 0.1  # uptraining length, as a fraction of the base run's max_iters
+    kv_seq_len: int = 8192  # the KV-cache column for a sequence length and batch of your choice
+    kv_batch: int = 8
+    kv_dtype: str = "bfloat16"
+    decode_tokens: int = 256  # decode speed on each trained checkpoint: batch 1, greedy, this many tokens
+    train_args: list[str] = field(default_factory=list)  # filled from the command line: files and train.py flags
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("train", "report", "all", "costs"):
+            raise ValueError(f"mode={self.mode!r} must be one of train, report, all, costs")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(compare.py flags, train.py files and flags); a key known to neither is left to train.py, which names it."""
+    keys = {f.name for f in dataclasses.fields(CompareConfig)} - {"train_args"}
+    ours = [a for a in argv if a.startswith("--") and a[2:].split("=", 1)[0] in keys]
+    return ours, [a for a in argv if a not in ours]
+
+
+def variant_name(n_kv_head: int, n_head: int) -> str:
+    kind = "mha" if n_kv_head == n_head else "mqa" if n_kv_head == 1 else "gqa"
+    return kind if kind != "gqa" else f"gqa{n_kv_head}"
+
+
+def default_kv_heads(n_head: int) -> list[int]:
+    divisors = [g for g in range(2, n_head) if n_head % g == 0]
+    return sorted({n_head, 1, *(divisors[len(divisors) // 2:][:1])}, reverse=True)
+
+
+def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
+    """Train every variant (and, with convert, every MHA -> GQA/MQA conversion) one after another."""
+    root, group = Path(base.out_dir), base.wandb_group or Path(base.out_dir).name
+    for g in cfg.kv_heads:
+        name = variant_name(g, base.n_head)
+        launch(cfg.train_args + [f"--n_kv_head={g}", f"--out_dir={root / name}", f"--wandb_group={group}",
+                                 f"--wandb_tags={name},n_kv_head={g}"])
+    if not cfg.convert:
+        return
+    iters = max(1, round(base.max_iters * cfg.uptrain_fraction))
+    for g in cfg.kv_heads:
+        if g != base.n_head:
+            name = f"mha-to-{variant_name(g, base.n_head)}"
+            launch(cfg.train_args + [f"--init_from=convert:{root / 'mha'}", f"--n_kv_head={g}",
+                                     f"--out_dir={root / name}", f"--max_iters={iters}", f"--lr_decay_iters={iters}",
+                                     f"--warmup_iters={min(base.warmup_iters, iters // 10)}",
+                                     f"--eval_interval={max(1, iters // 4)}", "--always_save_checkpoint=True",
+                                     f"--wandb_group={group}", f"--wandb_tags={name},converted,n_kv_head={g}"])
+
+
+def launch(args: list[str]) -> None:
+    print(f"$ python train.py {' '.join(args)}", flush=True)
+    if subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args]).returncode:
+        raise RuntimeError(f"a training run failed (python train.py {' '.join(args)}); see its output above")
+
+
+def read_run(run_dir: Path) -> dict:
+    """The latest run in a log.jsonl: its config and eval/train records, wall-clock continued across resumes."""
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if r["event"] == "config" and r["config"]["init_from"] != "resume"]
+    records = records[starts[-1]:]
+    offset, last, evals, trains = 0.0, 0.0, [], []
+    for r in records:
+        if r["event"] == "config":
+            offset += last
+        else:
+            last = r["elapsed_s"]
+            (evals if r["event"] == "eval" else trains).append(r | {"wall_s": offset + r["elapsed_s"]})
+    return {"name": run_dir.name, "config": records[0]["config"], "model_config": records[0]["model_config"],
+            "evals": evals, "trains": trains}
+
+
+def decode_speed(run_dir: Path, tokens: int) -> float:
+    model = model_from_checkpoint(load_checkpoint(run_dir / "ckpt.pt")).to(resolve_device("auto", 0)).eval()
+    timed_decode(model, 1, 8, True, torch.Generator().manual_seed(0))  # warm-up
+    return tokens / timed_decode(model, 1, tokens, True, torch.Generator().manual_seed(0))[-1]
+
+
+def report_rows(cfg: CompareConfig, runs: list[dict]) -> list[dict]:
+    rows, kv_dtype = [], getattr(torch, cfg.kv_dtype)
+    by_name = {r["name"]: r for r in runs}
+    for run in runs:
+        mcfg = GPTConfig(**run["model_config"])
+        with torch.device("meta"):
+            model = GPT(mcfg)
+        evals = run["evals"]
+        row = {"variant": run["name"], "n_head": mcfg.n_head, "n_kv_head": mcfg.n_kv_head,
+               "params": model.num_params(), "attention_params": model.attention_params_per_layer() * mcfg.n_layer,
+               f"kv_bytes@{mcfg.block_size}": mcfg.kv_cache_bytes(1, mcfg.block_size, kv_dtype),
+               f"kv_bytes@{cfg.kv_seq_len}x{cfg.kv_batch}": mcfg.kv_cache_bytes(cfg.kv_batch, cfg.kv_seq_len, kv_dtype),
+               "best_val_loss": min(e["val_loss"] for e in evals), "final_val_loss": evals[-1]["val_loss"],
+               "wall_s": max(e["wall_s"] for e in evals + run["trains"]),
+               "train_tok_s": statistics.median(t["tokens_per_s"] for t in run["trains"]) if run["trains"] else None,
+               "decode_tok_s": decode_speed(Path(run["dir"]), cfg.decode_tokens)}
+        if run["config"]["init_from"].startswith("convert:"):
+            scratch = by_name.get(variant_name(mcfg.n_kv_head, mcfg.n_head))
+            row |= {"val_loss_after_conversion": evals[0]["val_loss"],
+                    "scratch_final_val_loss": scratch["evals"][-1]["val_loss"] if scratch else None}
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+
+    def fmt(v: object) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4f}".rstrip("0").rstrip(".")
+        return f"{v:,}" if isinstance(v, int) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows])
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_iter, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        evals = run["evals"]
+        it0, t0 = run["offset"]
+        losses = [e["val_loss"] for e in evals]
+        by_iter.plot([it0 + e["iter"] for e in evals], losses, marker=".", label=run["name"])
+        by_time.plot([t0 + e["wall_s"] for e in evals], losses, marker=".", label=run["name"])
+    for ax, xlabel in ((by_iter, "iteration"), (by_time, "wall-clock seconds")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("val loss by attention variant")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(cfg: CompareConfig, root: Path) -> str:
+    dirs = sorted(p.parent for p in root.glob("*/log.jsonl"))
+    if not dirs:
+        raise FileNotFoundError(f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)")
+    runs = [read_run(d) | {"dir": str(d)} for d in dirs]
+    runs.sort(key=lambda r: (r["config"]["init_from"] != "scratch", -r["model_config"]["n_kv_head"]))
+    for run in runs:  # a converted run continues its source's curve in the plot
+        src = next((r for r in runs if Path(r["dir"]) == Path(run["config"]["init_from"].removeprefix("convert:"))),
+                   None)
+        run["offset"] = (src["evals"][-1]["iter"], src["evals"][-1]["wall_s"]) if src else (0, 0.0)
+    rows = report_rows(cfg, runs)
+    table = markdown(rows)
+    device = resolve_device("auto", 0)
+    notes = (f"KV-cache bytes in {cfg.kv_dtype}: per sequence at block_size, and for batch {cfg.kv_batch} at "
+             f"{cfg.kv_seq_len} tokens. decode_tok_s: the trained checkpoint, batch 1, greedy, {cfg.decode_tokens} "
+             f"tokens with the KV cache, on {device}. wall_s: the run's own training time (a converted run's "
+             f"uptraining only).")
+    (root / "report.md").write_text(f"{table}\n\n{notes}\n\n![val loss](report.png)\n")
+    with open(root / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(runs, root / "report.png")
+    print(f"{table}\n\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
+    return table
+
+
+def costs(cfg: CompareConfig, base: TrainConfig) -> str:
+    """Parameters and KV-cache bytes for every n_kv_head that divides n_head (no training)."""
+    meta = data_dir(base.dataset) / "meta.json"
+    vocab = json.loads(meta.read_text())["vocab_size"] if meta.is_file() else 50304  # GPT-2's, padded
+    rows = []
+    for g in sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True):
+        mcfg = dataclasses.replace(base.model_config(vocab_size=vocab), n_kv_head=g)
+        with torch.device("meta"):
+            model = GPT(mcfg)
+        kv = mcfg.kv_cache_bytes(1, mcfg.block_size, getattr(torch, cfg.kv_dtype))
+        rows.append({"n_kv_head": g, "kind": mcfg.attention_kind, "params (M)": round(model.num_params() / 1e6, 2),
+                     "attention params/layer": model.attention_params_per_layer(),
+                     f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(kv / 2**20, 2)})
+    table = markdown(rows)
+    print(table)
+    return table
+
+
+def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
+    ours, train_args = split_argv(argv)
+    cfg = dataclasses.replace(parse_config(CompareConfig, ours), train_args=train_args)
+    base = parse_config(TrainConfig, train_args)
+    cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
+    for g in cfg.kv_heads:  # each variant must be a valid model before anything trains
+        dataclasses.replace(base.model_config(vocab_size=1), n_kv_head=g)
+    return cfg, base
+
+
+def main(config: tuple[CompareConfig, TrainConfig]) -> None:
+    cfg, base = config
+    if cfg.mode == "costs":
+        costs(cfg, base)
+        return
+    if cfg.mode in ("train", "all"):
+        train_runs(cfg, base)
+    if cfg.mode in ("report", "all"):
+        report(cfg, Path(base.out_dir))
+
+
+if __name__ == "__main__":
+    run_cli(main, parse)
