@@ -160,7 +160,10 @@ def plot(runs: list[dict], path: Path) -> None:
         losses = [e["val_loss"] for e in evals]
         by_iter.plot([it0 + e["iter"] for e in evals], losses, marker=".", label=run["name"])
         by_time.plot([t0 + e["wall_s"] for e in evals], losses, marker=".", label=run["name"])
+    # the y range leaves out the untrained models' first evaluation, which would flatten everything else
+    shown = [e["val_loss"] for r in runs for e in r["evals"] if e["iter"] > 0 or r["offset"][0] > 0]
     for ax, xlabel in ((by_iter, "iteration"), (by_time, "wall-clock seconds")):
+        ax.set_ylim(min(shown) * 0.98, max(shown) * 1.05)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("val loss")
         ax.grid(alpha=0.3)
