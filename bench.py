@@ -1,43 +1,95 @@
-"""Benchmarks (results go in the README, not in timed tests). One JSON line per measurement, then a table.
+"""Benchmarks (results go in the README, not in timed tests): one JSON line per measurement, then a table.
 
-Decoding: tokens/s with the KV cache and with recomputation, for MHA/GQA/MQA variants of one model:
-    python bench.py --mode=decode --n_layer=6 --n_head=6 --n_embd=384 --block_size=1024
+    python bench.py --mode=train config/train_shakespeare_char.py --device=cpu --batch_size=8 --dropout=0.0
+    python bench.py --mode=decode --block_size=1024 --vocab_size=256
+
+The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig steer the bench.
 """
 
+import dataclasses
 import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from configurator import run_cli
+from configurator import parse_config, run_cli, split_args
+from dataset import vocab_size_of
 from model import GPT, GPTConfig
-from train import resolve_device
+from train import Dist, TrainConfig, peak_flops, resolve_device, resolve_dtype, train_step
 
 
 @dataclass(slots=True)
 class BenchConfig:
-    mode: str = "decode"
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    block_size: int = 1024
-    vocab_size: int = 256  # a char-level vocabulary
-    pos_encoding: str = "learned"
-    kv_heads: list[int] = field(default_factory=lambda: [6, 2, 1])  # the variants: MHA, GQA, MQA for 6 heads
+    mode: str = "decode"  # 'train' or 'decode'
+    # train: every combination of these, on random tokens (speed does not depend on the data)
+    compiles: list[bool] = field(default_factory=lambda: [False, True])
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    warmup: int = 3  # iterations left out (compilation happens here)
+    iters: int = 10  # measured iterations; the median is reported
+    # decode: MHA/GQA/MQA variants of the model, from a 1-token prompt, greedy
+    kv_heads: list[int] = field(default_factory=list)  # empty: n_head, a middle divisor, 1
     new_tokens: list[int] = field(default_factory=lambda: [256, 1000])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     recompute_max_batch: int = 1  # recomputation only up to this batch size (it is slow)
     repeats: int = 3  # cached runs per setting, the median is reported
-    device: str = "auto"
-    dtype: str = "float32"
-    seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode != "decode":
-            raise ValueError(f"mode={self.mode!r}: only 'decode' exists so far")
+        if self.mode not in ("train", "decode"):
+            raise ValueError(f"mode={self.mode!r} must be 'train' or 'decode'")
+
+
+def default_kv_heads(n_head: int) -> list[int]:
+    """n_head (MHA), the middle divisor (GQA) and 1 (MQA)."""
+    divisors = [g for g in range(2, n_head) if n_head % g == 0]
+    return sorted({n_head, 1, *divisors[len(divisors) // 2:][:1]}, reverse=True)
+
+
+class RandomBatches:
+    def __init__(self, base: TrainConfig, vocab_size: int, device: str) -> None:
+        self.shape, self.vocab_size, self.device = (base.batch_size, base.block_size + 1), vocab_size, device
+
+    def train(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = torch.randint(0, self.vocab_size, self.shape, device=self.device)
+        return buf[:, :-1], buf[:, 1:]
+
+
+def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: str) -> list[dict]:
+    rows, device_type = [], device.split(":")[0]
+    d = Dist(0, 0, 1, device, True)
+    batches = RandomBatches(base, mcfg.vocab_size, device)
+    tokens_per_iter = base.gradient_accumulation_steps * base.batch_size * base.block_size
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    for dtype_name in cfg.dtypes:
+        dtype = resolve_dtype(dtype_name, device_type)
+        peak = base.peak_flops or peak_flops(device, dtype)
+        for compiled in cfg.compiles:
+            torch.manual_seed(base.seed)
+            raw = GPT(mcfg).to(device)
+            opt = raw.configure_optimizers(base.weight_decay, base.learning_rate, (base.beta1, base.beta2),
+                                           device_type)
+            scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+            model = torch.compile(raw) if compiled else raw
+            autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+            times = []
+            for it in range(cfg.warmup + cfg.iters):
+                t0 = time.perf_counter()
+                loss = train_step(model, raw, opt, scaler, batches, it, d, base.gradient_accumulation_steps,
+                                  autocast, base.grad_clip).item()
+                sync()
+                times.append(time.perf_counter() - t0)
+            dt = statistics.median(times[cfg.warmup:])
+            flops = raw.flops_per_token(base.block_size)
+            row = {"mode": "train", "device": device, "dtype": dtype_name, "compile": compiled,
+                   "ms_per_iter": 1000 * dt, "tokens_per_s": tokens_per_iter / dt, "flops_per_token": flops,
+                   "peak_flops": peak, "mfu": flops * tokens_per_iter / dt / peak if peak else None, "loss": loss}
+            row |= {"peak_tflops": peak / 1e12 if peak else None, "mfu_pct": 100 * row["mfu"] if peak else None}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
 
 
 def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: torch.Generator) -> list[float]:
@@ -58,49 +110,69 @@ def step_ms(stamps: list[float], at: int, width: int = 20) -> float:
     return 1000 * statistics.median(b - a for a, b in zip(stamps[lo - 1:lo + width - 1], stamps[lo:lo + width]))
 
 
-def bench_decode(cfg: BenchConfig, device: str) -> list[dict]:
+def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dtype) -> list[dict]:
     rows = []
-    gen = torch.Generator().manual_seed(cfg.seed)
-    for g in cfg.kv_heads:
-        mcfg = GPTConfig(block_size=cfg.block_size, vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                         n_kv_head=g, n_embd=cfg.n_embd, pos_encoding=cfg.pos_encoding)
-        model = GPT(mcfg).to(device=device, dtype=getattr(torch, cfg.dtype)).eval()
+    gen = torch.Generator().manual_seed(0)
+    for g in cfg.kv_heads or default_kv_heads(base.n_head):
+        mcfg = dataclasses.replace(base, n_kv_head=g)
+        model = GPT(mcfg).to(device=device, dtype=dtype).eval()
+        weight_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
         timed_decode(model, 1, 16, True, gen)  # warm-up
         for batch in cfg.batch_sizes:
             for n in cfg.new_tokens:
-                row = {"attention": mcfg.attention_kind, "n_kv_head": g, "batch": batch, "new_tokens": n,
-                       "kv_cache_bytes": mcfg.kv_cache_bytes(batch, min(n, cfg.block_size), model.lm_head.weight.dtype)}
+                ctx = min(n, mcfg.block_size)  # positions cached at the end
+                row = {"mode": "decode", "attention": mcfg.attention_kind, "n_kv_head": g, "batch": batch,
+                       "new_tokens": n, "kv_cache_bytes": mcfg.kv_cache_bytes(batch, ctx, dtype),
+                       "weight_bytes": weight_bytes}
                 runs = [timed_decode(model, batch, n, True, gen) for _ in range(cfg.repeats)]
                 stamps = sorted(runs, key=lambda s: s[-1])[len(runs) // 2]
                 row |= {"cache_tok_s": batch * n / stamps[-1], "prefill_ms": 1000 * stamps[0],
                         "step_ms_at_100": step_ms(stamps, 100), "step_ms_at_end": step_ms(stamps, n)}
+                # a step at the end reads every weight once and the whole cache once
+                row["gb_s_at_end"] = (weight_bytes + row["kv_cache_bytes"]) / row["step_ms_at_end"] / 1e6
                 if batch <= cfg.recompute_max_batch:
-                    stamps = timed_decode(model, batch, n, False, gen)
-                    row |= {"recompute_tok_s": batch * n / stamps[-1]}
+                    row["recompute_tok_s"] = batch * n / timed_decode(model, batch, n, False, gen)[-1]
                     row["speedup"] = row["cache_tok_s"] / row["recompute_tok_s"]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    out = ["| attention | n_kv_head | batch | new tokens | KV cache | cache tok/s | recompute tok/s | speedup | "
-           "step ms @100 | step ms @end |", "|:--|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in rows:
-        rec = f"{r['recompute_tok_s']:,.1f} | {r['speedup']:.1f}x" if "recompute_tok_s" in r else "- | -"
-        out.append(f"| {r['attention']} | {r['n_kv_head']} | {r['batch']} | {r['new_tokens']} | "
-                   f"{r['kv_cache_bytes'] / 2**20:.2f} MiB | {r['cache_tok_s']:,.1f} | {rec} | "
-                   f"{r['step_ms_at_100']:.2f} | {r['step_ms_at_end']:.2f} |")
-    return "\n".join(out)
+def table(rows: list[dict], columns: dict[str, str]) -> str:
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3g}" if abs(v) < 10 else f"{v:,.1f}"
+        return "-" if v is None else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "--:|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in columns) + " |" for r in rows])
 
 
-def main(cfg: BenchConfig) -> None:
-    device = resolve_device(cfg.device, 0)
-    torch.manual_seed(cfg.seed)
-    print(f"# decode benchmark on {device} ({torch.get_num_threads()} threads), {cfg.dtype}, torch {torch.__version__}",
-          file=sys.stderr)
-    print(table(bench_decode(cfg, device)))
+def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig]:
+    ours, train_args = split_args(argv, BenchConfig)
+    return parse_config(BenchConfig, ours), parse_config(TrainConfig, train_args)
+
+
+def main(config: tuple[BenchConfig, TrainConfig]) -> None:
+    cfg, base = config
+    device = resolve_device(base.device, 0)
+    mcfg = base.model_config(vocab_size=vocab_size_of(base.dataset) or 50304)
+    print(f"# {cfg.mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
+          f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
+    if cfg.mode == "train":
+        rows = bench_train(cfg, base, mcfg, device)
+        print(table(rows, {"dtype": "dtype", "compile": "compile", "ms_per_iter": "ms/iter",
+                           "tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "peak_tflops": "peak TFLOP/s",
+                           "loss": "loss"}))
+    else:
+        rows = bench_decode(cfg, mcfg, device, resolve_dtype(base.dtype, device.split(":")[0]))
+        print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
+                           "new_tokens": "new tokens",
+                           "kv_cache_bytes": "KV cache bytes", "cache_tok_s": "cache tok/s",
+                           "recompute_tok_s": "recompute tok/s", "speedup": "speedup",
+                           "step_ms_at_100": "step ms @100", "step_ms_at_end": "step ms @end",
+                           "gb_s_at_end": "GB/s @end"}))
 
 
 if __name__ == "__main__":
-    run_cli(main, BenchConfig)
+    run_cli(main, parse)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from bench import timed_decode
-from configurator import parse_config, run_cli
-from dataset import data_dir
+from bench import default_kv_heads, timed_decode
+from configurator import parse_config, run_cli, split_args
+from dataset import vocab_size_of
 from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint
 from train import TrainConfig, resolve_device
 
@@ -44,21 +44,9 @@ class CompareConfig:
             raise ValueError(f"mode={self.mode!r} must be one of train, report, all, costs")
 
 
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(compare.py flags, train.py files and flags); a key known to neither is left to train.py, which names it."""
-    keys = {f.name for f in dataclasses.fields(CompareConfig)} - {"train_args"}
-    ours = [a for a in argv if a.startswith("--") and a[2:].split("=", 1)[0] in keys]
-    return ours, [a for a in argv if a not in ours]
-
-
 def variant_name(n_kv_head: int, n_head: int) -> str:
     kind = "mha" if n_kv_head == n_head else "mqa" if n_kv_head == 1 else "gqa"
     return kind if kind != "gqa" else f"gqa{n_kv_head}"
-
-
-def default_kv_heads(n_head: int) -> list[int]:
-    divisors = [g for g in range(2, n_head) if n_head % g == 0]
-    return sorted({n_head, 1, *(divisors[len(divisors) // 2:][:1])}, reverse=True)
 
 
 def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
@@ -203,8 +191,7 @@ def report(cfg: CompareConfig, root: Path) -> str:
 
 def costs(cfg: CompareConfig, base: TrainConfig) -> str:
     """Parameters and KV-cache bytes for every n_kv_head that divides n_head (no training)."""
-    meta = data_dir(base.dataset) / "meta.json"
-    vocab = json.loads(meta.read_text())["vocab_size"] if meta.is_file() else 50304  # GPT-2's, padded
+    vocab = vocab_size_of(base.dataset) or 50304  # GPT-2's, padded
     rows = []
     for g in sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True):
         mcfg = dataclasses.replace(base.model_config(vocab_size=vocab), n_kv_head=g)
@@ -220,7 +207,7 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
 
 
 def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
-    ours, train_args = split_argv(argv)
+    ours, train_args = split_args(argv, CompareConfig)
     cfg = dataclasses.replace(parse_config(CompareConfig, ours), train_args=train_args)
     base = parse_config(TrainConfig, train_args)
     cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)

@@ -95,6 +95,14 @@ def parse_config(cls: type[T], argv: list[str]) -> T:
     return cls(**values)
 
 
+def split_args(argv: list[str], cls: type) -> tuple[list[str], list[str]]:
+    """(the --key=value flags whose key is a field of cls, everything else): for scripts that take their own keys
+    plus train.py's config files and flags."""
+    keys = {f.name for f in dataclasses.fields(cls)}
+    ours = [a for a in argv if a.startswith("--") and a[2:].split("=", 1)[0] in keys]
+    return ours, [a for a in argv if a not in ours]
+
+
 def print_config(cfg: Any) -> None:
     width = max(len(f.name) for f in dataclasses.fields(cfg))
     for f in dataclasses.fields(cfg):

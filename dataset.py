@@ -60,6 +60,12 @@ def load_meta(path: Path) -> dict:
         raise ValueError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
 
 
+def vocab_size_of(dataset: str) -> int | None:
+    """The dataset's vocab_size if it has been prepared, else None."""
+    file = data_dir(dataset) / "meta.json"
+    return json.loads(file.read_text())["vocab_size"] if file.is_file() else None
+
+
 def open_tokens(path: Path, split: str, meta: dict) -> np.memmap:
     """The split's token ids as a read-only memmap, after checking the file against meta.json."""
     file = path / f"{split}.bin"

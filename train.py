@@ -25,9 +25,12 @@ from dataset import data_dir, load_meta, open_tokens
 from model import GPT, GPTConfig, convert_kv_heads, load_checkpoint, model_from_checkpoint, save_checkpoint
 
 MODEL_FIELDS = [f.name for f in fields(GPTConfig)]
-# Dense bf16/fp16 tensor-core peak FLOP/s by GPU name (datasheet figures, without sparsity).
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
-                  "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
+# Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
+# Longer names first: the first name found in torch.cuda.get_device_name() wins ("A100" before "A10").
+GPU_PEAK_FLOPS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
+                  "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12), "A10": (125e12, 31.2e12),
+                  "4090": (165e12, 82.6e12), "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12),
+                  "T4": (65e12, 8.1e12)}
 
 
 @dataclass(slots=True)
@@ -79,6 +82,7 @@ class TrainConfig:
     dtype: str = "auto"  # 'auto' (bfloat16 on CUDA when supported, else float32), 'float32', 'bfloat16', 'float16'
     compile: bool = False
     seed: int = 1337
+    peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: a GPU table or a CPU probe
 
     def __post_init__(self) -> None:
         positive = ["eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps", "batch_size",
@@ -141,20 +145,24 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
 
 
 def peak_flops(device: str, dtype: torch.dtype) -> float | None:
-    """The device's dense peak FLOP/s: a table lookup for known GPUs, a 0.2 s matmul probe on CPU, else None."""
+    """The device's dense peak FLOP/s in dtype: the datasheet for known GPUs, the best of five short matmul probes
+    on CPU, else None (then MFU is not reported; TrainConfig.peak_flops overrides all of this)."""
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
-        return peak if peak is None or dtype != torch.float32 else peak / 16  # tf32-free fp32 is far slower
+        peaks = next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
+        return None if peaks is None else peaks[dtype == torch.float32]
     if device != "cpu":
         return None
     a = torch.randn(1024, 1024, dtype=dtype)
     a @ a  # warm-up
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.2:
-        a @ a
-        n += 1
-    return 2 * 1024**3 * n / (time.perf_counter() - t0)
+    rates = []
+    for _ in range(5):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            a @ a
+            n += 1
+        rates.append(2 * 1024**3 * n / (time.perf_counter() - t0))
+    return max(rates)
 
 
 class Batches:
@@ -334,7 +342,7 @@ def train(cfg: TrainConfig, d: Dist) -> None:
         print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_cfg.attention_kind} "
               f"(n_head={model_cfg.n_head}, n_kv_head={model_cfg.n_kv_head}), {model_cfg.pos_encoding} positions")
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-    peak = peak_flops(d.device, dtype) if d.is_master else None
+    peak = (cfg.peak_flops or peak_flops(d.device, dtype)) if d.is_master else None
     t_start = t_last = time.perf_counter()
     last_log, loss_sum = iter_num, torch.zeros((), device=d.device)
     try:

@@ -1,16 +1,38 @@
 import json
 
+import pytest
+
 from conftest import run
+
+TINY = ["--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=16", "--device=cpu"]
+
+
+def json_rows(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
 def test_decode_bench_runs_and_reports_every_setting() -> None:
-    r = run(["bench.py", "--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=16", "--kv_heads=[4,2,1]",
-             "--new_tokens=[8,20]", "--batch_sizes=[1,2]", "--repeats=1", "--device=cpu"])
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    r = run(["bench.py", "--mode=decode", *TINY, "--vocab_size=50", "--kv_heads=[4,2,1]", "--new_tokens=[8,20]",
+             "--batch_sizes=[1,2]", "--repeats=1"])
+    rows = json_rows(r.stdout)
     assert [(x["n_kv_head"], x["batch"], x["new_tokens"]) for x in rows] == [
         (g, b, n) for g in (4, 2, 1) for b in (1, 2) for n in (8, 20)]
     for x in rows:
-        assert x["cache_tok_s"] > 0 and x["kv_cache_bytes"] == 2 * 1 * x["batch"] * x["n_kv_head"] * min(
-            x["new_tokens"], 16) * 8 * 4
-        assert ("recompute_tok_s" in x) == (x["batch"] == 1)
+        G, B, ctx = x["n_kv_head"], x["batch"], min(x["new_tokens"], 16)
+        assert x["kv_cache_bytes"] == 2 * 1 * B * G * ctx * 8 * 4  # 1 layer, head_dim 8, float32
+        assert x["weight_bytes"] == 4 * (32 * 32 * 2 + 2 * 32 * 8 * G + 8 * 32 * 32 + 50 * 32)
+        assert x["cache_tok_s"] > 0 and x["gb_s_at_end"] > 0
+        assert ("recompute_tok_s" in x) == (B == 1)
     assert "| MQA | 1 | 2 | 20 |" in r.stdout
+
+
+@pytest.mark.parametrize("G", [4, 2, 1])
+def test_train_bench_counts_flops_by_hand(G: int) -> None:
+    r = run(["bench.py", "--mode=train", *TINY, "--vocab_size=50", f"--n_kv_head={G}", "--batch_size=2",
+             "--compiles=[False]", "--dtypes=['float32']", "--warmup=1", "--iters=2", "--peak_flops=1e12"])
+    (row,) = json_rows(r.stdout)
+    D, H, L, V, T = 32, 4, 1, 50, 16
+    matmul = L * (2 * D * D + 2 * D * (D * G // H) + 8 * D * D) + V * D  # q, o, k, v (G heads), MLP, lm_head
+    assert row["flops_per_token"] == 6 * matmul + 12 * L * D * T
+    assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / 1e12)
+    assert row["ms_per_iter"] > 0 and row["loss"] > 0

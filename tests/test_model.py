@@ -168,3 +168,13 @@ def test_flops_per_token_counts_smaller_kv_projections(G: int) -> None:
     matmul = L * (2 * D * D + 2 * D * D * G // H + 8 * D * D) + V * D
     assert m.flops_per_token() == 6 * matmul + 12 * L * D * T
     assert m.estimate_mfu(tokens_per_iter=1000, dt=1.0, peak_flops=1e9) == pytest.approx(m.flops_per_token() * 1e-6)
+
+
+@pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_training_forward_compiles_without_graph_breaks(variant: str, pos_encoding: str) -> None:
+    m = tiny_model(VARIANTS[variant], pos_encoding).train()
+    idx = torch.randint(0, 61, (2, 32))
+    explanation = torch._dynamo.explain(m)(idx, idx)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
