@@ -8,6 +8,7 @@ into such a dataset: `python dataset.py --input=notes.txt --out_dir=data/notes -
 import base64
 import json
 import os
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,15 @@ class CharTokenizer:
 
     def meta(self) -> dict:
         return {"tokenizer": "char", "vocab_size": len(self.chars), "chars": self.chars}
+
+
+def download_text(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.read().decode("utf-8")
+    except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
+        raise RuntimeError(f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
+                           f"as --input=FILE") from e
 
 
 def gpt2_encoding(bpe_file: str | None = None) -> "object":

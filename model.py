@@ -32,6 +32,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
     pos_encoding: str = "learned"  # 'learned' (GPT-2 absolute positions) or 'rope' (rotary)
     rope_theta: float = 10000.0
+    gelu: str = "exact"  # 'exact' or 'tanh' (the approximation OpenAI's GPT-2 was trained with)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -51,6 +52,8 @@ class GPTConfig:
             problems.append(f"pos_encoding={self.pos_encoding!r} must be one of {', '.join(POS_ENCODINGS)}")
         elif self.pos_encoding == "rope" and not problems and self.head_dim % 2:
             problems.append(f"pos_encoding='rope' needs an even head_dim = n_embd/n_head, got head_dim={self.head_dim}")
+        if self.gelu not in ("exact", "tanh"):
+            problems.append(f"gelu={self.gelu!r} must be 'exact' or 'tanh'")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
             problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
         if problems:
@@ -177,9 +180,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -413,6 +417,33 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise ValueError(f"checkpoint weights do not match its model_config ({str(e).splitlines()[0]})") from e
+    return model
+
+
+def from_hf_gpt2(name_or_path: str) -> GPT:
+    """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium', 'gpt2-large',
+    'gpt2-xl') or a local folder written by save_pretrained. Its fused c_attn is split into c_q, c_k, c_v and its
+    Conv1D weights, stored (in, out), are transposed to Linear's (out, in)."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+    except OSError as e:  # what transformers raises for no network, no cache or a bad folder
+        raise RuntimeError(f"cannot load GPT-2 weights {name_or_path!r} ({str(e).splitlines()[0]}): with no network, "
+                           f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained") from e
+    c = hf.config
+    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                          n_embd=c.n_embd, bias=True, gelu="tanh" if c.activation_function == "gelu_new" else "exact"))
+    state = {}
+    for name, t in hf.state_dict().items():
+        if ".attn.c_attn." in name:
+            for part, piece in zip(("c_q", "c_k", "c_v"), t.split(c.n_embd, dim=-1), strict=True):
+                state[name.replace("c_attn", part)] = piece.t() if name.endswith("weight") else piece
+        else:
+            state[name] = t.t() if name.endswith(("c_proj.weight", "c_fc.weight")) else t
+    model.load_state_dict(state)
     return model
 
 

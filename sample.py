@@ -15,13 +15,14 @@ import torch
 
 from configurator import run_cli
 from dataset import data_dir, load_meta, load_tokenizer
-from model import GPT, left_pad, load_checkpoint, model_from_checkpoint
+from model import GPT, from_hf_gpt2, left_pad, load_checkpoint, model_from_checkpoint
 from train import resolve_device
 
 
 @dataclass(slots=True)
 class SampleConfig:
-    out_dir: str = "out"  # reads out_dir/ckpt.pt
+    init_from: str = "resume"  # 'resume' (out_dir/ckpt.pt), or GPT-2: 'gpt2' ... 'gpt2-xl', 'hf:<local folder>'
+    out_dir: str = "out"
     start: str = "\n"  # the prompt, or FILE:path, or LINES:path (one prompt per line)
     num_samples: int = 1  # samples per prompt, all decoded in one batch
     max_new_tokens: int = 500
@@ -82,10 +83,14 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
 
 def main(cfg: SampleConfig) -> None:
     device = resolve_device(cfg.device, 0)
-    ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", map_location=device)
-    model = model_from_checkpoint(ckpt).to(device=device, dtype=getattr(torch, cfg.dtype)).eval()
-    tok = load_tokenizer(ckpt.get("data_meta") or load_meta(data_dir(ckpt.get("config", {}).get("dataset", "?"))))
-    del ckpt
+    if cfg.init_from == "resume":
+        ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", map_location=device)
+        model = model_from_checkpoint(ckpt)
+        tok = load_tokenizer(ckpt.get("data_meta") or load_meta(data_dir(ckpt.get("config", {}).get("dataset", "?"))))
+        del ckpt
+    else:
+        model, tok = from_hf_gpt2(cfg.init_from.removeprefix("hf:")), load_tokenizer({"tokenizer": "gpt2"})
+    model = model.to(device=device, dtype=getattr(torch, cfg.dtype)).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
     ids = [tok.encode(p) for p in prompts]
     bs = model.config.block_size

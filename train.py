@@ -11,7 +11,7 @@ import platform
 import subprocess
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import print_config, run_cli
 from dataset import data_dir, load_meta, open_tokens
-from model import GPT, GPTConfig, convert_kv_heads, load_checkpoint, model_from_checkpoint, save_checkpoint
+from model import (
+    GPT,
+    GPTConfig,
+    convert_kv_heads,
+    from_hf_gpt2,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
 
 MODEL_FIELDS = [f.name for f in fields(GPTConfig)]
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
 # Longer names first: the first name found in torch.cuda.get_device_name() wins ("A100" before "A10").
 GPU_PEAK_FLOPS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
@@ -42,8 +51,9 @@ class TrainConfig:
     eval_iters: int = 50
     eval_only: bool = False
     always_save_checkpoint: bool = False  # False: save only when val loss improves
-    # 'scratch', 'resume' (from out_dir/ckpt.pt) or 'convert:<ckpt or out_dir>': start from another run's model with
-    # its K/V heads mean-pooled into n_kv_head groups (MHA -> GQA/MQA uptraining), optimizer and iteration fresh
+    # 'scratch', 'resume' (from out_dir/ckpt.pt), 'convert:<ckpt or out_dir>' (another run's model with its K/V
+    # heads mean-pooled into n_kv_head groups: MHA -> GQA/MQA uptraining), or OpenAI's GPT-2: 'gpt2', 'gpt2-medium',
+    # 'gpt2-large', 'gpt2-xl' or 'hf:<local folder>' (model keys other than dropout, block_size, n_kv_head ignored)
     init_from: str = "scratch"
     # logging: wandb honours WANDB_MODE (online, offline, disabled); out_dir/log.jsonl is always written
     wandb_log: bool = False
@@ -65,6 +75,7 @@ class TrainConfig:
     bias: bool = False
     pos_encoding: str = "learned"
     rope_theta: float = 10000.0
+    gelu: str = "exact"
     vocab_size: int | None = None
     # AdamW and the learning-rate schedule (linear warm-up, cosine decay to min_lr)
     learning_rate: float = 1e-3
@@ -90,8 +101,10 @@ class TrainConfig:
         problems = [f"{k}={getattr(self, k)} must be positive" for k in positive if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("max_iters", "warmup_iters",
                      "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip") if getattr(self, k) < 0]
-        if self.init_from not in ("scratch", "resume") and not self.init_from.startswith("convert:"):
-            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume' or 'convert:<checkpoint>'")
+        named = self.init_from in ("scratch", "resume", *GPT2_NAMES)
+        if not named and not self.init_from.startswith(("convert:", "hf:")):
+            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'convert:<checkpoint>', "
+                            f"{', '.join(GPT2_NAMES)} or 'hf:<folder saved by save_pretrained>'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
@@ -275,6 +288,8 @@ def init_model(cfg: TrainConfig, model_cfg: GPTConfig, device: str) -> tuple[GPT
     """The model to train: new, resumed from out_dir (the checkpoint is returned too) or converted to n_kv_head."""
     if cfg.init_from == "scratch":
         return GPT(model_cfg), None
+    if cfg.init_from in GPT2_NAMES or cfg.init_from.startswith("hf:"):
+        return from_pretrained(cfg, model_cfg), None
     resume = cfg.init_from == "resume"
     path = Path(cfg.out_dir if resume else cfg.init_from.removeprefix("convert:"))
     ckpt = load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", device)
@@ -285,6 +300,20 @@ def init_model(cfg: TrainConfig, model_cfg: GPTConfig, device: str) -> tuple[GPT
                          f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")
     model = model_from_checkpoint(ckpt)
     return (model, ckpt) if resume else (convert_kv_heads(model, model_cfg.n_kv_head), None)
+
+
+def from_pretrained(cfg: TrainConfig, model_cfg: GPTConfig) -> GPT:
+    """GPT-2 weights with this run's dropout, cropped to its block_size, and pooled to its n_kv_head if fewer."""
+    model = from_hf_gpt2(cfg.init_from.removeprefix("hf:"))
+    if model_cfg.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the dataset's vocab_size={model_cfg.vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
+                         f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)")
+    config = replace(model.config, dropout=cfg.dropout, block_size=min(cfg.block_size, model.config.block_size))
+    state = model.state_dict()
+    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
+    model = GPT(config)
+    model.load_state_dict(state)
+    return convert_kv_heads(model, model_cfg.n_kv_head) if cfg.n_kv_head else model
 
 
 def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -319,6 +348,7 @@ def train(cfg: TrainConfig, d: Dist) -> None:
     batches = Batches(cfg, d.device)
     model_cfg = cfg.model_config(batches.meta["vocab_size"])
     raw_model, ckpt = init_model(cfg, model_cfg, d.device)
+    model_cfg = raw_model.config
     raw_model.to(d.device)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)

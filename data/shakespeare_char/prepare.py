@@ -5,14 +5,13 @@ Usage: python data/shakespeare_char/prepare.py [--input=FILE] [--out_dir=data/sh
 """
 
 import sys
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
 
 from configurator import run_cli  # noqa: E402
-from dataset import prepare_text  # noqa: E402
+from dataset import download_text, prepare_text  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -23,22 +22,14 @@ class PrepareConfig:
     url: str = URL
     out_dir: str = str(Path(__file__).resolve().parent)
     val_fraction: float = 0.1
-
-
-def download(url: str) -> str:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as r:
-            return r.read().decode("utf-8")
-    except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
-        raise RuntimeError(f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
-                           f"of tiny shakespeare as --input=FILE") from e
+    tokenizer: str = "char"  # data/shakespeare/prepare.py runs this with 'gpt2'
 
 
 def main(cfg: PrepareConfig) -> None:
     if cfg.input is not None and not Path(cfg.input).is_file():
         raise FileNotFoundError(f"input file {cfg.input} not found")
-    text = Path(cfg.input).read_text(encoding="utf-8") if cfg.input else download(cfg.url)
-    prepare_text(text, Path(cfg.out_dir), "char", cfg.val_fraction)
+    text = Path(cfg.input).read_text(encoding="utf-8") if cfg.input else download_text(cfg.url)
+    prepare_text(text, Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
 
 
 if __name__ == "__main__":
