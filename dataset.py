@@ -181,6 +181,53 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
     write_dataset(out_dir, *split_ids(ids, val_fraction), meta)
 
 
+def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: bool) -> object:
+    """A Hugging Face text corpus: from the hub, or from local parquet/json/text files (a path or a glob)."""
+    import datasets
+
+    try:
+        if local:
+            kind = {"jsonl": "json", "txt": "text"}.get(local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1])
+            return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
+        return datasets.load_dataset(hub_id, name, split="train", streaming=streaming, trust_remote_code=False)
+    except (ConnectionError, OSError, ValueError) as e:  # no network, no cache, or files it cannot read
+        raise RuntimeError(f"cannot load {local or hub_id} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                           f"with no network, pass local parquet/json/text files as --input=PATH") from e
+
+
+def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int = 2000, max_docs: int | None = None,
+                   text_field: str = "text") -> None:
+    """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every val_every-th document
+    into val.bin and the others into train.bin (uint16). Writes go to temp files renamed at the end, so an
+    interrupted run leaves the previous dataset intact; a re-run starts over."""
+    from tqdm import tqdm
+
+    enc = gpt2_encoding()
+
+    def tokenize(example: dict) -> dict:
+        return {"ids": [*enc.encode_ordinary(example[text_field]), enc.eot_token]}
+
+    streaming = not hasattr(ds, "__len__")
+    ds = ds.take(max_docs) if streaming and max_docs else ds.select(range(min(max_docs, len(ds)))) if max_docs else ds
+    ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = {"train": 0, "val": 0}
+    files = {split: open(out_dir / f"{split}.bin.tmp", "wb") for split in counts}
+    for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
+        split = "val" if i % val_every == 0 else "train"
+        files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
+        counts[split] += len(example["ids"])
+    for split, f in files.items():
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(out_dir / f"{split}.bin.tmp", out_dir / f"{split}.bin")
+    meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "dtype": "uint16", "train_tokens": counts["train"],
+            "val_tokens": counts["val"]}
+    _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
+
+
 @dataclass(slots=True)
 class TextConfig:
     input: str = ""  # a UTF-8 text file

@@ -93,3 +93,46 @@ def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
     f.write_bytes(f.read_bytes()[:-3])
     with pytest.raises(ValueError, match="truncated or of another dtype"):
         open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))
+
+
+@pytest.fixture()
+def tiny_bpe(tmp_path: Path) -> dict:
+    """A byte-level BPE file in tiktoken's format, standing in for GPT-2's (which needs a download)."""
+    bpe = tmp_path / "tiny.tiktoken"
+    bpe.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    return {"GPT2_BPE_FILE": str(bpe)}
+
+
+@pytest.mark.parametrize("script", ["data/openwebtext/prepare.py", "data/fineweb_edu/prepare.py"])
+def test_corpus_pipeline_on_local_parquet(script: str, tmp_path: Path, tiny_bpe: dict) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = [f"Document {i}: the quick brown fox {i}." + " more" * (i % 5) for i in range(30)]
+    pq.write_table(pa.table({"text": docs}), tmp_path / "docs.parquet")
+    outs = []
+    for streaming in (False, True):
+        out = tmp_path / f"out-{streaming}"
+        r = run([script, f"--input={tmp_path / 'docs.parquet'}", f"--out_dir={out}", "--num_proc=1",
+                 "--val_every=10", f"--streaming={streaming}"], env=tiny_bpe)
+        assert "train and" in r.stdout
+        outs.append(out)
+    meta = load_meta(outs[0])
+    train, val = open_tokens(outs[0], "train", meta), open_tokens(outs[0], "val", meta)
+    eot = 256
+    assert meta["tokenizer"] == "gpt2" and meta["dtype"] == "uint16"
+    assert int((val == eot).sum()) == 3 and int((train == eot).sum()) == 27  # documents 0, 10, 20 go to val
+    assert bytes(val[: val.tolist().index(eot)].tolist()).decode() == docs[0]
+    assert bytes(train[: train.tolist().index(eot)].tolist()).decode() == docs[1]
+    for name in ("train.bin", "val.bin", "meta.json"):  # streaming gives the same files; a re-run overwrites whole
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
+    assert not list(outs[0].glob("*.tmp"))
+
+
+def test_corpus_offline_is_one_clear_line(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "data/openwebtext/prepare.py", f"--out_dir={tmp_path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+                            "HF_HOME": str(tmp_path / "hf")})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+    assert "cannot load Skylion007/openwebtext" in r.stderr and "--input=PATH" in r.stderr
