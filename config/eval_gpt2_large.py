@@ -1,10 +1,5 @@
-# Evaluate OpenAI's gpt2-large on OpenWebText (python data/openwebtext/prepare.py first): train/val loss, no training.
+# Evaluate OpenAI's gpt2-large on OpenWebText: config/eval_gpt2.py with another model.
 # python train.py config/eval_gpt2_large.py
+exec(open(__file__.replace("_large", "")).read())
 out_dir = "out-eval-gpt2-large"
 init_from = "gpt2-large"
-dataset = "openwebtext"
-eval_only = True
-batch_size = 8
-block_size = 1024
-eval_iters = 500  # more iterations, a better estimate
-wandb_log = False

@@ -1,10 +1,5 @@
-# Evaluate OpenAI's gpt2-medium on OpenWebText (python data/openwebtext/prepare.py first): train/val loss, no training.
+# Evaluate OpenAI's gpt2-medium on OpenWebText: config/eval_gpt2.py with another model.
 # python train.py config/eval_gpt2_medium.py
+exec(open(__file__.replace("_medium", "")).read())
 out_dir = "out-eval-gpt2-medium"
 init_from = "gpt2-medium"
-dataset = "openwebtext"
-eval_only = True
-batch_size = 8
-block_size = 1024
-eval_iters = 500  # more iterations, a better estimate
-wandb_log = False

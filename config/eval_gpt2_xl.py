@@ -1,10 +1,5 @@
-# Evaluate OpenAI's gpt2-xl on OpenWebText (python data/openwebtext/prepare.py first): train/val loss, no training.
+# Evaluate OpenAI's gpt2-xl on OpenWebText: config/eval_gpt2.py with another model.
 # python train.py config/eval_gpt2_xl.py
+exec(open(__file__.replace("_xl", "")).read())
 out_dir = "out-eval-gpt2-xl"
 init_from = "gpt2-xl"
-dataset = "openwebtext"
-eval_only = True
-batch_size = 8
-block_size = 1024
-eval_iters = 500  # more iterations, a better estimate
-wandb_log = False
