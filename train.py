@@ -37,7 +37,8 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 # Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
 # Longer names first: the first name found in torch.cuda.get_device_name() wins ("A100" before "A10").
 GPU_PEAK_FLOPS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
-                  "L40S": (362e12, 91.6e12), "L4": (121e12, 30.3e12), "A10": (125e12, 31.2e12),
+                  "L40S": (362e12, 91.6e12), "L40": (181e12, 90.5e12), "L4": (121e12, 30.3e12),
+                  "A10": (125e12, 31.2e12),
                   "4090": (165e12, 82.6e12), "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12),
                   "T4": (65e12, 8.1e12)}
 
