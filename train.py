@@ -110,7 +110,8 @@ class TrainConfig:
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
             raise ValueError("invalid config: " + "; ".join(problems))
-        self.model_config(vocab_size=1)  # the model's own checks (n_head % n_kv_head, ...), before any work
+        if self.init_from == "scratch" or self.init_from.startswith("convert:"):  # else the model comes from weights
+            self.model_config(vocab_size=1)  # the model's own checks (n_head % n_kv_head, ...), before any work
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         return GPTConfig(**{k: getattr(self, k) for k in MODEL_FIELDS} | {"vocab_size": self.vocab_size or vocab_size})
@@ -285,36 +286,40 @@ def main(cfg: TrainConfig) -> None:
             dist.destroy_process_group()
 
 
-def init_model(cfg: TrainConfig, model_cfg: GPTConfig, device: str) -> tuple[GPT, dict | None]:
-    """The model to train: new, resumed from out_dir (the checkpoint is returned too) or converted to n_kv_head."""
-    if cfg.init_from == "scratch":
-        return GPT(model_cfg), None
+def init_model(cfg: TrainConfig, vocab_size: int, device: str) -> tuple[GPT, dict | None]:
+    """The model to train: new, resumed from out_dir (the checkpoint is returned too), converted to n_kv_head, or
+    GPT-2's."""
     if cfg.init_from in GPT2_NAMES or cfg.init_from.startswith("hf:"):
-        return from_pretrained(cfg, model_cfg), None
+        return from_pretrained(cfg, vocab_size), None
+    if cfg.init_from == "scratch":
+        return GPT(cfg.model_config(vocab_size)), None
     resume = cfg.init_from == "resume"
     path = Path(cfg.out_dir if resume else cfg.init_from.removeprefix("convert:"))
     ckpt = load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", device)
-    differ = [f"{k}: checkpoint {v!r}, config {getattr(model_cfg, k)!r}" for k, v in ckpt["model_config"].items()
-              if getattr(model_cfg, k) != v and (resume or k != "n_kv_head")]
+    # resume: the model keys changed since the checkpoint's run (a fine-tuned GPT-2 keeps GPT-2's shape);
+    # convert: every model key but n_kv_head must match the source
+    before, now = (ckpt.get("config", {}), cfg) if resume else (ckpt["model_config"], cfg.model_config(vocab_size))
+    differ = [f"{k}: checkpoint {v!r}, config {getattr(now, k)!r}" for k, v in ckpt["model_config"].items()
+              if k in before and before[k] != getattr(now, k) and (resume or k != "n_kv_head")]
     if differ:
         raise ValueError(f"cannot {'resume' if resume else 'convert'} {path}: the config asks for another model "
                          f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")
     model = model_from_checkpoint(ckpt)
-    return (model, ckpt) if resume else (convert_kv_heads(model, model_cfg.n_kv_head), None)
+    return (model, ckpt) if resume else (convert_kv_heads(model, now.n_kv_head), None)
 
 
-def from_pretrained(cfg: TrainConfig, model_cfg: GPTConfig) -> GPT:
+def from_pretrained(cfg: TrainConfig, vocab_size: int) -> GPT:
     """GPT-2 weights with this run's dropout, cropped to its block_size, and pooled to its n_kv_head if fewer."""
     model = from_hf_gpt2(cfg.init_from.removeprefix("hf:"))
-    if model_cfg.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the dataset's vocab_size={model_cfg.vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
+    if vocab_size > model.config.vocab_size:
+        raise ValueError(f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
                          f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)")
     config = replace(model.config, dropout=cfg.dropout, block_size=min(cfg.block_size, model.config.block_size))
     state = model.state_dict()
     state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state)
-    return convert_kv_heads(model, model_cfg.n_kv_head) if cfg.n_kv_head else model
+    return convert_kv_heads(model, cfg.n_kv_head) if cfg.n_kv_head else model
 
 
 def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -347,8 +352,7 @@ def train(cfg: TrainConfig, d: Dist) -> None:
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
     batches = Batches(cfg, d.device)
-    model_cfg = cfg.model_config(batches.meta["vocab_size"])
-    raw_model, ckpt = init_model(cfg, model_cfg, d.device)
+    raw_model, ckpt = init_model(cfg, batches.meta["vocab_size"], d.device)
     model_cfg = raw_model.config
     raw_model.to(d.device)
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
