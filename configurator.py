@@ -117,7 +117,7 @@ def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T]
     argv = sys.argv[1:] if argv is None else argv
     try:
         main(parse_config(config, argv) if dataclasses.is_dataclass(config) else config(argv))
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # user errors; OSError: missing, unreadable, unwritable files
         if os.environ.get("SMALLGPT_DEBUG") == "1":
             raise
         rank = os.environ.get("RANK")

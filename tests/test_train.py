@@ -94,3 +94,12 @@ def test_float16_off_cuda_and_missing_cuda_are_clear_errors(pycode_small: Path, 
         r = subprocess.run([sys.executable, "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}",
                             "--device=cpu", flag], cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unwritable_out_dir_is_one_line(pycode_small: Path, tmp_path: Path) -> None:
+    (tmp_path / "a_file").write_text("")
+    r = subprocess.run([sys.executable, "train.py", f"--dataset={pycode_small}", *TINY_TRAIN,
+                        f"--out_dir={tmp_path / 'a_file' / 'out'}", "--max_iters=1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("error:") and "a_file" in r.stderr
