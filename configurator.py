@@ -115,6 +115,10 @@ def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T]
     error ends the process with one `error: ...` line and exit 2. SMALLGPT_DEBUG=1 shows the traceback instead.
     """
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv) and dataclasses.is_dataclass(config):
+        print(f"usage: python {sys.argv[0]} [config files] [--key=value ...]; the keys and their defaults:")
+        print_config(config())
+        return
     try:
         main(parse_config(config, argv) if dataclasses.is_dataclass(config) else config(argv))
     except (ValueError, OSError, RuntimeError) as e:  # user errors; OSError: missing, unreadable, unwritable files

@@ -229,6 +229,24 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
 
 
 @dataclass(slots=True)
+class CorpusConfig:
+    """The options of the corpus preparers (data/openwebtext, data/fineweb_edu)."""
+
+    input: str | None = None  # local parquet/json/text files (a path or glob) instead of the hub
+    out_dir: str = ""
+    num_proc: int = 8  # tokenising processes (not used when streaming)
+    streaming: bool = False  # read the hub dataset as a stream: little disk, one process
+    val_every: int = 2000  # every N-th document goes to val (0.05%, as nanoGPT)
+    max_docs: int | None = None
+    subset: str | None = None  # the hub dataset's configuration, if it has several
+
+
+def prepare_hub_corpus(cfg: CorpusConfig, hub_id: str) -> None:
+    ds = load_corpus(hub_id, cfg.subset, cfg.input, cfg.streaming)
+    prepare_corpus(ds, Path(cfg.out_dir), cfg.num_proc, cfg.val_every, cfg.max_docs)
+
+
+@dataclass(slots=True)
 class TextConfig:
     input: str = ""  # a UTF-8 text file
     out_dir: str = ""  # the dataset folder to write, e.g. data/mytext

@@ -89,3 +89,12 @@ def test_every_shipped_config_file_parses(path: str) -> None:
 
     cfg = parse_config(TrainConfig, [path])
     assert cfg.model_config(vocab_size=100).n_layer >= 1
+
+
+def run_script(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_the_keys_and_defaults() -> None:
+    r = run_script(["train.py", "--help"])
+    assert r.returncode == 0 and "n_kv_head" in r.stdout and "learning_rate" in r.stdout and "= 0.001" in r.stdout
