@@ -168,7 +168,7 @@ def peak_flops(device: str, dtype: torch.dtype) -> float | None:
         return None if peaks is None else peaks[dtype == torch.float32]
     if device != "cpu":
         return None
-    a = torch.randn(1024, 1024, dtype=dtype)
+    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)  # leaves the global RNG be
     a @ a  # warm-up
     rates = []
     for _ in range(5):
@@ -275,6 +275,12 @@ def versions() -> dict[str, str | None]:
     return {"git_sha": sha, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
 
 
+def rng_states(device_type: str) -> dict[str, Any]:
+    """The random generators' states (dropout), for an exact resume; batches need none (seeded per iteration)."""
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if device_type == "cuda" else {}
+    return {"torch": torch.get_rng_state()} | cuda
+
+
 def main(cfg: TrainConfig) -> None:
     d = setup_distributed(cfg.device)
     try:
@@ -363,6 +369,10 @@ def train(cfg: TrainConfig, d: Dist) -> None:
         if ckpt["scaler"]:  # empty when saved by a disabled scaler
             scaler.load_state_dict(ckpt["scaler"])
         iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
+        if "rng" in ckpt:  # dropout draws continue where the checkpointed run left them
+            torch.set_rng_state(ckpt["rng"]["torch"].cpu())
+            if "cuda" in ckpt["rng"] and device_type == "cuda":
+                torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
     del ckpt
     model = torch.compile(raw_model) if cfg.compile else raw_model  # raw_model keeps plain state_dict names
     ddp_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None,
@@ -395,7 +405,7 @@ def train(cfg: TrainConfig, d: Dist) -> None:
                     path = Path(cfg.out_dir) / "ckpt.pt"
                     save_checkpoint(path, raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                                     iter_num=iter_num, best_val_loss=best_val, config=asdict(cfg),
-                                    data_meta=batches.meta)
+                                    data_meta=batches.meta, rng=rng_states(device_type))
                     print(f"saved checkpoint to {path}")
                 t_last = time.perf_counter()  # ms/iter leaves evaluation out
             if cfg.eval_only or iter_num >= cfg.max_iters:

@@ -103,3 +103,16 @@ def test_unwritable_out_dir_is_one_line(pycode_small: Path, tmp_path: Path) -> N
                        text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert r.stderr.startswith("error:") and "a_file" in r.stderr
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(pycode_small: Path, tmp_path: Path) -> None:
+    """2N iterations in one go vs N, then a resumed N more: the same losses, bit for bit (CPU, float32, dropout on:
+    the torch RNG state travels in the checkpoint; the batches depend on (seed, iteration) only)."""
+    args = [f"--dataset={pycode_small}", *TINY_TRAIN, "--log_interval=1", "--eval_interval=10", "--dropout=0.1",
+            "--always_save_checkpoint=True", "--lr_decay_iters=20"]
+    train(pycode_small, tmp_path / "once", *args, "--max_iters=20")
+    train(pycode_small, tmp_path / "twice", *args, "--max_iters=10")
+    train(pycode_small, tmp_path / "twice", *args, "--max_iters=20", "--init_from=resume")
+    once = [(r["iter"], r["loss"]) for r in read_log(tmp_path / "once") if r["event"] == "train"]
+    twice = [(r["iter"], r["loss"]) for r in read_log(tmp_path / "twice") if r["event"] == "train"]
+    assert [i for i, _ in once] == list(range(1, 21)) and once == twice
