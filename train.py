@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import time
 from contextlib import nullcontext
@@ -281,6 +282,17 @@ def rng_states(device_type: str) -> dict[str, Any]:
     return {"torch": torch.get_rng_state()} | cuda
 
 
+def stop_requested(signals: list[int], d: Dist, at_log: bool) -> bool:
+    """Whether a signal asked the run to stop; under DDP the ranks agree on it at log steps, so all stop together."""
+    if d.world_size == 1:
+        return bool(signals)
+    if not at_log:
+        return False
+    flag = torch.tensor(float(bool(signals)), device=d.device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
+
+
 def main(cfg: TrainConfig) -> None:
     d = setup_distributed(cfg.device)
     try:
@@ -390,6 +402,17 @@ def train(cfg: TrainConfig, d: Dist) -> None:
     peak = (cfg.peak_flops or peak_flops(d.device, dtype)) if d.is_master else None
     t_start = t_last = time.perf_counter()
     last_log, loss_sum = iter_num, torch.zeros((), device=d.device)
+
+    def save() -> None:
+        path = Path(cfg.out_dir) / "ckpt.pt"
+        save_checkpoint(path, raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+                        iter_num=iter_num, best_val_loss=best_val, config=asdict(cfg), data_meta=batches.meta,
+                        rng=rng_states(device_type))
+        print(f"saved checkpoint to {path}")
+
+    signals: list[int] = []  # SIGTERM/SIGINT (pre-emption, Ctrl-C): finish the step, save, exit cleanly
+    previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         while True:
             lr = lr_at(iter_num, cfg)
@@ -402,18 +425,15 @@ def train(cfg: TrainConfig, d: Dist) -> None:
                           elapsed_s=time.perf_counter() - t_start)
                 if iter_num > 0 and not cfg.eval_only and (losses["val"] < best_val or cfg.always_save_checkpoint):
                     best_val = min(best_val, losses["val"])
-                    path = Path(cfg.out_dir) / "ckpt.pt"
-                    save_checkpoint(path, raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
-                                    iter_num=iter_num, best_val_loss=best_val, config=asdict(cfg),
-                                    data_meta=batches.meta, rng=rng_states(device_type))
-                    print(f"saved checkpoint to {path}")
+                    save()
                 t_last = time.perf_counter()  # ms/iter leaves evaluation out
             if cfg.eval_only or iter_num >= cfg.max_iters:
                 break
             loss_sum += train_step(ddp_model, raw_model, optimizer, scaler, batches, iter_num, d, accum, autocast,
                                    cfg.grad_clip)
             iter_num += 1
-            if iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters:
+            at_log = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
+            if at_log:
                 if d.world_size > 1:  # a collective on every rank, only at log steps
                     dist.all_reduce(loss_sum)
                 train_loss = loss_sum.item() / d.world_size / (iter_num - last_log)  # the step's only host sync
@@ -427,7 +447,15 @@ def train(cfg: TrainConfig, d: Dist) -> None:
                           f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu is not None else ""))
                     log.write(event="train", iter=iter_num, loss=train_loss, lr=lr, ms_per_iter=dt * 1000,
                               tokens_per_s=tokens_per_iter / dt, mfu=mfu, elapsed_s=now - t_start)
+            if stop_requested(signals, d, at_log):
+                if d.is_master:
+                    print(f"stopping on {signal.Signals(signals[0]).name if signals else 'a signal to another rank'} "
+                          f"at iteration {iter_num}")
+                    save()
+                break
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if log is not None:
             log.close()
 

@@ -116,3 +116,33 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(pycode_small: Path,
     once = [(r["iter"], r["loss"]) for r in read_log(tmp_path / "once") if r["event"] == "train"]
     twice = [(r["iter"], r["loss"]) for r in read_log(tmp_path / "twice") if r["event"] == "train"]
     assert [i for i, _ in once] == list(range(1, 21)) and once == twice
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_cleanly(pycode_small: Path, tmp_path: Path) -> None:
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN,
+                          "--log_interval=1", "--max_iters=100000", "--eval_interval=100000"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def logged_iters() -> int:
+        try:
+            return sum(r["event"] == "train" for r in read_log(out))
+        except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line half written
+            return 0
+
+    deadline = time.time() + 60
+    while time.time() < deadline and logged_iters() < 3:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr
+    assert "stopping on SIGTERM at iteration" in stdout and "Traceback" not in stderr
+    ckpt = load_checkpoint(out / "ckpt.pt")
+    last_logged = [r["iter"] for r in read_log(out) if r["event"] == "train"][-1]
+    assert 3 <= ckpt["iter_num"] == last_logged < 100000
+    train(pycode_small, out, f"--max_iters={ckpt['iter_num'] + 2}", "--init_from=resume", "--log_interval=1")
+    assert [r["iter"] for r in read_log(out) if r["event"] == "train"][-2:] == [ckpt["iter_num"] + 1,
+                                                                               ckpt["iter_num"] + 2]
