@@ -138,13 +138,16 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
     return rows
 
 
-def table(rows: list[dict], columns: dict[str, str]) -> str:
+def table(rows: list[dict], columns: dict[str, str] | None = None) -> str:
+    """A markdown table of rows: the given {key: header} columns, or every key."""
+    columns = columns or {k: k for r in rows for k in r}
+
     def fmt(v: object) -> str:
         if isinstance(v, float):
-            return f"{v:,.3g}" if abs(v) < 10 else f"{v:,.1f}"
+            return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4f}".rstrip("0").rstrip(".")
         return "-" if v is None else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
 
-    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "--:|" * len(columns)]
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in columns) + " |" for r in rows])
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from bench import default_kv_heads, timed_decode
+from bench import table as markdown_table
 from configurator import parse_config, run_cli, split_args
 from dataset import vocab_size_of
 from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint
@@ -121,20 +122,6 @@ def report_rows(cfg: CompareConfig, runs: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-
-    def fmt(v: object) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4f}".rstrip("0").rstrip(".")
-        return f"{v:,}" if isinstance(v, int) else str(v)
-
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows])
-
-
 def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -173,7 +160,7 @@ def report(cfg: CompareConfig, root: Path) -> str:
                    None)
         run["offset"] = (src["evals"][-1]["iter"], src["evals"][-1]["wall_s"]) if src else (0, 0.0)
     rows = report_rows(cfg, runs)
-    table = markdown(rows)
+    table = markdown_table(rows)
     device = resolve_device("auto", 0)
     notes = (f"KV-cache bytes in {cfg.kv_dtype}: per sequence at block_size, and for batch {cfg.kv_batch} at "
              f"{cfg.kv_seq_len} tokens. decode_tok_s: the trained checkpoint, batch 1, greedy, {cfg.decode_tokens} "
@@ -201,7 +188,7 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
         rows.append({"n_kv_head": g, "kind": mcfg.attention_kind, "params (M)": round(model.num_params() / 1e6, 2),
                      "attention params/layer": model.attention_params_per_layer(),
                      f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(kv / 2**20, 2)})
-    table = markdown(rows)
+    table = markdown_table(rows)
     print(table)
     return table
 
