@@ -78,7 +78,7 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
             for it in range(cfg.warmup + cfg.iters):
                 t0 = time.perf_counter()
                 loss = train_step(model, raw, opt, scaler, batches, it, d, base.gradient_accumulation_steps,
-                                  autocast, base.grad_clip).item()
+                                  autocast, base.grad_clip)[0].item()
                 sync()
                 times.append(time.perf_counter() - t0)
             dt = statistics.median(times[cfg.warmup:])

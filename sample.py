@@ -36,11 +36,12 @@ class SampleConfig:
     kv_cache: bool = True  # False recomputes the whole context every token, for comparison
 
     def __post_init__(self) -> None:
-        if self.num_samples < 1 or self.max_new_tokens < 0:
-            raise ValueError(f"num_samples={self.num_samples} must be >= 1 and max_new_tokens={self.max_new_tokens} "
-                             f">= 0")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        problems = [f"num_samples={self.num_samples} must be at least 1"] if self.num_samples < 1 else []
+        problems += [f"max_new_tokens={self.max_new_tokens} must not be negative"] if self.max_new_tokens < 0 else []
+        problems += [f"dtype={self.dtype!r} must be float32, bfloat16 or float16"] if self.dtype not in (
+            "float32", "bfloat16", "float16") else []
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 def read_prompts(start: str) -> list[str]:

@@ -8,9 +8,13 @@ import json
 import math
 import os
 import platform
+import shutil
 import signal
+import socket
 import subprocess
+import tempfile
 import time
+import urllib.parse
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -53,7 +57,9 @@ class TrainConfig:
     eval_iters: int = 50
     eval_only: bool = False
     always_save_checkpoint: bool = False  # False: save only when val loss improves
-    # 'scratch', 'resume' (from out_dir/ckpt.pt), 'convert:<ckpt or out_dir>' (another run's model with its K/V
+    keep_last: int = 0  # also keep the last K checkpoints as ckpt-<iteration>.pt (hard links: no extra disk)
+    # 'scratch', 'resume' (from out_dir/ckpt.pt), 'auto' (resume if out_dir/ckpt.pt exists, else scratch: for
+    # restarts, e.g. torchrun --max-restarts), 'convert:<ckpt or out_dir>' (another run's model with its K/V
     # heads mean-pooled into n_kv_head groups: MHA -> GQA/MQA uptraining), or OpenAI's GPT-2: 'gpt2', 'gpt2-medium',
     # 'gpt2-large', 'gpt2-xl' or 'hf:<local folder>' (model keys other than dropout, block_size, n_kv_head ignored)
     init_from: str = "scratch"
@@ -86,6 +92,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # 0 disables clipping
+    # a NaN/inf loss: 'stop' (seen at log steps, no extra host sync; the last good checkpoint stays) or 'skip' (drop
+    # every step whose gradient is not finite: one host sync per step)
+    nonfinite: str = "stop"
     decay_lr: bool = True
     warmup_iters: int = 100
     lr_decay_iters: int = 5000
@@ -103,15 +112,18 @@ class TrainConfig:
         problems = [f"{k}={getattr(self, k)} must be positive" for k in positive if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("max_iters", "warmup_iters",
                      "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip") if getattr(self, k) < 0]
-        named = self.init_from in ("scratch", "resume", *GPT2_NAMES)
+        problems += [f"keep_last={self.keep_last} must not be negative"] if self.keep_last < 0 else []
+        if self.nonfinite not in ("stop", "skip"):
+            problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
+        named = self.init_from in ("scratch", "resume", "auto", *GPT2_NAMES)
         if not named and not self.init_from.startswith(("convert:", "hf:")):
-            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'convert:<checkpoint>', "
-                            f"{', '.join(GPT2_NAMES)} or 'hf:<folder saved by save_pretrained>'")
+            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'auto', "
+                            f"'convert:<checkpoint>', {', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
             raise ValueError("invalid config: " + "; ".join(problems))
-        if self.init_from == "scratch" or self.init_from.startswith("convert:"):  # else the model comes from weights
+        if self.init_from in ("scratch", "auto") or self.init_from.startswith("convert:"):  # else from weights
             self.model_config(vocab_size=1)  # the model's own checks (n_head % n_kv_head, ...), before any work
 
     def model_config(self, vocab_size: int) -> GPTConfig:
@@ -147,7 +159,13 @@ def setup_distributed(device: str) -> Dist:
     dev = resolve_device(device, local_rank)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+    try:
+        dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+    except RuntimeError as e:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            raise
+        raise RuntimeError(f"{e}; a torchrun restart can read the previous attempt's addresses (pytorch issue "
+                           f"135712): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") from e
     return Dist(rank, local_rank, world, dev, rank == 0)
 
 
@@ -248,8 +266,14 @@ class RunLog:
             import wandb
 
             name = cfg.wandb_run_name or f"{Path(cfg.dataset).name}-{model_cfg.attention_kind}"
+            mode = None  # WANDB_MODE's, else online
+            url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+            if os.environ.get("WANDB_MODE", "online") == "online" and (why := unreachable(url)):
+                mode = "offline"  # online wandb would wait ~100 s for a network that is not there
+                print(f"wandb: cannot reach {url} ({why}): logging offline to {cfg.out_dir}/wandb instead; upload it "
+                      f"later with `wandb sync`, or set WANDB_MODE=offline to skip this check")
             try:
-                self.wandb = wandb.init(project=cfg.wandb_project, name=name, group=cfg.wandb_group,
+                self.wandb = wandb.init(project=cfg.wandb_project, name=name, group=cfg.wandb_group, mode=mode,
                                         tags=cfg.wandb_tags, config=asdict(cfg), dir=cfg.out_dir)
             except Exception as e:  # wandb raises its own errors (no API key, no network)
                 raise RuntimeError(f"wandb could not start ({type(e).__name__}: {str(e).splitlines()[0]}); "
@@ -265,6 +289,16 @@ class RunLog:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def unreachable(url: str, timeout: float = 3.0) -> str | None:
+    """Why no TCP connection to url's host opens within timeout, or None if one does."""
+    u = urllib.parse.urlparse(url)
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout).close()
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def versions() -> dict[str, str | None]:
@@ -307,12 +341,15 @@ def main(cfg: TrainConfig) -> None:
 def init_model(cfg: TrainConfig, vocab_size: int, device: str) -> tuple[GPT, dict | None]:
     """The model to train: new, resumed from out_dir (the checkpoint is returned too), converted to n_kv_head, or
     GPT-2's."""
-    if cfg.init_from in GPT2_NAMES or cfg.init_from.startswith("hf:"):
+    init_from = cfg.init_from
+    if init_from == "auto":
+        init_from = "resume" if (Path(cfg.out_dir) / "ckpt.pt").exists() else "scratch"
+    if init_from in GPT2_NAMES or init_from.startswith("hf:"):
         return from_pretrained(cfg, vocab_size), None
-    if cfg.init_from == "scratch":
+    if init_from == "scratch":
         return GPT(cfg.model_config(vocab_size)), None
-    resume = cfg.init_from == "resume"
-    path = Path(cfg.out_dir if resume else cfg.init_from.removeprefix("convert:"))
+    resume = init_from == "resume"
+    path = Path(cfg.out_dir if resume else init_from.removeprefix("convert:"))
     ckpt = load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", device)
     # resume: the model keys changed since the checkpoint's run (a fine-tuned GPT-2 keeps GPT-2's shape);
     # convert: every model key but n_kv_head must match the source
@@ -341,8 +378,11 @@ def from_pretrained(cfg: TrainConfig, vocab_size: int) -> GPT:
 
 
 def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               batches: Batches, it: int, d: Dist, accum: int, autocast: Any, grad_clip: float) -> torch.Tensor:
-    """One optimizer step over this rank's accum micro-batches; returns their mean loss (a tensor: no host sync)."""
+               batches: Batches, it: int, d: Dist, accum: int, autocast: Any, grad_clip: float,
+               skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
+    """One optimizer step over this rank's accum micro-batches; returns their mean loss (a tensor: no host sync) and
+    whether the step was taken: skip_nonfinite drops a step whose gradient norm is NaN/inf (the same on every rank,
+    as gradients are all-reduced), at the cost of one host sync."""
     loss_sum = torch.zeros((), device=d.device)
     for micro in range(accum):
         x, y = batches.train(it, d.rank * accum + micro)
@@ -351,13 +391,33 @@ def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Op
             _, loss = model(x, y)
         scaler.scale(loss / accum).backward()
         loss_sum += loss.detach() / accum
-    if grad_clip > 0:
+    taken = True
+    if grad_clip > 0 or skip_nonfinite:
         scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip)
-    scaler.step(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
+        taken = not skip_nonfinite or bool(torch.isfinite(norm))
+    if taken:
+        scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum
+    return loss_sum, taken
+
+
+def check_out_dir(out_dir: Path, need_bytes: int) -> None:
+    """Fail before training, not at the first save, if out_dir is not writable or has too little free space."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_dir):
+        pass
+    free = shutil.disk_usage(out_dir).free
+    if free < need_bytes:
+        raise OSError(f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but a checkpoint needs about "
+                      f"{need_bytes / 2**20:,.1f} MiB: free some space or choose another out_dir")
+
+
+def diverged(what: str, value: float, iter_num: int, saved: int | None) -> RuntimeError:
+    kept = "no checkpoint was written yet" if saved is None else f"the last good checkpoint (iteration {saved}) is kept"
+    return RuntimeError(f"{what} is {value} at iteration {iter_num}: training diverged; {kept}; lower learning_rate "
+                        f"(or raise warmup_iters), or set --nonfinite=skip to drop such steps")
 
 
 def train(cfg: TrainConfig, d: Dist) -> None:
@@ -376,6 +436,7 @@ def train(cfg: TrainConfig, d: Dist) -> None:
     optimizer = raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
     iter_num, best_val = 0, float("inf")
+    saved = None if ckpt is None else ckpt["iter_num"]  # the iteration of the last good checkpoint
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         if ckpt["scaler"]:  # empty when saved by a disabled scaler
@@ -390,8 +451,8 @@ def train(cfg: TrainConfig, d: Dist) -> None:
     ddp_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None,
                     broadcast_buffers=False) if d.world_size > 1 else model
     log = None
-    if d.is_master:
-        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    if d.is_master:  # a checkpoint holds the weights and AdamW's two moments (and a few small things)
+        check_out_dir(Path(cfg.out_dir), 3 * sum(p.nbytes for p in raw_model.parameters()) + 2**20)
         print(f"config ({d.world_size} process{'es' if d.world_size > 1 else ''}, {d.device}, {dtype}):")
         print_config(cfg)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
@@ -401,14 +462,23 @@ def train(cfg: TrainConfig, d: Dist) -> None:
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
     peak = (cfg.peak_flops or peak_flops(d.device, dtype)) if d.is_master else None
     t_start = t_last = time.perf_counter()
-    last_log, loss_sum = iter_num, torch.zeros((), device=d.device)
+    last_log, loss_sum, taken_steps, skipped = iter_num, torch.zeros((), device=d.device), 0, 0
 
     def save() -> None:
-        path = Path(cfg.out_dir) / "ckpt.pt"
-        save_checkpoint(path, raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
+        nonlocal saved
+        if not all(bool(p.isfinite().all()) for p in raw_model.parameters()):  # never overwrite a good checkpoint
+            raise diverged("a weight", math.nan, iter_num, saved)
+        out = Path(cfg.out_dir)
+        save_checkpoint(out / "ckpt.pt", raw_model, optimizer=optimizer.state_dict(), scaler=scaler.state_dict(),
                         iter_num=iter_num, best_val_loss=best_val, config=asdict(cfg), data_meta=batches.meta,
                         rng=rng_states(device_type))
-        print(f"saved checkpoint to {path}")
+        saved = iter_num
+        if cfg.keep_last:
+            (out / f"ckpt-{iter_num:07d}.pt").unlink(missing_ok=True)
+            os.link(out / "ckpt.pt", out / f"ckpt-{iter_num:07d}.pt")  # ckpt.pt is replaced, never rewritten
+            for old in sorted(out.glob("ckpt-*.pt"))[:-cfg.keep_last]:
+                old.unlink()
+        print(f"saved checkpoint to {out / 'ckpt.pt'}")
 
     signals: list[int] = []  # SIGTERM/SIGINT (pre-emption, Ctrl-C): finish the step, save, exit cleanly
     previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum))
@@ -420,33 +490,45 @@ def train(cfg: TrainConfig, d: Dist) -> None:
                 group["lr"] = lr
             if d.is_master and (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only):
                 losses = evaluate(model, batches, cfg.eval_iters, autocast)
+                if not math.isfinite(losses["val"]):
+                    raise diverged("the val loss", losses["val"], iter_num, saved)
                 print(f"step {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 log.write(event="eval", iter=iter_num, train_loss=losses["train"], val_loss=losses["val"], lr=lr,
                           elapsed_s=time.perf_counter() - t_start)
-                if iter_num > 0 and not cfg.eval_only and (losses["val"] < best_val or cfg.always_save_checkpoint):
+                improved = losses["val"] < best_val or cfg.always_save_checkpoint
+                if iter_num not in (0, saved) and not cfg.eval_only and improved:  # saved: the iteration resumed at
                     best_val = min(best_val, losses["val"])
                     save()
                 t_last = time.perf_counter()  # ms/iter leaves evaluation out
             if cfg.eval_only or iter_num >= cfg.max_iters:
                 break
-            loss_sum += train_step(ddp_model, raw_model, optimizer, scaler, batches, iter_num, d, accum, autocast,
-                                   cfg.grad_clip)
+            loss, taken = train_step(ddp_model, raw_model, optimizer, scaler, batches, iter_num, d, accum, autocast,
+                                     cfg.grad_clip, cfg.nonfinite == "skip")
             iter_num += 1
+            if taken:
+                loss_sum += loss
+                taken_steps += 1
+            else:
+                skipped += 1
             at_log = iter_num % cfg.log_interval == 0 or iter_num == cfg.max_iters
             if at_log:
                 if d.world_size > 1:  # a collective on every rank, only at log steps
                     dist.all_reduce(loss_sum)
-                train_loss = loss_sum.item() / d.world_size / (iter_num - last_log)  # the step's only host sync
+                train_loss = loss_sum.item() / d.world_size / taken_steps if taken_steps else math.nan  # host sync
+                if taken_steps and not math.isfinite(train_loss):
+                    raise diverged("the training loss", train_loss, iter_num, saved)
                 now = time.perf_counter()
                 dt = (now - t_last) / (iter_num - last_log)
                 t_last, last_log = now, iter_num
                 loss_sum.zero_()
+                taken_steps = 0
                 if d.is_master:
                     mfu = raw_model.estimate_mfu(tokens_per_iter, dt, peak, cfg.block_size) if peak else None
                     print(f"iter {iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, "
-                          f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu is not None else ""))
+                          f"{tokens_per_iter / dt:,.0f} tok/s" + (f", mfu {mfu:.1%}" if mfu is not None else "")
+                          + (f", {skipped} non-finite steps skipped so far" if skipped else ""))
                     log.write(event="train", iter=iter_num, loss=train_loss, lr=lr, ms_per_iter=dt * 1000,
-                              tokens_per_s=tokens_per_iter / dt, mfu=mfu, elapsed_s=now - t_start)
+                              tokens_per_s=tokens_per_iter / dt, mfu=mfu, skipped=skipped, elapsed_s=now - t_start)
             if stop_requested(signals, d, at_log):
                 if d.is_master:
                     print(f"stopping on {signal.Signals(signals[0]).name if signals else 'a signal to another rank'} "

@@ -73,7 +73,10 @@ def test_keys_from_files_are_checked_like_flags(tmp_path: Path) -> None:
     (["--n_kv_heads=2"], "error: unknown config key 'n_kv_heads' (from flag --n_kv_heads=2); did you mean n_kv_head"),
     (["--batch_size=abc"], "error: batch_size=abc (from flag --batch_size=abc) has the wrong type: expected int"),
     (["--n_head=6", "--n_kv_head=4", "--n_embd=48"], "n_head=6 must be divisible by n_kv_head=4"),
+    (["--n_head=6", "--n_embd=50"], "n_embd=50 must be divisible by n_head=6"),
     (["--batch_size=0"], "batch_size=0 must be positive"),
+    (["--block_size=-8"], "block_size=-8 must be positive"),
+    (["--nonfinite=ignore"], "nonfinite='ignore' must be 'stop' or 'skip'"),
     (["config/nope.py"], "error: config file config/nope.py not found"),
 ])
 def test_scripts_print_one_error_line_and_exit_2(args: list[str], message: str) -> None:

@@ -112,6 +112,32 @@ def test_sdpa_gqa_equals_explicit_repeat_reference(monkeypatch: pytest.MonkeyPat
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_split_across_threads_equals_plain_linear(threads: int, bias: bool) -> None:
+    """The decoding path of model.Linear (few rows, no autograd) computes the same product as nn.Linear, also when
+    out_features is not a multiple of the thread count; with autograd it is nn.Linear's own path."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out_features in (48, 50):
+            layer = model_module.Linear(32, out_features, bias=bias)
+            for shape in ((1, 1, 32), (3, 2, 32), (model_module.SPLIT_MAX_ROWS, 32), (100, 32)):
+                x = torch.randn(shape)
+                with torch.no_grad():
+                    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                               rtol=1e-5, atol=1e-6)
+                layer(x).sum().backward()
+                assert layer.weight.grad is not None
+            with torch.no_grad():  # the cached views follow the weights: updated in place, or replaced
+                layer.weight.mul_(2.0)
+                torch.testing.assert_close(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
+                layer.weight.data = torch.randn(out_features, 32)
+                torch.testing.assert_close(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_variant_overfits_one_batch(variant: str, pos_encoding: str) -> None:

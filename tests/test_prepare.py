@@ -85,12 +85,14 @@ def test_gpt2_bpe_offline_is_a_clear_error(tmp_path: Path) -> None:
     assert "cannot load the GPT-2 BPE" in r.stderr and "GPT2_BPE_FILE" in r.stderr
 
 
-def test_truncated_token_file_is_detected(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", ["truncated", "wrong dtype"])
+def test_truncated_or_wrong_dtype_token_file_is_detected(tmp_path: Path, damage: str) -> None:
     src = tmp_path / "t.txt"
     src.write_text("abcdefghij" * 100)
     run(["dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'd'}"])
     f = tmp_path / "d" / "train.bin"
-    f.write_bytes(f.read_bytes()[:-3])
+    ids = open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))
+    f.write_bytes(ids.tobytes()[:-3] if damage == "truncated" else ids.astype(np.int32).tobytes())
     with pytest.raises(ValueError, match="truncated or of another dtype"):
         open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))
 

@@ -81,7 +81,7 @@ def test_prompt_from_file(tmp_path: Path) -> None:
     (["--start=héllo ü"], "characters not in the dataset's vocabulary: 'éü'"),
     (["--start=FILE:/no/such/prompt.txt"], "prompt file /no/such/prompt.txt not found"),
     (["--start=" + "x" * 65], "a prompt has 65 tokens; it needs 1 to block_size=64"),
-    (["--max_new_tokens=-1"], "max_new_tokens=-1"),
+    (["--max_new_tokens=-1"], "max_new_tokens=-1 must not be negative"),
     (["--out_dir=/no/such/dir"], "no checkpoint at /no/such/dir/ckpt.pt"),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:

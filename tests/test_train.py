@@ -63,6 +63,15 @@ def test_missing_dataset_path_is_one_line(tmp_path: Path) -> None:
     assert r.stderr.startswith("error: no dataset at") and len(r.stderr.splitlines()) == 1
 
 
+def test_block_size_larger_than_the_dataset_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("print('hello')\n" * 40)
+    run(["dataset.py", f"--input={tmp_path / 't.txt'}", f"--out_dir={tmp_path / 'd'}"])
+    r = subprocess.run([sys.executable, "train.py", f"--dataset={tmp_path / 'd'}", f"--out_dir={tmp_path / 'out'}",
+                        *TINY_TRAIN, "--block_size=128"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
+    assert "has 60 tokens, fewer than block_size+1=129" in r.stderr
+
+
 def test_eval_only_writes_no_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = train(pycode_small, out, "--eval_only=True")

@@ -1,0 +1,188 @@
+"""Checkpoints that survive kill -9, divergence handling, restarts under torchrun, up-front checks."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_TRAIN, read_log, run
+from model import GPT, GPTConfig, load_checkpoint
+from train import Batches, Dist, TrainConfig, check_out_dir, train_step
+
+
+def train_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train.py", f"--dataset={data}", f"--out_dir={out}", *TINY_TRAIN, *extra]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """The logged loss of every iteration (a repeated iteration, after a restart, keeps its last record)."""
+    return {r["iter"]: r["loss"] for r in read_log(out) if r["event"] == "train"}
+
+
+def finite(ckpt: dict) -> bool:
+    return all(bool(t.isfinite().all()) for t in ckpt["model"].values())
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run(train_args(pycode_small, out, "--max_iters=4", "--eval_interval=2", "--always_save_checkpoint=True"))
+    good = (out / "ckpt.pt").read_bytes()
+    r = subprocess.run([sys.executable, *train_args(pycode_small, out, "--init_from=resume", "--max_iters=40",
+                        "--eval_interval=2", "--always_save_checkpoint=True", "--log_interval=1",
+                        "--learning_rate=1e30", "--decay_lr=False")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "training diverged; the last good checkpoint (iteration 4) is kept" in r.stderr
+    assert "--nonfinite=skip" in r.stderr
+    assert (out / "ckpt.pt").read_bytes() == good and finite(load_checkpoint(out / "ckpt.pt"))
+
+
+def test_skip_mode_drops_a_nonfinite_step_and_leaves_weights_and_optimizer_untouched(pycode_small: Path) -> None:
+    cfg = TrainConfig(dataset=str(pycode_small), block_size=32, batch_size=4)
+    batches = Batches(cfg, "cpu")
+    model = GPT(GPTConfig(block_size=32, vocab_size=batches.meta["vocab_size"], n_layer=2, n_head=4, n_embd=32))
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    d = Dist(0, 0, 1, "cpu", True)
+
+    def step(it: int, skip: bool = True) -> bool:
+        return train_step(model, model, opt, scaler, batches, it, d, 1, torch.autocast("cpu", enabled=False), 1.0,
+                          skip)[1]
+
+    assert step(0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    adam_steps = [s["step"].item() for s in opt.state.values()]
+    # a fault in one step (here: NaN activations in the first block, as a bad kernel or bit flip would give)
+    hook = model.transformer.h[0].register_forward_hook(lambda m, i, o: o * float("nan"))
+    assert not step(1)
+    hook.remove()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [s["step"].item() for s in opt.state.values()] == adam_steps
+    assert step(2)
+    assert not torch.equal(before["lm_head.weight"], model.lm_head.weight) and finite({"model": model.state_dict()})
+
+
+def test_skip_mode_counts_skipped_steps_in_the_log(pycode_small: Path, tmp_path: Path) -> None:
+    """lr=1e30 blows the weights up after one step: every later step has a NaN gradient and is skipped; the
+    evaluation at the end still sees the broken model and stops the run without writing a checkpoint."""
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, *train_args(pycode_small, out, "--max_iters=6", "--eval_interval=6",
+                        "--log_interval=2", "--learning_rate=1e30", "--decay_lr=False", "--nonfinite=skip")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "the val loss is nan at iteration 6" in r.stderr
+    assert "no checkpoint was written yet" in r.stderr and not (out / "ckpt.pt").exists()
+    skipped = [x["skipped"] for x in read_log(out) if x["event"] == "train"]
+    assert skipped[-1] >= 4 and "non-finite steps skipped" in r.stdout
+
+
+def test_keep_last_keeps_the_k_newest_checkpoints(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    run(train_args(pycode_small, out, "--max_iters=8", "--eval_interval=2", "--always_save_checkpoint=True",
+                   "--keep_last=2"))
+    assert sorted(p.name for p in out.glob("ckpt*.pt")) == ["ckpt-0000006.pt", "ckpt-0000008.pt", "ckpt.pt"]
+    assert load_checkpoint(out / "ckpt-0000006.pt")["iter_num"] == 6
+    assert (out / "ckpt-0000008.pt").read_bytes() == (out / "ckpt.pt").read_bytes()
+
+
+def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"  # a ~100 MB checkpoint, saved after every step: the write takes a while
+    p = subprocess.Popen([sys.executable, *train_args(pycode_small, out, "--n_layer=4", "--n_embd=384",
+                          "--batch_size=2", "--eval_iters=1", "--eval_interval=1", "--always_save_checkpoint=True",
+                          "--max_iters=100000")],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp, ckpt = out / "ckpt.pt.tmp", out / "ckpt.pt"
+    try:
+        deadline = time.time() + 120
+        while not ckpt.exists() and time.time() < deadline:  # a first checkpoint...
+            time.sleep(0.01)
+        while not tmp.exists() and time.time() < deadline:  # ...then kill the process while it writes the next
+            time.sleep(0.0005)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        p.kill()
+    assert tmp.exists(), "the kill did not land during a save"
+    state = load_checkpoint(ckpt)
+    assert state["iter_num"] >= 1 and finite(state)
+    r = run(train_args(pycode_small, out, "--n_layer=4", "--n_embd=384", "--batch_size=2", "--eval_iters=1",
+                       "--init_from=resume", f"--max_iters={state['iter_num'] + 1}", "--eval_interval=1000"))
+    assert f"iter {state['iter_num'] + 1}" in r.stdout
+
+
+def test_out_dir_without_room_for_a_checkpoint_fails_up_front(tmp_path: Path) -> None:
+    check_out_dir(tmp_path / "ok", 1)
+    with pytest.raises(OSError, match=r"MiB free, but a checkpoint needs about .* MiB: free some space"):
+        check_out_dir(tmp_path / "ok", 2**62)
+
+
+def test_wandb_online_without_network_falls_back_to_offline(pycode_small: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"} | {
+        "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40}  # port 9 (discard): nothing listens
+    t = time.time()
+    r = subprocess.run([sys.executable, *train_args(pycode_small, tmp_path / "out", "--max_iters=2",
+                        "--wandb_log=True")], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "wandb: cannot reach http://127.0.0.1:9" in r.stdout and "logging offline" in r.stdout
+    assert list((tmp_path / "out" / "wandb").glob("offline-run-*")) and time.time() - t < 60
+
+
+def worker_ranks(parent: int) -> dict[int, int]:
+    """{RANK: pid} of the processes whose parent is `parent` (torchrun's workers), from /proc."""
+    ranks = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+        except (OSError, ValueError):
+            continue
+        ranks[int(env["RANK"])] = int(proc.name)
+    return ranks
+
+
+def last_iter(out: Path) -> int:
+    try:
+        return max(train_losses(out), default=0)
+    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc (Linux)")
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(pycode_small: Path, tmp_path: Path) -> None:
+    """A worker killed with SIGKILL mid-run: torchrun --max-restarts=1 starts both workers again, init_from=auto
+    resumes from the last checkpoint, and every iteration's loss equals an uninterrupted 2-process run's."""
+    common = ["--init_from=auto", "--always_save_checkpoint=True", "--eval_interval=20", "--log_interval=1",
+              "--max_iters=120", "--gradient_accumulation_steps=2", "--dropout=0.1"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    run([*launch[1:], *train_args(pycode_small, tmp_path / "once", *common)])
+    out = tmp_path / "killed"
+    env = os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # see README: torchrun restarts
+    p = subprocess.Popen([*launch, "--max-restarts=1", *train_args(pycode_small, out, *common)], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and last_iter(out) < 50:
+            time.sleep(0.05)
+        workers = worker_ranks(p.pid)
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[1], signal.SIGKILL)
+        output, _ = p.communicate(timeout=240)
+    finally:  # torchrun and its workers (each in a session of its own), whatever happened
+        for pid in [p.pid, *worker_ranks(p.pid).values()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    (tmp_path / "torchrun.txt").write_text(output)
+    assert p.returncode == 0, output[-3000:]
+    log = read_log(out)
+    starts = [i for i, x in enumerate(log) if x["event"] == "config"]
+    assert len(starts) == 2  # the first attempt, and the restart
+    resumed_at = next(x["iter"] for x in log[starts[1]:] if x["event"] == "train") - 1
+    assert 40 <= resumed_at < 120 and resumed_at % 20 == 0
+    assert train_losses(out) == train_losses(tmp_path / "once")
