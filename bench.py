@@ -8,14 +8,18 @@ The model, device and dtype come from train.py's config files and flags; the key
 
 import dataclasses
 import json
+import re
 import statistics
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+import bench_peers
+import model as model_module
 from configurator import parse_config, run_cli, split_args
 from dataset import vocab_size_of
 from model import GPT, GPTConfig
@@ -24,7 +28,7 @@ from train import Dist, TrainConfig, peak_flops, resolve_device, resolve_dtype, 
 
 @dataclass(slots=True)
 class BenchConfig:
-    mode: str = "decode"  # 'train' or 'decode'
+    mode: str = "decode"  # 'train', 'decode', or against peers (bench_peers.py): 'hf', 'nanogpt'
     # train: every combination of these, on random tokens (speed does not depend on the data)
     compiles: list[bool] = field(default_factory=lambda: [False, True])
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
@@ -36,10 +40,12 @@ class BenchConfig:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     recompute_max_batch: int = 1  # recomputation only up to this batch size (it is slow)
     repeats: int = 3  # cached runs per setting, the median is reported
+    nanogpt_dir: str = ""  # nanogpt: a karpathy/nanoGPT checkout, outside this repository
+    linear_split: bool = True  # False: few-row products through nn.Linear's own path (model.SPLIT_MAX_ROWS = 0)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "decode"):
-            raise ValueError(f"mode={self.mode!r} must be 'train' or 'decode'")
+        if self.mode not in ("train", "decode", "hf", "nanogpt"):
+            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'hf' or 'nanogpt'")
 
 
 def default_kv_heads(n_head: int) -> list[int]:
@@ -151,23 +157,42 @@ def table(rows: list[dict], columns: dict[str, str] | None = None) -> str:
     return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in columns) + " |" for r in rows])
 
 
-def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig]:
+def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig, list[str]]:
     ours, train_args = split_args(argv, BenchConfig)
-    return parse_config(BenchConfig, ours), parse_config(TrainConfig, train_args)
+    return parse_config(BenchConfig, ours), parse_config(TrainConfig, train_args), train_args
 
 
-def main(config: tuple[BenchConfig, TrainConfig]) -> None:
-    cfg, base = config
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays off."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo.read_text()))
+
+
+def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
+    cfg, base, train_args = config
     device = resolve_device(base.device, 0)
     mcfg = base.model_config(vocab_size=vocab_size_of(base.dataset) or 50304)
     print(f"# {cfg.mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
-    if cfg.mode == "train":
+    if cfg.mode == "hf":
+        rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats)
+        print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",
+                           "ours_tok_s": "ours tok/s", "speedup": "speedup", "same_tokens": "same tokens"}))
+    elif cfg.mode == "nanogpt":
+        dtype = "bfloat16" if native_bf16() else "float32"
+        step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, "--device=cpu", "--vocab_size=65"])
+        rows = bench_peers.bench_nanogpt(cfg.nanogpt_dir, base.dataset, train_args, lambda: bench_train(
+            dataclasses.replace(cfg, dtypes=[dtype], compiles=[False]), step, step.model_config(65), "cpu")[0][
+            "ms_per_iter"])
+        print(f"(ours: the 6x384 step in {dtype} autocast)")
+        print(table(rows))
+    elif cfg.mode == "train":
         rows = bench_train(cfg, base, mcfg, device)
         print(table(rows, {"dtype": "dtype", "compile": "compile", "ms_per_iter": "ms/iter",
                            "tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "peak_tflops": "peak TFLOP/s",
                            "loss": "loss"}))
     else:
+        model_module.SPLIT_MAX_ROWS = model_module.SPLIT_MAX_ROWS if cfg.linear_split else 0
         rows = bench_decode(cfg, mcfg, device, resolve_dtype(base.dtype, device.split(":")[0]))
         print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
                            "new_tokens": "new tokens",

@@ -19,6 +19,9 @@ POS_ENCODINGS = ("learned", "rope")
 # SDPA shares K/V heads across query groups itself (no repeated K/V in memory) from torch 2.5 on.
 SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 SPLIT_MAX_ROWS = 64  # Linear splits products of up to this many rows across threads (bench.py: faster up to ~128)
+# A weight larger than this (GPT-2's lm_head) streams 2x faster from memory in the (in, out) layout, so Linear keeps
+# such a copy for its split products (README Performance): more memory for a faster batch-1 decode on CPU.
+SPLIT_COPY_BYTES = 32 * 2**20
 
 
 @dataclass(slots=True)
@@ -144,14 +147,18 @@ class Linear(nn.Linear):
         self.split: tuple | None = None  # (key, weight and bias views per thread, the rows left over); see split_views
 
     def split_views(self, parts: int) -> tuple:
-        """Views of weight (parts, in, out // parts) and bias (parts, 1, out // parts), plus the last out % parts
-        features' weight and bias; made once per weight tensor and thread count (they share the weight's memory)."""
+        """weight as (parts, in, out // parts) and bias as (parts, 1, out // parts), plus the last out % parts
+        features' weight and bias; made once per weight tensor and thread count. They are views of the weight, but a
+        weight over SPLIT_COPY_BYTES is copied into the (in, out) layout, remade when the weight changes in place."""
         w, b = self.weight, self.bias
-        key = (parts, w.data_ptr(), None if b is None else b.data_ptr())
+        copy = w.nbytes > SPLIT_COPY_BYTES
+        key = (parts, w.data_ptr(), w._version if copy else None, None if b is None else b.data_ptr())
         if self.split is None or self.split[0] != key:
             n = self.out_features // parts * parts
-            views = (w[:n].view(parts, n // parts, -1).transpose(1, 2), None if b is None else b[:n].view(parts, 1, -1))
+            ws = w[:n].view(parts, n // parts, -1).transpose(1, 2)  # (parts, in, n // parts)
+            views = (ws.contiguous() if copy else ws, None if b is None else b[:n].view(parts, 1, -1))
             rest = (w[n:], None if b is None else b[n:]) if n < self.out_features else None
+            self.split = None  # the old copy goes before the new one is made
             self.split = (key, views, rest)
         return self.split
 

@@ -1,8 +1,11 @@
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import run
+from conftest import ROOT, run
 
 TINY = ["--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=16", "--device=cpu"]
 
@@ -36,3 +39,17 @@ def test_train_bench_counts_flops_by_hand(G: int) -> None:
     assert row["flops_per_token"] == 6 * matmul + 12 * L * D * T
     assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / 1e12)
     assert row["ms_per_iter"] > 0 and row["loss"] > 0
+
+
+def test_hf_bench_checks_greedy_tokens_against_hugging_face() -> None:
+    r = run(["bench.py", "--mode=hf", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
+             "--vocab_size=101", "--new_tokens=[30]", "--dtypes=['float32']", "--repeats=1", "--device=cpu"])
+    (row,) = json_rows(r.stdout)
+    assert row["same_tokens"] is True and row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0
+
+
+def test_nanogpt_bench_without_a_checkout_is_one_line(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "bench.py", "--mode=nanogpt", f"--nanogpt_dir={tmp_path}", *TINY,
+                        "--warmup=1", "--iters=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"no nanoGPT checkout at {tmp_path}" in r.stderr and "--nanogpt_dir" in r.stderr

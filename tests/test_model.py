@@ -112,11 +112,15 @@ def test_sdpa_gqa_equals_explicit_repeat_reference(monkeypatch: pytest.MonkeyPat
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("copy", [False, True])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_split_across_threads_equals_plain_linear(threads: int, bias: bool) -> None:
+def test_linear_split_across_threads_equals_plain_linear(monkeypatch: pytest.MonkeyPatch, threads: int, bias: bool,
+                                                         copy: bool) -> None:
     """The decoding path of model.Linear (few rows, no autograd) computes the same product as nn.Linear, also when
-    out_features is not a multiple of the thread count; with autograd it is nn.Linear's own path."""
+    out_features is not a multiple of the thread count, with the weight's views or its (in, out) copy; with autograd
+    it is nn.Linear's own path."""
+    monkeypatch.setattr(model_module, "SPLIT_COPY_BYTES", 0 if copy else 2**40)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

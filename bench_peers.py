@@ -1,0 +1,143 @@
+"""Side-by-side benchmarks against what users would pick instead (called by bench.py; results go in the README).
+
+    python bench.py --mode=hf --n_layer=6 --n_head=6 --n_embd=384 --block_size=1024 --vocab_size=50257
+    python bench.py --mode=nanogpt --nanogpt_dir=/path/to/nanoGPT config/train_cpu_fast.py
+
+hf: this project's decoding vs Hugging Face `GPT2LMHeadModel.generate` on the same random GPT-2-shaped weights,
+greedy from a 1-token prompt; the fp32 tokens of the two must be identical. nanogpt: karpathy/nanoGPT's documented CPU
+recipe vs this project's config on the same char-level dataset (its final val loss and wall time against ours), and
+the ms/iter of a 6x384 training step in each.
+"""
+
+import json
+import pickle
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dataset import data_dir, load_meta
+from model import GPTConfig, from_hf_gpt2
+
+NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=200",
+                      "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+                      "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+STEP_SHAPE = ["--n_layer=6", "--n_head=6", "--n_embd=384", "--block_size=256", "--batch_size=8", "--dropout=0.0"]
+
+
+def timed(fn: Any) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats: int) -> list[dict]:
+    """tokens/s of GPT.generate and of GPT2LMHeadModel.generate(use_cache=True) on the same weights."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging
+    except ImportError as e:
+        raise RuntimeError(f"--mode=hf needs transformers ({e}); pip install transformers") from e
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    hf_cfg = GPT2Config(vocab_size=mcfg.vocab_size, n_positions=mcfg.block_size, n_embd=mcfg.n_embd,
+                        n_layer=mcfg.n_layer, n_head=mcfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0)
+    hf = GPT2LMHeadModel(hf_cfg).eval()
+    with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
+        hf.save_pretrained(d)
+        ours = from_hf_gpt2(d).eval()
+    idx = torch.tensor([[1]])
+    rows = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        hf, ours = hf.to(dtype), ours.to(dtype)
+
+        def run_hf(n: int) -> torch.Tensor:
+            return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, use_cache=True, pad_token_id=0)[0, 1:]
+
+        def run_ours(n: int) -> torch.Tensor:
+            return ours.generate(idx, n, temperature=0.0)[0, 1:]
+
+        with torch.inference_mode():
+            run_hf(8), run_ours(8)  # warm-up
+            for n in new_tokens:
+                hf_runs = [timed(lambda: run_hf(n)) for _ in range(repeats)]
+                our_runs = [timed(lambda: run_ours(n)) for _ in range(repeats)]
+                hf_s, our_s = statistics.median(t for t, _ in hf_runs), statistics.median(t for t, _ in our_runs)
+                row = {"mode": "hf", "dtype": dtype_name, "new_tokens": n, "hf_tok_s": n / hf_s,
+                       "ours_tok_s": n / our_s, "speedup": hf_s / our_s,
+                       "same_tokens": bool(torch.equal(hf_runs[0][1], our_runs[0][1]))}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    bad = [r for r in rows if r["dtype"] == "float32" and not r["same_tokens"]]
+    if bad:
+        raise RuntimeError(f"greedy fp32 tokens differ from Hugging Face's at {[r['new_tokens'] for r in bad]} "
+                           f"new tokens: the two models do not compute the same function")
+    return rows
+
+
+def run_timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
+    """Wall time and stdout of a command (python ...), which must succeed."""
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, *cmd], cwd=cwd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd[:2])} in {cwd} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return time.perf_counter() - t0, r.stdout
+
+
+def nanogpt_dataset(nanogpt_dir: Path, dataset: str) -> str:
+    """Our dataset (a uint16 token file, like nanoGPT's) linked into nanoGPT's data/ folder with its meta.pkl."""
+    src, name = data_dir(dataset), f"smallgpt_{Path(dataset).name}"
+    meta = load_meta(src)
+    if meta["dtype"] != "uint16":
+        raise ValueError(f"nanoGPT reads uint16 token files; {src} holds {meta['dtype']}")
+    dst = nanogpt_dir / "data" / name
+    dst.mkdir(parents=True, exist_ok=True)
+    for split in ("train.bin", "val.bin"):
+        (dst / split).unlink(missing_ok=True)
+        (dst / split).symlink_to((src / split).resolve())
+    (dst / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": meta["vocab_size"]}))
+    return name
+
+
+def ms_per_iter(stdout: str, skip: int = 3) -> float:
+    """Median of nanoGPT's 'iter N: loss X, time Yms' lines after the first few."""
+    return statistics.median(float(m) for m in re.findall(r"^iter \d+: .*time ([\d.]+)ms", stdout, re.M)[skip:])
+
+
+def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], our_step_ms: Callable[[], float]
+                  ) -> list[dict]:
+    """nanoGPT's CPU recipe vs ours on `dataset`: final val loss and wall time; and the 6x384 step's ms/iter."""
+    root = Path(nanogpt_dir).resolve()
+    if not (root / "train.py").is_file():
+        raise FileNotFoundError(f"no nanoGPT checkout at {root}: git clone https://github.com/karpathy/nanoGPT there "
+                                f"(outside this repository) and pass --nanogpt_dir")
+    name = nanogpt_dataset(root, dataset)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        t_ref, out = run_timed(["train.py", *NANOGPT_CPU_RECIPE, f"--dataset={name}", f"--out_dir={tmp}/nanogpt"],
+                               root)
+        ref_loss = float(re.findall(r"val loss ([\d.]+)", out)[-1])
+        t_ours, _ = run_timed(["train.py", *our_args, f"--dataset={data_dir(dataset)}", f"--out_dir={tmp}/ours"],
+                              Path(__file__).parent)
+        log = [json.loads(line) for line in (Path(tmp) / "ours" / "log.jsonl").read_text().splitlines()]
+        our_loss = [r["val_loss"] for r in log if r["event"] == "eval"][-1]
+        _, out = run_timed(["train.py", *STEP_SHAPE, "--device=cpu", "--compile=False", f"--dataset={name}",
+                            "--max_iters=12", "--eval_iters=1", "--eval_interval=1000", f"--out_dir={tmp}/step"], root)
+    rows.append({"mode": "nanogpt", "what": "time to loss", "nanogpt_val_loss": ref_loss, "nanogpt_s": t_ref,
+                 "ours_val_loss": our_loss, "ours_s": t_ours, "ratio": t_ref / t_ours})
+    step_ms = our_step_ms()
+    rows.append({"mode": "nanogpt", "what": "6x384 step ms", "nanogpt_ms": ms_per_iter(out), "ours_ms": step_ms,
+                 "ratio": ms_per_iter(out) / step_ms})
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
