@@ -56,6 +56,7 @@ class TrainConfig:
     log_interval: int = 10
     eval_iters: int = 50
     eval_only: bool = False
+    eval_at_start: bool = True  # also evaluate before the first step (False saves that time in timed runs)
     always_save_checkpoint: bool = False  # False: save only when val loss improves
     keep_last: int = 0  # also keep the last K checkpoints as ckpt-<iteration>.pt (hard links: no extra disk)
     # 'scratch', 'resume' (from out_dir/ckpt.pt), 'auto' (resume if out_dir/ckpt.pt exists, else scratch: for
@@ -488,7 +489,8 @@ def train(cfg: TrainConfig, d: Dist) -> None:
             lr = lr_at(iter_num, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            if d.is_master and (iter_num % cfg.eval_interval == 0 or iter_num == cfg.max_iters or cfg.eval_only):
+            at_eval = iter_num % cfg.eval_interval == 0 and (iter_num > 0 or cfg.eval_at_start)
+            if d.is_master and (at_eval or iter_num == cfg.max_iters or cfg.eval_only):
                 losses = evaluate(model, batches, cfg.eval_iters, autocast)
                 if not math.isfinite(losses["val"]):
                     raise diverged("the val loss", losses["val"], iter_num, saved)
