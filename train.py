@@ -475,8 +475,12 @@ def train(cfg: TrainConfig, d: Dist) -> None:
                         rng=rng_states(device_type))
         saved = iter_num
         if cfg.keep_last:
-            (out / f"ckpt-{iter_num:07d}.pt").unlink(missing_ok=True)
-            os.link(out / "ckpt.pt", out / f"ckpt-{iter_num:07d}.pt")  # ckpt.pt is replaced, never rewritten
+            kept = out / f"ckpt-{iter_num:07d}.pt"
+            kept.unlink(missing_ok=True)
+            try:
+                os.link(out / "ckpt.pt", kept)  # ckpt.pt is replaced by the next save, never rewritten in place
+            except OSError:  # a file system without hard links
+                shutil.copyfile(out / "ckpt.pt", kept)
             for old in sorted(out.glob("ckpt-*.pt"))[:-cfg.keep_last]:
                 old.unlink()
         print(f"saved checkpoint to {out / 'ckpt.pt'}")
