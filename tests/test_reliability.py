@@ -91,7 +91,7 @@ def test_keep_last_keeps_the_k_newest_checkpoints(pycode_small: Path, tmp_path: 
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(pycode_small: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"  # a ~100 MB checkpoint, saved after every step: the write takes a while
+    out = tmp_path / "out"  # a ~90 MB checkpoint, saved after every step: the write takes a while
     p = subprocess.Popen([sys.executable, *train_args(pycode_small, out, "--n_layer=4", "--n_embd=384",
                           "--batch_size=2", "--eval_iters=1", "--eval_interval=1", "--always_save_checkpoint=True",
                           "--max_iters=100000")],
