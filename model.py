@@ -144,7 +144,7 @@ class Linear(nn.Linear):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.split: tuple | None = None  # (key, weight and bias views per thread, the rows left over); see split_views
+        self.split: tuple | None = None  # (key, weight and bias per thread, the rows left over, weight); split_views
 
     def split_views(self, parts: int) -> tuple:
         """weight as (parts, in, out // parts) and bias as (parts, 1, out // parts), plus the last out % parts
@@ -159,7 +159,7 @@ class Linear(nn.Linear):
             views = (ws.contiguous() if copy else ws, None if b is None else b[:n].view(parts, 1, -1))
             rest = (w[n:], None if b is None else b[n:]) if n < self.out_features else None
             self.split = None  # the old copy goes before the new one is made
-            self.split = (key, views, rest)
+            self.split = (key, views, rest, w.detach())  # holding w's memory: no other tensor reuses its address
         return self.split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,7 @@ class Linear(nn.Linear):
                 or self.weight.dtype != torch.float32 or x.numel() > SPLIT_MAX_ROWS * self.in_features
                 or torch.get_num_threads() < 2 or torch.is_autocast_enabled("cpu")):
             return super().forward(x)
-        _, (ws, bs), rest = self.split_views(torch.get_num_threads())
+        _, (ws, bs), rest, _ = self.split_views(torch.get_num_threads())
         rows = x.numel() // self.in_features
         xs = x.reshape(1, rows, -1).expand(ws.size(0), -1, -1)  # (parts, rows, in_features)
         y = torch.bmm(xs, ws) if bs is None else torch.baddbmm(bs, xs, ws)  # (parts, rows, out // parts)
