@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-import bench_peers
 import model as model_module
 from configurator import parse_config, run_cli, split_args
 from dataset import vocab_size_of
@@ -174,6 +173,8 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     mcfg = base.model_config(vocab_size=vocab_size_of(base.dataset) or 50304)
     print(f"# {cfg.mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
+    if cfg.mode in ("hf", "nanogpt"):
+        import bench_peers  # here, not at the top: it imports compare.py, which imports this module
     if cfg.mode == "hf":
         rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from compare import read_run
 from dataset import data_dir, load_meta
 from model import GPTConfig, from_hf_gpt2
 
@@ -130,8 +131,7 @@ def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], our_step_
         ref_loss = float(re.findall(r"val loss ([\d.]+)", out)[-1])
         t_ours, _ = run_timed(["train.py", *our_args, f"--dataset={data_dir(dataset)}", f"--out_dir={tmp}/ours"],
                               Path(__file__).parent)
-        log = [json.loads(line) for line in (Path(tmp) / "ours" / "log.jsonl").read_text().splitlines()]
-        our_loss = [r["val_loss"] for r in log if r["event"] == "eval"][-1]
+        our_loss = read_run(Path(tmp) / "ours")["evals"][-1]["val_loss"]
         _, out = run_timed(["train.py", *STEP_SHAPE, "--device=cpu", "--compile=False", f"--dataset={name}",
                             "--max_iters=12", "--eval_iters=1", "--eval_interval=1000", f"--out_dir={tmp}/step"], root)
     rows.append({"mode": "nanogpt", "what": "time to loss", "nanogpt_val_loss": ref_loss, "nanogpt_s": t_ref,

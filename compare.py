@@ -79,7 +79,8 @@ def launch(args: list[str]) -> None:
 def read_run(run_dir: Path) -> dict:
     """The latest run in a log.jsonl: its config and eval/train records, wall-clock continued across resumes."""
     records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    starts = [i for i, r in enumerate(records) if r["event"] == "config" and r["config"]["init_from"] != "resume"]
+    starts = [i for i, r in enumerate(records) if r["event"] == "config"  # a fresh start, not a resume
+              and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0]
     records = records[starts[-1]:]
     offset, last, evals, trains = 0.0, 0.0, [], []
     for r in records:

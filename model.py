@@ -165,9 +165,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (torch.compiler.is_compiling() or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.float32
                 or self.weight.dtype != torch.float32 or x.numel() > SPLIT_MAX_ROWS * self.in_features
-                or torch.get_num_threads() < 2 or torch.is_autocast_enabled("cpu")):
+                or torch.is_autocast_enabled("cpu") or (parts := torch.get_num_threads()) < 2):
             return super().forward(x)
-        _, (ws, bs), rest, _ = self.split_views(torch.get_num_threads())
+        _, (ws, bs), rest, _ = self.split_views(parts)
         rows = x.numel() // self.in_features
         xs = x.reshape(1, rows, -1).expand(ws.size(0), -1, -1)  # (parts, rows, in_features)
         y = torch.bmm(xs, ws) if bs is None else torch.baddbmm(bs, xs, ws)  # (parts, rows, out // parts)

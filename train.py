@@ -258,7 +258,7 @@ def evaluate(model: torch.nn.Module, batches: Batches, eval_iters: int, autocast
 class RunLog:
     """Metrics to out_dir/log.jsonl (appended, one JSON object per line) and, if enabled, to wandb."""
 
-    def __init__(self, cfg: TrainConfig, model_cfg: GPTConfig) -> None:
+    def __init__(self, cfg: TrainConfig, model_cfg: GPTConfig, start_iter: int) -> None:
         self.path = Path(cfg.out_dir) / "log.jsonl"
         self.wandb = None
         if cfg.wandb_log:
@@ -279,7 +279,8 @@ class RunLog:
             except Exception as e:  # wandb raises its own errors (no API key, no network)
                 raise RuntimeError(f"wandb could not start ({type(e).__name__}: {str(e).splitlines()[0]}); "
                                    f"set WANDB_MODE=offline to log locally, or --wandb_log=False") from e
-        self.write(event="config", config=asdict(cfg), model_config=asdict(model_cfg), versions=versions())
+        self.write(event="config", config=asdict(cfg), model_config=asdict(model_cfg), start_iter=start_iter,
+                   versions=versions())
 
     def write(self, **record: Any) -> None:
         with open(self.path, "a") as f:
@@ -457,7 +458,7 @@ def train(cfg: TrainConfig, d: Dist) -> None:
         print(f"config ({d.world_size} process{'es' if d.world_size > 1 else ''}, {d.device}, {dtype}):")
         print_config(cfg)
         (Path(cfg.out_dir) / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-        log = RunLog(cfg, model_cfg)
+        log = RunLog(cfg, model_cfg, iter_num)  # iter_num > 0: resumed
         print(f"model: {raw_model.num_params() / 1e6:.2f}M parameters, {model_cfg.attention_kind} "
               f"(n_head={model_cfg.n_head}, n_kv_head={model_cfg.n_kv_head}), {model_cfg.pos_encoding} positions")
     tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
