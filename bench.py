@@ -176,7 +176,7 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     if cfg.mode in ("hf", "nanogpt"):
         import bench_peers  # here, not at the top: it imports compare.py, which imports this module
     if cfg.mode == "hf":
-        rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats)
+        rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",
                            "ours_tok_s": "ours tok/s", "speedup": "speedup", "same_tokens": "same tokens"}))
     elif cfg.mode == "nanogpt":

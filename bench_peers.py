@@ -37,10 +37,13 @@ STEP_SHAPE = ["--n_layer=6", "--n_head=6", "--n_embd=384", "--block_size=256", "
 def timed(fn: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
+    if isinstance(out, torch.Tensor) and out.is_cuda:
+        torch.cuda.synchronize(out.device)
     return time.perf_counter() - t0, out
 
 
-def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats: int) -> list[dict]:
+def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats: int, device: str = "cpu"
+             ) -> list[dict]:
     """tokens/s of GPT.generate and of GPT2LMHeadModel.generate(use_cache=True) on the same weights."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -56,11 +59,11 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
         hf.save_pretrained(d)
         ours = from_hf_gpt2(d).eval()
-    idx = torch.tensor([[1]])
+    idx = torch.tensor([[1]], device=device)
     rows = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        hf, ours = hf.to(dtype), ours.to(dtype)
+        hf, ours = hf.to(device, dtype), ours.to(device, dtype)
 
         def run_hf(n: int) -> torch.Tensor:
             return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
@@ -75,7 +78,7 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
                 hf_runs = [timed(lambda: run_hf(n)) for _ in range(repeats)]
                 our_runs = [timed(lambda: run_ours(n)) for _ in range(repeats)]
                 hf_s, our_s = statistics.median(t for t, _ in hf_runs), statistics.median(t for t, _ in our_runs)
-                row = {"mode": "hf", "dtype": dtype_name, "new_tokens": n, "hf_tok_s": n / hf_s,
+                row = {"mode": "hf", "device": device, "dtype": dtype_name, "new_tokens": n, "hf_tok_s": n / hf_s,
                        "ours_tok_s": n / our_s, "speedup": hf_s / our_s,
                        "same_tokens": bool(torch.equal(hf_runs[0][1], our_runs[0][1]))}
                 print(json.dumps(row), flush=True)

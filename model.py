@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,15 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 POS_ENCODINGS = ("learned", "rope")
 # SDPA shares K/V heads across query groups itself (no repeated K/V in memory) from torch 2.5 on.
 SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+# cuDNN attention, SDPA's first choice on recent GPUs, builds a graph for each new K/V length: about 5 ms of host time
+# per call when a KV cache grows by one position a step (measured on an H100, README Performance), so decoding with a
+# cache on CUDA uses the other kernels.
+CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 SPLIT_MAX_ROWS = 64  # Linear splits products of up to this many rows across threads (bench.py: faster up to ~128)
 # A weight larger than this (GPT-2's lm_head) streams 2x faster from memory in the (in, out) layout, so Linear keeps
 # such a copy for its split products (README Performance): more memory for a faster batch-1 decode on CPU.
@@ -199,8 +205,9 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, pos + T, head_dim)
-        y = sdpa(q, k, v, mask, is_causal=mask is None and T > 1 and k.size(2) == T,
-                 dropout_p=self.dropout if self.training else 0.0)  # (B, n_head, T, head_dim)
+        with sdpa_kernel(CACHE_SDPA_BACKENDS) if kv_cache is not None and q.is_cuda else nullcontext():
+            y = sdpa(q, k, v, mask, is_causal=mask is None and T > 1 and k.size(2) == T,
+                     dropout_p=self.dropout if self.training else 0.0)  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
