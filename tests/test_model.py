@@ -2,6 +2,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import model as model_module
 from conftest import VARIANTS, tiny_model
@@ -110,6 +111,29 @@ def test_sdpa_gqa_equals_explicit_repeat_reference(monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(model_module, "SDPA_HAS_GQA", has_gqa)
         torch.testing.assert_close(model_module.sdpa(q, k, v, m, is_causal=False, dropout_p=0.0), ref,
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["causal", "mask", "decode"])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
+    """The plain-matmul attention that bf16 training on CPU takes computes SDPA's function, values and gradients."""
+    T, Tk = (6, 6) if case == "causal" else (6, 9) if case == "mask" else (1, 9)
+    q = torch.randn(2, 4, T, 16, requires_grad=True)
+    k, v = (torch.randn(2, n_kv_head, Tk, 16, requires_grad=True) for _ in range(2))
+    m = None
+    if case == "mask":
+        m = torch.rand(2, 1, T, Tk) > 0.3
+        m[..., 0] = True
+    ref_k, ref_v = (t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q, ref_k, ref_v, attn_mask=m, is_causal=case == "causal")
+    out = model_module.matmul_attention(q, k, v, m, is_causal=case == "causal", dropout_p=0.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the path sdpa() takes in bf16 training on CPU
+        low = model_module.sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), m, case == "causal", 0.0)
+    torch.testing.assert_close(low.float(), ref, rtol=0, atol=0.05)
 
 
 @pytest.mark.parametrize("copy", [False, True])
