@@ -182,9 +182,9 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     elif cfg.mode == "nanogpt":
         dtype = "bfloat16" if native_bf16() else "float32"
         step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, "--device=cpu", "--vocab_size=65"])
-        rows = bench_peers.bench_nanogpt(cfg.nanogpt_dir, base.dataset, train_args, lambda: bench_train(
-            dataclasses.replace(cfg, dtypes=[dtype], compiles=[False]), step, step.model_config(65), "cpu")[0][
-            "ms_per_iter"])
+        rows = bench_peers.bench_nanogpt(cfg.nanogpt_dir, base.dataset, train_args, lambda: {
+            r["compile"]: r["ms_per_iter"] for r in bench_train(dataclasses.replace(cfg, dtypes=[dtype]), step,
+                                                                  step.model_config(65), "cpu")})
         print(f"(ours: the 6x384 step in {dtype} autocast)")
         print(table(rows[:1]) + "\n\n" + table(rows[1:]))
     elif cfg.mode == "train":

@@ -229,17 +229,25 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
                      dropout_p: float) -> torch.Tensor:
-    """sdpa() as plain batched matmuls and a softmax. For training in bf16 on CPU, SDPA's flash kernel is the slower
-    one: 31-34 ms against 19-20 ms forward and backward at B=8, 6 heads, T=256 (README Performance); not in fp32."""
+    """sdpa() as two batched matmuls and a softmax, the mask added to the scores inside the first (baddbmm). For
+    training in bf16 on CPU, SDPA's flash kernel is the slower one: 30-34 ms against 17-20 ms forward and backward at
+    B=8, 6 heads, T=256 (README Performance); not in fp32. Each K/V head's queries are stacked as one batch entry,
+    so GQA/MQA need no copies of K/V."""
     B, H, T, hd = q.shape
     G, Tk = k.size(1), k.size(2)
-    att = (q * hd**-0.5).view(B, G, H // G, T, hd) @ k.unsqueeze(2).transpose(-2, -1)  # (B, G, H/G, T, Tk)
+    rep = H // G
     if is_causal:
         mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
-    if mask is not None:
-        att = att.masked_fill(~(mask if mask.dim() == 2 else mask.unsqueeze(2)), float("-inf"))
-    att = F.dropout(att.softmax(dim=-1), dropout_p) if dropout_p else att.softmax(dim=-1)
-    return (att.type_as(v) @ v.unsqueeze(2)).view(B, H, T, hd)
+    elif mask is not None and mask.size(0) == 1:
+        mask = mask[0, 0]  # (T, Tk)
+    bias = q.new_zeros(())
+    if mask is not None:  # 0 where a query sees a key, -inf where not: (rep * T, Tk), or one per batch entry
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        bias = bias.repeat(rep, 1) if mask.dim() == 2 else bias.expand(B, G * rep, T, Tk).reshape(B * G, rep * T, Tk)
+    att = torch.baddbmm(bias, q.reshape(B * G, rep * T, hd), k.reshape(B * G, Tk, hd).transpose(1, 2),
+                        alpha=hd**-0.5).softmax(dim=-1)  # (B * G, rep * T, Tk)
+    att = F.dropout(att, dropout_p) if dropout_p else att
+    return (att.type_as(v) @ v.reshape(B * G, Tk, hd)).view(B, H, T, hd)
 
 
 class MLP(nn.Module):
