@@ -22,7 +22,7 @@ import model as model_module
 from configurator import parse_config, run_cli, split_args
 from dataset import vocab_size_of
 from model import GPT, GPTConfig
-from train import Dist, TrainConfig, peak_flops, resolve_device, resolve_dtype, train_step
+from train import Dist, TrainConfig, keep_freed_memory, peak_flops, resolve_device, resolve_dtype, train_step
 
 
 @dataclass(slots=True)
@@ -68,6 +68,8 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
     batches = RandomBatches(base, mcfg.vocab_size, device)
     tokens_per_iter = base.gradient_accumulation_steps * base.batch_size * base.block_size
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    if device_type == "cpu":
+        keep_freed_memory()  # as train.py does
     for dtype_name in cfg.dtypes:
         dtype = resolve_dtype(dtype_name, device_type)
         peak = base.peak_flops or peak_flops(device, dtype)

@@ -4,6 +4,7 @@ Single process, or DDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py
 """
 
+import ctypes
 import json
 import math
 import os
@@ -230,6 +231,20 @@ class Batches:
         return self.get(split, 1, ("train", "val").index(split), k)
 
 
+def keep_freed_memory() -> None:
+    """With glibc, keep freed memory in the process instead of returning it to the system. A CPU training step frees
+    its activations and allocates them again the next step; returned memory comes back as fresh pages, one fault per
+    4 KiB: ~30,000 faults and 10-15% of a 6x384 bf16 step on the test CPU (README Performance), none after this.
+    The cost: the process keeps its peak memory. A no-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # blocks up to 32 MiB (glibc's maximum) come from the heap ...
+    libc.mallopt(m_trim_threshold, 2**30)  # ... and the heap is not shrunk until 1 GiB of it is free
+
+
 def lr_at(it: int, cfg: TrainConfig) -> float:
     if not cfg.decay_lr:
         return cfg.learning_rate
@@ -428,6 +443,8 @@ def train(cfg: TrainConfig, d: Dist) -> None:
                          f"{d.world_size} DDP processes")
     accum = cfg.gradient_accumulation_steps // d.world_size
     device_type = d.device.split(":")[0]
+    if device_type == "cpu":
+        keep_freed_memory()
     dtype = resolve_dtype(cfg.dtype, device_type)
     autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
