@@ -111,6 +111,47 @@ class KVCache:
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
+class StaticPosition:
+    """A KVCache seen by GPT.decode_static: K/V written at a position held in a 1-element tensor and all max_len
+    positions returned (the step masks the unwritten ones), so every decode step has the same shapes."""
+
+    def __init__(self, cache: KVCache, pos: torch.Tensor) -> None:
+        self.cache, self.pos = cache, pos
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.k[layer].index_copy_(2, self.pos, k)
+        self.cache.v[layer].index_copy_(2, self.pos, v)
+        return self.cache.k[layer], self.cache.v[layer]
+
+
+class CUDAGraphStep:
+    """GPT.decode_static captured once as a CUDA graph and replayed for each token: a batch-1 step of a small model is
+    ~0.6 ms of GPU work behind ~4 ms of kernel launches from Python (README Performance), which the replay removes.
+    Bound to one cache (its tensors' addresses); the inputs are copied into the graph's own."""
+
+    def __init__(self, model: "GPT", kv_cache: KVCache, batch_size: int) -> None:
+        device, self.cache = kv_cache.k.device, kv_cache
+        self.idx = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.pos = torch.full((1,), kv_cache.pos, dtype=torch.long, device=device)  # warm-up writes the next slot
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernels are chosen and workspaces allocated outside the capture
+                model.decode_static(self.idx, self.pos, kv_cache)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model.decode_static(self.idx, self.pos, kv_cache)
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
+        self.idx.copy_(idx)
+        self.pos.fill_(self.cache.pos)
+        self.graph.replay()
+        self.cache.pos += 1
+        return self.logits
+
+
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position's rotation angles, each (block_size, head_dim // 2)."""
     inv_freq = config.rope_theta ** (-torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
@@ -359,10 +400,26 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
+    def decode_static(self, idx: torch.Tensor, pos: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """Logits (B, 1, vocab) of one token per row, idx (B, 1), at position pos (a 1-element tensor), attending over
+        the whole cache under a mask: the same shapes every step, and no host sync, for CUDAGraphStep."""
+        x = self.transformer.wte(idx)
+        rope = None
+        if self.config.pos_encoding == "learned":
+            x = x + self.transformer.wpe(pos)
+        else:
+            rope = (self.rope_cos[pos].view(1, 1, 1, -1), self.rope_sin[pos].view(1, 1, 1, -1))
+        mask = (torch.arange(kv_cache.max_len, device=idx.device) <= pos)[None, None, None, :]
+        slot = StaticPosition(kv_cache, pos)
+        for block in self.transformer.h:
+            x = block(x, rope, mask, slot)
+        return self.lm_head(self.transformer.ln_f(x))
+
     @torch.inference_mode()
     def stream(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
-               pad: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
+               pad: torch.Tensor | None = None, generator: torch.Generator | None = None, cuda_graph: bool = True
+               ) -> Iterator[torch.Tensor]:
         """Yield the next token of every row, (B,), up to max_new_tokens times; see generate()."""
         B, T0 = idx.shape
         bs = self.config.block_size
@@ -370,16 +427,21 @@ class GPT(nn.Module):
         tokens[:, :T0] = idx
         start = max(0, T0 - bs)  # the window the model sees is tokens[:, start:n]
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        kv_cache = None
+        kv_cache, graph = None, None
         for n in range(T0, T0 + max_new_tokens):
-            if n - start > bs:  # the window is full: slide it, keeping the last half, and prefill again
-                start, kv_cache = n - max(1, bs // 2), None
+            refill = n - start > bs  # the window is full: slide it, keeping the last half, and prefill again
+            if refill:
+                start = n - max(1, bs // 2)
             window_pad = None if pad is None else (pad - start).clamp(min=0)
             if not use_cache:
                 logits, _ = self(tokens[:, start:n], pad=window_pad)
-            elif kv_cache is None:
-                kv_cache = self.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - start))
+            elif kv_cache is None or refill:  # a refill reuses the cache (of block_size positions by then)
+                kv_cache = kv_cache or self.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - start))
+                kv_cache.pos = 0
                 logits, _ = self(tokens[:, start:n], kv_cache=kv_cache, pad=window_pad)
+            elif cuda_graph and idx.is_cuda and pad is None:
+                graph = graph or CUDAGraphStep(self, kv_cache, B)
+                logits = graph(tokens[:, n - 1:n])
             else:
                 logits, _ = self(tokens[:, n - 1:n], kv_cache=kv_cache, pad=window_pad)
             nxt = sample_logits(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
@@ -393,16 +455,19 @@ class GPT(nn.Module):
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
-                 pad: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 pad: torch.Tensor | None = None, generator: torch.Generator | None = None, cuda_graph: bool = True
+                 ) -> torch.Tensor:
         """Continue idx (B, T) by up to max_new_tokens tokens; returns (B, T + new tokens).
 
         The cache is prefilled once and then fed one token per step; use_cache=False recomputes the whole window
         every step (same tokens, slower). Rows of unequal length are left-padded, pad (B,) counting each row's pad
         tokens (see left_pad). temperature 0 is greedy. A row that emits eos keeps emitting eos; generation stops
         when every row has. When the context reaches block_size the window slides: the newest block_size // 2 tokens
-        are kept and prefilled again, so past block_size a prefill happens every block_size // 2 tokens.
+        are kept and prefilled again, so past block_size a prefill happens every block_size // 2 tokens. On CUDA
+        (without padding) each one-token step replays a CUDA graph of decode_static unless cuda_graph=False.
         """
-        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos, use_cache, pad, generator))
+        new = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos, use_cache, pad, generator,
+                               cuda_graph))
         return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
