@@ -34,6 +34,7 @@ class SampleConfig:
     device: str = "auto"
     dtype: str = "float32"  # 'float32' or 'bfloat16' (on CPU, float32 decodes faster)
     kv_cache: bool = True  # False recomputes the whole context every token, for comparison
+    cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (README Performance)
 
     def __post_init__(self) -> None:
         problems = [f"num_samples={self.num_samples} must be at least 1"] if self.num_samples < 1 else []
@@ -63,7 +64,7 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
     utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(B)]  # BPE tokens split characters
     gen = torch.Generator(idx.device).manual_seed(cfg.seed)
     for step in model.stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, tok.eot_token,
-                             cfg.kv_cache, pad, gen):
+                             cfg.kv_cache, pad, gen, cfg.cuda_graph):
         prefill_s = prefill_s or time.perf_counter() - t0
         for b, t in enumerate(step.tolist()):
             done[b] = done[b] or t == tok.eot_token
