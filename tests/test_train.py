@@ -163,11 +163,13 @@ from model import GPT, GPTConfig
 if sys.argv[1] == "keep":
     train.keep_freed_memory()
 torch.manual_seed(0)
-m = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256, vocab_size=65))
+m = GPT(GPTConfig(n_layer=2, n_head=6, n_embd=384, block_size=256, vocab_size=65))
 opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
-x = torch.randint(0, 65, (4, 257))
+x = torch.randint(0, 65, (8, 257))
 def step():
-    m(x[:, :-1], x[:, 1:])[1].backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m(x[:, :-1], x[:, 1:])[1]
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
 step(), step()
@@ -183,4 +185,4 @@ def test_keep_freed_memory_stops_the_page_faults_of_each_step() -> None:
     """A training step's freed activations stay in the process, so the next step does not fault their pages in."""
     faults = {mode: int(subprocess.run([sys.executable, "-c", FAULTS_PER_STEP, mode], cwd=ROOT, check=True,
                                        capture_output=True, text=True).stdout) for mode in ("default", "keep")}
-    assert faults["keep"] * 4 < faults["default"], faults
+    assert faults["keep"] * 10 < faults["default"], faults
