@@ -256,7 +256,8 @@ class CausalSelfAttention(nn.Module):
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
          dropout_p: float) -> torch.Tensor:
     """Attention of q (B, n_head, T, hd) over k, v (B, n_kv_head, Tk, hd); each K/V head serves n_head/n_kv_head
-    query heads. Where SDPA cannot share K/V heads itself (torch < 2.5), they are repeated here instead."""
+    query heads. SDPA, except for bf16 training on CPU (matmul_attention); where SDPA cannot share K/V heads itself
+    (torch < 2.5), they are repeated here instead."""
     if q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
         return matmul_attention(q, k, v, mask, is_causal, dropout_p)
     gqa = k.size(1) != q.size(1)
