@@ -389,13 +389,7 @@ class GPT(nn.Module):
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         if pad is not None:
             pos = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
-        x = self.transformer.wte(idx)  # (B, T, n_embd)
-        rope = None
-        if self.config.pos_encoding == "learned":
-            x = x + self.transformer.wpe(pos)
-        else:
-            cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T or B, T, head_dim // 2)
-            rope = (cos.view(-1, 1, T, cos.size(-1)), sin.view(-1, 1, T, sin.size(-1)))
+        x, rope = self.embed(idx, pos)
         x = self.transformer.drop(x)
         mask = attention_mask(T, start, pad, idx.device)
         for block in self.transformer.h:
@@ -409,15 +403,21 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor
+              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Embeddings (B, T, n_embd) of idx (B, T) at positions pos ((T,) or (B, T)): token plus learned position
+        embeddings, or the token embeddings and the rotary cos/sin for those positions, each (B or 1, 1, T, hd // 2)."""
+        x = self.transformer.wte(idx)
+        if self.config.pos_encoding == "learned":
+            return x + self.transformer.wpe(pos), None
+        T = idx.size(1)
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T or B, T, head_dim // 2)
+        return x, (cos.view(-1, 1, T, cos.size(-1)), sin.view(-1, 1, T, sin.size(-1)))
+
     def decode_static(self, idx: torch.Tensor, pos: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Logits (B, 1, vocab) of one token per row, idx (B, 1), at position pos (a 1-element tensor), attending over
         the whole cache under a mask: the same shapes every step, and no host sync, for CUDAGraphStep."""
-        x = self.transformer.wte(idx)
-        rope = None
-        if self.config.pos_encoding == "learned":
-            x = x + self.transformer.wpe(pos)
-        else:
-            rope = (self.rope_cos[pos].view(1, 1, 1, -1), self.rope_sin[pos].view(1, 1, 1, -1))
+        x, rope = self.embed(idx, pos)
         mask = (torch.arange(kv_cache.max_len, device=idx.device) <= pos)[None, None, None, :]
         slot = StaticPosition(kv_cache, pos)
         for block in self.transformer.h:
@@ -445,7 +445,8 @@ class GPT(nn.Module):
             if not use_cache:
                 logits, _ = self(tokens[:, start:n], pad=window_pad)
             elif kv_cache is None or refill:  # a refill reuses the cache (of block_size positions by then)
-                kv_cache = kv_cache or self.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - start))
+                if kv_cache is None:
+                    kv_cache = self.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - start))
                 kv_cache.pos = 0
                 logits, _ = self(tokens[:, start:n], kv_cache=kv_cache, pad=window_pad)
             elif cuda_graph and idx.is_cuda and pad is None:
