@@ -8,21 +8,21 @@ The model, device and dtype come from train.py's config files and flags; the key
 
 import dataclasses
 import json
-import re
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-import model as model_module
+import bench_peers
 from configurator import parse_config, run_cli, split_args
 from dataset import vocab_size_of
+from fast_paths import Linear
+from measure import default_kv_heads, step_ms, table, timed_decode
 from model import GPT, GPTConfig
-from train import Dist, TrainConfig, keep_freed_memory, peak_flops, resolve_device, resolve_dtype, train_step
+from runtime import Dist, autocast, keep_freed_memory, native_bf16, peak_flops, resolve_device, resolve_dtype
+from train import TrainConfig, train_step
 
 
 @dataclass(slots=True)
@@ -40,17 +40,11 @@ class BenchConfig:
     recompute_max_batch: int = 1  # recomputation only up to this batch size (it is slow)
     repeats: int = 3  # cached runs per setting, the median is reported
     nanogpt_dir: str = ""  # nanogpt: a karpathy/nanoGPT checkout, outside this repository
-    linear_split: bool = True  # False: few-row products through nn.Linear's own path (model.SPLIT_MAX_ROWS = 0)
+    linear_split: bool = True  # False: few-row products through nn.Linear's own path (fast_paths.Linear unsplit)
 
     def __post_init__(self) -> None:
         if self.mode not in ("train", "decode", "hf", "nanogpt"):
             raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'hf' or 'nanogpt'")
-
-
-def default_kv_heads(n_head: int) -> list[int]:
-    """n_head (MHA), the middle divisor (GQA) and 1 (MQA)."""
-    divisors = [g for g in range(2, n_head) if n_head % g == 0]
-    return sorted({n_head, 1, *divisors[len(divisors) // 2:][:1]}, reverse=True)
 
 
 class RandomBatches:
@@ -80,41 +74,22 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
                                            device_type)
             scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
             model = torch.compile(raw) if compiled else raw
-            autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
             times = []
             for it in range(cfg.warmup + cfg.iters):
                 t0 = time.perf_counter()
                 loss = train_step(model, raw, opt, scaler, batches, it, d, base.gradient_accumulation_steps,
-                                  autocast, base.grad_clip)[0].item()
+                                  autocast(device_type, dtype), base.grad_clip)[0].item()
                 sync()
                 times.append(time.perf_counter() - t0)
             dt = statistics.median(times[cfg.warmup:])
-            flops = raw.flops_per_token(base.block_size)
+            mfu = raw.estimate_mfu(tokens_per_iter, dt, peak, base.block_size) if peak else None
             row = {"mode": "train", "device": device, "dtype": dtype_name, "compile": compiled,
-                   "ms_per_iter": 1000 * dt, "tokens_per_s": tokens_per_iter / dt, "flops_per_token": flops,
-                   "peak_flops": peak, "mfu": flops * tokens_per_iter / dt / peak if peak else None, "loss": loss}
-            row |= {"peak_tflops": peak / 1e12 if peak else None, "mfu_pct": 100 * row["mfu"] if peak else None}
+                   "ms_per_iter": 1000 * dt, "tokens_per_s": tokens_per_iter / dt,
+                   "flops_per_token": raw.flops_per_token(base.block_size), "peak_flops": peak, "mfu": mfu,
+                   "loss": loss, "peak_tflops": peak / 1e12 if peak else None, "mfu_pct": 100 * mfu if peak else None}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
-
-
-def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: torch.Generator) -> list[float]:
-    """Seconds at which each new token was ready, from the start (prefill of a 1-token prompt included)."""
-    idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(model.lm_head.weight.device)
-    sync = torch.cuda.synchronize if idx.is_cuda else (lambda: None)
-    sync()
-    t0, stamps = time.perf_counter(), []
-    for _ in model.stream(idx, new_tokens, temperature=0, use_cache=use_cache):
-        sync()
-        stamps.append(time.perf_counter() - t0)
-    return stamps
-
-
-def step_ms(stamps: list[float], at: int, width: int = 20) -> float:
-    """Median time of one decode step around context length `at`, in ms."""
-    lo = max(1, min(at, len(stamps) - 1) - width // 2)
-    return 1000 * statistics.median(b - a for a, b in zip(stamps[lo - 1:lo + width - 1], stamps[lo:lo + width]))
 
 
 def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dtype) -> list[dict]:
@@ -123,6 +98,9 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
     for g in cfg.kv_heads or default_kv_heads(base.n_head):
         mcfg = dataclasses.replace(base, n_kv_head=g)
         model = GPT(mcfg).to(device=device, dtype=dtype).eval()
+        for m in model.modules():
+            if isinstance(m, Linear) and not cfg.linear_split:
+                m.split_max_rows = 0
         weight_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear))
         timed_decode(model, 1, 16, True, gen)  # warm-up
         for batch in cfg.batch_sizes:
@@ -145,28 +123,9 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
     return rows
 
 
-def table(rows: list[dict], columns: dict[str, str] | None = None) -> str:
-    """A markdown table of rows: the given {key: header} columns, or every key."""
-    columns = columns or {k: k for r in rows for k in r}
-
-    def fmt(v: object) -> str:
-        if isinstance(v, float):
-            return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4f}".rstrip("0").rstrip(".")
-        return "-" if v is None else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
-
-    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in columns) + " |" for r in rows])
-
-
 def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig, list[str]]:
     ours, train_args = split_args(argv, BenchConfig)
     return parse_config(BenchConfig, ours), parse_config(TrainConfig, train_args), train_args
-
-
-def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays off."""
-    cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.is_file() and bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo.read_text()))
 
 
 def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
@@ -175,8 +134,6 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     mcfg = base.model_config(vocab_size=vocab_size_of(base.dataset) or 50304)
     print(f"# {cfg.mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
-    if cfg.mode in ("hf", "nanogpt"):
-        import bench_peers  # here, not at the top: it imports compare.py, which imports this module
     if cfg.mode == "hf":
         rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",
@@ -195,7 +152,6 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "peak_tflops": "peak TFLOP/s",
                            "loss": "loss"}))
     else:
-        model_module.SPLIT_MAX_ROWS = model_module.SPLIT_MAX_ROWS if cfg.linear_split else 0
         rows = bench_decode(cfg, mcfg, device, resolve_dtype(base.dtype, device.split(":")[0]))
         print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
                            "new_tokens": "new tokens",

@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 
-from compare import read_run
+from checkpoint import from_hf_gpt2
+from configurator import UserError
 from dataset import data_dir, load_meta
-from model import GPTConfig, from_hf_gpt2
+from model import GPTConfig
+from runlog import read_run
 
 NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=200",
                       "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
@@ -49,7 +51,7 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
         from transformers import GPT2Config, GPT2LMHeadModel
         from transformers.utils import logging
     except ImportError as e:
-        raise RuntimeError(f"--mode=hf needs transformers ({e}); pip install transformers") from e
+        raise UserError(f"--mode=hf needs transformers ({e}); pip install transformers") from e
     logging.set_verbosity_error()
     torch.manual_seed(0)
     hf_cfg = GPT2Config(vocab_size=mcfg.vocab_size, n_positions=mcfg.block_size, n_embd=mcfg.n_embd,
@@ -95,7 +97,7 @@ def run_timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, *cmd], cwd=cwd, capture_output=True, text=True)
     if r.returncode:
-        raise RuntimeError(f"{' '.join(cmd[:2])} in {cwd} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        raise UserError(f"{' '.join(cmd[:2])} in {cwd} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
     return time.perf_counter() - t0, r.stdout
 
 
@@ -104,7 +106,7 @@ def nanogpt_dataset(nanogpt_dir: Path, dataset: str) -> str:
     src, name = data_dir(dataset), f"smallgpt_{Path(dataset).name}"
     meta = load_meta(src)
     if meta["dtype"] != "uint16":
-        raise ValueError(f"nanoGPT reads uint16 token files; {src} holds {meta['dtype']}")
+        raise UserError(f"nanoGPT reads uint16 token files; {src} holds {meta['dtype']}")
     dst = nanogpt_dir / "data" / name
     dst.mkdir(parents=True, exist_ok=True)
     for split in ("train.bin", "val.bin"):
@@ -125,8 +127,8 @@ def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str],
     (nanoGPT as its recipe runs, eager; ours eager and compiled: our_step_ms gives {compiled: ms})."""
     root = Path(nanogpt_dir).resolve()
     if not (root / "train.py").is_file():
-        raise FileNotFoundError(f"no nanoGPT checkout at {root}: git clone https://github.com/karpathy/nanoGPT there "
-                                f"(outside this repository) and pass --nanogpt_dir")
+        raise UserError(f"no nanoGPT checkout at {root}: git clone https://github.com/karpathy/nanoGPT there "
+                        f"(outside this repository) and pass --nanogpt_dir")
     name = nanogpt_dataset(root, dataset)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

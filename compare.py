@@ -11,7 +11,6 @@ the comparison. Each variant trains in <out_dir>/<name> with wandb group <out_di
 
 import csv
 import dataclasses
-import json
 import statistics
 import subprocess
 import sys
@@ -20,12 +19,15 @@ from pathlib import Path
 
 import torch
 
-from bench import default_kv_heads, timed_decode
-from bench import table as markdown_table
-from configurator import parse_config, run_cli, split_args
+from atomic import atomic_open
+from checkpoint import load_checkpoint, model_from_checkpoint
+from configurator import UserError, parse_config, run_cli, split_args
 from dataset import vocab_size_of
-from model import GPT, GPTConfig, load_checkpoint, model_from_checkpoint
-from train import TrainConfig, resolve_device
+from measure import default_kv_heads, table, timed_decode
+from model import GPT, GPTConfig
+from runlog import read_run
+from runtime import resolve_device
+from train import TrainConfig
 
 
 @dataclass(slots=True)
@@ -45,16 +47,22 @@ class CompareConfig:
             raise ValueError(f"mode={self.mode!r} must be one of train, report, all, costs")
 
 
-def variant_name(n_kv_head: int, n_head: int) -> str:
-    kind = "mha" if n_kv_head == n_head else "mqa" if n_kv_head == 1 else "gqa"
-    return kind if kind != "gqa" else f"gqa{n_kv_head}"
+def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig:
+    """The base run's model with n_kv_head K/V heads."""
+    return dataclasses.replace(base.model_config(vocab_size), n_kv_head=n_kv_head)
+
+
+def variant_name(config: GPTConfig) -> str:
+    """'mha', 'gqa<n_kv_head>' or 'mqa'."""
+    kind = config.attention_kind.lower()
+    return f"gqa{config.n_kv_head}" if kind == "gqa" else kind
 
 
 def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
     """Train every variant (and, with convert, every MHA -> GQA/MQA conversion) one after another."""
     root, group = Path(base.out_dir), base.wandb_group or Path(base.out_dir).name
     for g in cfg.kv_heads:
-        name = variant_name(g, base.n_head)
+        name = variant_name(variant(base, g))
         launch(cfg.train_args + [f"--n_kv_head={g}", f"--out_dir={root / name}", f"--wandb_group={group}",
                                  f"--wandb_tags={name},n_kv_head={g}"])
     if not cfg.convert:
@@ -62,7 +70,7 @@ def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
     iters = max(1, round(base.max_iters * cfg.uptrain_fraction))
     for g in cfg.kv_heads:
         if g != base.n_head:
-            name = f"mha-to-{variant_name(g, base.n_head)}"
+            name = f"mha-to-{variant_name(variant(base, g))}"
             launch(cfg.train_args + [f"--init_from=convert:{root / 'mha'}", f"--n_kv_head={g}",
                                      f"--out_dir={root / name}", f"--max_iters={iters}", f"--lr_decay_iters={iters}",
                                      f"--warmup_iters={min(base.warmup_iters, iters // 10)}",
@@ -73,28 +81,11 @@ def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
 def launch(args: list[str]) -> None:
     print(f"$ python train.py {' '.join(args)}", flush=True)
     if subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args]).returncode:
-        raise RuntimeError(f"a training run failed (python train.py {' '.join(args)}); see its output above")
-
-
-def read_run(run_dir: Path) -> dict:
-    """The latest run in a log.jsonl: its config and eval/train records, wall-clock continued across resumes."""
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    starts = [i for i, r in enumerate(records) if r["event"] == "config"  # a fresh start, not a resume
-              and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0]
-    records = records[starts[-1]:]
-    offset, last, evals, trains = 0.0, 0.0, [], []
-    for r in records:
-        if r["event"] == "config":
-            offset += last
-        else:
-            last = r["elapsed_s"]
-            (evals if r["event"] == "eval" else trains).append(r | {"wall_s": offset + r["elapsed_s"]})
-    return {"name": run_dir.name, "config": records[0]["config"], "model_config": records[0]["model_config"],
-            "evals": evals, "trains": trains}
+        raise UserError(f"a training run failed (python train.py {' '.join(args)}); see its output above")
 
 
 def decode_speed(run_dir: Path, tokens: int) -> float:
-    model = model_from_checkpoint(load_checkpoint(run_dir / "ckpt.pt")).to(resolve_device("auto", 0)).eval()
+    model = model_from_checkpoint(load_checkpoint(run_dir / "ckpt.pt")).to(resolve_device("auto")).eval()
     timed_decode(model, 1, 8, True, torch.Generator().manual_seed(0))  # warm-up
     return tokens / timed_decode(model, 1, tokens, True, torch.Generator().manual_seed(0))[-1]
 
@@ -116,7 +107,7 @@ def report_rows(cfg: CompareConfig, runs: list[dict]) -> list[dict]:
                "train_tok_s": statistics.median(t["tokens_per_s"] for t in run["trains"]) if run["trains"] else None,
                "decode_tok_s": decode_speed(Path(run["dir"]), cfg.decode_tokens)}
         if run["config"]["init_from"].startswith("convert:"):
-            scratch = by_name.get(variant_name(mcfg.n_kv_head, mcfg.n_head))
+            scratch = by_name.get(variant_name(mcfg))
             row |= {"val_loss_after_conversion": evals[0]["val_loss"],
                     "scratch_final_val_loss": scratch["evals"][-1]["val_loss"] if scratch else None}
         rows.append(row)
@@ -153,7 +144,7 @@ def plot(runs: list[dict], path: Path) -> None:
 def report(cfg: CompareConfig, root: Path) -> str:
     dirs = sorted(p.parent for p in root.glob("*/log.jsonl"))
     if not dirs:
-        raise FileNotFoundError(f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)")
+        raise UserError(f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)")
     runs = [read_run(d) | {"dir": str(d)} for d in dirs]
     runs.sort(key=lambda r: (r["config"]["init_from"] != "scratch", -r["model_config"]["n_kv_head"]))
     for run in runs:  # a converted run continues its source's curve in the plot
@@ -161,20 +152,21 @@ def report(cfg: CompareConfig, root: Path) -> str:
                    None)
         run["offset"] = (src["evals"][-1]["iter"], src["evals"][-1]["wall_s"]) if src else (0, 0.0)
     rows = report_rows(cfg, runs)
-    table = markdown_table(rows)
-    device = resolve_device("auto", 0)
+    text = table(rows)
+    device = resolve_device("auto")
     notes = (f"KV-cache bytes in {cfg.kv_dtype}: per sequence at block_size, and for batch {cfg.kv_batch} at "
              f"{cfg.kv_seq_len} tokens. decode_tok_s: the trained checkpoint, batch 1, greedy, {cfg.decode_tokens} "
              f"tokens with the KV cache, on {device}. wall_s: the run's own training time (a converted run's "
              f"uptraining only).")
-    (root / "report.md").write_text(f"{table}\n\n{notes}\n\n![val loss](report.png)\n")
-    with open(root / "report.csv", "w", newline="") as f:
+    with atomic_open(root / "report.md", "w") as f:
+        f.write(f"{text}\n\n{notes}\n\n![val loss](report.png)\n")
+    with atomic_open(root / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
     plot(runs, root / "report.png")
-    print(f"{table}\n\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
-    return table
+    print(f"{text}\n\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
+    return text
 
 
 def costs(cfg: CompareConfig, base: TrainConfig) -> str:
@@ -182,16 +174,16 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
     vocab = vocab_size_of(base.dataset) or 50304  # GPT-2's, padded
     rows = []
     for g in sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True):
-        mcfg = dataclasses.replace(base.model_config(vocab_size=vocab), n_kv_head=g)
+        mcfg = variant(base, g, vocab)
         with torch.device("meta"):
             model = GPT(mcfg)
         kv = mcfg.kv_cache_bytes(1, mcfg.block_size, getattr(torch, cfg.kv_dtype))
         rows.append({"n_kv_head": g, "kind": mcfg.attention_kind, "params (M)": round(model.num_params() / 1e6, 2),
                      "attention params/layer": model.attention_params_per_layer(),
                      f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(kv / 2**20, 2)})
-    table = markdown_table(rows)
-    print(table)
-    return table
+    text = table(rows)
+    print(text)
+    return text
 
 
 def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
@@ -200,7 +192,10 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     base = parse_config(TrainConfig, train_args)
     cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
     for g in cfg.kv_heads:  # each variant must be a valid model before anything trains
-        dataclasses.replace(base.model_config(vocab_size=1), n_kv_head=g)
+        try:
+            variant(base, g)
+        except ValueError as e:
+            raise UserError(f"kv_heads={cfg.kv_heads}: {e}") from e
     return cfg, base
 
 

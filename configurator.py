@@ -2,6 +2,7 @@
 
 Config files are trusted Python, run in a fresh namespace; their top-level names and the --key=value overrides are
 applied in order, each validated against the dataclass's field types. Nothing here touches globals().
+UserError is what every module raises for a mistake the user fixes; run_cli prints those as one line.
 """
 
 import ast
@@ -18,8 +19,18 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+class UserError(Exception):
+    """A mistake the user can fix (a config value, a missing file, no network), said in one line: what happened,
+    why, and what to do. Scripts print it as `error: ...` and exit 2; any other exception keeps its traceback."""
+
+
+# What run_cli reports in one line: the project's UserError, and OSError, the operating system refusing a path the
+# user gave (missing, unreadable, unwritable, full).
+USER_ERRORS = (UserError, OSError)
+
+
 def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expected: str = "") -> Any:
-    """value converted to the field type hint, or a ValueError naming key, value, expected type and source."""
+    """value converted to the field type hint, or a UserError naming key, value, expected type and source."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None or raw == "None":
@@ -50,21 +61,21 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
         if isinstance(value, str):
             return value
     name = expected or (hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", ""))
-    raise ValueError(f"{key}={raw if raw is not None else repr(value)} (from {source}) has the wrong type: "
-                     f"expected {name}, got {type(value).__name__}")
+    raise UserError(f"{key}={raw if raw is not None else repr(value)} (from {source}) has the wrong type: "
+                    f"expected {name}, got {type(value).__name__}")
 
 
-def _unknown(key: str, known: list[str], source: str) -> ValueError:
+def _unknown(key: str, known: list[str], source: str) -> UserError:
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; see the defaults at the top of the script"
-    return ValueError(f"unknown config key '{key}' (from {source}){hint}")
+    return UserError(f"unknown config key '{key}' (from {source}){hint}")
 
 
 def _read_file(path: str) -> dict[str, Any]:
     """Top-level names a config file defines (imports, functions and _private names left out)."""
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"config file {path} not found (arguments are config files or --key=value)")
+        raise UserError(f"config file {path} not found (arguments are config files or --key=value)")
     namespace: dict[str, Any] = {"__file__": str(file)}
     exec(compile(file.read_text(), str(file), "exec"), namespace)
     return {k: v for k, v in namespace.items() if not k.startswith("_")
@@ -79,7 +90,7 @@ def parse_config(cls: type[T], argv: list[str]) -> T:
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:
-                raise ValueError(f"override {arg} needs a value: --key=value")
+                raise UserError(f"override {arg} needs a value: --key=value")
             key, raw = arg[2:].split("=", 1)
             try:
                 value = ast.literal_eval(raw)
@@ -92,7 +103,10 @@ def parse_config(cls: type[T], argv: list[str]) -> T:
             if key not in hints:
                 raise _unknown(key, known, source)
             values[key] = _coerce(key, value, hints[key], source, raws.get(key))
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:  # the dataclass's own checks of values and their combinations (__post_init__)
+        raise UserError(str(e)) from e
 
 
 def split_args(argv: list[str], cls: type) -> tuple[list[str], list[str]]:
@@ -103,6 +117,23 @@ def split_args(argv: list[str], cls: type) -> tuple[list[str], list[str]]:
     return ours, [a for a in argv if a not in ours]
 
 
+def with_fields_of(source: type, **defaults: Any) -> Callable[[type[T]], type[T]]:
+    """Class decorator: the dataclass gains every field of the dataclass `source` after its own, with source's type
+    and default (or the one given here; a None default admits None), so a new field of source needs no copy."""
+
+    def extend(cls: type[T]) -> type[T]:
+        hints, extra = typing.get_type_hints(source), []
+        for f in dataclasses.fields(source):
+            default = defaults.get(f.name, f.default)
+            hint = hints[f.name] | None if default is None else hints[f.name]
+            extra.append((f.name, hint, dataclasses.field(default=default)))
+        new = dataclasses.make_dataclass(cls.__name__, extra, bases=(cls,), slots=True)
+        new.__module__, new.__qualname__, new.__doc__ = cls.__module__, cls.__qualname__, cls.__doc__
+        return new
+
+    return extend
+
+
 def print_config(cfg: Any) -> None:
     width = max(len(f.name) for f in dataclasses.fields(cfg))
     for f in dataclasses.fields(cfg):
@@ -111,8 +142,9 @@ def print_config(cfg: Any) -> None:
 
 def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T],
             argv: list[str] | None = None) -> None:
-    """Parse the command line (into the dataclass `config`, or by the function `config`) and run main on it; a user
-    error ends the process with one `error: ...` line and exit 2. SMALLGPT_DEBUG=1 shows the traceback instead.
+    """Parse the command line (into the dataclass `config`, or by the function `config`) and run main on it. A user
+    error (USER_ERRORS) ends the process with one `error: ...` line and exit 2 (SMALLGPT_DEBUG=1 shows its
+    traceback); anything else is a bug or a failure inside a library and keeps its traceback.
     """
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv) and dataclasses.is_dataclass(config):
@@ -121,7 +153,7 @@ def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T]
         return
     try:
         main(parse_config(config, argv) if dataclasses.is_dataclass(config) else config(argv))
-    except (ValueError, OSError, RuntimeError) as e:  # user errors; OSError: missing, unreadable, unwritable files
+    except USER_ERRORS as e:
         if os.environ.get("SMALLGPT_DEBUG") == "1":
             raise
         rank = os.environ.get("RANK")

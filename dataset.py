@@ -1,4 +1,5 @@
-"""Token datasets on disk, as nanoGPT lays them out: data/<name>/{train,val}.bin (flat token ids) + meta.json.
+"""Token datasets on disk, as nanoGPT lays them out: data/<name>/{train,val}.bin (flat token ids) + meta.json,
+and the training batches drawn from them.
 
 meta.json (JSON, not pickle, so loading a dataset cannot run code) holds the token dtype, vocab_size and the
 tokenizer: 'char' with its character list, or 'gpt2' (tiktoken BPE). Run as a script it turns any local text file
@@ -9,12 +10,15 @@ import base64
 import json
 import os
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from configurator import run_cli
+from atomic import atomic_open
+from configurator import UserError, run_cli
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
 GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
@@ -29,23 +33,16 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
     """Write train.bin, val.bin, then meta.json (last: a folder with meta.json is complete), each atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = token_dtype(meta["vocab_size"])
     for split, ids in (("train", train_ids), ("val", val_ids)):
-        _write_atomic(out_dir / f"{split}.bin", np.asarray(ids, dtype=dtype).tobytes())
+        with atomic_open(out_dir / f"{split}.bin") as f:
+            f.write(np.asarray(ids, dtype=dtype).tobytes())
     meta = meta | {"dtype": dtype.name, "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids))}
-    _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    with atomic_open(out_dir / "meta.json", "w") as f:
+        json.dump(meta, f, indent=1)
     print(f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size {meta['vocab_size']}")
 
 
@@ -54,11 +51,11 @@ def load_meta(path: Path) -> dict:
     if not file.is_file():
         hint = (f"run python data/{path.name}/prepare.py first" if (DATA_ROOT / path.name / "prepare.py").is_file()
                 else "prepare it first (python dataset.py --help)")
-        raise FileNotFoundError(f"no dataset at {path} (missing meta.json): {hint}")
+        raise UserError(f"no dataset at {path} (missing meta.json): {hint}")
     try:
         return json.loads(file.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
+        raise UserError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
 
 
 def vocab_size_of(dataset: str) -> int | None:
@@ -71,14 +68,45 @@ def open_tokens(path: Path, split: str, meta: dict) -> np.memmap:
     """The split's token ids as a read-only memmap, after checking the file against meta.json."""
     file = path / f"{split}.bin"
     if not file.is_file():
-        raise FileNotFoundError(f"{file} is missing; prepare the dataset again")
+        raise UserError(f"{file} is missing; prepare the dataset again")
     dtype = np.dtype(meta["dtype"])
     size = file.stat().st_size
     expected = meta.get(f"{split}_tokens")
     if size % dtype.itemsize or (expected is not None and size != expected * dtype.itemsize):
-        raise ValueError(f"{file} has {size} bytes, expected {expected} tokens of {dtype.name}: the file is truncated "
-                         f"or of another dtype; prepare the dataset again")
+        raise UserError(f"{file} has {size} bytes, expected {expected} tokens of {dtype.name}: the file is truncated "
+                        f"or of another dtype; prepare the dataset again")
     return np.memmap(file, dtype=dtype, mode="r")
+
+
+class Batches:
+    """Random windows of block_size + 1 tokens from a dataset folder, as (inputs, targets) on device. The batch of
+    (iteration, micro-step) depends on the seed alone, so a run draws the same data with any number of DDP ranks,
+    and again when resumed."""
+
+    def __init__(self, path: Path, block_size: int, batch_size: int, seed: int, device: str) -> None:
+        self.path, self.block_size, self.batch_size, self.seed, self.device = path, block_size, batch_size, seed, device
+        self.meta = load_meta(path)
+        for split in ("train", "val"):
+            n = len(open_tokens(path, split, self.meta))
+            if n <= block_size:
+                raise UserError(f"the {split} split of {path} has {n} tokens, fewer than block_size+1="
+                                f"{block_size + 1}; lower block_size or use more data")
+
+    def get(self, split: str, *key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        data = open_tokens(self.path, split, self.meta)  # a fresh memmap each time avoids a slow memory build-up
+        rng = np.random.default_rng([self.seed, *key])
+        T = self.block_size
+        ix = rng.integers(0, len(data) - T, size=self.batch_size)
+        buf = torch.from_numpy(np.stack([data[i:i + T + 1] for i in ix]).astype(np.int64))  # (B, T + 1)
+        if self.device.startswith("cuda"):
+            buf = buf.pin_memory().to(self.device, non_blocking=True)
+        return buf[:, :-1], buf[:, 1:]
+
+    def train(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get("train", 0, it, micro)
+
+    def eval(self, split: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # the same batches at every eval
+        return self.get(split, 1, ("train", "val").index(split), k)
 
 
 def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -101,7 +129,7 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         unknown = sorted(set(text) - self.stoi.keys())
         if unknown:
-            raise ValueError(f"characters not in the dataset's vocabulary: {''.join(unknown)!r}")
+            raise UserError(f"characters not in the dataset's vocabulary: {''.join(unknown)!r}")
         return [self.stoi[c] for c in text]
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -129,8 +157,8 @@ def download_text(url: str) -> str:
         with urllib.request.urlopen(url, timeout=30) as r:
             return r.read().decode("utf-8")
     except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
-        raise RuntimeError(f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
-                           f"as --input=FILE") from e
+        raise UserError(f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
+                        f"as --input=FILE") from e
 
 
 def gpt2_encoding(bpe_file: str | None = None) -> "object":
@@ -145,15 +173,15 @@ def gpt2_encoding(bpe_file: str | None = None) -> "object":
             lines = Path(bpe_file).read_text().split("\n")
             ranks = {base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in lines if ln)}
         except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read GPT-2 BPE file {bpe_file}: {e}") from e
+            raise UserError(f"cannot read GPT-2 BPE file {bpe_file}: {e}") from e
         return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                                  special_tokens={"<|endoftext|>": len(ranks)})
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken raises requests' errors (or others) when it cannot download
-        raise RuntimeError(f"cannot load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use. Run "
-                           f"once with network, point TIKTOKEN_CACHE_DIR at a cache that has it, or set "
-                           f"{GPT2_BPE_ENV} to a local gpt2.tiktoken file") from e
+        raise UserError(f"cannot load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use. Run "
+                        f"once with network, point TIKTOKEN_CACHE_DIR at a cache that has it, or set "
+                        f"{GPT2_BPE_ENV} to a local gpt2.tiktoken file") from e
 
 
 def load_tokenizer(meta: dict) -> "CharTokenizer | object":
@@ -162,7 +190,7 @@ def load_tokenizer(meta: dict) -> "CharTokenizer | object":
         return CharTokenizer(meta["chars"])
     if meta.get("tokenizer") == "gpt2":
         return gpt2_encoding()
-    raise ValueError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char' or 'gpt2')")
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char' or 'gpt2')")
 
 
 def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction: float = 0.1) -> None:
@@ -175,9 +203,9 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
         ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
         meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab}
     else:
-        raise ValueError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'gpt2'")
+        raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'gpt2'")
     if len(ids) < 2:
-        raise ValueError(f"the text has {len(ids)} tokens: too few for a dataset")
+        raise UserError(f"the text has {len(ids)} tokens: too few for a dataset")
     write_dataset(out_dir, *split_ids(ids, val_fraction), meta)
 
 
@@ -191,8 +219,8 @@ def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: boo
             return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
         return datasets.load_dataset(hub_id, name, split="train", streaming=streaming, trust_remote_code=False)
     except (ConnectionError, OSError, ValueError) as e:  # no network, no cache, or files it cannot read
-        raise RuntimeError(f"cannot load {local or hub_id} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                           f"with no network, pass local parquet/json/text files as --input=PATH") from e
+        raise UserError(f"cannot load {local or hub_id} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                        f"with no network, pass local parquet/json/text files as --input=PATH") from e
 
 
 def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int = 2000, max_docs: int | None = None,
@@ -212,19 +240,16 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
     ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = {"train": 0, "val": 0}
-    files = {split: open(out_dir / f"{split}.bin.tmp", "wb") for split in counts}
-    for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
-        split = "val" if i % val_every == 0 else "train"
-        files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
-        counts[split] += len(example["ids"])
-    for split, f in files.items():
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        os.replace(out_dir / f"{split}.bin.tmp", out_dir / f"{split}.bin")
+    with ExitStack() as stack:  # both files are renamed into place only after the last document
+        files = {split: stack.enter_context(atomic_open(out_dir / f"{split}.bin")) for split in counts}
+        for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
+            split = "val" if i % val_every == 0 else "train"
+            files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
+            counts[split] += len(example["ids"])
     meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "dtype": "uint16", "train_tokens": counts["train"],
             "val_tokens": counts["val"]}
-    _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=1).encode())
+    with atomic_open(out_dir / "meta.json", "w") as f:
+        json.dump(meta, f, indent=1)
     print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
 
 
@@ -256,9 +281,9 @@ class TextConfig:
 
 def main(cfg: TextConfig) -> None:
     if not cfg.input or not cfg.out_dir:
-        raise ValueError("usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2]")
+        raise UserError("usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2]")
     if not Path(cfg.input).is_file():
-        raise FileNotFoundError(f"input file {cfg.input} not found")
+        raise UserError(f"input file {cfg.input} not found")
     prepare_text(Path(cfg.input).read_text(encoding="utf-8"), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
 
 

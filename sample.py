@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
-from configurator import run_cli
+from checkpoint import from_hf_gpt2, load_checkpoint, model_from_checkpoint
+from configurator import UserError, run_cli
 from dataset import data_dir, load_meta, load_tokenizer
-from model import GPT, from_hf_gpt2, left_pad, load_checkpoint, model_from_checkpoint
-from train import resolve_device
+from generation import left_pad, stream
+from model import GPT
+from runtime import resolve_device
 
 
 @dataclass(slots=True)
@@ -37,10 +39,10 @@ class SampleConfig:
     cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (README Performance)
 
     def __post_init__(self) -> None:
-        problems = [f"num_samples={self.num_samples} must be at least 1"] if self.num_samples < 1 else []
-        problems += [f"max_new_tokens={self.max_new_tokens} must not be negative"] if self.max_new_tokens < 0 else []
-        problems += [f"dtype={self.dtype!r} must be float32, bfloat16 or float16"] if self.dtype not in (
-            "float32", "bfloat16", "float16") else []
+        problems = [f"num_samples={self.num_samples} must be at least 1"] * (self.num_samples < 1)
+        problems += [f"max_new_tokens={self.max_new_tokens} must not be negative"] * (self.max_new_tokens < 0)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -50,21 +52,21 @@ def read_prompts(start: str) -> list[str]:
     if kind not in ("FILE", "LINES") or not path:
         return [start]
     if not Path(path).is_file():
-        raise FileNotFoundError(f"prompt file {path} not found")
+        raise UserError(f"prompt file {path} not found")
     text = Path(path).read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line] if kind == "LINES" else [text]
 
 
 def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig
-           ) -> tuple[list[str], int, float]:
-    """Each row's new text (ending at end-of-text, or just after the stop string), the number of tokens decoded and
-    the seconds to the first token (the prefill). A batch of one row streams to stdout."""
+           ) -> tuple[list[str], int, float, float]:
+    """Each row's new text (ending at end-of-text, or just after the stop string), the number of tokens decoded, the
+    seconds to the first token (the prefill) and in all. A batch of one row streams to stdout."""
     B, streaming = idx.size(0), idx.size(0) == 1
     texts, done, n_tokens, t0, prefill_s = [""] * B, [False] * B, 0, time.perf_counter(), 0.0
     utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(B)]  # BPE tokens split characters
     gen = torch.Generator(idx.device).manual_seed(cfg.seed)
-    for step in model.stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, tok.eot_token,
-                             cfg.kv_cache, pad, gen, cfg.cuda_graph):
+    for step in stream(model, idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                       eos=tok.eot_token, use_cache=cfg.kv_cache, pad=pad, generator=gen, cuda_graph=cfg.cuda_graph):
         prefill_s = prefill_s or time.perf_counter() - t0
         for b, t in enumerate(step.tolist()):
             done[b] = done[b] or t == tok.eot_token
@@ -80,11 +82,11 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
                 print(piece, end="", flush=True)
         if all(done):
             break
-    return texts, n_tokens, prefill_s
+    return texts, n_tokens, prefill_s, time.perf_counter() - t0
 
 
 def main(cfg: SampleConfig) -> None:
-    device = resolve_device(cfg.device, 0)
+    device = resolve_device(cfg.device)
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", map_location=device)
         model = model_from_checkpoint(ckpt)
@@ -94,29 +96,24 @@ def main(cfg: SampleConfig) -> None:
         model, tok = from_hf_gpt2(cfg.init_from.removeprefix("hf:")), load_tokenizer({"tokenizer": "gpt2"})
     model = model.to(device=device, dtype=getattr(torch, cfg.dtype)).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
-    ids = [tok.encode(p) for p in prompts]
-    bs = model.config.block_size
-    for p in ids:
-        if not p or len(p) > bs:
-            raise ValueError(f"a prompt has {len(p)} tokens; it needs 1 to block_size={bs} (shorten it, or train "
-                             f"with a larger block_size)")
+    ids, bs, B = [tok.encode(p) for p in prompts], model.config.block_size, len(prompts)
+    if bad := [len(p) for p in ids if not p or len(p) > bs]:
+        raise UserError(f"a prompt has {bad[0]} tokens; it needs 1 to block_size={bs} (shorten it, or train with a "
+                        f"larger block_size)")
     idx, pad = left_pad(ids, device=device)
-    B = idx.size(0)
     if B == 1:
         print(prompts[0], end="", flush=True)
-    t0 = time.perf_counter()
-    texts, n_new, prefill_s = decode(model, tok, idx, pad if bool(pad.any()) else None, cfg)
-    elapsed = time.perf_counter() - t0
+    texts, n_new, prefill_s, elapsed = decode(model, tok, idx, pad if bool(pad.any()) else None, cfg)
     if B == 1:
         print(flush=True)  # the text was streamed
     else:
         for prompt, text in zip(prompts, texts, strict=True):
             print(f"{prompt}{text}\n---------------", flush=True)
-    kv = model.config.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.lm_head.weight.dtype)
-    print(f"{n_new} tokens in {elapsed:.2f} s ({n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill "
-          f"{prefill_s * 1000:.1f} ms), batch {B}, "
-          f"{model.config.attention_kind} (n_kv_head={model.config.n_kv_head}), KV cache "
-          f"{kv if cfg.kv_cache else 0:,} bytes", file=sys.stderr)
+    mc = model.config
+    kv = mc.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.lm_head.weight.dtype)
+    print(f"{n_new} tokens in {elapsed:.2f} s ({n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill {prefill_s * 1000:.1f} "
+          f"ms), batch {B}, {mc.attention_kind} (n_kv_head={mc.n_kv_head}), KV cache {kv * cfg.kv_cache:,} bytes",
+          file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
+import contextlib
+import io
 import json
 import os
+import runpy
 import subprocess
 import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -31,10 +36,52 @@ TINY_TRAIN = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--
               "--log_interval=10", "--learning_rate=3e-3", "--warmup_iters=5", "--device=cpu", "--dtype=float32"]
 
 
-def run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run a python command in the repo root; fail with its output if it fails."""
-    r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, **(env or {})})
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(args: list[str], env: dict | None = None) -> Result:
+    """`python SCRIPT ARGS...` from the repo root, run in this process as __main__ (runpy): the script's own command
+    line, errors and exit status, without the 2-3 s a fresh interpreter spends importing torch. Tests that need a
+    process of their own (signals, torchrun, wandb, variables read at import) use subprocess instead."""
+    script, *rest = args
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8") for _ in range(2))
+    saved = dict(os.environ), sys.argv, os.getcwd()
+    os.environ.update(env or {})
+    sys.argv = [script, *rest]
+    os.chdir(ROOT)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(ROOT / script), run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            except Exception:  # what the interpreter would do: the traceback on stderr, exit status 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved[0])
+        sys.argv = saved[1]
+        os.chdir(saved[2])
+    return Result(code, *(f.buffer.getvalue().decode() for f in (out, err) if f.flush() is None))
+
+
+def run(args: list[str], env: dict | None = None, timeout: float = 300, fresh: bool = False
+        ) -> Result | subprocess.CompletedProcess:
+    """Run a python command in the repo root and fail with its output unless it succeeds: a script in this process
+    (cli), or in a fresh interpreter with fresh=True and for `-m module` / `-c code`."""
+    if fresh or args[0].startswith("-"):
+        r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
+    else:
+        r = cli(args, env)
     assert r.returncode == 0, f"{args} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 

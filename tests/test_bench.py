@@ -1,11 +1,9 @@
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run
+from conftest import cli, run
 
 TINY = ["--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=16", "--device=cpu"]
 
@@ -49,7 +47,7 @@ def test_hf_bench_checks_greedy_tokens_against_hugging_face() -> None:
 
 
 def test_nanogpt_bench_without_a_checkout_is_one_line(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "bench.py", "--mode=nanogpt", f"--nanogpt_dir={tmp_path}", *TINY,
-                        "--warmup=1", "--iters=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = cli(["bench.py", "--mode=nanogpt", f"--nanogpt_dir={tmp_path}", *TINY,
+                        "--warmup=1", "--iters=1"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"no nanoGPT checkout at {tmp_path}" in r.stderr and "--nanogpt_dir" in r.stderr

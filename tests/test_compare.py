@@ -1,13 +1,11 @@
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY_TRAIN, read_log, run, tiny_model
-from model import convert_kv_heads, load_checkpoint
+from checkpoint import convert_kv_heads, load_checkpoint
+from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
 
 SWEEP = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
          "--log_interval=10", "--device=cpu", "--max_iters=30", "--eval_interval=10", "--learning_rate=3e-3",
@@ -68,9 +66,8 @@ def test_converted_checkpoint_trains_samples_and_resumes(pycode_small: Path, tmp
 
 def test_converting_to_a_group_count_that_does_not_divide_n_head_is_one_line(pycode_small: Path,
                                                                              tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}",
-                        *TINY_TRAIN, f"--init_from=convert:{tmp_path / 'x'}", "--n_kv_head=3"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}",
+                        *TINY_TRAIN, f"--init_from=convert:{tmp_path / 'x'}", "--n_kv_head=3"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert "n_head=4 must be divisible by n_kv_head=3" in r.stderr
 

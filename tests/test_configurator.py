@@ -1,13 +1,10 @@
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from configurator import parse_config
-
-ROOT = Path(__file__).resolve().parent.parent
+from configurator import UserError, parse_config
+from conftest import ROOT, cli
 
 
 @dataclass(slots=True)
@@ -50,7 +47,7 @@ def test_config_files_then_flags_in_order(tmp_path: Path) -> None:
     (["no/such/config.py"], ["config file no/such/config.py not found"]),
 ])
 def test_bad_arguments_give_one_clear_line(argv: list[str], pieces: list[str]) -> None:
-    with pytest.raises((ValueError, FileNotFoundError)) as err:
+    with pytest.raises(UserError) as err:
         parse_config(Cfg, argv)
     msg = str(err.value)
     assert "\n" not in msg
@@ -61,11 +58,11 @@ def test_bad_arguments_give_one_clear_line(argv: list[str], pieces: list[str]) -
 def test_keys_from_files_are_checked_like_flags(tmp_path: Path) -> None:
     f = tmp_path / "bad.py"
     f.write_text("learning_rat = 0.1\n")
-    with pytest.raises(ValueError, match=r"unknown config key 'learning_rat' \(from config file .*bad.py\); did you "
+    with pytest.raises(UserError, match=r"unknown config key 'learning_rat' \(from config file .*bad.py\); did you "
                                          r"mean learning_rate"):
         parse_config(Cfg, [str(f)])
     f.write_text("compile = 'yes'\n")
-    with pytest.raises(ValueError, match="expected bool"):
+    with pytest.raises(UserError, match="expected bool"):
         parse_config(Cfg, [str(f)])
 
 
@@ -80,7 +77,7 @@ def test_keys_from_files_are_checked_like_flags(tmp_path: Path) -> None:
     (["config/nope.py"], "error: config file config/nope.py not found"),
 ])
 def test_scripts_print_one_error_line_and_exit_2(args: list[str], message: str) -> None:
-    r = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = cli(["train.py", *args])
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert message in r.stderr
@@ -94,10 +91,6 @@ def test_every_shipped_config_file_parses(path: str) -> None:
     assert cfg.model_config(vocab_size=100).n_layer >= 1
 
 
-def run_script(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
-
-
 def test_help_lists_the_keys_and_defaults() -> None:
-    r = run_script(["train.py", "--help"])
+    r = cli(["train.py", "--help"])
     assert r.returncode == 0 and "n_kv_head" in r.stdout and "learning_rate" in r.stdout and "= 0.001" in r.stdout

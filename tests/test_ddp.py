@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint import load_checkpoint
 from conftest import ROOT, TINY_TRAIN, read_log, run
-from model import load_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -17,7 +17,7 @@ def test_two_gloo_processes_match_one_process_with_twice_the_accumulation(pycode
     r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
              f"--out_dir={tmp_path / 'ddp'}", "--gradient_accumulation_steps=4", *common])
     run(["train.py", f"--out_dir={tmp_path / 'single'}", "--gradient_accumulation_steps=4", *common],
-        env={"OMP_NUM_THREADS": "1"})
+        env={"OMP_NUM_THREADS": "1"}, fresh=True)
     ddp, single = read_log(tmp_path / "ddp"), read_log(tmp_path / "single")
     ddp_losses = [x["loss"] for x in ddp if x["event"] == "train"]
     single_losses = [x["loss"] for x in single if x["event"] == "train"]

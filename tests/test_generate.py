@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_model
-from model import left_pad, sample_logits
+from generation import left_pad, sample_logits
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint import from_hf_gpt2, load_checkpoint
 from conftest import ROOT, run
-from model import from_hf_gpt2, load_checkpoint
 
 
 @pytest.fixture(scope="module")

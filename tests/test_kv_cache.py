@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_model
-from model import GPT, left_pad
+from generation import left_pad
+from model import GPT
 
 ATOL = 1e-5  # float32; the cached and recomputed paths differ only in summation order
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as model_module
+import fast_paths
 from conftest import VARIANTS, tiny_model
 from model import GPT, GPTConfig
 
@@ -98,19 +98,23 @@ def test_gqa_equals_mha_with_kv_heads_copied_within_groups(n_kv_head: int, pos_e
     torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("mask", [False, True])
-def test_sdpa_gqa_equals_explicit_repeat_reference(monkeypatch: pytest.MonkeyPatch, mask: bool) -> None:
-    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
-    m = torch.rand(2, 1, 5, 9) > 0.3 if mask else None
+def test_gqa_attention_equals_explicit_repeat_reference(mask: bool, T: int) -> None:
+    """fast_paths.attention with 2 K/V heads for 8 query heads (enable_gqa, or one query per head under a mask)."""
+    q, k, v = torch.randn(2, 8, T, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    m = torch.rand(2, 1, T, 9) > 0.3 if mask else None
     if m is not None:
         m[..., 0] = True
+    elif T > 1:  # no mask means causal, aligned bottom-right as after a cache: here, with 9 keys, only Tq == Tk is
+        k, v = k[:, :, :T], v[:, :, :T]
     k_rep, v_rep = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
-    ref = torch.softmax((q @ k_rep.transpose(-1, -2) / 4.0).masked_fill(m.logical_not(), float("-inf"))
-                        if m is not None else q @ k_rep.transpose(-1, -2) / 4.0, dim=-1) @ v_rep
-    for has_gqa in (True, False):  # SDPA's enable_gqa, and the repeat fallback for torch < 2.5
-        monkeypatch.setattr(model_module, "SDPA_HAS_GQA", has_gqa)
-        torch.testing.assert_close(model_module.sdpa(q, k, v, m, is_causal=False, dropout_p=0.0), ref,
-                                   rtol=1e-5, atol=1e-5)
+    scores = q @ k_rep.transpose(-1, -2) / 4.0
+    if m is None and T > 1:
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    ref = torch.softmax(scores.masked_fill(m.logical_not(), float("-inf")) if m is not None else scores, -1) @ v_rep
+    torch.testing.assert_close(fast_paths.attention(q, k, v, m, dropout_p=0.0, cached=False), ref,
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["causal", "mask", "decode"])
@@ -126,13 +130,13 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
         m[..., 0] = True
     ref_k, ref_v = (t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v))
     ref = F.scaled_dot_product_attention(q, ref_k, ref_v, attn_mask=m, is_causal=case == "causal")
-    out = model_module.matmul_attention(q, k, v, m, is_causal=case == "causal", dropout_p=0.0)
+    out = fast_paths.matmul_attention(q, k, v, m, dropout_p=0.0)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the path sdpa() takes in bf16 training on CPU
-        low = model_module.sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), m, case == "causal", 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the path attention() takes in bf16 training on CPU
+        low = fast_paths.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), m, 0.0, cached=False)
     torch.testing.assert_close(low.float(), ref, rtol=0, atol=0.05)
 
 
@@ -141,16 +145,16 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_split_across_threads_equals_plain_linear(monkeypatch: pytest.MonkeyPatch, threads: int, bias: bool,
                                                          copy: bool) -> None:
-    """The decoding path of model.Linear (few rows, no autograd) computes the same product as nn.Linear, also when
+    """The decoding path of fast_paths.Linear (few rows, no autograd) computes the same product as nn.Linear, also when
     out_features is not a multiple of the thread count, with the weight's views or its (in, out) copy; with autograd
     it is nn.Linear's own path."""
-    monkeypatch.setattr(model_module, "SPLIT_COPY_BYTES", 0 if copy else 2**40)
+    monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if copy else 2**40)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for out_features in (48, 50):
-            layer = model_module.Linear(32, out_features, bias=bias)
-            for shape in ((1, 1, 32), (3, 2, 32), (model_module.SPLIT_MAX_ROWS, 32), (100, 32)):
+            layer = fast_paths.Linear(32, out_features, bias=bias)
+            for shape in ((1, 1, 32), (3, 2, 32), (fast_paths.SPLIT_MAX_ROWS, 32), (100, 32)):
                 x = torch.randn(shape)
                 with torch.no_grad():
                     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, run
+from configurator import UserError
+from conftest import ROOT, cli, run
 from dataset import CharTokenizer, load_meta, load_tokenizer, open_tokens
 
 
@@ -32,16 +33,16 @@ def test_char_tokenizer_round_trip_and_unknown_characters() -> None:
     tok = CharTokenizer.from_text("hello world\n")
     ids = tok.encode("low hello")
     assert tok.decode(ids) == "low hello" and tok.encode_array("low hello").tolist() == ids
-    with pytest.raises(ValueError, match="characters not in the dataset's vocabulary: 'XZ'"):
+    with pytest.raises(UserError, match="characters not in the dataset's vocabulary: 'XZ'"):
         tok.encode("hello ZX")
-    with pytest.raises(ValueError, match="'é'"):
+    with pytest.raises(UserError, match="'é'"):
         tok.encode_array("helé")
 
 
 def test_shakespeare_offline_download_fails_with_a_clear_line(tmp_path: Path) -> None:
     out = tmp_path / "shakespeare"
-    r = subprocess.run([sys.executable, "data/shakespeare_char/prepare.py", "--url=http://127.0.0.1:9/input.txt",
-                        f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = cli(["data/shakespeare_char/prepare.py", "--url=http://127.0.0.1:9/input.txt",
+                        f"--out_dir={out}"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert r.stderr.startswith("error: cannot download http://127.0.0.1:9/input.txt") and "--input=FILE" in r.stderr
     assert not out.exists()
@@ -93,7 +94,7 @@ def test_truncated_or_wrong_dtype_token_file_is_detected(tmp_path: Path, damage:
     f = tmp_path / "d" / "train.bin"
     ids = open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))
     f.write_bytes(ids.tobytes()[:-3] if damage == "truncated" else ids.astype(np.int32).tobytes())
-    with pytest.raises(ValueError, match="truncated or of another dtype"):
+    with pytest.raises(UserError, match="truncated or of another dtype"):
         open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))
 
 

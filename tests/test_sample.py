@@ -1,13 +1,12 @@
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, VARIANTS, run
+from checkpoint import save_checkpoint
+from conftest import VARIANTS, Result, cli, run
 from dataset import CharTokenizer
-from model import GPT, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 
 CHARS = CharTokenizer.from_text("".join(chr(c) for c in range(32, 127)) + "\n")
 
@@ -21,7 +20,7 @@ def make_checkpoint(out: Path, n_kv_head: int, pos_encoding: str = "learned", bl
     return out
 
 
-def sample(out: Path, *args: str) -> subprocess.CompletedProcess:
+def sample(out: Path, *args: str) -> Result:
     return run(["sample.py", f"--out_dir={out}", "--device=cpu", *args])
 
 
@@ -86,8 +85,7 @@ def test_prompt_from_file(tmp_path: Path) -> None:
 ])
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     out = make_checkpoint(tmp_path, 2)
-    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    r = cli(["sample.py", f"--out_dir={out}", *args])
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert message in r.stderr
 
@@ -96,14 +94,12 @@ def test_corrupt_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> No
     out = make_checkpoint(tmp_path / "a", 2)
     data = (out / "ckpt.pt").read_bytes()
     (out / "ckpt.pt").write_bytes(data[: len(data) // 2])
-    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    r = cli(["sample.py", f"--out_dir={out}"])
     assert r.returncode == 2 and "is corrupt or truncated" in r.stderr and "Traceback" not in r.stderr
     evil = tmp_path / "b"
     evil.mkdir()
     torch.save({"model": {}, "model_config": {}, "payload": Path("x")}, evil / "ckpt.pt")  # a pickled class
-    r = subprocess.run([sys.executable, "sample.py", f"--out_dir={evil}"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60)
+    r = cli(["sample.py", f"--out_dir={evil}"])
     assert r.returncode == 2 and "refusing to load" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -1,0 +1,143 @@
+"""Checkpoints, the only code that knows their format, and the other ways to get a model's weights: OpenAI's GPT-2
+through Hugging Face, and the MHA -> GQA/MQA conversion of a model's K/V heads.
+
+A checkpoint is {'model': state_dict, 'model_config': asdict(GPTConfig), **state} with plain data only, written
+atomically and loaded with weights_only=True (it cannot run code).
+"""
+
+import os
+import pickle
+import shutil
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from atomic import atomic_open
+from configurator import UserError
+from model import GPT, GPTConfig
+
+
+def check_out_dir(out_dir: Path, need_bytes: int) -> None:
+    """Fail before training, not at the first save, if out_dir is not writable or has too little free space."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=out_dir):
+        pass
+    free = shutil.disk_usage(out_dir).free
+    if free < need_bytes:
+        raise UserError(f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but a checkpoint needs about "
+                        f"{need_bytes / 2**20:,.1f} MiB: free some space or choose another out_dir")
+
+
+def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, **state: Any) -> None:
+    """Write {'model', 'model_config', **state} atomically (atomic_open): a crash mid-write leaves the previous
+    checkpoint intact. state holds plain data only. keep_last > 0 also keeps the file as ckpt-<state's iter_num>.pt
+    beside it, and only the keep_last newest of those."""
+    path = Path(path)
+    with atomic_open(path) as f:
+        torch.save({"model": model.state_dict(), "model_config": asdict(model.config), **state}, f)
+    if keep_last:
+        kept = path.with_name(f"ckpt-{state['iter_num']:07d}.pt")
+        kept.unlink(missing_ok=True)
+        try:
+            os.link(path, kept)  # no extra disk: path is replaced by the next save, never rewritten in place
+        except OSError:  # a file system without hard links
+            shutil.copyfile(path, kept)
+        for old in sorted(path.parent.glob("ckpt-*.pt"))[:-keep_last]:
+            old.unlink()
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """A checkpoint written by save_checkpoint, loaded with weights_only=True."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"refusing to load {path}: it holds objects other than tensors and plain data, which "
+                        f"could run code ({str(e).splitlines()[0]})") from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0]})") from e
+    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys():
+        raise UserError(f"{path} is not a checkpoint written by this project (no 'model' and 'model_config')")
+    return ckpt
+
+
+def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
+    """The GPT a checkpoint describes, with its weights."""
+    try:
+        model = GPT(GPTConfig(**ckpt["model_config"]))
+    except (TypeError, ValueError) as e:
+        raise UserError(f"checkpoint's model_config does not fit GPTConfig ({e})") from e
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise UserError(f"checkpoint weights do not match its model_config ({str(e).splitlines()[0]})") from e
+    return model
+
+
+def from_hf_gpt2(name_or_path: str) -> GPT:
+    """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium', 'gpt2-large',
+    'gpt2-xl') or a local folder written by save_pretrained. Its fused c_attn is split into c_q, c_k, c_v and its
+    Conv1D weights, stored (in, out), are transposed to Linear's (out, in)."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+    except OSError as e:  # what transformers raises for no network, no cache or a bad folder
+        raise UserError(f"cannot load GPT-2 weights {name_or_path!r} ({str(e).splitlines()[0]}): with no network, "
+                        f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained") from e
+    c = hf.config
+    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                          n_embd=c.n_embd, bias=True, gelu="tanh" if c.activation_function == "gelu_new" else "exact"))
+    state = {}
+    for name, t in hf.state_dict().items():
+        if ".attn.c_attn." in name:
+            for part, piece in zip(("c_q", "c_k", "c_v"), t.split(c.n_embd, dim=-1), strict=True):
+                state[name.replace("c_attn", part)] = piece.t() if name.endswith("weight") else piece
+        else:
+            state[name] = t.t() if name.endswith(("c_proj.weight", "c_fc.weight")) else t
+    model.load_state_dict(state)
+    return model
+
+
+def gpt2_for_finetuning(name_or_path: str, vocab_size: int, dropout: float, block_size: int,
+                        n_kv_head: int | None) -> GPT:
+    """GPT-2's weights with a run's dropout, cropped to its block_size, and pooled to its n_kv_head if given."""
+    model = from_hf_gpt2(name_or_path)
+    if vocab_size > model.config.vocab_size:
+        raise UserError(f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
+                        f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)")
+    config = replace(model.config, dropout=dropout, block_size=min(block_size, model.config.block_size))
+    state = model.state_dict()
+    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
+    model = GPT(config)
+    model.load_state_dict(state)
+    return convert_kv_heads(model, n_kv_head) if n_kv_head else model
+
+
+def convert_kv_heads(model: GPT, n_kv_head: int) -> GPT:
+    """A copy of model whose K/V heads are pooled into n_kv_head groups: each new K (and V) head is the mean of the
+    heads of its group, query and output projections unchanged (GQA paper, https://arxiv.org/abs/2305.13245 s2.1)."""
+    old = model.config.n_kv_head
+    try:
+        config = replace(model.config, n_kv_head=n_kv_head)  # checks that n_kv_head divides n_head
+    except ValueError as e:
+        raise UserError(f"cannot convert the model to n_kv_head={n_kv_head}: {e}") from e
+    if old % n_kv_head:
+        raise UserError(f"cannot pool the model's {old} K/V heads into n_kv_head={n_kv_head} groups: "
+                        f"n_kv_head must divide {old}")
+    state = model.state_dict()
+    for name, t in state.items():
+        if name.endswith(("attn.c_k.weight", "attn.c_k.bias", "attn.c_v.weight", "attn.c_v.bias")):
+            # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...) -> mean over each group
+            grouped = t.view(n_kv_head, old // n_kv_head, config.head_dim, *t.shape[1:])
+            state[name] = grouped.mean(dim=1).reshape(n_kv_head * config.head_dim, *t.shape[1:])
+    converted = GPT(config).to(next(model.parameters()).device)
+    converted.load_state_dict(state)
+    return converted

@@ -1,0 +1,115 @@
+"""Device-specific fast paths, each behind one name the model calls: `attention` (which kernel computes attention)
+and `Linear` (few-row products split across CPU threads). Each choice was measured; the figures are in the README's
+Performance section, not here.
+"""
+
+from contextlib import nullcontext
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN attention (SDPA's first choice on recent GPUs) builds a graph for each new K/V length, which a growing KV
+# cache hits every step (README "On a GPU"), so attention over a cache on CUDA chooses among these.
+CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Linear splits products of up to this many rows; larger ones (training, prefill) run faster unsplit (README
+# "Decoding (CPU)").
+SPLIT_MAX_ROWS = 64
+# A weight larger than this (GPT-2's lm_head) streams faster from memory in the (in, out) layout, so Linear keeps
+# such a copy for its split products: more memory for a faster batch-1 decode (README "Decoding (CPU)").
+SPLIT_COPY_BYTES = 32 * 2**20
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
+              cached: bool) -> torch.Tensor:
+    """Causal attention of q (B, n_head, T, hd) over k, v (B, n_kv_head, Tk, hd), each K/V head serving
+    n_head / n_kv_head query heads without copies. mask None means a plain causal block (Tk == T) or one query that
+    sees every key; otherwise the boolean mask (B or 1, 1, T, Tk) says what each query sees. cached: k and v come
+    from a KV cache (their length changes every call)."""
+    if q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
+        return matmul_attention(q, k, v, mask, dropout_p)  # SDPA's CPU flash kernel is slower in bf16 training
+    B, H, T, hd = q.shape
+    G = k.size(1)
+    with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
+        if G != H and T == 1 and mask is not None:
+            # One query per head under a mask (the CUDA-graph step, padded decoding): each K/V head's queries as
+            # that head's query rows, a plain multi-head call; enable_gqa with a mask falls back to CUDA's math
+            # kernel (README "On a GPU").
+            y = F.scaled_dot_product_attention(q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p)
+            return y.view(B, H, 1, hd)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                              dropout_p=dropout_p, enable_gqa=G != H)
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     dropout_p: float) -> torch.Tensor:
+    """attention() as two batched matmuls and a softmax, the mask added to the scores inside the first (baddbmm):
+    faster than SDPA's flash kernel for bf16 training on CPU, not in fp32 (README "Training (CPU)"). Each K/V head's
+    queries are stacked as one batch entry, so GQA/MQA need no copies of K/V."""
+    B, H, T, hd = q.shape
+    G, Tk = k.size(1), k.size(2)
+    rep = H // G
+    if mask is None and T > 1:
+        mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
+    elif mask is not None and mask.size(0) == 1:
+        mask = mask[0, 0]  # (T, Tk)
+    bias = q.new_zeros(())
+    if mask is not None:  # 0 where a query sees a key, -inf where not: (rep * T, Tk), or one per batch entry
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+        bias = bias.repeat(rep, 1) if mask.dim() == 2 else bias.expand(B, G * rep, T, Tk).reshape(B * G, rep * T, Tk)
+    att = torch.baddbmm(bias, q.reshape(B * G, rep * T, hd), k.reshape(B * G, Tk, hd).transpose(1, 2),
+                        alpha=hd**-0.5).softmax(dim=-1)  # (B * G, rep * T, Tk)
+    att = F.dropout(att, dropout_p) if dropout_p else att
+    return (att.type_as(v) @ v.reshape(B * G, Tk, hd)).view(B, H, T, hd)
+
+
+class SplitWeight(NamedTuple):
+    """Linear's weight and bias cut into one slice of output features per thread, made once per weight."""
+
+    key: tuple  # what they were made from: thread count, the weight's (and bias's) memory, its version if copied
+    weight: torch.Tensor  # (parts, in, out // parts), a view of the weight or an (in, out) copy
+    bias: torch.Tensor | None  # (parts, 1, out // parts)
+    rest: tuple[torch.Tensor, torch.Tensor | None] | None  # weight and bias of the last out % parts features
+    source: torch.Tensor  # holds the weight's memory, so no other tensor can reuse its address and match the key
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose products with few rows (decoding) in fp32 on CPU without autograd split the output features
+    into one slice per thread, computed as one batched matmul: MKL runs such a thin product on one core, which
+    cannot stream the weights from memory at full speed (README "Decoding (CPU)"). split_max_rows = 0 turns it off."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.split_max_rows = SPLIT_MAX_ROWS
+        self.split: SplitWeight | None = None
+
+    def split_weight(self, parts: int) -> SplitWeight:
+        """The weight split into `parts` (views of it, or an (in, out) copy of one over SPLIT_COPY_BYTES, remade
+        when the weight changes in place)."""
+        w, b = self.weight, self.bias
+        copy = w.nbytes > SPLIT_COPY_BYTES
+        key = (parts, w.data_ptr(), w._version if copy else None, None if b is None else b.data_ptr())
+        if self.split is None or self.split.key != key:
+            n = self.out_features // parts * parts
+            ws = w[:n].view(parts, n // parts, -1).transpose(1, 2)  # (parts, in, n // parts)
+            rest = (w[n:], None if b is None else b[n:]) if n < self.out_features else None
+            self.split = None  # the old copy goes before the new one is made
+            self.split = SplitWeight(key, ws.contiguous() if copy else ws,
+                                     None if b is None else b[:n].view(parts, 1, -1), rest, w.detach())
+        return self.split
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (torch.compiler.is_compiling() or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.float32
+                or self.weight.dtype != torch.float32 or x.numel() > self.split_max_rows * self.in_features
+                or torch.is_autocast_enabled("cpu") or (parts := torch.get_num_threads()) < 2):
+            return super().forward(x)
+        split = self.split_weight(parts)
+        rows = x.numel() // self.in_features
+        xs = x.reshape(1, rows, -1).expand(parts, -1, -1)  # (parts, rows, in_features)
+        y = torch.bmm(xs, split.weight) if split.bias is None else torch.baddbmm(split.bias, xs, split.weight)
+        y = y.transpose(0, 1).reshape(rows, -1)  # (rows, parts * (out // parts))
+        if split.rest is not None:
+            y = torch.cat((y, F.linear(x.reshape(rows, -1), *split.rest)), dim=1)
+        return y.view(*x.shape[:-1], self.out_features)

@@ -1,0 +1,119 @@
+"""Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming decode loop with its
+sliding window, and the CUDA-graph replay of the one-token step. GPT.generate and GPT.stream call these.
+"""
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+
+def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row from logits (B, V): temperature 0 is argmax; top_k and top_p (nucleus) restrict the
+    candidates to the k most likely, and to the fewest whose probability sums to at least top_p."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, [-1]]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        outside = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_token: int = 0, device: torch.device | str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists of unequal length into idx (B, max_len) and pad (B,), the pad count of each row."""
+    width = max(len(p) for p in prompts)
+    idx = torch.tensor([[pad_token] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=device)
+    return idx, pad
+
+
+class CUDAGraphStep:
+    """GPT.decode_static captured once as a CUDA graph and replayed for each token, which removes the step's kernel
+    launches from Python (README "On a GPU"). Bound to one KVCache (its tensors' addresses); the inputs are copied
+    into the graph's own."""
+
+    def __init__(self, model: nn.Module, kv_cache: object, batch_size: int) -> None:
+        device, self.cache = kv_cache.k.device, kv_cache
+        self.idx = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.pos = torch.full((1,), kv_cache.pos, dtype=torch.long, device=device)  # warm-up writes the next slot
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernels are chosen and workspaces allocated outside the capture
+                model.decode_static(self.idx, self.pos, kv_cache)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = model.decode_static(self.idx, self.pos, kv_cache)
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
+        self.idx.copy_(idx)
+        self.pos.fill_(self.cache.pos)
+        self.graph.replay()
+        self.cache.pos += 1
+        return self.logits
+
+
+@torch.inference_mode()
+def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
+           pad: torch.Tensor | None = None, generator: torch.Generator | None = None, cuda_graph: bool = True
+           ) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row, (B,), up to max_new_tokens times, from a GPT; see generate()."""
+    B, T0 = idx.shape
+    bs = model.config.block_size
+    tokens = torch.empty(B, T0 + max_new_tokens, dtype=idx.dtype, device=idx.device)
+    tokens[:, :T0] = idx
+    start = max(0, T0 - bs)  # the window the model sees is tokens[:, start:n]
+    done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+    kv_cache, graph = None, None
+    for n in range(T0, T0 + max_new_tokens):
+        refill = n - start > bs  # the window is full: slide it, keeping the last half, and prefill again
+        if refill:
+            start = n - max(1, bs // 2)
+        window_pad = None if pad is None else (pad - start).clamp(min=0)
+        if not use_cache:
+            logits, _ = model(tokens[:, start:n], pad=window_pad)
+        elif kv_cache is None or refill:  # a refill reuses the cache (of block_size positions by then)
+            if kv_cache is None:
+                kv_cache = model.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - start))
+            kv_cache.pos = 0
+            logits, _ = model(tokens[:, start:n], kv_cache=kv_cache, pad=window_pad)
+        elif cuda_graph and idx.is_cuda and pad is None:
+            graph = graph or CUDAGraphStep(model, kv_cache, B)
+            logits = graph(tokens[:, n - 1:n])
+        else:
+            logits, _ = model(tokens[:, n - 1:n], kv_cache=kv_cache, pad=window_pad)
+        nxt = sample_logits(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+        if eos is not None:
+            nxt = torch.where(done, eos, nxt)
+            done |= nxt == eos
+        tokens[:, n] = nxt
+        yield nxt
+        if eos is not None and bool(done.all()):
+            return
+
+
+def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, **options: object) -> torch.Tensor:
+    """Continue idx (B, T) by up to max_new_tokens tokens from a GPT; returns (B, T + new tokens).
+
+    The cache is prefilled once and then fed one token per step; use_cache=False recomputes the whole window every
+    step (same tokens, slower). Rows of unequal length are left-padded, pad (B,) counting each row's pad tokens (see
+    left_pad). temperature 0 is greedy; top_k, top_p and generator as in sample_logits. A row that emits eos keeps
+    emitting eos; generation stops when every row has. When the context reaches block_size the window slides: the
+    newest block_size // 2 tokens are kept and prefilled again, so past block_size a prefill happens every
+    block_size // 2 tokens. On CUDA (without padding) each one-token step replays a CUDA graph of decode_static
+    unless cuda_graph=False.
+    """
+    new = list(stream(model, idx, max_new_tokens, **options))
+    return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx

@@ -1,0 +1,47 @@
+"""What bench.py, bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA variants of a model,
+timed decoding, and markdown tables.
+"""
+
+import statistics
+import time
+
+import torch
+
+from model import GPT
+
+
+def default_kv_heads(n_head: int) -> list[int]:
+    """The variants to compare: n_head (MHA), the middle divisor (GQA) and 1 (MQA)."""
+    divisors = [g for g in range(2, n_head) if n_head % g == 0]
+    return sorted({n_head, 1, *divisors[len(divisors) // 2:][:1]}, reverse=True)
+
+
+def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: torch.Generator) -> list[float]:
+    """Seconds at which each new token was ready, from the start (prefill of a 1-token prompt included)."""
+    idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(model.lm_head.weight.device)
+    sync = torch.cuda.synchronize if idx.is_cuda else (lambda: None)
+    sync()
+    t0, stamps = time.perf_counter(), []
+    for _ in model.stream(idx, new_tokens, temperature=0, use_cache=use_cache):
+        sync()
+        stamps.append(time.perf_counter() - t0)
+    return stamps
+
+
+def step_ms(stamps: list[float], at: int, width: int = 20) -> float:
+    """Median time of one decode step around context length `at`, in ms."""
+    lo = max(1, min(at, len(stamps) - 1) - width // 2)
+    return 1000 * statistics.median(b - a for a, b in zip(stamps[lo - 1:lo + width - 1], stamps[lo:lo + width]))
+
+
+def table(rows: list[dict], columns: dict[str, str] | None = None) -> str:
+    """A markdown table of rows: the given {key: header} columns, or every key."""
+    columns = columns or {k: k for r in rows for k in r}
+
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4f}".rstrip("0").rstrip(".")
+        return "-" if v is None else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+    lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in columns) + " |" for r in rows])

@@ -1,0 +1,101 @@
+"""A run's record: out_dir/log.jsonl (one JSON object per line: the config, then train and eval records), always
+written, and wandb when asked for; and read_run, which reads a log.jsonl back for reports and benchmarks.
+"""
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import time
+import urllib.parse
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from atomic import atomic_open
+from configurator import UserError
+
+
+class RunLog:
+    """Metrics to out_dir/log.jsonl (appended) and, if cfg.wandb_log, to wandb; the config also to config.json."""
+
+    def __init__(self, cfg: Any, model_config: Any, start_iter: int) -> None:
+        out = Path(cfg.out_dir)
+        self.path, self.wandb = out / "log.jsonl", None
+        with atomic_open(out / "config.json", "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
+        if cfg.wandb_log:
+            self.wandb = start_wandb(cfg, f"{Path(cfg.dataset).name}-{model_config.attention_kind}")
+        self.write(event="config", config=asdict(cfg), model_config=asdict(model_config), start_iter=start_iter,
+                   versions=versions())
+
+    def write(self, **record: Any) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record | {"time": time.time()}) + "\n")
+        if self.wandb is not None and "iter" in record:
+            self.wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["iter"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def start_wandb(cfg: Any, default_name: str) -> Any:
+    """A wandb run, honouring WANDB_MODE; online without a reachable server it logs offline instead of waiting."""
+    if os.environ.get("WANDB_MODE") == "":  # an empty WANDB_MODE crashes wandb.init
+        del os.environ["WANDB_MODE"]
+    import wandb
+
+    mode = None  # WANDB_MODE's, else online
+    url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    if os.environ.get("WANDB_MODE", "online") == "online" and (why := unreachable(url)):
+        mode = "offline"  # online wandb would wait ~100 s for a network that is not there
+        print(f"wandb: cannot reach {url} ({why}): logging offline to {cfg.out_dir}/wandb instead; upload it "
+              f"later with `wandb sync`, or set WANDB_MODE=offline to skip this check")
+    try:
+        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or default_name, group=cfg.wandb_group,
+                          mode=mode, tags=cfg.wandb_tags, config=asdict(cfg), dir=cfg.out_dir)
+    except Exception as e:  # wandb raises its own errors (no API key, no network)
+        raise UserError(f"wandb could not start ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                        f"set WANDB_MODE=offline to log locally, or --wandb_log=False") from e
+
+
+def unreachable(url: str, timeout: float = 3.0) -> str | None:
+    """Why no TCP connection to url's host opens within timeout, or None if one does."""
+    u = urllib.parse.urlparse(url)
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout).close()
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def versions() -> dict[str, str | None]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        sha = None
+    return {"git_sha": sha, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
+
+
+def read_run(run_dir: Path) -> dict:
+    """The latest run in run_dir/log.jsonl: its config and eval/train records, wall-clock continued across resumes
+    (a record's wall_s)."""
+    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if r["event"] == "config"  # a fresh start, not a resume
+              and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0]
+    records = records[starts[-1]:]
+    offset, last, evals, trains = 0.0, 0.0, [], []
+    for r in records:
+        if r["event"] == "config":
+            offset += last
+        else:
+            last = r["elapsed_s"]
+            (evals if r["event"] == "eval" else trains).append(r | {"wall_s": offset + r["elapsed_s"]})
+    return {"name": run_dir.name, "config": records[0]["config"], "model_config": records[0]["model_config"],
+            "evals": evals, "trains": trains}

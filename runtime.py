@@ -1,0 +1,132 @@
+"""Where a script runs and how: device, dtype and autocast, the torchrun process group, the device's peak FLOP/s,
+and the CPU allocator setting. train.py, sample.py, bench.py and compare.py share these.
+"""
+
+import ctypes
+import os
+import re
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from configurator import UserError
+
+# Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
+# Longer names first: the first name found in torch.cuda.get_device_name() wins ("A100" before "A10").
+GPU_PEAK_FLOPS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
+                  "L40S": (362e12, 91.6e12), "L40": (181e12, 90.5e12), "L4": (121e12, 30.3e12),
+                  "A10": (125e12, 31.2e12),
+                  "4090": (165e12, 82.6e12), "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12),
+                  "T4": (65e12, 8.1e12)}
+
+
+@dataclass(slots=True)
+class Dist:
+    """This process's place in a torchrun job (one process: rank 0 of 1)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str
+    is_master: bool
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+
+def resolve_device(name: str, local_rank: int = 0) -> str:
+    """'auto' (CUDA, else MPS, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps', checked against this machine."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return f"cuda:{local_rank}"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
+        raise UserError(f"device={name!r} must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={name!r} but this machine has no CUDA GPU that torch can use; use --device=cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise UserError("device='mps' but MPS is not available here; use --device=cpu")
+    return f"cuda:{local_rank}" if name == "cuda" else name
+
+
+def setup_distributed(device: str) -> Dist:
+    """Join the torchrun process group when RANK/LOCAL_RANK/WORLD_SIZE are set (nccl on CUDA, gloo otherwise)."""
+    if "RANK" not in os.environ:
+        return Dist(0, 0, 1, resolve_device(device, 0), True)
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    dev = resolve_device(device, local_rank)
+    if dev.startswith("cuda"):
+        torch.cuda.set_device(dev)
+    try:
+        dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+    except RuntimeError as e:
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            raise
+        raise UserError(f"{e}; a torchrun restart can read the previous attempt's addresses (pytorch issue "
+                        f"135712): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") from e
+    return Dist(rank, local_rank, world, dev, rank == 0)
+
+
+def teardown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """'auto' (bf16 on CUDA GPUs that have it, else fp32), 'float32', 'bfloat16' or 'float16' (CUDA only)."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if name == "float16" and device_type != "cuda":
+        raise UserError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {device_type}); "
+                        f"use bfloat16 or float32")
+    return getattr(torch, name)
+
+
+def autocast(device_type: str, dtype: torch.dtype) -> AbstractContextManager:
+    """Mixed precision in dtype, or nothing for float32."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+
+
+def peak_flops(device: str, dtype: torch.dtype) -> float | None:
+    """The device's dense peak FLOP/s in dtype: the datasheet for known GPUs, the best of five short matmul probes
+    on CPU, else None (then MFU is not reported; TrainConfig.peak_flops overrides all of this)."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(device)
+        peaks = next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
+        return None if peaks is None else peaks[dtype == torch.float32]
+    if device != "cpu":
+        return None
+    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)  # leaves the global RNG be
+    a @ a  # warm-up
+    rates = []
+    for _ in range(5):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            a @ a
+            n += 1
+        rates.append(2 * 1024**3 * n / (time.perf_counter() - t0))
+    return max(rates)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays off."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.is_file() and bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo.read_text()))
+
+
+def keep_freed_memory() -> None:
+    """With glibc, keep freed memory in the process instead of returning it to the system: a CPU training step frees
+    its activations and allocates them again the next step, and returned memory comes back as fresh pages, one fault
+    per 4 KiB (README "Training (CPU)"). The cost: the process keeps its peak memory. A no-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # blocks up to 32 MiB (glibc's maximum) come from the heap ...
+    libc.mallopt(m_trim_threshold, 2**30)  # ... and the heap is not shrunk until 1 GiB of it is free

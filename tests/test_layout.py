@@ -1,0 +1,104 @@
+"""The house rules a newcomer relies on: no import cycle between the top-level modules, no script importing another
+script for helpers, nothing done at import time; and errors: a user's mistake is one line, a bug keeps its traceback.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, cli
+
+MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
+SCRIPTS = {"train", "sample", "bench", "compare"}
+
+
+def project_imports(module: str) -> dict[str, set[str]]:
+    """{project module: names imported from it} for one top-level module, anywhere in its code."""
+    deps: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse((ROOT / f"{module}.py").read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                deps.setdefault(alias.name.split(".")[0], set()).add("<module>")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            deps.setdefault(node.module.split(".")[0], set()).update(a.name for a in node.names)
+    return {m: names for m, names in deps.items() if m in MODULES and m != module}
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = {m: set(project_imports(m)) for m in MODULES}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            pytest.fail("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+        if m not in done:
+            for dep in sorted(graph[m]):
+                visit(dep, path + [m])
+            done.add(m)
+
+    for m in MODULES:
+        visit(m, [])
+    assert "model" in done and graph["model"] <= {"fast_paths", "generation"}  # the model stands almost alone
+
+
+def test_no_script_imports_another_scripts_helpers() -> None:
+    """A script may import another's config dataclass (as nanoGPT keeps it there) and the training step that
+    bench.py times; helpers live in the modules below the scripts."""
+    for script in sorted(SCRIPTS & set(MODULES)):
+        for dep, names in project_imports(script).items():
+            helpers = {n for n in names if not n.endswith("Config") and n != "train_step"}
+            assert dep not in SCRIPTS or not helpers, f"{script}.py imports {sorted(helpers)} from {dep}.py"
+
+
+FRESH_IMPORTS = """
+import importlib, os, sys, traceback
+import numpy, torch, torch.distributed as dist  # loaded once; each project module is then imported first in a fork
+failed = []
+for module in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(module)
+            assert not dist.is_initialized(), "a process group was started"
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    if os.waitpid(pid, 0)[1]:
+        failed.append(module)
+sys.exit(f"failed: {failed}" if failed else 0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one fresh import per module")
+def test_every_module_imports_first_and_alone_and_does_nothing(tmp_path: Path) -> None:
+    """Each module imported before any other project module (an import cycle fails there), in a clean process:
+    it prints and writes nothing and starts no process group."""
+    r = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, *MODULES], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stdout + r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+RUN_WITH_A_BUG = """
+import sys, train, configurator
+def broken(*args, **kwargs):
+    raise RuntimeError("an internal bug")
+train.evaluate = broken  # a genuine failure inside the training loop, as a bug or CUDA out-of-memory would be
+configurator.run_cli(train.main, train.TrainConfig, sys.argv[1:])
+"""
+
+
+def test_a_bug_keeps_its_traceback_and_a_user_error_is_one_line(pycode_small: Path, tmp_path: Path) -> None:
+    args = [f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'out'}", "--n_layer=1", "--n_embd=32", "--n_head=2",
+            "--block_size=16", "--batch_size=2", "--max_iters=1", "--device=cpu"]
+    r = subprocess.run([sys.executable, "-c", RUN_WITH_A_BUG, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr, r.stderr
+    assert "RuntimeError: an internal bug" in r.stderr and "error: an internal bug" not in r.stderr
+    r = cli(["train.py", *args, "--batch_size=0"])
+    assert r.returncode == 2 and r.stderr == "error: invalid config: batch_size=0 must be positive\n", r.stderr
