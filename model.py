@@ -301,10 +301,11 @@ class GPT(nn.Module):
         """Yield the next token of every row, (B,), as it is decoded: generation.stream."""
         return stream(self, idx, max_new_tokens, **options)
 
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, **options: Any) -> torch.Tensor:
-        """idx (B, T) continued by up to max_new_tokens tokens, (B, T + new): generation.generate (temperature,
-        top_k, top_p, eos, use_cache, pad, generator, cuda_graph)."""
-        return generate(self, idx, max_new_tokens, **options)
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 **options: Any) -> torch.Tensor:
+        """idx (B, T) continued by up to max_new_tokens tokens, (B, T + new): generation.generate (also top_p, eos,
+        use_cache, pad, generator, cuda_graph)."""
+        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, **options)
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
                              device_type: str) -> torch.optim.AdamW:

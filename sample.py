@@ -101,8 +101,7 @@ def main(cfg: SampleConfig) -> None:
         raise UserError(f"a prompt has {bad[0]} tokens; it needs 1 to block_size={bs} (shorten it, or train with a "
                         f"larger block_size)")
     idx, pad = left_pad(ids, device=device)
-    if B == 1:
-        print(prompts[0], end="", flush=True)
+    print(prompts[0] if B == 1 else "", end="", flush=True)  # a single sample streams after its prompt
     texts, n_new, prefill_s, elapsed = decode(model, tok, idx, pad if bool(pad.any()) else None, cfg)
     if B == 1:
         print(flush=True)  # the text was streamed
