@@ -123,6 +123,8 @@ def with_fields_of(source: type, **defaults: Any) -> Callable[[type[T]], type[T]
 
     def extend(cls: type[T]) -> type[T]:
         hints, extra = typing.get_type_hints(source), []
+        if unknown := defaults.keys() - hints.keys():
+            raise TypeError(f"{source.__name__} has no field {', '.join(sorted(unknown))}")
         for f in dataclasses.fields(source):
             default = defaults.get(f.name, f.default)
             hint = hints[f.name] | None if default is None else hints[f.name]

@@ -1,3 +1,4 @@
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,3 +95,19 @@ def test_every_shipped_config_file_parses(path: str) -> None:
 def test_help_lists_the_keys_and_defaults() -> None:
     r = cli(["train.py", "--help"])
     assert r.returncode == 0 and "n_kv_head" in r.stdout and "learning_rate" in r.stdout and "= 0.001" in r.stdout
+
+
+def test_train_config_has_every_model_key_and_passes_it_on() -> None:
+    """TrainConfig takes its model keys from GPTConfig itself: every GPTConfig field is a key (with train.py's own
+    defaults where it sets them) and reaches the model config."""
+    from model import GPTConfig
+    from train import TrainConfig
+
+    model_keys = [f.name for f in dataclasses.fields(GPTConfig)]
+    assert model_keys == [f.name for f in dataclasses.fields(TrainConfig)][-len(model_keys):]
+    cfg = parse_config(TrainConfig, ["--rope_theta=500", "--gelu=tanh", "--n_kv_head=2", "--pos_encoding=rope"])
+    mc = cfg.model_config(vocab_size=77)
+    assert (mc.rope_theta, mc.gelu, mc.n_kv_head, mc.pos_encoding, mc.vocab_size) == (500.0, "tanh", 2, "rope", 77)
+    assert (TrainConfig().n_layer, TrainConfig().bias, TrainConfig().vocab_size) == (6, False, None)  # train.py's
+    with pytest.raises(UserError, match="gelu='relu' must be 'exact' or 'tanh'"):
+        parse_config(TrainConfig, ["--gelu=relu"])
