@@ -64,36 +64,89 @@ class CUDAGraphStep:
         return self.logits
 
 
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError for sampling settings that mean nothing: temperature < 0, top_k < 1, top_p outside (0, 1]."""
+    problems = [f"temperature={temperature} must be >= 0 (0 is greedy)"] * (temperature < 0)
+    problems += [f"top_k={top_k} must be >= 1 (or None)"] * (top_k is not None and top_k < 1)
+    problems += [f"top_p={top_p} must be in (0, 1] (or None)"] * (top_p is not None and not 0 < top_p <= 1)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def window(tokens: torch.Tensor, start: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every row's window tokens[b, start[b]:n] as one left-padded batch: idx (B, width) and pad (B,) (None: none)."""
+    first = min(start)
+    pad = [s - first for s in start]
+    return tokens[:, first:n], torch.tensor(pad, device=tokens.device) if any(pad) else None
+
+
+def refill_rows(model: nn.Module, kv_cache: object, tokens: torch.Tensor, rows: list[int], n: int, keep: int,
+                pad: torch.Tensor | None) -> torch.Tensor:
+    """The rows whose window slid get their new window but its newest token (tokens[b, n - keep:n - 1]) prefilled on
+    their own and written into the batch's cache right-aligned at its position, the slots before it hidden by pad;
+    the next one-token step appends token n - 1 to every row. Returns the new pad."""
+    pos, w = kv_cache.pos, keep - 1
+    pad = torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device) if pad is None else pad.clone()
+    at = torch.tensor(rows, device=tokens.device)
+    if w > 0:
+        own = model.make_kv_cache(len(rows), w)
+        model(tokens[at, n - keep:n - 1], kv_cache=own)
+        kv_cache.k[:, at, :, pos - w:pos] = own.k
+        kv_cache.v[:, at, :, pos - w:pos] = own.v
+    pad[at] = pos - w
+    return pad
+
+
+def compact(kv_cache: object, pad: torch.Tensor) -> torch.Tensor | None:
+    """A full cache moved left by the pad every row has (slots no row sees), making room for the next position."""
+    shift = int(pad.min())
+    assert shift > 0, "a row's window fills the cache: it should have slid"
+    end = kv_cache.pos
+    for t in (kv_cache.k, kv_cache.v):
+        t[..., :end - shift, :] = t[..., shift:end, :].clone()
+    kv_cache.pos -= shift
+    pad = pad - shift
+    return pad if bool(pad.any()) else None
+
+
 @torch.inference_mode()
 def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
            pad: torch.Tensor | None = None, generator: torch.Generator | None = None, cuda_graph: bool = True
            ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), up to max_new_tokens times, from a GPT; see generate()."""
+    check_sampling(temperature, top_k, top_p)
     B, T0 = idx.shape
     bs = model.config.block_size
+    keep = max(1, bs // 2)
     tokens = torch.empty(B, T0 + max_new_tokens, dtype=idx.dtype, device=idx.device)
     tokens[:, :T0] = idx
-    start = max(0, T0 - bs)  # the window the model sees is tokens[:, start:n]
+    # row b's window, what the model sees of it, is tokens[b, start[b]:n]: its newest real tokens, at most bs
+    start = [max(p, T0 - bs) for p in ([0] * B if pad is None else pad.tolist())]
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)
-    kv_cache, graph = None, None
+    kv_cache, cache_pad, graph = None, None, None
     for n in range(T0, T0 + max_new_tokens):
-        refill = n - start > bs  # the window is full: slide it, keeping the last half, and prefill again
-        if refill:
-            start = n - max(1, bs // 2)
-        window_pad = None if pad is None else (pad - start).clamp(min=0)
+        slid = [b for b in range(B) if n - start[b] > bs]  # full: keep the newest `keep` tokens, prefill them again
+        for b in slid:
+            start[b] = n - keep
         if not use_cache:
-            logits, _ = model(tokens[:, start:n], pad=window_pad)
-        elif kv_cache is None or refill:  # a refill reuses the cache (of block_size positions by then)
-            if kv_cache is None:
-                kv_cache = model.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - start))
+            x, x_pad = window(tokens, start, n)
+            logits, _ = model(x, pad=x_pad)
+        elif kv_cache is None or len(slid) == B:  # the first step, or every row slid: one prefill for all
+            kv_cache = kv_cache or model.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - min(start)))
             kv_cache.pos = 0
-            logits, _ = model(tokens[:, start:n], kv_cache=kv_cache, pad=window_pad)
-        elif cuda_graph and idx.is_cuda and pad is None:
-            graph = graph or CUDAGraphStep(model, kv_cache, B)
-            logits = graph(tokens[:, n - 1:n])
+            x, cache_pad = window(tokens, start, n)
+            logits, _ = model(x, kv_cache=kv_cache, pad=cache_pad)
         else:
-            logits, _ = model(tokens[:, n - 1:n], kv_cache=kv_cache, pad=window_pad)
+            if slid:
+                cache_pad = refill_rows(model, kv_cache, tokens, slid, n, keep, cache_pad)
+            if kv_cache.pos == kv_cache.max_len:
+                cache_pad = compact(kv_cache, cache_pad)
+            if cuda_graph and idx.is_cuda and cache_pad is None:
+                graph = graph or CUDAGraphStep(model, kv_cache, B)
+                logits = graph(tokens[:, n - 1:n])
+            else:
+                logits, _ = model(tokens[:, n - 1:n], kv_cache=kv_cache, pad=cache_pad)
         nxt = sample_logits(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
         if eos is not None:
             nxt = torch.where(done, eos, nxt)
@@ -110,10 +163,10 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, **options
     The cache is prefilled once and then fed one token per step; use_cache=False recomputes the whole window every
     step (same tokens, slower). Rows of unequal length are left-padded, pad (B,) counting each row's pad tokens (see
     left_pad). temperature 0 is greedy; top_k, top_p and generator as in sample_logits. A row that emits eos keeps
-    emitting eos; generation stops when every row has. When the context reaches block_size the window slides: the
-    newest block_size // 2 tokens are kept and prefilled again, so past block_size a prefill happens every
-    block_size // 2 tokens. On CUDA (without padding) each one-token step replays a CUDA graph of decode_static
-    unless cuda_graph=False.
+    emitting eos; generation stops when every row has. When a row's context reaches block_size its window slides:
+    its newest block_size // 2 tokens are kept and prefilled again, so every row of a batch gets exactly what it
+    would alone. On CUDA each one-token step replays a CUDA graph of decode_static (unless cuda_graph=False) while
+    no row is padded; a padded batch takes the eager step.
     """
     new = list(stream(model, idx, max_new_tokens, **options))
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -36,20 +38,18 @@ def test_padded_batch_generates_what_each_prompt_does_alone(pos_encoding: str) -
         assert batch[row, -12:].tolist() == alone[0, -12:].tolist()
 
 
-def test_eos_stops_each_row_and_the_batch() -> None:
+def test_eos_row_emits_only_eos_after_it_and_generation_stops_when_all_rows_have() -> None:
+    """eos is chosen as a token row 0 produces greedily (and row 1 never does), so the outcome is known in advance."""
     m = tiny_model(2)
-    idx = torch.randint(0, 61, (3, 4))
-    free = m.generate(idx, 10, temperature=0)
-    eos = int(free[0, 6])  # the third token row 0 generates
-    out = m.generate(idx, 10, temperature=0, eos=eos)
-    for row in range(3):
-        gen = out[row, 4:].tolist()
-        if eos in gen:
-            first = gen.index(eos)
-            assert all(t == eos for t in gen[first:])
-            assert gen[:first] == free[row, 4:4 + first].tolist()
-    if all(eos in r for r in out[:, 4:].tolist()):
-        assert out.size(1) < 14
+    idx = torch.randint(0, 61, (2, 4))
+    free = m.generate(idx, 12, temperature=0)[:, 4:].tolist()
+    eos = next(t for t in free[0][2:] if t not in free[1])  # raises StopIteration (fails) if there is none
+    first = free[0].index(eos)
+    out = m.generate(idx, 12, temperature=0, eos=eos)[:, 4:].tolist()
+    assert out[0] == free[0][:first] + [eos] * (12 - first)  # before eos: as without it; after: eos only
+    assert out[1] == free[1]  # the other row is not affected and generation runs to max_new_tokens
+    alone = m.generate(idx[:1], 12, temperature=0, eos=eos)[0, 4:].tolist()
+    assert alone == free[0][:first + 1]  # every row (the only one) has emitted eos: generation stops there
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
@@ -85,8 +85,115 @@ def test_top_k_restricts_candidates() -> None:
     assert {int(sample_logits(logits, 2.0, top_k=2, generator=g)) for _ in range(200)} == {0, 2}
 
 
-def test_stream_yields_what_generate_returns() -> None:
+def test_stream_yields_each_token_before_computing_the_next() -> None:
+    """A stream computes lazily: nothing before the first token is asked for, then one forward pass per token."""
     m = tiny_model(1, "rope")
     idx = torch.randint(0, 61, (2, 3))
-    streamed = torch.stack(list(m.stream(idx, 9, temperature=0)), dim=1)
-    assert torch.equal(streamed, m.generate(idx, 9, temperature=0)[:, 3:])
+    calls = []
+    hook = m.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    tokens = m.stream(idx, 9, temperature=0)
+    assert calls == []
+    first = next(tokens)
+    assert calls == [(2, 3)]  # the prefill of the prompt, no more
+    second = next(tokens)
+    assert calls == [(2, 3), (2, 1)]  # one one-token step
+    rest = list(tokens)
+    hook.remove()
+    assert len(calls) == 9 and len(rest) == 7
+    assert torch.equal(torch.stack([first, second, *rest], dim=1), m.generate(idx, 9, temperature=0)[:, 3:])
+
+
+def by_hand(m: torch.nn.Module, prompt: list[int], new: int, use_cache: bool = False) -> list[int]:
+    """Greedy decoding written out for the test: the model sees the newest block_size tokens at most; when a token
+    would make it block_size + 1, only the newest block_size // 2 are kept (recomputed from scratch every step)."""
+    bs, tokens = m.config.block_size, list(prompt)
+    first = max(0, len(tokens) - bs)
+    for _ in range(new):
+        if len(tokens) - first > bs:
+            first = len(tokens) - bs // 2
+        logits, _ = m(torch.tensor([tokens[first:]]))
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def sharpened(m: torch.nn.Module) -> torch.nn.Module:
+    """The model with its matrices scaled up 3x: at initialisation a random model's greedy tokens hardly depend on
+    the context (it mostly repeats itself), so a wrong window would go unnoticed."""
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return m
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_row_of_a_padded_batch_equals_its_prompt_alone_far_past_block_size(variant: str, pos_encoding: str,
+                                                                                use_cache: bool) -> None:
+    """Rows of unequal length (near block_size, short, cropped, ...) each slide their own window, so every row gets
+    what its prompt gets alone, for 3+ times block_size new tokens; alone == the by-hand recomputation."""
+    m = sharpened(tiny_model(VARIANTS[variant], pos_encoding, block_size=16))
+    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (15, 3, 20, 9, 1, 12)]
+    idx, pad = left_pad(prompts)
+    new = 50
+    batch = m.generate(idx, new, temperature=0, pad=pad, use_cache=use_cache)[:, -new:].tolist()
+    for row, p in enumerate(prompts):
+        alone = m.generate(torch.tensor([p]), new, temperature=0, use_cache=use_cache)[0, -new:].tolist()
+        assert batch[row] == alone, f"row {row} ({len(p)} tokens)"
+        if use_cache and pos_encoding == "rope":  # the oracle is slow: check it on a part of the grid
+            assert alone == by_hand(m, p, new)
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 8])
+def test_sliding_rule_at_tiny_block_sizes(block_size: int) -> None:
+    """block_size // 2 of 1 (a slide keeps one token, so the refill is empty) and odd sizes."""
+    m = sharpened(tiny_model(2, "rope", block_size=block_size))
+    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (1, block_size, block_size // 2 + 1)]
+    idx, pad = left_pad(prompts)
+    batch = m.generate(idx, 4 * block_size + 1, temperature=0, pad=pad)[:, -(4 * block_size + 1):].tolist()
+    for row, p in enumerate(prompts):
+        assert batch[row] == by_hand(m, p, 4 * block_size + 1)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+    (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+    (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+    (dict(top_k=0), "top_k=0 must be >= 1"),
+])
+def test_meaningless_sampling_settings_are_refused(options: dict, message: str) -> None:
+    m = tiny_model(2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        m.generate(torch.zeros(1, 2, dtype=torch.long), 3, **options)
+
+
+def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dict[int, float]:
+    """The candidates of top-k then top-p sampling and their probabilities, computed the slow way by hand."""
+    order = sorted(range(logits.numel()), key=lambda i: -float(logits[i]))
+    keep = order[:top_k] if top_k else order
+    probs = torch.softmax(logits[keep], dim=-1).tolist()
+    chosen, mass = {}, 0.0
+    for i, p in zip(keep, probs, strict=True):
+        if top_p is not None and mass >= top_p:
+            break
+        chosen[i] = p
+        mass += p
+    return {i: p / mass for i, p in chosen.items()}
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(None, 0.5), (None, 0.9), (10, 0.8), (3, 0.99)])
+def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(top_k: int | None, top_p: float) -> None:
+    """Only allowed tokens are drawn, each about as often as its renormalised probability (400 draws)."""
+    m = tiny_model(2)
+    idx = torch.randint(0, 61, (1, 5))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(4.0)  # a peakier distribution than the random model's near-uniform one
+        logits, _ = m(idx)
+    expected = allowed(logits[0, -1] / 0.7, top_k, top_p)
+    g = torch.Generator().manual_seed(0)
+    drawn = m.generate(idx.expand(400, -1), 1, temperature=0.7, top_k=top_k, top_p=top_p, generator=g)[:, -1]
+    counts = torch.bincount(drawn, minlength=61)
+    assert set(drawn.tolist()) <= expected.keys() and len(expected) > 1
+    for token, p in expected.items():  # 4 standard deviations of a binomial count
+        assert abs(int(counts[token]) - 400 * p) <= 4 * (400 * p * (1 - p)) ** 0.5 + 1, (token, p, int(counts[token]))
