@@ -16,7 +16,7 @@ import torch
 from checkpoint import from_hf_gpt2, load_checkpoint, model_from_checkpoint
 from configurator import UserError, run_cli
 from dataset import data_dir, load_meta, load_tokenizer
-from generation import left_pad, stream
+from generation import check_sampling, left_pad, stream
 from model import GPT
 from runtime import resolve_device
 
@@ -39,6 +39,7 @@ class SampleConfig:
     cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (README Performance)
 
     def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p)  # a ValueError, one line through parse_config
         problems = [f"num_samples={self.num_samples} must be at least 1"] * (self.num_samples < 1)
         problems += [f"max_new_tokens={self.max_new_tokens} must not be negative"] * (self.max_new_tokens < 0)
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -1,9 +1,10 @@
+import base64
 from pathlib import Path
 
 import pytest
 import torch
 
-from checkpoint import save_checkpoint
+from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from conftest import VARIANTS, Result, cli, run
 from dataset import CharTokenizer
 from model import GPT, GPTConfig
@@ -82,6 +83,9 @@ def test_prompt_from_file(tmp_path: Path) -> None:
     (["--start=" + "x" * 65], "a prompt has 65 tokens; it needs 1 to block_size=64"),
     (["--max_new_tokens=-1"], "max_new_tokens=-1 must not be negative"),
     (["--out_dir=/no/such/dir"], "no checkpoint at /no/such/dir/ckpt.pt"),
+    (["--temperature=-1"], "temperature=-1.0 must be >= 0 (0 is greedy)"),
+    (["--top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+    (["--top_k=0"], "top_k=0 must be >= 1"),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     out = make_checkpoint(tmp_path, 2)
@@ -109,3 +113,65 @@ def test_summary_line_reports_speed_cache_and_attention_kind(tmp_path: Path) -> 
     assert "40 tokens in" in r.stderr and "prefill" in r.stderr and "MQA (n_kv_head=1)" in r.stderr
     kv = GPTConfig(n_layer=2, n_head=4, n_kv_head=1, n_embd=32).kv_cache_bytes(2, 20)  # 1 prompt + 20 new - 1
     assert f"KV cache {kv:,} bytes" in r.stderr
+
+
+def test_top_k_with_top_p_draws_only_the_allowed_characters(tmp_path: Path) -> None:
+    """300 one-character samples of one prompt: every character drawn is among those top-k then top-p allow, as
+    computed here from the model's own probabilities, and the likely ones are all drawn."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=len(CHARS.chars), n_layer=2, n_head=4, n_embd=32))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # peakier than the near-uniform random model
+        probs = torch.softmax(model(torch.tensor([CHARS.encode("def f")]))[0][0, -1] / 0.8, dim=-1)
+    save_checkpoint(tmp_path / "ckpt.pt", model, iter_num=0, data_meta=CHARS.meta())
+    order = probs.argsort(descending=True)[:20].tolist()  # top_k=20
+    kept = probs[order] / probs[order].sum()
+    before = kept.cumsum(0) - kept  # the mass of the more likely candidates
+    allowed = {CHARS.chars[i]: float(p) for i, p, b in zip(order, kept, before, strict=True) if b < 0.7}  # top_p=0.7
+    r = sample(tmp_path, "--start=def f", "--num_samples=300", "--max_new_tokens=1", "--temperature=0.8",
+               "--top_k=20", "--top_p=0.7", "--seed=3")
+    record = len("def f") + 1 + len("\n---------------\n")  # each row: prompt, its one new character, a separator
+    drawn = [r.stdout[i * record + len("def f")] for i in range(300)]
+    assert len(r.stdout) == 300 * record and set(drawn) <= allowed.keys()
+    mass = sum(p for p in allowed.values())
+    assert {c for c, p in allowed.items() if p / mass > 0.03} <= set(drawn) and len(set(drawn)) > 1
+
+
+def test_a_single_sample_streams_exactly_the_text_it_returns(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """What sample.py prints piece by piece while decoding is the text it ends with (a stop string included)."""
+    import sample as sample_script
+
+    make_checkpoint(tmp_path, 2)
+    model = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
+    cfg = sample_script.SampleConfig(max_new_tokens=80, temperature=1.0, top_k=None, stop="e", seed=5)
+    texts, n_tokens, _, _ = sample_script.decode(model, CHARS, torch.tensor([CHARS.encode("import ")]), None, cfg)
+    streamed = capsys.readouterr().out
+    assert streamed == texts[0] and 0 < n_tokens == len(texts[0]) and texts[0].endswith("e")
+
+
+def test_bpe_sample_stops_at_the_end_of_text_token(tmp_path: Path) -> None:
+    """A GPT-2-BPE checkpoint (a byte-level BPE file stands in for GPT-2's download) whose end-of-text token is made
+    the greedy choice at a known step: the model's embedding rows of eot and of a token t it would emit there are
+    swapped, so it computes what it did before with the two exchanged, and sample.py stops where t came first."""
+    bpe = tmp_path / "tiny.tiktoken"
+    bpe.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    eot = 256  # tiktoken's id for the special token after 256 byte tokens
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=257, n_layer=2, n_head=4, n_embd=32))
+    with torch.no_grad():
+        for p in model.parameters():  # sharper than at initialisation, where greedy decoding repeats one token
+            p.mul_(3.0)
+    prompt = list(b"To be")
+    free = model.generate(torch.tensor([prompt]), 20, temperature=0)[0, len(prompt):].tolist()
+    stop = next(i for i, x in enumerate(free) if i >= 2 and x not in prompt + free[:i] and eot not in free[:i])
+    t = free[stop]
+    with torch.no_grad():
+        w = model.transformer.wte.weight  # tied with lm_head
+        w[[t, eot]] = w[[eot, t]].clone()
+    out = tmp_path / "bpe"
+    out.mkdir()
+    save_checkpoint(out / "ckpt.pt", model, iter_num=0, data_meta={"tokenizer": "gpt2", "vocab_size": 257})
+    env = {"GPT2_BPE_FILE": str(bpe)}
+    r = run(["sample.py", f"--out_dir={out}", "--start=To be", "--temperature=0", "--max_new_tokens=20"], env=env)
+    assert f"{stop} tokens in" in r.stderr and r.stdout.startswith("To be")
+    assert r.stdout.encode()[len(prompt):] == bytes(free[:stop]).decode(errors="replace").encode() + b"\n"
