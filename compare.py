@@ -23,7 +23,7 @@ from atomic import atomic_open
 from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import UserError, parse_config, run_cli, split_args
 from dataset import vocab_size_of
-from measure import default_kv_heads, table, timed_decode
+from measure import cached_step_throughput, default_kv_heads, table, timed_decode
 from model import GPT, GPTConfig
 from runlog import read_run
 from runtime import resolve_device
@@ -40,6 +40,11 @@ class CompareConfig:
     kv_batch: int = 8
     kv_dtype: str = "bfloat16"
     decode_tokens: int = 256  # decode speed on each trained checkpoint: batch 1, greedy, this many tokens
+    # decode speed where the KV cache dominates what a step reads: this batch, this many positions cached (each
+    # variant's shape with random weights, float32; decode_steps one-token steps, the median reported)
+    decode_batch: int = 8
+    decode_context: int = 4096
+    decode_steps: int = 16
     train_args: list[str] = field(default_factory=list)  # filled from the command line: files and train.py flags
 
     def __post_init__(self) -> None:
@@ -91,7 +96,7 @@ def decode_speed(run_dir: Path, tokens: int) -> float:
 
 
 def report_rows(cfg: CompareConfig, runs: list[dict]) -> list[dict]:
-    rows, kv_dtype = [], getattr(torch, cfg.kv_dtype)
+    rows, kv_dtype, long = [], getattr(torch, cfg.kv_dtype), f"{cfg.decode_context}x{cfg.decode_batch}"
     by_name = {r["name"]: r for r in runs}
     for run in runs:
         mcfg = GPTConfig(**run["model_config"])
@@ -105,7 +110,10 @@ def report_rows(cfg: CompareConfig, runs: list[dict]) -> list[dict]:
                "best_val_loss": min(e["val_loss"] for e in evals), "final_val_loss": evals[-1]["val_loss"],
                "wall_s": max(e["wall_s"] for e in evals + run["trains"]),
                "train_tok_s": statistics.median(t["tokens_per_s"] for t in run["trains"]) if run["trains"] else None,
-               "decode_tok_s": decode_speed(Path(run["dir"]), cfg.decode_tokens)}
+               "decode_tok_s": decode_speed(Path(run["dir"]), cfg.decode_tokens),
+               f"kv_bytes_fp32@{long}": mcfg.kv_cache_bytes(cfg.decode_batch, cfg.decode_context),
+               f"decode_tok_s@{long}": cached_step_throughput(mcfg, cfg.decode_batch, cfg.decode_context,
+                                                              cfg.decode_steps, resolve_device("auto"))}
         if run["config"]["init_from"].startswith("convert:"):
             scratch = by_name.get(variant_name(mcfg))
             row |= {"val_loss_after_conversion": evals[0]["val_loss"],
@@ -114,13 +122,15 @@ def report_rows(cfg: CompareConfig, runs: list[dict]) -> list[dict]:
     return rows
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], rows: list[dict], speed_key: str, path: Path) -> None:
+    """Val loss by iteration and by wall-clock time per variant, and each variant's final val loss against its
+    decode speed at long context (one point each)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_iter, by_time) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (by_iter, by_time, by_speed) = plt.subplots(1, 3, figsize=(16, 4))
     for run in runs:
         evals = run["evals"]
         it0, t0 = run["offset"]
@@ -135,7 +145,14 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.set_ylabel("val loss")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("val loss by attention variant")
+    for row in rows:
+        by_speed.scatter(row[speed_key], row["final_val_loss"])
+        by_speed.annotate(row["variant"], (row[speed_key], row["final_val_loss"]), textcoords="offset points",
+                          xytext=(4, 4), fontsize=8)
+    by_speed.set_xlabel(f"decode tokens/s, {speed_key.split('@')[1]} (context x batch)")
+    by_speed.set_ylabel("final val loss")
+    by_speed.grid(alpha=0.3)
+    fig.suptitle("val loss by attention variant; quality against decode speed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -154,17 +171,20 @@ def report(cfg: CompareConfig, root: Path) -> str:
     rows = report_rows(cfg, runs)
     text = table(rows)
     device = resolve_device("auto")
+    long = f"{cfg.decode_context}x{cfg.decode_batch}"
     notes = (f"KV-cache bytes in {cfg.kv_dtype}: per sequence at block_size, and for batch {cfg.kv_batch} at "
              f"{cfg.kv_seq_len} tokens. decode_tok_s: the trained checkpoint, batch 1, greedy, {cfg.decode_tokens} "
-             f"tokens with the KV cache, on {device}. wall_s: the run's own training time (a converted run's "
-             f"uptraining only).")
+             f"tokens with the KV cache, on {device}. decode_tok_s@{long}: one-token steps with {cfg.decode_context} "
+             f"positions cached for each of {cfg.decode_batch} rows (median of {cfg.decode_steps} steps; the "
+             f"variant's shape with random weights, float32, on {device}), next to that cache's bytes "
+             f"(kv_bytes_fp32@{long}). wall_s: the run's own training time (a converted run's uptraining only).")
     with atomic_open(root / "report.md", "w") as f:
         f.write(f"{text}\n\n{notes}\n\n![val loss](report.png)\n")
     with atomic_open(root / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
-    plot(runs, root / "report.png")
+    plot(runs, rows, f"decode_tok_s@{cfg.decode_context}x{cfg.decode_batch}", root / "report.png")
     print(f"{text}\n\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
     return text
 

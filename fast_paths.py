@@ -33,10 +33,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     B, H, T, hd = q.shape
     G = k.size(1)
     with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
-        if G != H and T == 1 and mask is not None:
-            # One query per head under a mask (the CUDA-graph step, padded decoding): each K/V head's queries as
-            # that head's query rows, a plain multi-head call; enable_gqa with a mask falls back to CUDA's math
-            # kernel (README "On a GPU").
+        if G != H and T == 1 and (mask is not None or q.is_cpu):
+            # One query per head (decoding): each K/V head's queries as that head's query rows, a plain multi-head
+            # call. Under a mask enable_gqa falls back to CUDA's math kernel (README "On a GPU"); on CPU the flash
+            # kernel reads each K/V head once per query head, so GQA/MQA would not gain their smaller cache's
+            # speed (README "Compare attention variants").
             y = F.scaled_dot_product_attention(q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p)
             return y.view(B, H, 1, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,

@@ -1,13 +1,14 @@
 """What bench.py, bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA variants of a model,
-timed decoding, and markdown tables.
+timed decoding (from a prompt, and cached steps at long context), and markdown tables.
 """
 
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from model import GPT
+from model import GPT, GPTConfig
 
 
 def default_kv_heads(n_head: int) -> list[int]:
@@ -26,6 +27,27 @@ def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: 
         sync()
         stamps.append(time.perf_counter() - t0)
     return stamps
+
+
+def cached_step_throughput(config: GPTConfig, batch: int, context: int, steps: int, device: str) -> float:
+    """Tokens/s of one-token decode steps for `batch` rows with `context` positions already cached (the median
+    step of `steps`): the memory-bound regime, where every step reads the whole KV cache. A model of config's shape
+    with random weights (speed does not depend on their values), float32, its block_size stretched to fit."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(config, block_size=context + steps, dropout=0.0)).to(device).eval()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    idx = torch.randint(0, config.vocab_size, (batch, context + steps), device=device)
+    times = []
+    with torch.inference_mode():
+        cache = model.make_kv_cache(batch)
+        model(idx[:, :context], kv_cache=cache)
+        for t in range(context, context + steps):
+            sync()
+            t0 = time.perf_counter()
+            model(idx[:, t:t + 1], kv_cache=cache)
+            sync()
+            times.append(time.perf_counter() - t0)
+    return batch / statistics.median(times)
 
 
 def step_ms(stamps: list[float], at: int, width: int = 20) -> float:

@@ -9,7 +9,7 @@ from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
 
 SWEEP = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
          "--log_interval=10", "--device=cpu", "--max_iters=30", "--eval_interval=10", "--learning_rate=3e-3",
-         "--warmup_iters=5", "--decode_tokens=16"]
+         "--warmup_iters=5", "--decode_tokens=16", "--decode_batch=2", "--decode_context=40", "--decode_steps=3"]
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -87,6 +87,8 @@ def test_sweep_and_report_end_to_end(pycode_small: Path, tmp_path: Path) -> None
         assert int(row["params"]) == L * (attn + 8 * D * D + 2 * D) + D + V * D + T * D  # learned positions
         assert int(row["kv_bytes@32"]) == 2 * L * 1 * G * T * (D // H) * 2  # bfloat16
         assert int(row["kv_bytes@100x3"]) == 2 * L * 3 * G * 100 * (D // H) * 2
+        assert int(row["kv_bytes_fp32@40x2"]) == 2 * L * 2 * G * 40 * (D // H) * 4
+        assert float(row["decode_tok_s@40x2"]) > 0
         assert float(row["decode_tok_s"]) > 0 and float(row["best_val_loss"]) <= float(row["final_val_loss"]) + 1e-9
     assert float(rows["mha-to-mqa"]["val_loss_after_conversion"]) > 0
     assert rows["mha-to-mqa"]["scratch_final_val_loss"] == rows["mqa"]["final_val_loss"]
