@@ -97,9 +97,9 @@ def refill_rows(model: nn.Module, kv_cache: object, tokens: torch.Tensor, rows: 
     return pad
 
 
-def compact(kv_cache: object, pad: torch.Tensor) -> torch.Tensor | None:
+def compact(kv_cache: object, pad: torch.Tensor | None) -> torch.Tensor | None:
     """A full cache moved left by the pad every row has (slots no row sees), making room for the next position."""
-    shift = int(pad.min())
+    shift = 0 if pad is None else int(pad.min())
     assert shift > 0, "a row's window fills the cache: it should have slid"
     end = kv_cache.pos
     for t in (kv_cache.k, kv_cache.v):
