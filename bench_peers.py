@@ -29,9 +29,10 @@ from dataset import data_dir, load_meta
 from model import GPTConfig
 from runlog import read_run
 
-NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=200",
-                      "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-                      "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+# nanoGPT's README, "I only have a macbook": its CPU command, exactly
+NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                      "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                      "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
 STEP_SHAPE = ["--n_layer=6", "--n_head=6", "--n_embd=384", "--block_size=256", "--batch_size=8", "--dropout=0.0",
               "--gradient_accumulation_steps=1"]
 
