@@ -27,7 +27,15 @@ from configurator import UserError, print_config, run_cli, with_fields_of
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
 from runlog import RunLog
-from runtime import Dist, autocast, keep_freed_memory, peak_flops, resolve_dtype, setup_distributed
+from runtime import (
+    Dist,
+    autocast,
+    keep_freed_memory,
+    peak_flops,
+    resolve_dtype,
+    setup_distributed,
+    teardown_distributed,
+)
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -369,8 +377,7 @@ def main(cfg: TrainConfig) -> None:
         if d.world_size > 1:
             dist.barrier()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown_distributed()
 
 
 if __name__ == "__main__":
