@@ -24,6 +24,30 @@ def _seed() -> None:
     torch.manual_seed(1337)
 
 
+def sharpened(m: torch.nn.Module) -> torch.nn.Module:
+    """The model with its matrices scaled up 3x: at initialisation a random model's greedy tokens hardly depend on
+    the context (it mostly repeats itself), so a wrong window would go unnoticed."""
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(3.0)
+    return m
+
+
+def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dict[int, float]:
+    """The candidates of top-k then top-p sampling and their probabilities, computed the slow way by hand."""
+    order = sorted(range(logits.numel()), key=lambda i: -float(logits[i]))
+    keep = order[:top_k] if top_k else order
+    probs = torch.softmax(logits[keep], dim=-1).tolist()
+    chosen, mass = {}, 0.0
+    for i, p in zip(keep, probs, strict=True):
+        if top_p is not None and mass >= top_p:
+            break
+        chosen[i] = p
+        mass += p
+    return {i: p / mass for i, p in chosen.items()}
+
+
 def tiny_model(n_kv_head: int | None = None, pos_encoding: str = "learned", **overrides: object) -> GPT:
     """A 2-layer, 32-wide model in eval mode, fp32 on CPU."""
     cfg = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, dropout=0.0,
@@ -70,7 +94,9 @@ def cli(args: list[str], env: dict | None = None) -> Result:
         os.environ.update(saved[0])
         sys.argv = saved[1]
         os.chdir(saved[2])
-    return Result(code, *(f.buffer.getvalue().decode() for f in (out, err) if f.flush() is None))
+    out.flush()
+    err.flush()
+    return Result(code, out.buffer.getvalue().decode(), err.buffer.getvalue().decode())
 
 
 def run(args: list[str], env: dict | None = None, timeout: float = 300, fresh: bool = False

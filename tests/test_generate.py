@@ -3,7 +3,7 @@ import re
 import pytest
 import torch
 
-from conftest import VARIANTS, tiny_model
+from conftest import VARIANTS, allowed, sharpened, tiny_model
 from generation import left_pad, sample_logits
 
 
@@ -116,16 +116,6 @@ def by_hand(m: torch.nn.Module, prompt: list[int], new: int, use_cache: bool = F
     return tokens[len(prompt):]
 
 
-def sharpened(m: torch.nn.Module) -> torch.nn.Module:
-    """The model with its matrices scaled up 3x: at initialisation a random model's greedy tokens hardly depend on
-    the context (it mostly repeats itself), so a wrong window would go unnoticed."""
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 2:
-                p.mul_(3.0)
-    return m
-
-
 @pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -166,20 +156,6 @@ def test_meaningless_sampling_settings_are_refused(options: dict, message: str) 
     m = tiny_model(2)
     with pytest.raises(ValueError, match=re.escape(message)):
         m.generate(torch.zeros(1, 2, dtype=torch.long), 3, **options)
-
-
-def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dict[int, float]:
-    """The candidates of top-k then top-p sampling and their probabilities, computed the slow way by hand."""
-    order = sorted(range(logits.numel()), key=lambda i: -float(logits[i]))
-    keep = order[:top_k] if top_k else order
-    probs = torch.softmax(logits[keep], dim=-1).tolist()
-    chosen, mass = {}, 0.0
-    for i, p in zip(keep, probs, strict=True):
-        if top_p is not None and mass >= top_p:
-            break
-        chosen[i] = p
-        mass += p
-    return {i: p / mass for i, p in chosen.items()}
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(None, 0.5), (None, 0.9), (10, 0.8), (3, 0.99)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
-from conftest import VARIANTS, Result, cli, run
+from conftest import VARIANTS, Result, allowed, cli, run, sharpened
 from dataset import CharTokenizer
 from model import GPT, GPTConfig
 
@@ -122,19 +122,15 @@ def test_top_k_with_top_p_draws_only_the_allowed_characters(tmp_path: Path) -> N
     model = GPT(GPTConfig(block_size=64, vocab_size=len(CHARS.chars), n_layer=2, n_head=4, n_embd=32))
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # peakier than the near-uniform random model
-        probs = torch.softmax(model(torch.tensor([CHARS.encode("def f")]))[0][0, -1] / 0.8, dim=-1)
+        logits = model(torch.tensor([CHARS.encode("def f")]))[0][0, -1]
     save_checkpoint(tmp_path / "ckpt.pt", model, iter_num=0, data_meta=CHARS.meta())
-    order = probs.argsort(descending=True)[:20].tolist()  # top_k=20
-    kept = probs[order] / probs[order].sum()
-    before = kept.cumsum(0) - kept  # the mass of the more likely candidates
-    allowed = {CHARS.chars[i]: float(p) for i, p, b in zip(order, kept, before, strict=True) if b < 0.7}  # top_p=0.7
+    probs = {CHARS.chars[i]: p for i, p in allowed(logits / 0.8, top_k=20, top_p=0.7).items()}
     r = sample(tmp_path, "--start=def f", "--num_samples=300", "--max_new_tokens=1", "--temperature=0.8",
                "--top_k=20", "--top_p=0.7", "--seed=3")
     record = len("def f") + 1 + len("\n---------------\n")  # each row: prompt, its one new character, a separator
     drawn = [r.stdout[i * record + len("def f")] for i in range(300)]
-    assert len(r.stdout) == 300 * record and set(drawn) <= allowed.keys()
-    mass = sum(p for p in allowed.values())
-    assert {c for c, p in allowed.items() if p / mass > 0.03} <= set(drawn) and len(set(drawn)) > 1
+    assert len(r.stdout) == 300 * record and set(drawn) <= probs.keys()
+    assert {c for c, p in probs.items() if p > 0.03} <= set(drawn) and len(set(drawn)) > 1
 
 
 def test_a_single_sample_streams_exactly_the_text_it_returns(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -158,9 +154,7 @@ def test_bpe_sample_stops_at_the_end_of_text_token(tmp_path: Path) -> None:
     eot = 256  # tiktoken's id for the special token after 256 byte tokens
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=257, n_layer=2, n_head=4, n_embd=32))
-    with torch.no_grad():
-        for p in model.parameters():  # sharper than at initialisation, where greedy decoding repeats one token
-            p.mul_(3.0)
+    sharpened(model)  # at initialisation greedy decoding repeats one token
     prompt = list(b"To be")
     free = model.generate(torch.tensor([prompt]), 20, temperature=0)[0, len(prompt):].tolist()
     stop = next(i for i, x in enumerate(free) if i >= 2 and x not in prompt + free[:i] and eot not in free[:i])
