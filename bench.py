@@ -40,6 +40,7 @@ class BenchConfig:
     recompute_max_batch: int = 1  # recomputation only up to this batch size (it is slow)
     repeats: int = 3  # cached runs per setting, the median is reported
     nanogpt_dir: str = ""  # nanogpt: a karpathy/nanoGPT checkout, outside this repository
+    llama_cpp: str = ""  # hf: a llama.cpp source folder with build/bin/llama-bench, outside this repository
     linear_split: bool = True  # False: few-row products through nn.Linear's own path (fast_paths.Linear unsplit)
 
     def __post_init__(self) -> None:
@@ -135,9 +136,11 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     print(f"# {cfg.mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
           f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
     if cfg.mode == "hf":
-        rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device)
+        rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device, cfg.llama_cpp)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",
-                           "ours_tok_s": "ours tok/s", "speedup": "speedup", "same_tokens": "same tokens"}))
+                           "llama_cpp_tok_s": "llama.cpp tok/s", "ours_tok_s": "ours tok/s",
+                           "speedup": "vs Hugging Face", "vs_llama_cpp": "vs llama.cpp",
+                           "same_tokens": "same tokens"}))
     elif cfg.mode == "nanogpt":
         dtype = "bfloat16" if native_bf16() else "float32"
         step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, "--device=cpu", "--vocab_size=65"])

@@ -4,9 +4,10 @@
     python bench.py --mode=nanogpt --nanogpt_dir=/path/to/nanoGPT config/train_cpu_fast.py
 
 hf: this project's decoding vs Hugging Face `GPT2LMHeadModel.generate` on the same random GPT-2-shaped weights,
-greedy from a 1-token prompt; the fp32 tokens of the two must be identical. nanogpt: karpathy/nanoGPT's documented CPU
-recipe vs this project's config on the same char-level dataset (its final val loss and wall time against ours), and
-the ms/iter of a 6x384 training step in each.
+greedy from a 1-token prompt; the fp32 tokens of the two must be identical. With --llama_cpp=DIR (a llama.cpp source
+folder with its `llama-bench` built), the same weights also go through its `convert_hf_to_gguf.py` to `llama-bench`.
+nanogpt: karpathy/nanoGPT's documented CPU recipe vs this project's config on the same char-level dataset (its final
+val loss and wall time against ours), and the ms/iter of a 6x384 training step in each.
 """
 
 import json
@@ -25,7 +26,7 @@ import torch
 
 from checkpoint import from_hf_gpt2
 from configurator import UserError
-from dataset import data_dir, load_meta
+from dataset import data_dir, gpt2_encoding, load_meta
 from model import GPTConfig
 from runlog import read_run
 
@@ -45,15 +46,18 @@ def timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats: int, device: str = "cpu"
-             ) -> list[dict]:
-    """tokens/s of GPT.generate and of GPT2LMHeadModel.generate(use_cache=True) on the same weights."""
+def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats: int, device: str = "cpu",
+             llama_cpp: str = "") -> list[dict]:
+    """tokens/s of GPT.generate and of GPT2LMHeadModel.generate(use_cache=True) on the same weights (and of
+    llama.cpp's llama-bench on them, converted to GGUF, when llama_cpp names its folder)."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
         from transformers.utils import logging
     except ImportError as e:
         raise UserError(f"--mode=hf needs transformers ({e}); pip install transformers") from e
     logging.set_verbosity_error()
+    if llama_cpp:
+        llama_cpp_tools(llama_cpp)  # before any work
     torch.manual_seed(0)
     hf_cfg = GPT2Config(vocab_size=mcfg.vocab_size, n_positions=mcfg.block_size, n_embd=mcfg.n_embd,
                         n_layer=mcfg.n_layer, n_head=mcfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -62,6 +66,10 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
         hf.save_pretrained(d)
         ours = from_hf_gpt2(d).eval()
+        llama = bench_llama_cpp(Path(d), llama_cpp, dtypes, new_tokens, repeats) if llama_cpp else {}
+    if not llama_cpp:
+        print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
+              file=sys.stderr)
     idx = torch.tensor([[1]], device=device)
     rows = []
     for dtype_name in dtypes:
@@ -84,6 +92,8 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
                 row = {"mode": "hf", "device": device, "dtype": dtype_name, "new_tokens": n, "hf_tok_s": n / hf_s,
                        "ours_tok_s": n / our_s, "speedup": hf_s / our_s,
                        "same_tokens": bool(torch.equal(hf_runs[0][1], our_runs[0][1]))}
+                if (dtype_name, n) in llama:
+                    row |= {"llama_cpp_tok_s": llama[dtype_name, n], "vs_llama_cpp": n / our_s / llama[dtype_name, n]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     bad = [r for r in rows if r["dtype"] == "float32" and not r["same_tokens"]]
@@ -91,6 +101,57 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
         raise RuntimeError(f"greedy fp32 tokens differ from Hugging Face's at {[r['new_tokens'] for r in bad]} "
                            f"new tokens: the two models do not compute the same function")
     return rows
+
+
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def write_gpt2_tokenizer(folder: Path) -> None:
+    """GPT-2's vocab.json and merges.txt in folder, made from tiktoken's GPT-2 BPE (so offline with GPT2_BPE_FILE):
+    llama.cpp's converter reads the tokenizer through transformers and recognises GPT-2's by its output."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    enc = gpt2_encoding()
+
+    class FromRanks(TikTokenConverter):
+        def load_tiktoken_bpe(self, _: str) -> dict[bytes, int]:
+            return enc._mergeable_ranks
+
+    vocab, merges = FromRanks().extract_vocab_merges_from_model("")
+    vocab["<|endoftext|>"] = enc.eot_token
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+
+
+def llama_cpp_tools(llama_cpp: str) -> tuple[Path, Path]:
+    """llama.cpp's convert_hf_to_gguf.py and its built llama-bench in the folder llama_cpp."""
+    root = Path(llama_cpp).resolve()
+    convert, binary = root / "convert_hf_to_gguf.py", root / "build" / "bin" / "llama-bench"
+    if not (convert.is_file() and binary.is_file()):
+        raise UserError(f"--llama_cpp={llama_cpp}: no convert_hf_to_gguf.py and build/bin/llama-bench in {root}; "
+                        f"build llama-bench there (README, \"Against Hugging Face, llama.cpp and nanoGPT\")")
+    return convert, binary
+
+
+def bench_llama_cpp(hf_dir: Path, llama_cpp: str, dtypes: list[str], new_tokens: list[int], repeats: int
+                    ) -> dict[tuple[str, int], float]:
+    """llama-bench's generation tokens/s, {(dtype, new tokens): tok/s}, for the Hugging Face GPT-2 folder hf_dir
+    converted by llama.cpp's convert_hf_to_gguf.py to each dtype; as many threads as torch uses."""
+    convert, binary = llama_cpp_tools(llama_cpp)
+    write_gpt2_tokenizer(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(config | {"n_ctx": config["n_positions"]}))
+    out = {}
+    for dtype in dtypes:
+        gguf = hf_dir / f"model-{GGUF_TYPES[dtype]}.gguf"
+        run_timed([str(convert), str(hf_dir), "--outtype", GGUF_TYPES[dtype], "--outfile", str(gguf)], convert.parent)
+        r = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", ",".join(map(str, new_tokens)), "-t",
+                            str(torch.get_num_threads()), "-r", str(repeats), "-o", "json"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise UserError(f"llama-bench failed on {gguf.name}: {r.stderr.strip().splitlines()[-1:]}")
+        out |= {(dtype, e["n_gen"]): e["avg_ts"] for e in json.loads(r.stdout)}
+    return out
 
 
 def run_timed(cmd: list[str], cwd: Path) -> tuple[float, str]:

@@ -88,10 +88,11 @@ class Linear(nn.Linear):
 
     def split_weight(self, parts: int) -> SplitWeight:
         """The weight split into `parts` (views of it, or an (in, out) copy of one over SPLIT_COPY_BYTES, remade
-        when the weight changes in place)."""
+        when the weight changes in place; weights made under inference_mode have no version to tell that by)."""
         w, b = self.weight, self.bias
         copy = w.nbytes > SPLIT_COPY_BYTES
-        key = (parts, w.data_ptr(), w._version if copy else None, None if b is None else b.data_ptr())
+        version = w._version if copy and not w.is_inference() else None
+        key = (parts, w.data_ptr(), version, None if b is None else b.data_ptr())
         if self.split is None or self.split.key != key:
             n = self.out_features // parts * parts
             ws = w[:n].view(parts, n // parts, -1).transpose(1, 2)  # (parts, in, n // parts)

@@ -1,3 +1,4 @@
+import base64
 import json
 from pathlib import Path
 
@@ -44,6 +45,35 @@ def test_hf_bench_checks_greedy_tokens_against_hugging_face() -> None:
              "--vocab_size=101", "--new_tokens=[30]", "--dtypes=['float32']", "--repeats=1", "--device=cpu"])
     (row,) = json_rows(r.stdout)
     assert row["same_tokens"] is True and row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0
+    assert "llama.cpp skipped: pass --llama_cpp=DIR" in r.stderr and "llama_cpp_tok_s" not in row
+
+
+def test_hf_bench_with_no_llama_cpp_build_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")  # a source folder whose llama-bench was never built
+    r = cli(["bench.py", "--mode=hf", *TINY, f"--llama_cpp={tmp_path}"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    (error,) = [line for line in r.stderr.splitlines() if not line.startswith("# ")]  # after the bench's header
+    assert error.startswith(f"error: --llama_cpp={tmp_path}: no ") and "build/bin/llama-bench" in error
+
+
+def test_tokenizer_files_for_llama_cpp_encode_as_tiktoken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's converter reads GPT-2's tokenizer from vocab.json and merges.txt through transformers: the files
+    made from a tiktoken BPE must encode text as tiktoken does."""
+    from transformers import AutoTokenizer, GPT2Config
+
+    import bench_peers
+    from dataset import gpt2_encoding
+
+    pieces = [bytes([i]) for i in range(256)] + [b"th", b"he", b"the", b" the", b"in", b"ing", b" th", b"  "]
+    bpe = tmp_path / "tiny.tiktoken"
+    bpe.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(pieces)))
+    monkeypatch.setenv("GPT2_BPE_FILE", str(bpe))
+    bench_peers.write_gpt2_tokenizer(tmp_path)
+    GPT2Config().save_pretrained(tmp_path)
+    text = "the thing in the   theatre, breathing <|endoftext|> ünïcode\n\nthe"
+    ids = AutoTokenizer.from_pretrained(tmp_path).encode(text)
+    assert ids == gpt2_encoding().encode(text, allowed_special="all")
+    assert len(ids) < len(text.encode())  # merges were used
 
 
 def test_nanogpt_bench_without_a_checkout_is_one_line(tmp_path: Path) -> None:

@@ -166,6 +166,9 @@ def test_linear_split_across_threads_equals_plain_linear(monkeypatch: pytest.Mon
                 torch.testing.assert_close(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
                 layer.weight.data = torch.randn(out_features, 32)
                 torch.testing.assert_close(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
+            with torch.inference_mode():  # a layer made here has inference tensors, which have no version counter
+                made = fast_paths.Linear(32, out_features, bias=bias)
+                torch.testing.assert_close(made(x[:1]), torch.nn.functional.linear(x[:1], made.weight, made.bias))
     finally:
         torch.set_num_threads(before)
 
