@@ -2,6 +2,7 @@
 
     python bench.py --mode=train config/train_shakespeare_char.py --device=cpu --batch_size=8 --dropout=0.0
     python bench.py --mode=decode --block_size=1024 --vocab_size=256
+    python bench.py --mode=memory
 
 The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig steer the bench.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 import bench_peers
+import sharding
 from configurator import parse_config, run_cli, split_args
 from dataset import vocab_size_of
 from fast_paths import Linear
@@ -27,7 +29,8 @@ from train import TrainConfig, train_step
 
 @dataclass(slots=True)
 class BenchConfig:
-    mode: str = "decode"  # 'train', 'decode', or against peers (bench_peers.py): 'hf', 'nanogpt'
+    # 'train', 'decode', 'memory' (DDP vs FSDP), or against peers (bench_peers.py): 'hf', 'nanogpt'
+    mode: str = "decode"
     # train: every combination of these, on random tokens (speed does not depend on the data)
     compiles: list[bool] = field(default_factory=lambda: [False, True])
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
@@ -42,10 +45,15 @@ class BenchConfig:
     nanogpt_dir: str = ""  # nanogpt: a karpathy/nanoGPT checkout, outside this repository
     llama_cpp: str = ""  # hf: a llama.cpp source folder with build/bin/llama-bench, outside this repository
     linear_split: bool = True  # False: few-row products through nn.Linear's own path (fast_paths.Linear unsplit)
+    # memory: per-process bytes of weights, gradients and AdamW state of GPT-2's shapes with DDP and with FSDP
+    world_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "decode", "hf", "nanogpt"):
-            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'hf' or 'nanogpt'")
+        if self.mode not in ("train", "decode", "memory", "hf", "nanogpt"):
+            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'memory', 'hf' or 'nanogpt'")
+
+
+GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-xl": (48, 25, 1600)}  # layers, heads, width
 
 
 class RandomBatches:
@@ -124,6 +132,22 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
     return rows
 
 
+def bench_memory(world_sizes: list[int]) -> list[dict]:
+    """GiB one process holds for fp32 weights, gradients and AdamW's moments: DDP's whole copy, and FSDP's shards
+    at each world size (sharding.per_rank_bytes: fully_shard on the meta device, no memory or GPU needed)."""
+    rows = []
+    for name, (layers, heads, width) in GPT2_SHAPES.items():
+        mcfg = GPTConfig(n_layer=layers, n_head=heads, n_embd=width, block_size=1024, vocab_size=50304, bias=False)
+        row = {"mode": "memory", "model": name}
+        for world in world_sizes:
+            b = sharding.per_rank_bytes(mcfg, world)
+            row |= {"params": b["params"], "ddp_gib": b["ddp_bytes"] / 2**30,
+                    f"fsdp_{world}_gib": b["fsdp_bytes"] / 2**30}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig, list[str]]:
     ours, train_args = split_args(argv, BenchConfig)
     return parse_config(BenchConfig, ours), parse_config(TrainConfig, train_args), train_args
@@ -149,6 +173,10 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                                                                   step.model_config(65), "cpu")})
         print(f"(ours: the 6x384 step in {dtype} autocast)")
         print(table(rows[:1]) + "\n\n" + table(rows[1:]))
+    elif cfg.mode == "memory":
+        rows = bench_memory(cfg.world_sizes)
+        print(table(rows, {"model": "model", "params": "parameters", "ddp_gib": "DDP GiB / process"}
+                    | {f"fsdp_{w}_gib": f"FSDP x{w} GiB / process" for w in cfg.world_sizes}))
     elif cfg.mode == "train":
         rows = bench_train(cfg, base, mcfg, device)
         print(table(rows, {"dtype": "dtype", "compile": "compile", "ms_per_iter": "ms/iter",

@@ -31,13 +31,15 @@ def check_out_dir(out_dir: Path, need_bytes: int) -> None:
                         f"{need_bytes / 2**20:,.1f} MiB: free some space or choose another out_dir")
 
 
-def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, **state: Any) -> None:
+def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, model_state: dict | None = None,
+                    **state: Any) -> None:
     """Write {'model', 'model_config', **state} atomically (atomic_open): a crash mid-write leaves the previous
-    checkpoint intact. state holds plain data only. keep_last > 0 also keeps the file as ckpt-<state's iter_num>.pt
-    beside it, and only the keep_last newest of those."""
+    checkpoint intact. 'model' is model_state (default: model's state_dict); state holds plain data only.
+    keep_last > 0 also keeps the file as ckpt-<state's iter_num>.pt beside it, and only the keep_last newest."""
     path = Path(path)
     with atomic_open(path) as f:
-        torch.save({"model": model.state_dict(), "model_config": asdict(model.config), **state}, f)
+        torch.save({"model": model.state_dict() if model_state is None else model_state,
+                    "model_config": asdict(model.config), **state}, f)
     if keep_last:
         kept = path.with_name(f"ckpt-{state['iter_num']:07d}.pt")
         kept.unlink(missing_ok=True)
@@ -49,13 +51,15 @@ def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, **state: A
             old.unlink()
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """A checkpoint written by save_checkpoint, loaded with weights_only=True."""
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = False
+                    ) -> dict[str, Any]:
+    """A checkpoint written by save_checkpoint, loaded with weights_only=True (mmap: its tensors are read from the
+    file when used)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise UserError(f"refusing to load {path}: it holds objects other than tensors and plain data, which "
                         f"could run code ({str(e).splitlines()[0]})") from e

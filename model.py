@@ -4,7 +4,7 @@ GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, Ro
 """
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,22 +212,40 @@ class GPT(nn.Module):
         if config.pos_encoding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # derived from the config, so kept out of the state_dict
-            cos, sin = rope_tables(config)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            half = (config.block_size, config.head_dim // 2)
+            self.register_buffer("rope_cos", torch.empty(half), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(half), persistent=False)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying, https://arxiv.org/abs/1608.05859
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        self.init_buffers()
+        self.init_weights()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute the buffers derived from the config: the rotary tables."""
+        if self.config.pos_encoding == "rope":
+            cos, sin = rope_tables(self.config)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None,
+                     assign: Callable[[torch.Tensor, torch.Tensor], Any] = torch.Tensor.copy_) -> None:
+        """GPT-2's initialisation: N(0, 0.02) weights, residual projections' (c_proj) std / sqrt(2 * n_layer), zero
+        biases, LayerNorm weights one. Each parameter is drawn whole on CPU, in named_parameters order, from
+        generator (default: torch's global one) and given to assign(param, values); meta parameters are skipped."""
+        for name, p in self.named_parameters():
+            if p.is_meta:
+                continue
+            owner, _, kind = name.rpartition(".")
+            if isinstance(self.get_submodule(owner), nn.LayerNorm):
+                values = torch.full(p.shape, 1.0 if kind == "weight" else 0.0, device="cpu")
+            elif kind == "bias":
+                values = torch.zeros(p.shape, device="cpu")
+            else:
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if owner.endswith("c_proj") else 0.02
+                values = torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=generator)
+            assign(p, values)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; non_embedding leaves out the token (= tied lm_head) and position embeddings."""

@@ -54,16 +54,20 @@ def resolve_device(name: str, local_rank: int = 0) -> str:
     return f"cuda:{local_rank}" if name == "cuda" else name
 
 
-def setup_distributed(device: str) -> Dist:
-    """Join the torchrun process group when RANK/LOCAL_RANK/WORLD_SIZE are set (nccl on CUDA, gloo otherwise)."""
-    if "RANK" not in os.environ:
+def setup_distributed(device: str, alone: bool = False) -> Dist:
+    """Join the torchrun process group when RANK/LOCAL_RANK/WORLD_SIZE are set (nccl on CUDA, gloo otherwise);
+    alone: a process started without torchrun makes a group of its own (FSDP needs one)."""
+    torchrun = "RANK" in os.environ
+    if not torchrun and not alone:
         return Dist(0, 0, 1, resolve_device(device, 0), True)
-    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if torchrun \
+        else (0, 0, 1)
     dev = resolve_device(device, local_rank)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
+    own = {} if torchrun else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
     try:
-        dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
+        dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo", **own)
     except RuntimeError as e:
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             raise
@@ -130,3 +134,21 @@ def keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
     libc.mallopt(m_mmap_threshold, 32 * 2**20)  # blocks up to 32 MiB (glibc's maximum) come from the heap ...
     libc.mallopt(m_trim_threshold, 2**30)  # ... and the heap is not shrunk until 1 GiB of it is free
+
+
+def rng_states(device_type: str) -> dict:
+    """The random generators' states (dropout), for an exact resume; batches need none (seeded per iteration)."""
+    cuda = {"cuda": torch.cuda.get_rng_state_all()} if device_type == "cuda" else {}
+    return {"torch": torch.get_rng_state()} | cuda
+
+
+def stop_requested(signals: list[int], d: Dist, at_log: bool) -> bool:
+    """Whether a signal asked the run to stop; under torchrun the ranks agree on it at log steps, so all stop
+    together."""
+    if d.world_size == 1:
+        return bool(signals)
+    if not at_log:
+        return False
+    flag = torch.tensor(float(bool(signals)), device=d.device)
+    dist.all_reduce(flag)
+    return flag.item() > 0

@@ -1,13 +1,13 @@
 """Train a GPT from a config file: `python train.py config/train_pycode_char.py --n_kv_head=2`.
 
-Single process, or DDP under torchrun (nccl on CUDA, gloo on CPU):
-    torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py
+Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
+    torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
 """
 
 import math
 import signal
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import sharding
 from checkpoint import (
     check_out_dir,
     convert_kv_heads,
@@ -33,7 +34,9 @@ from runtime import (
     keep_freed_memory,
     peak_flops,
     resolve_dtype,
+    rng_states,
     setup_distributed,
+    stop_requested,
     teardown_distributed,
 )
 
@@ -88,6 +91,9 @@ class TrainConfig:
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'
     dtype: str = "auto"  # 'auto' (bfloat16 on CUDA when supported, else float32), 'float32', 'bfloat16', 'float16'
     compile: bool = False
+    # under torchrun, 'ddp' (each process holds all weights, gradients and AdamW moments) or 'fsdp' (each holds its
+    # shard of them; a large model is built shard by shard: README "FSDP")
+    parallel: str = "ddp"
     seed: int = 1337
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: a GPU table or a CPU probe
 
@@ -104,6 +110,8 @@ class TrainConfig:
         if not named and not self.init_from.startswith(("convert:", "hf:")):
             problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'auto', "
                             f"'convert:<checkpoint>', {', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
+        if self.parallel not in ("ddp", "fsdp"):
+            problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
@@ -145,26 +153,20 @@ def evaluate(model: torch.nn.Module, batches: Batches, eval_iters: int, amp: Abs
     return out
 
 
-def rng_states(device_type: str) -> dict:
-    """The random generators' states (dropout), for an exact resume; batches need none (seeded per iteration)."""
-    cuda = {"cuda": torch.cuda.get_rng_state_all()} if device_type == "cuda" else {}
-    return {"torch": torch.get_rng_state()} | cuda
+def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtype) -> tuple[GPT, dict | None]:
+    """The model to train, on device and sharded under FSDP: new, resumed from out_dir (the checkpoint is returned
+    too), converted to n_kv_head, or GPT-2's."""
+    fsdp = cfg.parallel == "fsdp"
+    model, ckpt = load_model(cfg, vocab_size)
+    if model is None:  # new, or resumed under FSDP from a sharded checkpoint (its weights come with the optimizer's)
+        mcfg = cfg.model_config(vocab_size) if ckpt is None else GPTConfig(**ckpt["model_config"])
+        return sharding.build(mcfg, device, dtype, None if ckpt else cfg.seed, fsdp), ckpt
+    return sharding.shard(model.to(device), device, dtype) if fsdp else model.to(device), ckpt
 
 
-def stop_requested(signals: list[int], d: Dist, at_log: bool) -> bool:
-    """Whether a signal asked the run to stop; under DDP the ranks agree on it at log steps, so all stop together."""
-    if d.world_size == 1:
-        return bool(signals)
-    if not at_log:
-        return False
-    flag = torch.tensor(float(bool(signals)), device=d.device)
-    dist.all_reduce(flag)
-    return flag.item() > 0
-
-
-def init_model(cfg: TrainConfig, vocab_size: int, device: str) -> tuple[GPT, dict | None]:
-    """The model to train: new, resumed from out_dir (the checkpoint is returned too), converted to n_kv_head, or
-    GPT-2's."""
+def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | None]:
+    """init_model's model from weights (GPT-2's, or a checkpoint's), with the checkpoint when resuming; None for a
+    new model, or one resumed under FSDP from a sharded checkpoint."""
     init_from = cfg.init_from
     if init_from == "auto":
         init_from = "resume" if (Path(cfg.out_dir) / "ckpt.pt").exists() else "scratch"
@@ -172,10 +174,10 @@ def init_model(cfg: TrainConfig, vocab_size: int, device: str) -> tuple[GPT, dic
         return gpt2_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
                                    cfg.n_kv_head), None
     if init_from == "scratch":
-        return GPT(cfg.model_config(vocab_size)), None
+        return None, None
     resume = init_from == "resume"
     path = Path(cfg.out_dir if resume else init_from.removeprefix("convert:"))
-    ckpt = load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", device)
+    ckpt = load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
     # resume: the model keys changed since the checkpoint's run (a fine-tuned GPT-2 keeps GPT-2's shape);
     # convert: every model key but n_kv_head must match the source
     before, now = (ckpt.get("config", {}), cfg) if resume else (ckpt["model_config"], cfg.model_config(vocab_size))
@@ -184,6 +186,8 @@ def init_model(cfg: TrainConfig, vocab_size: int, device: str) -> tuple[GPT, dic
     if differ:
         raise UserError(f"cannot {'resume' if resume else 'convert'} {path}: the config asks for another model "
                         f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")
+    if resume and "sharded" in ckpt and cfg.parallel == "fsdp":
+        return None, ckpt
     model = model_from_checkpoint(ckpt)
     return (model, ckpt) if resume else (convert_kv_heads(model, now.n_kv_head), None)
 
@@ -197,8 +201,7 @@ def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Op
     loss_sum = torch.zeros((), device=d.device)
     for micro in range(accum):
         x, y = batches.train(it, d.rank * accum + micro)
-        sync = model.no_sync() if d.world_size > 1 and micro < accum - 1 else nullcontext()  # all-reduce once
-        with sync, amp:
+        with sharding.gradient_sync(model, raw_model, micro == accum - 1), amp:  # once a step
             _, loss = model(x, y)
         scaler.scale(loss / accum).backward()
         loss_sum += loss.detach() / accum
@@ -206,7 +209,7 @@ def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Op
     if grad_clip > 0 or skip_nonfinite:
         scaler.unscale_(optimizer)
         norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else math.inf)
-        taken = not skip_nonfinite or bool(torch.isfinite(norm))
+        taken = not skip_nonfinite or bool(torch.isfinite(sharding.whole(norm)))
     if taken:
         scaler.step(optimizer)
     scaler.update()
@@ -227,16 +230,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, d: Dist) -> None:
         if cfg.gradient_accumulation_steps % d.world_size:
             raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
-                            f"{d.world_size} DDP processes")
+                            f"{d.world_size} processes")
         self.cfg, self.d, self.accum = cfg, d, cfg.gradient_accumulation_steps // d.world_size
+        self.sharded = cfg.parallel == "fsdp"  # then every rank evaluates and saves (collectives), rank 0 writes
         if d.device_type == "cpu":
             keep_freed_memory()
         self.dtype = resolve_dtype(cfg.dtype, d.device_type)
         self.amp = autocast(d.device_type, self.dtype)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
-        self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device)
-        self.raw_model.to(d.device)  # raw_model: plain state_dict names, uncompiled, unwrapped
+        # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
+        self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype)
         self.optimizer = self.raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
                                                              (cfg.beta1, cfg.beta2), d.device_type)
         self.scaler = torch.amp.GradScaler(d.device_type, enabled=self.dtype == torch.float16)
@@ -247,7 +251,7 @@ class Trainer:
         del ckpt
         self.model = torch.compile(self.raw_model) if cfg.compile else self.raw_model
         self.ddp_model = DDP(self.model, device_ids=[d.local_rank] if d.device_type == "cuda" else None,
-                             broadcast_buffers=False) if d.world_size > 1 else self.model
+                             broadcast_buffers=False) if d.world_size > 1 and not self.sharded else self.model
         self.log = self.start_log() if d.is_master else None
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.peak = (cfg.peak_flops or peak_flops(d.device, self.dtype)) if d.is_master else None
@@ -256,8 +260,9 @@ class Trainer:
         self.last_log = self.iter_num
 
     def restore(self, ckpt: dict) -> None:
-        """Continue a checkpointed run: optimizer, grad scaler, iteration, best val loss, RNG states (dropout)."""
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        """Continue a checkpointed run: optimizer (and the weights, from a sharded checkpoint), grad scaler,
+        iteration, best val loss, RNG states (dropout)."""
+        sharding.load_optimizer(ckpt, Path(self.cfg.out_dir), self.raw_model, self.optimizer)
         if ckpt["scaler"]:  # empty when saved by a disabled scaler
             self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num, self.best_val, self.saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["iter_num"]
@@ -289,7 +294,7 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
                 at_eval = self.iter_num % cfg.eval_interval == 0 and (self.iter_num > 0 or cfg.eval_at_start)
-                if self.d.is_master and (at_eval or self.iter_num == cfg.max_iters or cfg.eval_only):
+                if (self.d.is_master or self.sharded) and (at_eval or self.iter_num == cfg.max_iters or cfg.eval_only):
                     self.evaluate_and_save(lr)
                 if cfg.eval_only or self.iter_num >= cfg.max_iters:
                     break
@@ -301,6 +306,7 @@ class Trainer:
                     if self.d.is_master:
                         why = signal.Signals(signals[0]).name if signals else "a signal to another rank"
                         print(f"stopping on {why} at iteration {self.iter_num}")
+                    if self.d.is_master or self.sharded:
                         self.save()
                     break
         finally:
@@ -324,11 +330,14 @@ class Trainer:
         """Evaluate, log, and save a checkpoint if val loss improved (or always_save_checkpoint)."""
         cfg = self.cfg
         losses = evaluate(self.model, self.batches, cfg.eval_iters, self.amp)
+        if self.sharded:  # every rank evaluated the same batches; all decide as rank 0 does
+            losses = sharding.from_rank0(losses)
         if not math.isfinite(losses["val"]):
             raise diverged("the val loss", losses["val"], self.iter_num, self.saved)
-        print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        self.log.write(event="eval", iter=self.iter_num, train_loss=losses["train"], val_loss=losses["val"], lr=lr,
-                       elapsed_s=time.perf_counter() - self.t_start)
+        if self.d.is_master:
+            print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+            self.log.write(event="eval", iter=self.iter_num, train_loss=losses["train"], val_loss=losses["val"], lr=lr,
+                           elapsed_s=time.perf_counter() - self.t_start)
         improved = losses["val"] < self.best_val or cfg.always_save_checkpoint
         if self.iter_num not in (0, self.saved) and not cfg.eval_only and improved:  # saved: the resumed iteration
             self.best_val = min(self.best_val, losses["val"])
@@ -359,19 +368,24 @@ class Trainer:
                        tokens_per_s=tok_s, mfu=mfu, skipped=self.skipped, elapsed_s=now - self.t_start)
 
     def save(self) -> None:
-        """Write out_dir/ckpt.pt (never with non-finite weights: the last good checkpoint stays)."""
-        cfg, out = self.cfg, Path(self.cfg.out_dir)
-        if not all(bool(p.isfinite().all()) for p in self.raw_model.parameters()):
+        """Write out_dir/ckpt.pt (never with non-finite weights: the last good checkpoint stays); under FSDP first
+        the sharded checkpoint it names (weights and optimizer), and ckpt.pt holds the whole model gathered."""
+        cfg, out, model = self.cfg, Path(self.cfg.out_dir), self.raw_model
+        if not sharding.all_finite(model):
             raise diverged("a weight", math.nan, self.iter_num, self.saved)
-        save_checkpoint(out / "ckpt.pt", self.raw_model, keep_last=cfg.keep_last, optimizer=self.optimizer.state_dict(),
-                        scaler=self.scaler.state_dict(), iter_num=self.iter_num, best_val_loss=self.best_val,
-                        config=asdict(cfg), data_meta=self.batches.meta, rng=rng_states(self.d.device_type))
+        state = sharding.checkpoint_state(out, self.iter_num, model, self.optimizer)  # under FSDP, collectives
+        if self.d.is_master:
+            save_checkpoint(out / "ckpt.pt", model, keep_last=cfg.keep_last, scaler=self.scaler.state_dict(),
+                            iter_num=self.iter_num, best_val_loss=self.best_val, config=asdict(cfg),
+                            data_meta=self.batches.meta, rng=rng_states(self.d.device_type), **state)
+            if self.sharded:
+                sharding.prune_sharded(out, self.iter_num)
+            print(f"saved checkpoint to {out / 'ckpt.pt'}")
         self.saved = self.iter_num
-        print(f"saved checkpoint to {out / 'ckpt.pt'}")
 
 
 def main(cfg: TrainConfig) -> None:
-    d = setup_distributed(cfg.device)
+    d = setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
     try:
         Trainer(cfg, d).run()
         if d.world_size > 1:

@@ -122,3 +122,17 @@ def pycode_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def read_log(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "log.jsonl").read_text().splitlines()]
+
+
+def worker_ranks(parent: int) -> dict[int, int]:
+    """{RANK: pid} of the processes whose parent is `parent` (torchrun's workers), from /proc."""
+    ranks = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
+                continue
+            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+        except (OSError, ValueError):
+            continue
+        ranks[int(env["RANK"])] = int(proc.name)
+    return ranks

@@ -81,3 +81,15 @@ def test_nanogpt_bench_without_a_checkout_is_one_line(tmp_path: Path) -> None:
                         "--warmup=1", "--iters=1"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"no nanoGPT checkout at {tmp_path}" in r.stderr and "--nanogpt_dir" in r.stderr
+
+
+def test_memory_bench_reports_ddp_and_fsdp_bytes_per_process() -> None:
+    r = cli(["bench.py", "--mode=memory", "--world_sizes=[2,8]"])
+    rows = json_rows(r.stdout)
+    assert [x["model"] for x in rows] == ["gpt2", "gpt2-medium", "gpt2-xl"]
+    assert rows[0]["params"] == 124_373_760  # GPT-2 small without biases, lm_head tied, vocab 50304
+    for x in rows:
+        assert x["ddp_gib"] == 16 * x["params"] / 2**30
+        assert x["ddp_gib"] / 2 <= x["fsdp_2_gib"] < x["ddp_gib"] / 2 * 1.01  # shards padded to whole rows
+        assert x["ddp_gib"] / 8 <= x["fsdp_8_gib"] < x["ddp_gib"] / 8 * 1.01
+    assert "| gpt2-xl | 1,556,840,000 |" in r.stdout

@@ -13,7 +13,7 @@ import torch
 
 from checkpoint import check_out_dir, load_checkpoint
 from configurator import UserError
-from conftest import ROOT, TINY_TRAIN, cli, read_log, run
+from conftest import ROOT, TINY_TRAIN, cli, read_log, run, worker_ranks
 from dataset import Batches
 from model import GPT, GPTConfig
 from runtime import Dist
@@ -133,20 +133,6 @@ def test_wandb_online_without_network_falls_back_to_offline(pycode_small: Path, 
     assert list((tmp_path / "out" / "wandb").glob("offline-run-*"))
 
 
-def worker_ranks(parent: int) -> dict[int, int]:
-    """{RANK: pid} of the processes whose parent is `parent` (torchrun's workers), from /proc."""
-    ranks = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
-                continue
-            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
-        except (OSError, ValueError):
-            continue
-        ranks[int(env["RANK"])] = int(proc.name)
-    return ranks
-
-
 def last_iter(out: Path) -> int:
     try:
         return max(train_losses(out), default=0)
@@ -156,11 +142,14 @@ def last_iter(out: Path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc (Linux)")
-def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(pycode_small: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(pycode_small: Path, tmp_path: Path,
+                                                               parallel: str) -> None:
     """A worker killed with SIGKILL mid-run: torchrun --max-restarts=1 starts both workers again, init_from=auto
-    resumes from the last checkpoint, and every iteration's loss equals an uninterrupted 2-process run's."""
+    resumes from the last checkpoint (a sharded one under FSDP), and every iteration's loss equals an uninterrupted
+    2-process run's."""
     common = ["--init_from=auto", "--always_save_checkpoint=True", "--eval_interval=20", "--log_interval=1",
-              "--max_iters=120", "--gradient_accumulation_steps=2", "--dropout=0.1"]
+              "--max_iters=120", "--gradient_accumulation_steps=2", "--dropout=0.1", f"--parallel={parallel}"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     run([*launch[1:], *train_args(pycode_small, tmp_path / "once", *common)])
     out = tmp_path / "killed"

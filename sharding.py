@@ -1,0 +1,179 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard) for train.py's --parallel=fsdp: each block and the root sharded over
+the processes, a model built on the meta device and initialised shard by shard, and sharded checkpoints written
+with torch.distributed.checkpoint (readable at any number of processes, with or without FSDP).
+
+A sharded checkpoint is a folder `sharded-<iteration>` beside ckpt.pt; ckpt.pt (the full model, gathered) names it
+under 'sharded' and is written after it, so a crash at any point leaves a ckpt.pt whose folder is complete.
+"""
+
+import shutil
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import GPT, GPTConfig
+
+
+def shard(model: GPT, device: str, dtype: torch.dtype) -> GPT:
+    """model with each block, then the root (embeddings, final norm, lm_head), sharded over the default process
+    group; on CUDA with a 16-bit dtype, computed in that dtype with gradients reduced in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) \
+        if device.startswith("cuda") and dtype != torch.float32 else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def build(config: GPTConfig, device: str, dtype: torch.dtype, seed: int | None, sharded: bool) -> GPT:
+    """A new GPT made on the meta device, sharded (if sharded), then given memory on device (for its shards only)
+    and initialised there by GPT.init_weights with a generator seeded by seed: every rank draws each parameter's
+    values in turn and keeps its shard, so any number of processes, sharded or not, starts from the same weights,
+    and one parameter at a time is whole in memory, never the model. seed None leaves the weights uninitialised
+    (a checkpoint is loaded next)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    if sharded:
+        shard(model, device, dtype)
+    model.to_empty(device=device)
+    model.lm_head.weight = model.transformer.wte.weight  # to_empty made each module its own tensor
+    model.init_buffers()
+    if seed is not None:
+        model.init_weights(torch.Generator().manual_seed(seed), assign=assign_shard)
+    return model
+
+
+def assign_shard(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a parameter's full value (on CPU) into it: its own shard where it is sharded (no communication)."""
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local(param).copy_(value)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: torch.nn.Module, raw_model: torch.nn.Module, last: bool) -> AbstractContextManager:
+    """Where the backward of a micro-batch runs: gradients are all-reduced (DDP) or reduce-scattered (FSDP) after
+    the last micro-batch of a step only, accumulated locally before it."""
+    if is_sharded(raw_model):
+        raw_model.set_requires_gradient_sync(last)
+    return model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
+
+
+def full_model_state(model: GPT) -> dict[str, torch.Tensor]:
+    """The whole model's state_dict on CPU, gathered on rank 0 (empty on the others): a collective."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as a whole: a DTensor gathered (a collective), any other as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def all_finite(model: torch.nn.Module) -> bool:
+    """Whether every weight is finite; for a sharded model, on every rank (the ranks agree: a collective)."""
+    flag = torch.tensor(float(all(bool(local(p).isfinite().all()) for p in model.parameters())))
+    if is_sharded(model):
+        flag = flag.to(local(next(model.parameters())).device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def from_rank0(value: object) -> object:
+    """value as rank 0 has it, on every rank (a collective)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """Write the model and optimizer state, each rank its shards, to out_dir/sharded-<iter_num> (through a .tmp
+    folder renamed when every rank is done); returns the folder's name."""
+    name = f"sharded-{iter_num:07d}"
+    tmp, final = out_dir / (name + ".tmp"), out_dir / name
+    model_state, optim_state = get_state_dict(model, optimizer)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    dist.barrier()
+    return name
+
+
+def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read a folder written by save_sharded into model and optimizer, sharded or not, at any number of processes."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def checkpoint_state(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                     ) -> dict:
+    """What ckpt.pt holds of the model and optimizer: the optimizer's state; or, for a sharded model, the name of
+    the sharded checkpoint written now and the whole model gathered (collectives: every rank calls it)."""
+    if not is_sharded(model):
+        return {"optimizer": optimizer.state_dict()}
+    return {"sharded": save_sharded(out_dir, iter_num, model, optimizer), "model_state": full_model_state(model)}
+
+
+def load_optimizer(ckpt: dict, out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A checkpoint's optimizer state into optimizer, sharded or not: from the sharded checkpoint it names (with
+    the weights, at any number of processes), or from its own whole state."""
+    if "sharded" in ckpt:
+        load_sharded(out_dir / ckpt["sharded"], model, optimizer)
+    elif is_sharded(model):
+        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(ckpt["optimizer"])
+
+
+def prune_sharded(out_dir: Path, iter_num: int) -> None:
+    """Delete the sharded-* folders (and unfinished .tmp ones) that neither ckpt.pt (at iter_num) nor a kept
+    ckpt-<iteration>.pt names."""
+    keep = {f"sharded-{iter_num:07d}"} | {f"sharded-{p.stem.removeprefix('ckpt-')}" for p in out_dir.glob("ckpt-*.pt")}
+    for folder in out_dir.glob("sharded-*"):
+        if folder.name not in keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def per_rank_bytes(config: GPTConfig, world_size: int) -> dict[str, int]:
+    """Bytes one rank holds for fp32 parameters, gradients and AdamW's two moments (4 x 4 bytes a parameter): with
+    DDP (whole) and with FSDP (rank 0's shards, from fully_shard on the meta device over a fake process group of
+    world_size ranks: no memory, no devices)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        with torch.device("meta"):
+            model = GPT(config)
+        params = sum(p.numel() for p in model.parameters())
+        shard(model, "cpu", torch.float32)
+        shards = sum(local(p).numel() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    return {"params": params, "ddp_bytes": 16 * params, "fsdp_bytes": 16 * shards}
