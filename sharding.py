@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -24,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from configurator import UserError
 from model import GPT, GPTConfig
 
 
@@ -126,9 +128,16 @@ def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer
 
 def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read a folder written by save_sharded into model and optimizer, sharded or not, at any number of processes."""
+    if not (folder / ".metadata").is_file():
+        raise UserError(f"the sharded checkpoint {folder}, which {folder.parent / 'ckpt.pt'} names, is missing or "
+                        f"incomplete: restore it, or start a new run")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=folder)
+    try:
+        dcp.load(state, checkpoint_id=folder)
+    except (CheckpointException, RuntimeError, ValueError, OSError) as e:
+        raise UserError(f"the sharded checkpoint {folder} is corrupt or does not fit this model "
+                        f"({str(e).splitlines()[0]})") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

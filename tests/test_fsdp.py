@@ -140,3 +140,20 @@ def test_keep_last_keeps_the_sharded_folders_its_checkpoints_name(pycode_small: 
     assert sorted(p.name for p in tmp_path.glob("*-*")) == ["ckpt-0000006.pt", "ckpt-0000008.pt",
                                                            "sharded-0000006", "sharded-0000008"]
     assert load_checkpoint(tmp_path / "ckpt-0000006.pt")["sharded"] == "sharded-0000006"
+
+
+def test_a_missing_or_corrupt_sharded_checkpoint_is_one_line(pycode_small: Path, tmp_path: Path) -> None:
+    train(pycode_small, tmp_path, "--max_iters=2", "--eval_interval=2", "--parallel=fsdp")
+    folder = tmp_path / "sharded-0000002"
+    resume = [sys.executable, "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN,
+              "--max_iters=4", "--init_from=resume"]
+    next(folder.glob("*.distcp")).write_bytes(b"garbage")
+    r = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.splitlines()[-1].startswith(f"error: the sharded checkpoint {folder} is corrupt")
+    for path in folder.iterdir():
+        path.unlink()
+    r = subprocess.run([*resume, "--parallel=fsdp"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.splitlines()[-1] == (f"error: the sharded checkpoint {folder}, which {tmp_path / 'ckpt.pt'} "
+                                         f"names, is missing or incomplete: restore it, or start a new run")
