@@ -27,6 +27,7 @@ from checkpoint import (
 from configurator import UserError, print_config, run_cli, with_fields_of
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
+from optim import lr_at, make_optimizer
 from runlog import RunLog
 from runtime import (
     Dist,
@@ -80,6 +81,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # 0 disables clipping
+    # 'adamw', or 'muon': Muon at muon_lr for the blocks' matrices, AdamW for the rest (README "Training (CPU)")
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
     # a NaN/inf loss: 'stop' (seen at log steps, no extra host sync; the last good checkpoint stays) or 'skip' (drop
     # every step whose gradient is not finite: one host sync per step)
     nonfinite: str = "stop"
@@ -112,6 +116,9 @@ class TrainConfig:
                             f"'convert:<checkpoint>', {', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
+        if self.optimizer not in ("adamw", "muon") or (self.optimizer, self.parallel) == ("muon", "fsdp"):
+            problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon' (muon orthogonalises whole "
+                            f"matrices: not with parallel='fsdp')")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
@@ -123,18 +130,6 @@ class TrainConfig:
         """The model these keys describe; vocab_size is the dataset's unless the config sets one."""
         keys = {f.name: getattr(self, f.name) for f in fields(GPTConfig)}
         return GPTConfig(**keys | {"vocab_size": self.vocab_size or vocab_size})
-
-
-def lr_at(it: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters (or constant)."""
-    if not cfg.decay_lr:
-        return cfg.learning_rate
-    if it < cfg.warmup_iters:
-        return cfg.learning_rate * (it + 1) / (cfg.warmup_iters + 1)
-    if it >= cfg.lr_decay_iters:
-        return cfg.min_lr
-    ratio = (it - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
 
 
 @torch.no_grad()
@@ -241,8 +236,8 @@ class Trainer:
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
         self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype)
-        self.optimizer = self.raw_model.configure_optimizers(cfg.weight_decay, cfg.learning_rate,
-                                                             (cfg.beta1, cfg.beta2), d.device_type)
+        self.optimizer = make_optimizer(self.raw_model, cfg.optimizer, cfg.weight_decay, cfg.learning_rate,
+                                        (cfg.beta1, cfg.beta2), d.device, cfg.muon_lr)
         self.scaler = torch.amp.GradScaler(d.device_type, enabled=self.dtype == torch.float16)
         self.iter_num, self.best_val = 0, math.inf
         self.saved = None  # the iteration of the last good checkpoint
@@ -290,9 +285,10 @@ class Trainer:
                     for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             while True:
-                lr = lr_at(self.iter_num, cfg)
+                lr = lr_at(self.iter_num, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters,
+                           cfg.decay_lr)
                 for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                    group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before lr_scale has none
                 at_eval = self.iter_num % cfg.eval_interval == 0 and (self.iter_num > 0 or cfg.eval_at_start)
                 if (self.d.is_master or self.sharded) and (at_eval or self.iter_num == cfg.max_iters or cfg.eval_only):
                     self.evaluate_and_save(lr)

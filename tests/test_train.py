@@ -112,11 +112,14 @@ def test_unwritable_out_dir_is_one_line(pycode_small: Path, tmp_path: Path) -> N
     assert r.stderr.startswith("error:") and "a_file" in r.stderr
 
 
-def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(pycode_small: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(pycode_small: Path, tmp_path: Path,
+                                                             optimizer: str) -> None:
     """2N iterations in one go vs N, then a resumed N more: the same losses, bit for bit (CPU, float32, dropout on:
-    the torch RNG state travels in the checkpoint; the batches depend on (seed, iteration) only)."""
+    the torch RNG state travels in the checkpoint; the batches depend on (seed, iteration) only; Muon's momentum and
+    AdamW's moments travel in one optimizer state)."""
     args = [f"--dataset={pycode_small}", *TINY_TRAIN, "--log_interval=1", "--eval_interval=10", "--dropout=0.1",
-            "--always_save_checkpoint=True", "--lr_decay_iters=20"]
+            "--always_save_checkpoint=True", "--lr_decay_iters=20", f"--optimizer={optimizer}"]
     train(pycode_small, tmp_path / "once", *args, "--max_iters=20")
     train(pycode_small, tmp_path / "twice", *args, "--max_iters=10")
     train(pycode_small, tmp_path / "twice", *args, "--max_iters=20", "--init_from=resume")
@@ -185,3 +188,10 @@ def test_keep_freed_memory_stops_the_page_faults_of_each_step() -> None:
     faults = {mode: float(subprocess.run([sys.executable, "-c", FAULTS_PER_STEP, mode], cwd=ROOT, check=True,
                                          capture_output=True, text=True).stdout) for mode in ("default", "keep")}
     assert faults["keep"] * 10 < faults["default"], faults
+
+
+def test_bad_optimizer_and_muon_under_fsdp_are_one_line(pycode_small: Path, tmp_path: Path) -> None:
+    for flags in (["--optimizer=sgd"], ["--optimizer=muon", "--parallel=fsdp"], ["--parallel=zero"]):
+        r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, *flags])
+        assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+        assert r.stderr.startswith("error: invalid config: ") and flags[-1].split("=")[1] in r.stderr

@@ -1,0 +1,113 @@
+"""Optimizers and the learning-rate schedule for train.py. --optimizer: 'adamw' (GPT.configure_optimizers) or
+'muon': Muon for the blocks' matrices, AdamW for the rest (embeddings and the tied lm_head, norms, biases), held as
+one optimizer.
+
+Muon (https://kellerjordan.github.io/posts/muon/) follows torch.optim.Muon's update, but computes the Newton-Schulz
+orthogonalisation in a dtype the device is fast in: torch's always uses bf16, which on a CPU without native bf16
+made a 600-step run take over 9 minutes instead of 100 s (README "Training (CPU)").
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from model import GPT
+from runtime import native_bf16
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (and Keller Jordan's) quintic iteration
+
+
+def lr_at(it: int, learning_rate: float, min_lr: float, warmup_iters: int, lr_decay_iters: int, decay: bool = True
+          ) -> float:
+    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters (or constant if not decay)."""
+    if not decay:
+        return learning_rate
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it >= lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / max(1, lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+def orthogonalised(grad: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """grad (2-D) with its singular values pushed towards 1 by a Newton-Schulz iteration in dtype."""
+    a, b, c = NS_COEFFICIENTS
+    x = grad.to(dtype)
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)  # spectral norm at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).to(grad.dtype)
+
+
+class Muon(torch.optim.Optimizer):
+    """Momentum (Nesterov) whose update is orthogonalised, each matrix's step scaled by sqrt(max(1, rows / cols))
+    as torch.optim.Muon's default; decoupled weight decay."""
+
+    def __init__(self, params: Any, lr: float, momentum: float = 0.95, weight_decay: float = 0.0,
+                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = orthogonalised(p.grad.lerp(buf, group["momentum"]), self.ns_dtype)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.size(0) / p.size(1))))
+
+
+class Chain(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters as one: one step, one zero_grad, one state_dict, and
+    param_groups listing all of theirs (train.py sets each group's lr from the schedule times its lr_scale)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    def step(self, closure: Callable | None = None) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"chain": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        for o, s in zip(self.optimizers, state_dict["chain"], strict=True):
+            o.load_state_dict(s)
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]  # loading made new group dicts
+
+
+def make_optimizer(model: GPT, kind: str, weight_decay: float, learning_rate: float, betas: tuple[float, float],
+                   device: str, muon_lr: float) -> torch.optim.Optimizer:
+    """'adamw': GPT.configure_optimizers; 'muon': Muon (at muon_lr, no weight decay; orthogonalising in bf16 where
+    that is fast, else fp32) for the 2-D weights inside the blocks and that AdamW for every other parameter. Each
+    group has an lr_scale: its peak lr over learning_rate."""
+    if kind == "adamw":
+        opt = model.configure_optimizers(weight_decay, learning_rate, betas, device.split(":")[0])
+    else:
+        inner = [p for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("transformer.h.")]
+        rest = [p for p in model.parameters() if all(p is not q for q in inner)]
+        adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=learning_rate, betas=betas, fused=device.startswith("cuda"))
+        fast_bf16 = device.startswith("cuda") or (device == "cpu" and native_bf16())
+        opt = Chain(Muon(inner, lr=muon_lr, ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32), adamw)
+    for group in opt.param_groups:
+        group["lr_scale"] = group["lr"] / learning_rate if learning_rate else 1.0
+    return opt

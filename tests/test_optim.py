@@ -1,0 +1,73 @@
+"""optim.py: Muon against torch.optim.Muon, the chained optimizer, the learning-rate schedule."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from optim import Muon, lr_at, make_optimizer, orthogonalised
+
+
+def test_muon_in_bf16_is_torch_optim_muon() -> None:
+    """With the orthogonalisation in bf16 (as torch's always is), our Muon's steps are torch.optim.Muon's exactly."""
+    torch.manual_seed(0)
+    ours, theirs = torch.randn(48, 32), None
+    theirs = ours.clone().requires_grad_()
+    ours.requires_grad_()
+    opt_ours = Muon([ours], lr=0.02, ns_dtype=torch.bfloat16)
+    opt_theirs = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.0)
+    for _ in range(3):
+        grad = torch.randn(48, 32)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    assert torch.equal(ours, theirs)
+    assert torch.equal(opt_ours.state[ours]["momentum_buffer"], opt_theirs.state[theirs]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (16, 64), (32, 32)])
+def test_orthogonalised_pushes_singular_values_towards_one(shape: tuple[int, int]) -> None:
+    """The quintic Newton-Schulz iteration brings singular values spread over two decades into a band around one
+    (it trades exactness for speed: roughly 0.5 to 1.5); fp32 and bf16 agree to bf16's precision."""
+    torch.manual_seed(0)
+    k = min(shape)
+    u, v = torch.linalg.qr(torch.randn(shape[0], k))[0], torch.linalg.qr(torch.randn(shape[1], k))[0]
+    g = u @ torch.diag(torch.logspace(-1, 1, k)) @ v.T  # singular values 0.1 ... 10
+    out = orthogonalised(g, torch.float32)
+    s = torch.linalg.svdvals(out)
+    assert out.shape == g.shape and 0.3 < s.min() and s.max() < 1.5 and s.max() / s.min() < 5, s
+    torch.testing.assert_close(orthogonalised(g, torch.bfloat16), out, rtol=0, atol=0.05)
+
+
+def test_muon_chain_covers_every_parameter_once_and_trains() -> None:
+    model = tiny_model(n_kv_head=2).train()
+    opt = make_optimizer(model, "muon", 0.1, 1e-2, (0.9, 0.95), "cpu", muon_lr=0.05)
+    muon, adamw = opt.optimizers
+    inner = {id(p) for g in muon.param_groups for p in g["params"]}
+    rest = {id(p) for g in adamw.param_groups for p in g["params"]}
+    assert inner.isdisjoint(rest) and inner | rest == {id(p) for p in model.parameters()}
+    names = {n for n, p in model.named_parameters() if id(p) in inner}
+    assert names == {n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")}
+    assert [g["lr_scale"] for g in opt.param_groups] == pytest.approx([5.0, 1.0, 1.0])
+    x = torch.randint(0, 61, (4, 32))
+    y = torch.roll(x, -1, dims=1)
+    first = model(x, y)[1].item()
+    for _ in range(30):
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    assert model(x, y)[1].item() < 0.05 * first  # one batch, memorised
+    state = opt.state_dict()
+    again = make_optimizer(model, "muon", 0.1, 1e-2, (0.9, 0.95), "cpu", muon_lr=0.05)
+    again.load_state_dict(state)
+    assert again.param_groups == [*again.optimizers[0].param_groups, *again.optimizers[1].param_groups]
+    assert all(a is b for a, b in zip(again.param_groups, again.optimizers[0].param_groups, strict=False))
+    assert torch.equal(again.optimizers[0].state[model.transformer.h[0].mlp.c_fc.weight]["momentum_buffer"],
+                       muon.state[model.transformer.h[0].mlp.c_fc.weight]["momentum_buffer"])
+
+
+def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
+    lrs = [lr_at(it, 1e-3, 1e-4, 10, 100) for it in range(120)]
+    assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)
+    assert max(lrs) <= 1e-3 and lrs[10] == pytest.approx(1e-3) and lrs[100:] == [1e-4] * 20
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lr_at(50, 1e-3, 1e-4, 10, 100, decay=False) == 1e-3
