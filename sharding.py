@@ -110,9 +110,13 @@ def from_rank0(value: object) -> object:
 
 def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """Write the model and optimizer state, each rank its shards, to out_dir/sharded-<iter_num> (through a .tmp
-    folder renamed when every rank is done); returns the folder's name."""
+    folder renamed when every rank is done); returns the folder's name. A complete folder for iter_num is kept as
+    it is (the same iteration's state: saved again on a signal, or by a resumed run), never deleted and rewritten
+    under the ckpt.pt that names it."""
     name = f"sharded-{iter_num:07d}"
     tmp, final = out_dir / (name + ".tmp"), out_dir / name
+    if (final / ".metadata").is_file():
+        return name
     model_state, optim_state = get_state_dict(model, optimizer)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,7 +124,7 @@ def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete one, from a crash
         tmp.rename(final)
     dist.barrier()
     return name
