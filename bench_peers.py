@@ -56,8 +56,7 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     except ImportError as e:
         raise UserError(f"--mode=hf needs transformers ({e}); pip install transformers") from e
     logging.set_verbosity_error()
-    if llama_cpp:
-        llama_cpp_tools(llama_cpp)  # before any work
+    tools = llama_cpp_tools(llama_cpp) if llama_cpp else None  # checked before any work
     torch.manual_seed(0)
     hf_cfg = GPT2Config(vocab_size=mcfg.vocab_size, n_positions=mcfg.block_size, n_embd=mcfg.n_embd,
                         n_layer=mcfg.n_layer, n_head=mcfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -66,8 +65,8 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
         hf.save_pretrained(d)
         ours = from_hf_gpt2(d).eval()
-        llama = bench_llama_cpp(Path(d), llama_cpp, dtypes, new_tokens, repeats) if llama_cpp else {}
-    if not llama_cpp:
+        llama = bench_llama_cpp(Path(d), *tools, dtypes, new_tokens, repeats) if tools else {}
+    if not tools:
         print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
               file=sys.stderr)
     idx = torch.tensor([[1]], device=device)
@@ -133,11 +132,11 @@ def llama_cpp_tools(llama_cpp: str) -> tuple[Path, Path]:
     return convert, binary
 
 
-def bench_llama_cpp(hf_dir: Path, llama_cpp: str, dtypes: list[str], new_tokens: list[int], repeats: int
-                    ) -> dict[tuple[str, int], float]:
+def bench_llama_cpp(hf_dir: Path, convert: Path, binary: Path, dtypes: list[str], new_tokens: list[int],
+                    repeats: int) -> dict[tuple[str, int], float]:
     """llama-bench's generation tokens/s, {(dtype, new tokens): tok/s}, for the Hugging Face GPT-2 folder hf_dir
-    converted by llama.cpp's convert_hf_to_gguf.py to each dtype; as many threads as torch uses."""
-    convert, binary = llama_cpp_tools(llama_cpp)
+    converted by llama.cpp's convert_hf_to_gguf.py to each dtype (llama_cpp_tools gives both); as many threads as
+    torch uses."""
     write_gpt2_tokenizer(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps(config | {"n_ctx": config["n_positions"]}))

@@ -326,11 +326,11 @@ class GPT(nn.Module):
         return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, **options)
 
     def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                             device_type: str) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices (embeddings included) only, fused on CUDA. CPU keeps the foreach
-        kernels: the fused one is faster but moved 2 gloo ranks' weights apart from one process's past test_ddp's
-        bound (README "Training (CPU)")."""
-        params = [p for p in self.parameters() if p.requires_grad]
+                             device_type: str, params: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
+        """AdamW over params (default: all) with weight decay on matrices (embeddings included) only, fused on CUDA.
+        CPU keeps the foreach kernels: the fused one is faster but moved 2 gloo ranks' weights apart from one
+        process's past test_ddp's bound (README "Training (CPU)")."""
+        params = [p for p in (self.parameters() if params is None else params) if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")

@@ -98,14 +98,14 @@ def make_optimizer(model: GPT, kind: str, weight_decay: float, learning_rate: fl
     """'adamw': GPT.configure_optimizers; 'muon': Muon (at muon_lr, no weight decay; orthogonalising in bf16 where
     that is fast, else fp32) for the 2-D weights inside the blocks and that AdamW for every other parameter. Each
     group has an lr_scale: its peak lr over learning_rate."""
+    device_type = device.split(":")[0]
     if kind == "adamw":
-        opt = model.configure_optimizers(weight_decay, learning_rate, betas, device.split(":")[0])
+        opt = model.configure_optimizers(weight_decay, learning_rate, betas, device_type)
     else:
-        inner = [p for name, p in model.named_parameters() if p.dim() == 2 and name.startswith("transformer.h.")]
-        rest = [p for p in model.parameters() if all(p is not q for q in inner)]
-        adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-                                   {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=learning_rate, betas=betas, fused=device.startswith("cuda"))
+        inner, rest = [], []
+        for name, p in model.named_parameters():
+            (inner if p.dim() == 2 and name.startswith("transformer.h.") else rest).append(p)
+        adamw = model.configure_optimizers(weight_decay, learning_rate, betas, device_type, params=rest)
         fast_bf16 = device.startswith("cuda") or (device == "cpu" and native_bf16())
         opt = Chain(Muon(inner, lr=muon_lr, ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32), adamw)
     for group in opt.param_groups:
