@@ -163,6 +163,7 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
         rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device, cfg.llama_cpp)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",
                            "llama_cpp_tok_s": "llama.cpp tok/s", "ours_tok_s": "ours tok/s",
+                           "compiled_tok_s": "ours compiled tok/s",
                            "speedup": "vs Hugging Face", "vs_llama_cpp": "vs llama.cpp",
                            "same_tokens": "same tokens"}))
     elif cfg.mode == "nanogpt":

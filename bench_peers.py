@@ -79,20 +79,23 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
             return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
                                do_sample=False, use_cache=True, pad_token_id=0)[0, 1:]
 
-        def run_ours(n: int) -> torch.Tensor:
-            return ours.generate(idx, n, temperature=0.0)[0, 1:]
+        def run_ours(n: int, compiled: bool = False) -> torch.Tensor:
+            return ours.generate(idx, n, temperature=0.0, compile_step=compiled)[0, 1:]
 
         with torch.inference_mode():
-            run_hf(8), run_ours(8)  # warm-up
+            run_hf(8), run_ours(8), run_ours(8, True)  # warm-up (the compiled step compiles here)
             for n in new_tokens:
                 hf_runs = [timed(lambda: run_hf(n)) for _ in range(repeats)]
                 our_runs = [timed(lambda: run_ours(n)) for _ in range(repeats)]
-                hf_s, our_s = statistics.median(t for t, _ in hf_runs), statistics.median(t for t, _ in our_runs)
+                compiled_runs = [timed(lambda: run_ours(n, True)) for _ in range(repeats)]
+                hf_s, our_s, compiled_s = (statistics.median(t for t, _ in runs)
+                                           for runs in (hf_runs, our_runs, compiled_runs))
                 row = {"mode": "hf", "device": device, "dtype": dtype_name, "new_tokens": n, "hf_tok_s": n / hf_s,
-                       "ours_tok_s": n / our_s, "speedup": hf_s / our_s,
-                       "same_tokens": bool(torch.equal(hf_runs[0][1], our_runs[0][1]))}
+                       "ours_tok_s": n / our_s, "compiled_tok_s": n / compiled_s, "speedup": hf_s / compiled_s,
+                       "same_tokens": all(torch.equal(hf_runs[0][1], runs[0][1]) for runs in (our_runs, compiled_runs))}
                 if (dtype_name, n) in llama:
-                    row |= {"llama_cpp_tok_s": llama[dtype_name, n], "vs_llama_cpp": n / our_s / llama[dtype_name, n]}
+                    row |= {"llama_cpp_tok_s": llama[dtype_name, n],
+                            "vs_llama_cpp": n / compiled_s / llama[dtype_name, n]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     bad = [r for r in rows if r["dtype"] == "float32" and not r["same_tokens"]]

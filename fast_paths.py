@@ -71,7 +71,8 @@ class SplitWeight(NamedTuple):
 
     key: tuple  # what they were made from: thread count, the weight's (and bias's) memory, its version if copied
     weight: torch.Tensor  # (parts, in, out // parts), a view of the weight or an (in, out) copy
-    bias: torch.Tensor | None  # (parts, 1, out // parts)
+    bias: torch.Tensor  # (parts, 1, out // parts), zeros for a Linear without bias (baddbmm compiles to MKL's
+    # product where a one-row bmm would become inductor's slower reduction)
     rest: tuple[torch.Tensor, torch.Tensor | None] | None  # weight and bias of the last out % parts features
     source: torch.Tensor  # holds the weight's memory, so no other tensor can reuse its address and match the key
 
@@ -99,19 +100,42 @@ class Linear(nn.Linear):
             rest = (w[n:], None if b is None else b[n:]) if n < self.out_features else None
             self.split = None  # the old copy goes before the new one is made
             self.split = SplitWeight(key, ws.contiguous() if copy else ws,
-                                     None if b is None else b[:n].view(parts, 1, -1), rest, w.detach())
+                                     w.new_zeros(parts, 1, n // parts) if b is None else b[:n].view(parts, 1, -1),
+                                     rest, w.detach())
         return self.split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.compiler.is_compiling() or torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.float32
-                or self.weight.dtype != torch.float32 or x.numel() > self.split_max_rows * self.in_features
-                or torch.is_autocast_enabled("cpu") or (parts := torch.get_num_threads()) < 2):
+        if (torch.is_grad_enabled() or not x.is_cpu or x.numel() > self.split_max_rows * self.in_features
+                or torch.is_autocast_enabled("cpu")):
             return super().forward(x)
-        split = self.split_weight(parts)
-        rows = x.numel() // self.in_features
+        compiling = torch.compiler.is_compiling()
+        if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            if compiling and x.numel() == self.in_features:
+                # one bf16/fp16 row compiled (CompiledStep): a multiply-and-sum, which inductor streams at several
+                # times the speed of this CPU's one-row bf16 matmul (README "Decoding (CPU)")
+                y = (x.unsqueeze(-2) * self.weight).sum(-1)
+                return y if self.bias is None else y + self.bias
+            return super().forward(x)
+        if compiling:  # the split as made before compiling (prepare_splits): its key cannot be checked in a graph
+            split = self.split
+        else:
+            split = self.split_weight(parts) if (parts := torch.get_num_threads()) >= 2 else None
+        if split is None:
+            return super().forward(x)
+        rows, parts = x.numel() // self.in_features, split.weight.size(0)
         xs = x.reshape(1, rows, -1).expand(parts, -1, -1)  # (parts, rows, in_features)
-        y = torch.bmm(xs, split.weight) if split.bias is None else torch.baddbmm(split.bias, xs, split.weight)
+        y = torch.baddbmm(split.bias, xs, split.weight)
         y = y.transpose(0, 1).reshape(rows, -1)  # (rows, parts * (out // parts))
         if split.rest is not None:
             y = torch.cat((y, F.linear(x.reshape(rows, -1), *split.rest)), dim=1)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+def prepare_splits(model: nn.Module) -> None:
+    """Make (or check) every Linear's split weight for the current thread count, or drop it where none applies,
+    as a compiled step will use them: compiled code cannot check them, so call this again after weights change."""
+    parts = torch.get_num_threads()
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.split = m.split_weight(parts) if parts >= 2 and m.split_max_rows and m.weight.dtype == torch.float32 \
+                else None

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+from fast_paths import prepare_splits
+
 
 def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   generator: torch.Generator | None = None) -> torch.Tensor:
@@ -64,6 +66,37 @@ class CUDAGraphStep:
         return self.logits
 
 
+def decode_step(model: nn.Module, idx: torch.Tensor, positions: torch.Tensor, kv_cache: object) -> torch.Tensor:
+    """GPT.decode_static at the last of positions (arange(pos + 1)) attending over all of them: CompiledStep's."""
+    return model.decode_static(idx, positions[-1:], kv_cache, positions.size(0))
+
+
+class CompiledStep:
+    """GPT.decode_static compiled once by torch.compile for the one-token steps on CPU: the step's ~300 small ops
+    become a few fused, threaded C++ loops (inductor; one-row products as multiply-and-sum reductions, see
+    fast_paths.Linear), attention reads the filled cache positions only (their count is the one dynamic size), and
+    an fp32 lm_head stays outside, on Linear's split product (README "Decoding (CPU)")."""
+
+    def __init__(self, model: nn.Module, kv_cache: object) -> None:
+        self.model, self.cache = model, kv_cache
+        self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
+        self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
+        prepare_splits(model)
+        self.step = torch.compile(decode_step, dynamic=False, options={"cpp_wrapper": True})
+        for t in (kv_cache.k, kv_cache.v):  # caches of any length share the compiled step
+            torch._dynamo.maybe_mark_dynamic(t, 3)
+
+    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
+        if self.cache.pos + 1 == self.cache.max_len:  # the last slot: eager (compiled, it would be a second graph)
+            return self.model(idx, kv_cache=self.cache)[0]
+        positions = self.positions[:self.cache.pos + 1]
+        torch._dynamo.maybe_mark_dynamic(positions, 0)
+        logits = self.step(self.model, self.idx.copy_(idx), positions, self.cache)
+        self.cache.pos += 1
+        return logits
+
+
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """ValueError for sampling settings that mean nothing: temperature < 0, top_k < 1, top_p outside (0, 1]."""
     problems = [f"temperature={temperature} must be >= 0 (0 is greedy)"] * (temperature < 0)
@@ -112,8 +145,8 @@ def compact(kv_cache: object, pad: torch.Tensor | None) -> torch.Tensor | None:
 @torch.inference_mode()
 def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
-           pad: torch.Tensor | None = None, generator: torch.Generator | None = None, cuda_graph: bool = True
-           ) -> Iterator[torch.Tensor]:
+           pad: torch.Tensor | None = None, generator: torch.Generator | None = None, cuda_graph: bool = True,
+           compile_step: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), up to max_new_tokens times, from a GPT; see generate()."""
     check_sampling(temperature, top_k, top_p)
     B, T0 = idx.shape
@@ -144,6 +177,9 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
                 cache_pad = compact(kv_cache, cache_pad)
             if cuda_graph and idx.is_cuda and cache_pad is None:
                 graph = graph or CUDAGraphStep(model, kv_cache, B)
+                logits = graph(tokens[:, n - 1:n])
+            elif compile_step and not idx.is_cuda and cache_pad is None:
+                graph = graph or CompiledStep(model, kv_cache)
                 logits = graph(tokens[:, n - 1:n])
             else:
                 logits, _ = model(tokens[:, n - 1:n], kv_cache=kv_cache, pad=cache_pad)

@@ -100,16 +100,21 @@ class KVCache:
 
 
 class StaticKVView:
-    """A KVCache as GPT.decode_static uses it: K/V written at a position held in a 1-element tensor and all max_len
-    positions returned (the step masks the unwritten ones), so every step has the same shapes and no host sync."""
+    """A KVCache as GPT.decode_static uses it: K/V written at a position held in a 1-element tensor, in place into
+    the cache tensors (not a view of them, which a compiled step would copy whole), and the first `length`
+    positions returned, or all max_len when length is None (the step masks the unwritten ones)."""
 
-    def __init__(self, cache: KVCache, pos: torch.Tensor) -> None:
-        self.cache, self.pos = cache, pos
+    def __init__(self, cache: KVCache, pos: torch.Tensor, length: int | None) -> None:
+        B, G = cache.k.shape[1:3]
+        self.cache, self.length, dev = cache, length, pos.device
+        self.at = (torch.arange(B, device=dev)[:, None], torch.arange(G, device=dev)[None, :], pos)  # (B, G) slots
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.cache.k[layer].index_copy_(2, self.pos, k)
-        self.cache.v[layer].index_copy_(2, self.pos, v)
-        return self.cache.k[layer], self.cache.v[layer]
+        at = (torch.full((), layer, device=k.device), *self.at)
+        self.cache.k.index_put_(at, k[:, :, 0])
+        self.cache.v.index_put_(at, v[:, :, 0])
+        k, v = self.cache.k[layer], self.cache.v[layer]
+        return (k, v) if self.length is None else (k.narrow(2, 0, self.length), v.narrow(2, 0, self.length))
 
 
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,12 +310,14 @@ class GPT(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T or B, T, head_dim // 2)
         return x, (cos.view(-1, 1, T, cos.size(-1)), sin.view(-1, 1, T, sin.size(-1)))
 
-    def decode_static(self, idx: torch.Tensor, pos: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def decode_static(self, idx: torch.Tensor, pos: torch.Tensor, kv_cache: KVCache, length: int | None = None
+                      ) -> torch.Tensor:
         """Logits (B, 1, vocab) of one token per row, idx (B, 1), at position pos (a 1-element tensor), attending over
-        the whole cache under a mask: the same shapes every step, and no host sync, for CUDAGraphStep."""
+        the whole cache under a mask (the same shapes every step and no host sync, for CUDAGraphStep), or over its
+        first `length` positions (the compiled CPU step's one dynamic size)."""
         x, rope = self.embed(idx, pos)
-        mask = (torch.arange(kv_cache.max_len, device=idx.device) <= pos)[None, None, None, :]
-        view = StaticKVView(kv_cache, pos)
+        mask = None if length else (torch.arange(kv_cache.max_len, device=idx.device) <= pos)[None, None, None, :]
+        view = StaticKVView(kv_cache, pos, length)
         for block in self.transformer.h:
             x = block(x, rope, mask, view)
         return self.lm_head(self.transformer.ln_f(x))

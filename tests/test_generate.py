@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import VARIANTS, allowed, sharpened, tiny_model
-from generation import left_pad, sample_logits
+from generation import CompiledStep, left_pad, sample_logits
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -173,3 +173,31 @@ def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(top_k:
     assert set(drawn.tolist()) <= expected.keys() and len(expected) > 1
     for token, p in expected.items():  # 4 standard deviations of a binomial count
         assert abs(int(counts[token]) - 400 * p) <= 4 * (400 * p * (1 - p)) ** 0.5 + 1, (token, p, int(counts[token]))
+
+
+@pytest.mark.parametrize(("variant", "pos_encoding"), [("MHA", "learned"), ("GQA", "rope"), ("MQA", "learned")])
+def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str) -> None:
+    """compile_step=True (generation.CompiledStep: GPT.decode_static under torch.compile, one graph for every cache
+    length, the split lm_head product inside it) gives the eager logits and tokens, through window slides, with no
+    graph break or recompilation; a padded batch takes the eager step and still matches each prompt alone."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    m = tiny_model(VARIANTS[variant], pos_encoding, block_size=16, vocab_size=101)  # 101: an odd lm_head row
+    idx = torch.randint(0, 101, (2, 3))
+    with torch.inference_mode():
+        for n in (40, 9):  # a second cache length reuses the graph
+            eager, compiled = (torch.stack(list(m.stream(idx, n, temperature=0, compile_step=c)), 1) for c in (0, 1))
+            assert torch.equal(compiled, eager)
+        cache, ref = m.make_kv_cache(2, 16), m.make_kv_cache(2, 16)
+        m(idx, kv_cache=cache), m(idx, kv_cache=ref)
+        step = CompiledStep(m, cache)
+        for t in range(4):
+            torch.testing.assert_close(step(idx[:, t % 3:t % 3 + 1]), m(idx[:, t % 3:t % 3 + 1], kv_cache=ref)[0],
+                                       rtol=1e-5, atol=1e-5)
+        prompts = [[5, 6, 7, 8], [9]]
+        p_idx, pad = left_pad(prompts)
+        padded = m.generate(p_idx, 6, temperature=0, pad=pad, compile_step=True)
+    assert [padded[b, -6:].tolist() for b in range(2)] == [
+        m.generate(torch.tensor([p]), 6, temperature=0)[0, -6:].tolist() for p in prompts]
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1

@@ -245,19 +245,24 @@ def test_training_forward_compiles_without_graph_breaks(variant: str, pos_encodi
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_static_decode_step_equals_the_cached_forward(variant: str, pos_encoding: str) -> None:
     """decode_static (fixed shapes: K/V written at a tensor position, the whole cache read under a mask), which
-    CUDA graphs replay, gives the logits of GPT.forward's one-token step and writes the same cache."""
+    CUDA graphs replay, and its form over the filled length (the compiled CPU step's) give the logits of
+    GPT.forward's one-token step and write the same cache."""
     model = tiny_model(VARIANTS[variant], pos_encoding)
     idx = torch.randint(0, 61, (2, 7))
     with torch.inference_mode():
-        ref, static = model.make_kv_cache(2, 20), model.make_kv_cache(2, 20)
-        model(idx[:, :5], kv_cache=ref)
-        model(idx[:, :5], kv_cache=static)
+        ref, static, filled = model.make_kv_cache(2, 20), model.make_kv_cache(2, 20), model.make_kv_cache(2, 20)
+        for cache in (ref, static, filled):
+            model(idx[:, :5], kv_cache=cache)
         for t in range(5, 7):
             want, _ = model(idx[:, t:t + 1], kv_cache=ref)
             got = model.decode_static(idx[:, t:t + 1], torch.tensor([t]), static)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(static.k[..., :7, :], ref.k[..., :7, :])
-        torch.testing.assert_close(static.v[..., :7, :], ref.v[..., :7, :])
+            got = model.decode_static(idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for cache in (static, filled):
+            torch.testing.assert_close(cache.k[..., :7, :], ref.k[..., :7, :])
+            torch.testing.assert_close(cache.v[..., :7, :], ref.v[..., :7, :])
+            assert not cache.k[..., 7:, :].any()
 
 
 def test_generate_slides_its_window_reusing_the_cache() -> None:

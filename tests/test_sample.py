@@ -35,6 +35,16 @@ def test_greedy_with_and_without_cache_agree(variant: str, tmp_path: Path) -> No
     assert batch.split("---------------\n")[:3] == [cached] * 3
 
 
+def test_compiled_step_writes_the_eager_text(tmp_path: Path) -> None:
+    """--compile=True (the one-token step under torch.compile) samples what the eager step does, greedy past
+    block_size and drawn with a seed."""
+    out = make_checkpoint(tmp_path, 2, "rope", block_size=32)
+    for args in (["--temperature=0", "--max_new_tokens=60"], ["--temperature=1.0", "--top_k=None", "--seed=3"]):
+        eager, compiled = (sample(out, "--start=def f(x):", "--max_new_tokens=50", *args, f"--compile={c}").stdout
+                           for c in (False, True))
+        assert compiled == eager and len(eager) > 50
+
+
 def test_same_seed_same_text_other_seed_other_text(tmp_path: Path) -> None:
     out = make_checkpoint(tmp_path, 2)
     args = ["--start=x", "--temperature=1.0", "--top_k=None", "--max_new_tokens=40"]
