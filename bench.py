@@ -7,29 +7,35 @@
 The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig steer the bench.
 """
 
+import copy
 import dataclasses
 import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 import bench_peers
 import sharding
+from checkpoint import load_checkpoint, model_from_checkpoint
 from configurator import parse_config, run_cli, split_args
-from dataset import vocab_size_of
+from dataset import Batches, data_dir, vocab_size_of
 from fast_paths import Linear
 from measure import default_kv_heads, step_ms, table, timed_decode
 from model import GPT, GPTConfig
+from quantize import quantize
 from runtime import Dist, autocast, keep_freed_memory, native_bf16, peak_flops, resolve_device, resolve_dtype
-from train import TrainConfig, train_step
+from train import TrainConfig, evaluate, train_step
 
 
 @dataclass(slots=True)
 class BenchConfig:
-    # 'train', 'decode', 'memory' (DDP vs FSDP), or against peers (bench_peers.py): 'hf', 'nanogpt'
+    # 'train', 'decode', 'memory' (DDP vs FSDP), 'int8' (a checkpoint in out_dir with int8 weights: val loss,
+    # greedy agreement, speed), or against peers (bench_peers.py): 'hf', 'nanogpt'
     mode: str = "decode"
     # train: every combination of these, on random tokens (speed does not depend on the data)
     compiles: list[bool] = field(default_factory=lambda: [False, True])
@@ -49,8 +55,12 @@ class BenchConfig:
     world_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "decode", "memory", "hf", "nanogpt"):
-            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'memory', 'hf' or 'nanogpt'")
+        if self.mode not in ("train", "decode", "memory", "int8", "hf", "nanogpt"):
+            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'memory', 'int8', 'hf' or 'nanogpt'")
+        allowed = ("float32", "bfloat16", "float16") + ("int8",) * (self.mode == "hf")
+        if bad := [d for d in self.dtypes if d not in allowed]:
+            raise ValueError(f"dtypes={self.dtypes!r}: {bad[0]!r} is not one of {', '.join(allowed)} (int8: --mode=hf "
+                             f"only), e.g. --dtypes='[\"float32\", \"bfloat16\"]'")
 
 
 GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-xl": (48, 25, 1600)}  # layers, heads, width
@@ -148,6 +158,35 @@ def bench_memory(world_sizes: list[int]) -> list[dict]:
     return rows
 
 
+def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
+    """The trained checkpoint in base.out_dir in fp32 and with int8 weights (quantize.py): val loss over eval_iters
+    batches of its dataset, the share of positions where the two predict the same next token (on those batches),
+    greedy continuations of 4 val prompts (the share of tokens equal to fp32's), and batch-1 decoding tokens/s."""
+    ckpt = load_checkpoint(Path(base.out_dir) / "ckpt.pt")
+    models = {"float32": model_from_checkpoint(ckpt).eval()}
+    models["int8"] = quantize(copy.deepcopy(models["float32"]), "int8")
+    batches = Batches(data_dir(ckpt.get("config", {}).get("dataset", base.dataset)), models["int8"].config.block_size,
+                      base.batch_size, base.seed, "cpu")
+    n, gen, rows, greedy = cfg.new_tokens[0], torch.Generator().manual_seed(0), [], {}
+    with torch.inference_mode():
+        for name, m in models.items():
+            val_loss = evaluate(m, batches, base.eval_iters, nullcontext())["val"]
+            m.eval()  # evaluate leaves it training
+            greedy[name] = m.generate(batches.eval("val", 0)[0][:4, :16], n, temperature=0)[:, 16:]
+            timed_decode(m, 1, 16, True, gen, compile_step=True)  # compiles
+            rows.append({"mode": "int8", "weights": name, "val_loss": val_loss,
+                         "weight_bytes": sum(t.nbytes for t in [*m.parameters(), *m.buffers()]),
+                         "eager_tok_s": n / timed_decode(m, 1, n, True, gen)[-1],
+                         "compiled_tok_s": n / timed_decode(m, 1, n, True, gen, compile_step=True)[-1]})
+        same = [(models["float32"](x)[0].argmax(-1) == models["int8"](x)[0].argmax(-1)).float().mean().item()
+                for x, _ in map(lambda k: batches.eval("val", k), range(base.eval_iters))]
+    rows[1] |= {"top1_agreement": sum(same) / len(same),
+                "greedy_agreement": (greedy["float32"] == greedy["int8"]).float().mean().item()}
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig, list[str]]:
     ours, train_args = split_args(argv, BenchConfig)
     return parse_config(BenchConfig, ours), parse_config(TrainConfig, train_args), train_args
@@ -165,7 +204,7 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "llama_cpp_tok_s": "llama.cpp tok/s", "ours_tok_s": "ours tok/s",
                            "compiled_tok_s": "ours compiled tok/s",
                            "speedup": "vs Hugging Face", "vs_llama_cpp": "vs llama.cpp",
-                           "same_tokens": "same tokens"}))
+                           "same_tokens": "same tokens", "agreement": "tokens as HF fp32"}))
     elif cfg.mode == "nanogpt":
         dtype = "bfloat16" if native_bf16() else "float32"
         step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, "--device=cpu", "--vocab_size=65"])
@@ -174,6 +213,11 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                                                                   step.model_config(65), "cpu")})
         print(f"(ours: the 6x384 step in {dtype} autocast)")
         print(table(rows[:1]) + "\n\n" + table(rows[1:]))
+    elif cfg.mode == "int8":
+        rows = bench_int8(cfg, base)
+        print(table(rows, {"weights": "weights", "weight_bytes": "bytes", "val_loss": "val loss",
+                           "top1_agreement": "next-token agreement", "greedy_agreement": "greedy tokens as fp32",
+                           "eager_tok_s": "eager tok/s", "compiled_tok_s": "compiled tok/s"}))
     elif cfg.mode == "memory":
         rows = bench_memory(cfg.world_sizes)
         print(table(rows, {"model": "model", "params": "parameters", "ddp_gib": "DDP GiB / process"}

@@ -10,6 +10,7 @@ nanogpt: karpathy/nanoGPT's documented CPU recipe vs this project's config on th
 val loss and wall time against ours), and the ms/iter of a 6x384 training step in each.
 """
 
+import copy
 import json
 import pickle
 import re
@@ -28,6 +29,7 @@ from checkpoint import from_hf_gpt2
 from configurator import UserError
 from dataset import data_dir, gpt2_encoding, load_meta
 from model import GPTConfig
+from quantize import quantize
 from runlog import read_run
 
 # nanoGPT's README, "I only have a macbook": its CPU command, exactly
@@ -69,35 +71,8 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     if not tools:
         print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
               file=sys.stderr)
-    idx = torch.tensor([[1]], device=device)
-    rows = []
-    for dtype_name in dtypes:
-        dtype = getattr(torch, dtype_name)
-        hf, ours = hf.to(device, dtype), ours.to(device, dtype)
-
-        def run_hf(n: int) -> torch.Tensor:
-            return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
-                               do_sample=False, use_cache=True, pad_token_id=0)[0, 1:]
-
-        def run_ours(n: int, compiled: bool = False) -> torch.Tensor:
-            return ours.generate(idx, n, temperature=0.0, compile_step=compiled)[0, 1:]
-
-        with torch.inference_mode():
-            run_hf(8), run_ours(8), run_ours(8, True)  # warm-up (the compiled step compiles here)
-            for n in new_tokens:
-                hf_runs = [timed(lambda: run_hf(n)) for _ in range(repeats)]
-                our_runs = [timed(lambda: run_ours(n)) for _ in range(repeats)]
-                compiled_runs = [timed(lambda: run_ours(n, True)) for _ in range(repeats)]
-                hf_s, our_s, compiled_s = (statistics.median(t for t, _ in runs)
-                                           for runs in (hf_runs, our_runs, compiled_runs))
-                row = {"mode": "hf", "device": device, "dtype": dtype_name, "new_tokens": n, "hf_tok_s": n / hf_s,
-                       "ours_tok_s": n / our_s, "compiled_tok_s": n / compiled_s, "speedup": hf_s / compiled_s,
-                       "same_tokens": all(torch.equal(hf_runs[0][1], runs[0][1]) for runs in (our_runs, compiled_runs))}
-                if (dtype_name, n) in llama:
-                    row |= {"llama_cpp_tok_s": llama[dtype_name, n],
-                            "vs_llama_cpp": n / compiled_s / llama[dtype_name, n]}
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+    rows = [row for dtype_name in dtypes for row in bench_dtype(hf, ours, dtype_name, new_tokens, repeats, device,
+                                                                 llama)]
     bad = [r for r in rows if r["dtype"] == "float32" and not r["same_tokens"]]
     if bad:
         raise RuntimeError(f"greedy fp32 tokens differ from Hugging Face's at {[r['new_tokens'] for r in bad]} "
@@ -105,7 +80,44 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     return rows
 
 
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new_tokens: list[int], repeats: int,
+                device: str, llama: dict[tuple[str, int], float]) -> list[dict]:
+    """bench_hf's rows for one dtype: Hugging Face, ours eager and compiled (and llama.cpp's tok/s, given). 'int8' is
+    our fp32 model with int8 weights (quantize.py), beside llama.cpp's Q8_0, its tokens compared to fp32's."""
+    int8 = dtype_name == "int8"
+    dtype = torch.float32 if int8 else getattr(torch, dtype_name)
+    hf, ours = hf.to(device, dtype), ours.to(device, dtype)
+    model = quantize(copy.deepcopy(ours), "int8") if int8 else ours
+    idx, rows = torch.tensor([[1]], device=device), []
+
+    def run_hf(n: int) -> torch.Tensor:
+        return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, use_cache=True, pad_token_id=0)[0, 1:]
+
+    def run_ours(n: int, compiled: bool = False) -> torch.Tensor:
+        return model.generate(idx, n, temperature=0.0, compile_step=compiled)[0, 1:]
+
+    with torch.inference_mode():
+        run_hf(8), run_ours(8), run_ours(8, True)  # warm-up (the compiled step compiles here)
+        for n in new_tokens:
+            hf_runs = [timed(lambda: run_hf(n)) for _ in range(1 if int8 else repeats)]  # int8: fp32's tokens
+            our_runs = [timed(lambda: run_ours(n)) for _ in range(repeats)]
+            compiled_runs = [timed(lambda: run_ours(n, True)) for _ in range(repeats)]
+            hf_s, our_s, compiled_s = (statistics.median(t for t, _ in runs)
+                                       for runs in (hf_runs, our_runs, compiled_runs))
+            row = {"mode": "hf", "device": device, "dtype": dtype_name, "new_tokens": n,
+                   "hf_tok_s": None if int8 else n / hf_s, "ours_tok_s": n / our_s, "compiled_tok_s": n / compiled_s,
+                   "speedup": None if int8 else hf_s / compiled_s,
+                   "same_tokens": all(torch.equal(hf_runs[0][1], r[0][1]) for r in (our_runs, compiled_runs)),
+                   "agreement": (hf_runs[0][1] == compiled_runs[0][1]).float().mean().item()}
+            if (dtype_name, n) in llama:
+                row |= {"llama_cpp_tok_s": llama[dtype_name, n], "vs_llama_cpp": n / compiled_s / llama[dtype_name, n]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}
 
 
 def write_gpt2_tokenizer(folder: Path) -> None:

@@ -17,13 +17,14 @@ def default_kv_heads(n_head: int) -> list[int]:
     return sorted({n_head, 1, *divisors[len(divisors) // 2:][:1]}, reverse=True)
 
 
-def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: torch.Generator) -> list[float]:
+def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: torch.Generator,
+                 compile_step: bool = False) -> list[float]:
     """Seconds at which each new token was ready, from the start (prefill of a 1-token prompt included)."""
-    idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(model.lm_head.weight.device)
+    idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(model.transformer.wte.weight.device)
     sync = torch.cuda.synchronize if idx.is_cuda else (lambda: None)
     sync()
     t0, stamps = time.perf_counter(), []
-    for _ in model.stream(idx, new_tokens, temperature=0, use_cache=use_cache):
+    for _ in model.stream(idx, new_tokens, temperature=0, use_cache=use_cache, compile_step=compile_step):
         sync()
         stamps.append(time.perf_counter() - t0)
     return stamps

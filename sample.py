@@ -18,6 +18,7 @@ from configurator import UserError, run_cli
 from dataset import data_dir, load_meta, load_tokenizer
 from generation import check_sampling, left_pad, stream
 from model import GPT
+from quantize import QUANTIZE, quantize
 from runtime import resolve_device
 
 
@@ -38,11 +39,13 @@ class SampleConfig:
     kv_cache: bool = True  # False recomputes the whole context every token, for comparison
     cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (README Performance)
     compile: bool = False  # on CPU, torch.compile the one-token step (faster decoding after ~10-60 s of compiling)
+    quantize: str = ""  # 'int8': int8 weights, one scale per output feature (quantize.py; README "Decoding (CPU)")
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)  # a ValueError, one line through parse_config
         problems = [f"num_samples={self.num_samples} must be at least 1"] * (self.num_samples < 1)
         problems += [f"max_new_tokens={self.max_new_tokens} must not be negative"] * (self.max_new_tokens < 0)
+        problems += [f"quantize={self.quantize!r} must be one of {QUANTIZE}"] * (self.quantize not in QUANTIZE)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
         if problems:
@@ -97,7 +100,7 @@ def main(cfg: SampleConfig) -> None:
         del ckpt
     else:
         model, tok = from_hf_gpt2(cfg.init_from.removeprefix("hf:")), load_tokenizer({"tokenizer": "gpt2"})
-    model = model.to(device=device, dtype=getattr(torch, cfg.dtype)).eval()
+    model = quantize(model.to(device=device, dtype=getattr(torch, cfg.dtype)), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
     ids, bs, B = [tok.encode(p) for p in prompts], model.config.block_size, len(prompts)
     if bad := [len(p) for p in ids if not p or len(p) > bs]:
@@ -112,7 +115,7 @@ def main(cfg: SampleConfig) -> None:
         for prompt, text in zip(prompts, texts, strict=True):
             print(f"{prompt}{text}\n---------------", flush=True)
     mc = model.config
-    kv = mc.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.lm_head.weight.dtype)
+    kv = mc.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.transformer.wte.weight.dtype)
     print(f"{n_new} tokens in {elapsed:.2f} s ({n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill {prefill_s * 1000:.1f} "
           f"ms), batch {B}, {mc.attention_kind} (n_kv_head={mc.n_kv_head}), KV cache {kv * cfg.kv_cache:,} bytes",
           file=sys.stderr)

@@ -1,0 +1,73 @@
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import save_checkpoint
+from conftest import cli, run, tiny_model
+from dataset import write_dataset
+from quantize import Int8Linear, quantize
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_linear_rounds_each_row_to_its_own_scale(bias: bool) -> None:
+    """Each output feature's weights are int8 times one scale (its largest magnitude maps to 127), so every weight is
+    within half a step of the original and the product is within int8 rounding of nn.Linear's."""
+    layer = torch.nn.Linear(64, 48, bias=bias)
+    with torch.no_grad():
+        layer.weight[3] *= 100  # one row far larger than the others keeps its own scale
+    q = Int8Linear(layer)
+    assert q.weight.dtype == torch.int8 and q.scale.shape == (48,) and q.weight.abs().max() == 127
+    step = layer.weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((q.weight * q.scale[:, None] - layer.weight).abs() <= step / 2 + 1e-7).all()
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        want, got = layer(x), q(x)
+    assert got.shape == want.shape
+    assert (got - want).norm() / want.norm() < 0.01
+    torch.testing.assert_close(got, x @ (q.weight * q.scale[:, None]).T + (layer.bias if bias else 0),
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
+    """quantize() makes every Linear int8 (the lm_head its own copy: the embedding it was tied to keeps fp32); the
+    logits stay close to fp32's, and the compiled step decodes the eager int8 tokens past block_size."""
+    torch._dynamo.reset()
+    m = tiny_model(2, "rope", block_size=16, vocab_size=101)
+    q = quantize(copy.deepcopy(m), "int8")
+    assert not [mod for mod in q.modules() if isinstance(mod, torch.nn.Linear)]
+    assert q.lm_head.weight.dtype == torch.int8 and torch.equal(q.transformer.wte.weight, m.transformer.wte.weight)
+    idx = torch.randint(0, 101, (2, 12))
+    with torch.inference_mode():
+        want, got = m(idx, idx)[0], q(idx, idx)[0]
+        assert (got - want).norm() / want.norm() < 0.02
+        eager = q.generate(idx[:, :3], 30, temperature=0)
+        assert torch.equal(q.generate(idx[:, :3], 30, temperature=0, compile_step=True), eager)
+    with pytest.raises(ValueError, match="quantize='int4' must be one of"):
+        quantize(m, "int4")
+
+
+def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Path) -> None:
+    """bench.py --mode=int8 reads a checkpoint and its dataset: fp32 and int8 val losses close, the next-token
+    agreement near 1, sizes a quarter."""
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    meta = {"vocab_size": 50, "tokenizer": "char", "chars": [chr(65 + i) for i in range(50)]}
+    write_dataset(data, rng.integers(0, 50, 4000), rng.integers(0, 50, 1000), meta)
+    model = tiny_model(2, "rope", block_size=32, vocab_size=50, n_embd=64)
+    save_checkpoint(tmp_path / "ckpt.pt", model, iter_num=0, config={"dataset": str(data)})
+    r = run(["bench.py", "--mode=int8", f"--out_dir={tmp_path}", "--eval_iters=2", "--batch_size=4",
+             "--new_tokens=[12]"])
+    fp32, int8 = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert abs(int8["val_loss"] - fp32["val_loss"]) < 0.01 and int8["top1_agreement"] > 0.9
+    assert int8["weight_bytes"] < 0.5 * fp32["weight_bytes"]
+    assert 0 <= int8["greedy_agreement"] <= 1 and int8["compiled_tok_s"] > 0 and fp32["eager_tok_s"] > 0
+
+
+def test_sample_refuses_an_unknown_quantization(tmp_path: Path) -> None:
+    r = cli(["sample.py", f"--out_dir={tmp_path}", "--quantize=int4"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "quantize='int4' must be one of" in r.stderr
