@@ -1,5 +1,6 @@
 """Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming decode loop with its
-sliding window, and the CUDA-graph replay of the one-token step. GPT.generate and GPT.stream call these.
+sliding window, and the two faster one-token steps: a CUDA graph replayed (CUDA), compiled by torch.compile (CPU).
+GPT.generate and GPT.stream call these.
 """
 
 from collections.abc import Iterator
@@ -72,10 +73,10 @@ def decode_step(model: nn.Module, idx: torch.Tensor, positions: torch.Tensor, kv
 
 
 class CompiledStep:
-    """GPT.decode_static compiled once by torch.compile for the one-token steps on CPU: the step's ~300 small ops
-    become a few fused, threaded C++ loops (inductor; one-row products as multiply-and-sum reductions, see
-    fast_paths.Linear), attention reads the filled cache positions only (their count is the one dynamic size), and
-    an fp32 lm_head stays outside, on Linear's split product (README "Decoding (CPU)")."""
+    """GPT.decode_static compiled by torch.compile (inductor, C++ wrapper) for the one-token steps on CPU: the step's
+    ~300 small ops become a few fused C++ loops around fast_paths.Linear's split products, and attention reads the
+    filled cache positions only, their count the one dynamic size, so one graph serves every length and cache
+    (README "Decoding (CPU)")."""
 
     def __init__(self, model: nn.Module, kv_cache: object) -> None:
         self.model, self.cache = model, kv_cache
@@ -202,7 +203,7 @@ def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, **options
     emitting eos; generation stops when every row has. When a row's context reaches block_size its window slides:
     its newest block_size // 2 tokens are kept and prefilled again, so every row of a batch gets exactly what it
     would alone. On CUDA each one-token step replays a CUDA graph of decode_static (unless cuda_graph=False) while
-    no row is padded; a padded batch takes the eager step.
+    no row is padded; on CPU, compile_step=True runs it compiled (CompiledStep); a padded batch takes the eager step.
     """
     new = list(stream(model, idx, max_new_tokens, **options))
     return torch.cat([idx, torch.stack(new, dim=1)], dim=1) if new else idx
