@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from measure import default_kv_heads, step_ms, table, timed_decode
 from model import GPT, GPTConfig
 from quantize import quantize
 from runtime import Dist, autocast, keep_freed_memory, native_bf16, peak_flops, resolve_device, resolve_dtype
-from train import TrainConfig, evaluate, train_step
+from train import TrainConfig, train_step
 
 
 @dataclass(slots=True)
@@ -170,8 +169,7 @@ def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
     n, gen, rows, greedy = cfg.new_tokens[0], torch.Generator().manual_seed(0), [], {}
     with torch.inference_mode():
         for name, m in models.items():
-            val_loss = evaluate(m, batches, base.eval_iters, nullcontext())["val"]
-            m.eval()  # evaluate leaves it training
+            val_loss = sum(m(*batches.eval("val", k))[1].item() for k in range(base.eval_iters)) / base.eval_iters
             greedy[name] = m.generate(batches.eval("val", 0)[0][:4, :16], n, temperature=0)[:, 16:]
             timed_decode(m, 1, 16, True, gen, compile_step=True)  # compiles
             rows.append({"mode": "int8", "weights": name, "val_loss": val_loss,
