@@ -105,18 +105,10 @@ class Linear(nn.Linear):
         return self.split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.is_grad_enabled() or not x.is_cpu or x.numel() > self.split_max_rows * self.in_features
-                or torch.is_autocast_enabled("cpu")):
+        if (torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.float32 or self.weight.dtype != torch.float32
+                or x.numel() > self.split_max_rows * self.in_features or torch.is_autocast_enabled("cpu")):
             return super().forward(x)
-        compiling = torch.compiler.is_compiling()
-        if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
-            if compiling and x.numel() == self.in_features:
-                # one bf16/fp16 row compiled (CompiledStep): a multiply-and-sum, which inductor streams at several
-                # times the speed of this CPU's one-row bf16 matmul (README "Decoding (CPU)")
-                y = (x.unsqueeze(-2) * self.weight).sum(-1)
-                return y if self.bias is None else y + self.bias
-            return super().forward(x)
-        if compiling:  # the split as made before compiling (prepare_splits): its key cannot be checked in a graph
+        if torch.compiler.is_compiling():  # the split made before compiling (prepare_splits): a graph cannot check it
             split = self.split
         else:
             split = self.split_weight(parts) if (parts := torch.get_num_threads()) >= 2 else None
