@@ -67,12 +67,12 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
         hf.save_pretrained(d)
         ours = from_hf_gpt2(d).eval()
-        llama = bench_llama_cpp(Path(d), *tools, dtypes, new_tokens, repeats) if tools else {}
-    if not tools:
-        print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
-              file=sys.stderr)
-    rows = [row for dtype_name in dtypes for row in bench_dtype(hf, ours, dtype_name, new_tokens, repeats, device,
-                                                                 llama)]
+        llama = llama_cpp_runners(Path(d), *tools, dtypes) if tools else {}
+        if not tools:
+            print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
+                  file=sys.stderr)
+        rows = [row for dtype_name in dtypes for row in bench_dtype(hf, ours, dtype_name, new_tokens, repeats,
+                                                                     device, llama.get(dtype_name))]
     bad = [r for r in rows if r["dtype"] == "float32" and not r["same_tokens"]]
     if bad:
         raise RuntimeError(f"greedy fp32 tokens differ from Hugging Face's at {[r['new_tokens'] for r in bad]} "
@@ -81,9 +81,10 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
 
 
 def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new_tokens: list[int], repeats: int,
-                device: str, llama: dict[tuple[str, int], float]) -> list[dict]:
-    """bench_hf's rows for one dtype: Hugging Face, ours eager and compiled (and llama.cpp's tok/s, given). 'int8' is
-    our fp32 model with int8 weights (quantize.py), beside llama.cpp's Q8_0, its tokens compared to fp32's."""
+                device: str, llama: Callable[[int], float] | None) -> list[dict]:
+    """bench_hf's rows for one dtype: Hugging Face, ours eager and compiled, and llama.cpp (given its runner) taking
+    turns in each repeat, so a slow spell of the machine falls on all of them. 'int8' is our fp32 model with int8
+    weights (quantize.py), beside llama.cpp's Q8_0, its tokens compared to fp32's."""
     int8 = dtype_name == "int8"
     dtype = torch.float32 if int8 else getattr(torch, dtype_name)
     hf, ours = hf.to(device, dtype), ours.to(device, dtype)
@@ -100,9 +101,13 @@ def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new
     with torch.inference_mode():
         run_hf(8), run_ours(8), run_ours(8, True)  # warm-up (the compiled step compiles here)
         for n in new_tokens:
-            hf_runs = [timed(lambda: run_hf(n)) for _ in range(1 if int8 else repeats)]  # int8: fp32's tokens
-            our_runs = [timed(lambda: run_ours(n)) for _ in range(repeats)]
-            compiled_runs = [timed(lambda: run_ours(n, True)) for _ in range(repeats)]
+            hf_runs, our_runs, compiled_runs, llama_tok_s = [], [], [], []
+            for i in range(repeats):
+                if not int8 or i == 0:  # int8: Hugging Face's fp32 tokens, once
+                    hf_runs.append(timed(lambda: run_hf(n)))
+                our_runs.append(timed(lambda: run_ours(n)))
+                compiled_runs.append(timed(lambda: run_ours(n, True)))
+                llama_tok_s += [llama(n)] if llama else []
             hf_s, our_s, compiled_s = (statistics.median(t for t, _ in runs)
                                        for runs in (hf_runs, our_runs, compiled_runs))
             row = {"mode": "hf", "device": device, "dtype": dtype_name, "new_tokens": n,
@@ -110,8 +115,9 @@ def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new
                    "speedup": None if int8 else hf_s / compiled_s,
                    "same_tokens": all(torch.equal(hf_runs[0][1], r[0][1]) for r in (our_runs, compiled_runs)),
                    "agreement": (hf_runs[0][1] == compiled_runs[0][1]).float().mean().item()}
-            if (dtype_name, n) in llama:
-                row |= {"llama_cpp_tok_s": llama[dtype_name, n], "vs_llama_cpp": n / compiled_s / llama[dtype_name, n]}
+            if llama_tok_s:
+                row["llama_cpp_tok_s"] = statistics.median(llama_tok_s)
+                row["vs_llama_cpp"] = n / compiled_s / row["llama_cpp_tok_s"]
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -147,24 +153,29 @@ def llama_cpp_tools(llama_cpp: str) -> tuple[Path, Path]:
     return convert, binary
 
 
-def bench_llama_cpp(hf_dir: Path, convert: Path, binary: Path, dtypes: list[str], new_tokens: list[int],
-                    repeats: int) -> dict[tuple[str, int], float]:
-    """llama-bench's generation tokens/s, {(dtype, new tokens): tok/s}, for the Hugging Face GPT-2 folder hf_dir
-    converted by llama.cpp's convert_hf_to_gguf.py to each dtype (llama_cpp_tools gives both); as many threads as
-    torch uses."""
+def llama_cpp_runners(hf_dir: Path, convert: Path, binary: Path, dtypes: list[str]
+                      ) -> dict[str, Callable[[int], float]]:
+    """For each dtype, the Hugging Face GPT-2 folder hf_dir converted by llama.cpp's convert_hf_to_gguf.py
+    (llama_cpp_tools gives it and llama-bench) and a function running llama-bench once on that file: generation
+    tokens/s for n new tokens, with as many threads as torch uses."""
     write_gpt2_tokenizer(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps(config | {"n_ctx": config["n_positions"]}))
+
+    def runner(gguf: Path) -> Callable[[int], float]:
+        def run(n: int) -> float:
+            r = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(n), "-t", str(torch.get_num_threads()),
+                                "-r", "1", "-o", "json"], capture_output=True, text=True)
+            if r.returncode:
+                raise UserError(f"llama-bench failed on {gguf.name}: {r.stderr.strip().splitlines()[-1:]}")
+            return json.loads(r.stdout)[0]["avg_ts"]
+        return run
+
     out = {}
     for dtype in dtypes:
         gguf = hf_dir / f"model-{GGUF_TYPES[dtype]}.gguf"
         run_timed([str(convert), str(hf_dir), "--outtype", GGUF_TYPES[dtype], "--outfile", str(gguf)], convert.parent)
-        r = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", ",".join(map(str, new_tokens)), "-t",
-                            str(torch.get_num_threads()), "-r", str(repeats), "-o", "json"],
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise UserError(f"llama-bench failed on {gguf.name}: {r.stderr.strip().splitlines()[-1:]}")
-        out |= {(dtype, e["n_gen"]): e["avg_ts"] for e in json.loads(r.stdout)}
+        out[dtype] = runner(gguf)
     return out
 
 

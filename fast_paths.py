@@ -20,6 +20,8 @@ SPLIT_MAX_ROWS = 64
 # A weight larger than this (GPT-2's lm_head) streams faster from memory in the (in, out) layout, so Linear keeps
 # such a copy for its split products: more memory for a faster batch-1 decode (README "Decoding (CPU)").
 SPLIT_COPY_BYTES = 32 * 2**20
+# So does a weight with more output than input features (an MLP's first layer) at any size (README "Decoding (CPU)").
+SPLIT_COPY_WIDE = True
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
@@ -89,19 +91,28 @@ class Linear(nn.Linear):
 
     def split_weight(self, parts: int) -> SplitWeight:
         """The weight split into `parts` (views of it, or an (in, out) copy of one over SPLIT_COPY_BYTES, remade
-        when the weight changes in place; weights made under inference_mode have no version to tell that by)."""
+        when the weight changes in place; weights made under inference_mode have no version to tell that by). The
+        copy is padded with zero features to a multiple of parts: no odd features to multiply and concatenate."""
         w, b = self.weight, self.bias
-        copy = w.nbytes > SPLIT_COPY_BYTES
+        copy = w.nbytes > SPLIT_COPY_BYTES or (SPLIT_COPY_WIDE and self.out_features > self.in_features)
         version = w._version if copy and not w.is_inference() else None
         key = (parts, w.data_ptr(), version, None if b is None else b.data_ptr())
         if self.split is None or self.split.key != key:
-            n = self.out_features // parts * parts
-            ws = w[:n].view(parts, n // parts, -1).transpose(1, 2)  # (parts, in, n // parts)
-            rest = (w[n:], None if b is None else b[n:]) if n < self.out_features else None
             self.split = None  # the old copy goes before the new one is made
-            self.split = SplitWeight(key, ws.contiguous() if copy else ws,
-                                     w.new_zeros(parts, 1, n // parts) if b is None else b[:n].view(parts, 1, -1),
-                                     rest, w.detach())
+            if copy:  # (parts, in, out / parts rounded up), zero features at the end: no odd ones left over
+                m = -(-self.out_features // parts)
+                ws, bs = w.new_zeros(parts, self.in_features, m), w.new_zeros(parts, 1, m)
+                for p, chunk in enumerate(w.detach().split(m)):
+                    ws[p, :, :chunk.size(0)] = chunk.T
+                for p, chunk in enumerate(() if b is None else b.detach().split(m)):
+                    bs[p, 0, :chunk.size(0)] = chunk
+                rest = None
+            else:  # views: the features past a multiple of parts are multiplied on their own
+                n = self.out_features // parts * parts
+                ws = w[:n].view(parts, n // parts, -1).transpose(1, 2)  # (parts, in, n // parts)
+                bs = w.new_zeros(parts, 1, n // parts) if b is None else b[:n].view(parts, 1, -1)
+                rest = (w[n:], None if b is None else b[n:]) if n < self.out_features else None
+            self.split = SplitWeight(key, ws, bs, rest, w.detach())
         return self.split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,9 +128,11 @@ class Linear(nn.Linear):
         rows, parts = x.numel() // self.in_features, split.weight.size(0)
         xs = x.reshape(1, rows, -1).expand(parts, -1, -1)  # (parts, rows, in_features)
         y = torch.baddbmm(split.bias, xs, split.weight)
-        y = y.transpose(0, 1).reshape(rows, -1)  # (rows, parts * (out // parts))
+        y = y.transpose(0, 1).reshape(rows, -1)  # (rows, parts * (out // parts)), or the padded copy's features
         if split.rest is not None:
             y = torch.cat((y, F.linear(x.reshape(rows, -1), *split.rest)), dim=1)
+        elif y.size(1) > self.out_features:
+            y = y[:, :self.out_features]
         return y.view(*x.shape[:-1], self.out_features)
 
 

@@ -83,17 +83,23 @@ class CompiledStep:
         self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
         self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
         prepare_splits(model)
+        self.checked = False
         self.step = torch.compile(decode_step, dynamic=False, options={"cpp_wrapper": True})
         for t in (kv_cache.k, kv_cache.v):  # caches of any length share the compiled step
             torch._dynamo.maybe_mark_dynamic(t, 3)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
-        if self.cache.pos + 1 == self.cache.max_len:  # the last slot: eager (compiled, it would be a second graph)
+        length = self.cache.pos + 1
+        if not 2 <= length < self.cache.max_len:  # the graph's range (the last slot would be a second graph): eager
             return self.model(idx, kv_cache=self.cache)[0]
-        positions = self.positions[:self.cache.pos + 1]
+        positions = self.positions[:length]
         torch._dynamo.maybe_mark_dynamic(positions, 0)
-        logits = self.step(self.model, self.idx.copy_(idx), positions, self.cache)
+        # The first call checks dynamo's ~1,000 guards (compiling if none match); later calls pass the same model,
+        # cache and idx tensors, only a length the graph covers, so they skip the check (README "Decoding (CPU)").
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.checked):
+            logits = self.step(self.model, self.idx.copy_(idx), positions, self.cache)
+        self.checked = True
         self.cache.pos += 1
         return logits
 

@@ -3,6 +3,7 @@ import re
 import pytest
 import torch
 
+import fast_paths
 from conftest import VARIANTS, allowed, sharpened, tiny_model
 from generation import CompiledStep, left_pad, sample_logits
 
@@ -175,11 +176,32 @@ def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(top_k:
         assert abs(int(counts[token]) - 400 * p) <= 4 * (400 * p * (1 - p)) ** 0.5 + 1, (token, p, int(counts[token]))
 
 
+def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() -> None:
+    """CompiledStep checks dynamo's guards on its first step only: two models whose weights have the same shapes (4
+    and 2 heads over 32 features, so only the head count tells their graphs apart), and a third at batch 2,
+    streamed in turns, each still decodes its eager tokens."""
+    torch._dynamo.reset()
+    models = [tiny_model(None, "rope", n_head=h, block_size=24, vocab_size=61) for h in (4, 2, 4)]
+    prompts = [torch.randint(0, 61, (b, 3)) for b in (1, 1, 2)]
+    with torch.inference_mode():
+        want = [m.generate(p, 30, temperature=0) for m, p in zip(models, prompts)]
+        streams = [m.stream(p, 30, temperature=0, compile_step=True) for m, p in zip(models, prompts)]
+        turns = [[] for _ in models]
+        for tokens in zip(*streams):
+            for out, t in zip(turns, tokens):
+                out.append(t)
+    for w, p, out in zip(want, prompts, turns):
+        assert torch.equal(torch.cat([p, torch.stack(out, 1)], 1), w)
+
+
 @pytest.mark.parametrize(("variant", "pos_encoding"), [("MHA", "learned"), ("GQA", "rope"), ("MQA", "learned")])
-def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str) -> None:
+def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """compile_step=True (generation.CompiledStep: GPT.decode_static under torch.compile, one graph for every cache
-    length, the split lm_head product inside it) gives the eager logits and tokens, through window slides, with no
-    graph break or recompilation; a padded batch takes the eager step and still matches each prompt alone."""
+    length, the split lm_head product inside it: its odd feature apart, or, for GQA, in a padded (in, out) copy) gives
+    the eager logits and tokens, through window slides, with no graph break or recompilation, guards checked on the
+    first step only; a padded batch takes the eager step and still matches each prompt alone."""
+    monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if variant == "GQA" else 2**40)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     m = tiny_model(VARIANTS[variant], pos_encoding, block_size=16, vocab_size=101)  # 101: an odd lm_head row

@@ -146,9 +146,10 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
 def test_linear_split_across_threads_equals_plain_linear(monkeypatch: pytest.MonkeyPatch, threads: int, bias: bool,
                                                          copy: bool) -> None:
     """The decoding path of fast_paths.Linear (few rows, no autograd) computes the same product as nn.Linear, also when
-    out_features is not a multiple of the thread count, with the weight's views or its (in, out) copy; with autograd
-    it is nn.Linear's own path."""
+    out_features is not a multiple of the thread count, with the weight's views or its (in, out) copy (padded with
+    zero features to a multiple of the thread count); with autograd it is nn.Linear's own path."""
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if copy else 2**40)
+    monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", copy)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
