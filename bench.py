@@ -3,6 +3,7 @@
     python bench.py --mode=train config/train_shakespeare_char.py --device=cpu --batch_size=8 --dropout=0.0
     python bench.py --mode=decode --block_size=1024 --vocab_size=256
     python bench.py --mode=memory
+    python bench.py --mode=nanogpt --nanogpt_dir=../nanoGPT config/speedrun_gpu.py   (on a GPU; CPU: train_cpu_fast.py)
 
 The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig steer the bench.
 """
@@ -205,11 +206,11 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "speedup": "vs Hugging Face", "vs_llama_cpp": "vs llama.cpp",
                            "same_tokens": "same tokens", "agreement": "tokens as HF fp32"}))
     elif cfg.mode == "nanogpt":
-        dtype = "bfloat16" if native_bf16() else "float32"
-        step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, "--device=cpu", "--vocab_size=65"])
-        rows = bench_peers.bench_nanogpt(cfg.nanogpt_dir, base.dataset, train_args, lambda: {
+        dtype = "bfloat16" if device.startswith("cuda") or native_bf16() else "float32"
+        step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, f"--device={device}", "--vocab_size=65"])
+        rows = bench_peers.bench_nanogpt(cfg.nanogpt_dir, base.dataset, train_args, device, lambda: {
             r["compile"]: r["ms_per_iter"] for r in bench_train(dataclasses.replace(cfg, dtypes=[dtype]), step,
-                                                                  step.model_config(65), "cpu")})
+                                                                  step.model_config(65), device)})
         print(f"(ours: the 6x384 step in {dtype} autocast)")
         print(table(rows[:1]) + "\n\n" + table(rows[1:]))
     elif cfg.mode == "int8":

@@ -72,7 +72,7 @@ class SplitWeight(NamedTuple):
     """Linear's weight and bias cut into one slice of output features per thread, made once per weight."""
 
     key: tuple  # what they were made from: thread count, the weight's (and bias's) memory, its version if copied
-    weight: torch.Tensor  # (parts, in, out // parts), a view of the weight or an (in, out) copy
+    weight: torch.Tensor  # (parts, in, out // parts), a view of the weight, or an (in, out) copy padded with zeros
     bias: torch.Tensor  # (parts, 1, out // parts), zeros for a Linear without bias (baddbmm compiles to MKL's
     # product where a one-row bmm would become inductor's slower reduction)
     rest: tuple[torch.Tensor, torch.Tensor | None] | None  # weight and bias of the last out % parts features
@@ -90,9 +90,9 @@ class Linear(nn.Linear):
         self.split: SplitWeight | None = None
 
     def split_weight(self, parts: int) -> SplitWeight:
-        """The weight split into `parts` (views of it, or an (in, out) copy of one over SPLIT_COPY_BYTES, remade
-        when the weight changes in place; weights made under inference_mode have no version to tell that by). The
-        copy is padded with zero features to a multiple of parts: no odd features to multiply and concatenate."""
+        """The weight split into `parts`: views of it, or an (in, out) copy of one over SPLIT_COPY_BYTES or with more
+        output than input features (remade when the weight changes in place; weights made under inference_mode have
+        no version to tell that by), padded with zero features to a multiple of parts, so nothing is left over."""
         w, b = self.weight, self.bias
         copy = w.nbytes > SPLIT_COPY_BYTES or (SPLIT_COPY_WIDE and self.out_features > self.in_features)
         version = w._version if copy and not w.is_inference() else None
