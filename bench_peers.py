@@ -11,6 +11,7 @@ char-level dataset (its best val loss and wall time against ours), and the ms/it
 """
 
 import copy
+import functools
 import json
 import pickle
 import re
@@ -157,27 +158,25 @@ def llama_cpp_tools(llama_cpp: str) -> tuple[Path, Path]:
 def llama_cpp_runners(hf_dir: Path, convert: Path, binary: Path, dtypes: list[str]
                       ) -> dict[str, Callable[[int], float]]:
     """For each dtype, the Hugging Face GPT-2 folder hf_dir converted by llama.cpp's convert_hf_to_gguf.py
-    (llama_cpp_tools gives it and llama-bench) and a function running llama-bench once on that file: generation
-    tokens/s for n new tokens, with as many threads as torch uses."""
+    (llama_cpp_tools gives it and llama-bench) and llama_bench on that file, n new tokens to go."""
     write_gpt2_tokenizer(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     (hf_dir / "config.json").write_text(json.dumps(config | {"n_ctx": config["n_positions"]}))
-
-    def runner(gguf: Path) -> Callable[[int], float]:
-        def run(n: int) -> float:
-            r = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(n), "-t", str(torch.get_num_threads()),
-                                "-r", "1", "-o", "json"], capture_output=True, text=True)
-            if r.returncode:
-                raise UserError(f"llama-bench failed on {gguf.name}: {r.stderr.strip().splitlines()[-1:]}")
-            return json.loads(r.stdout)[0]["avg_ts"]
-        return run
-
     out = {}
     for dtype in dtypes:
         gguf = hf_dir / f"model-{GGUF_TYPES[dtype]}.gguf"
         run_timed([str(convert), str(hf_dir), "--outtype", GGUF_TYPES[dtype], "--outfile", str(gguf)], convert.parent)
-        out[dtype] = runner(gguf)
+        out[dtype] = functools.partial(llama_bench, binary, gguf)
     return out
+
+
+def llama_bench(binary: Path, gguf: Path, n: int) -> float:
+    """Generation tokens/s of one llama-bench run of n new tokens on gguf, as many threads as torch uses."""
+    r = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(n), "-t", str(torch.get_num_threads()), "-r", "1",
+                        "-o", "json"], capture_output=True, text=True)
+    if r.returncode:
+        raise UserError(f"llama-bench failed on {gguf.name}: {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout)[0]["avg_ts"]
 
 
 def run_timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
