@@ -1,14 +1,21 @@
 """Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming decode loop with its
-sliding window, and the two faster one-token steps: a CUDA graph replayed (CUDA), compiled by torch.compile (CPU).
-GPT.generate and GPT.stream call these.
+sliding window, and the two faster one-token steps: a CUDA graph replayed (CUDA), and one compiled ahead of time by
+AOTInductor (CPU). GPT.generate and GPT.stream call these.
 """
 
-from collections.abc import Iterator
+import hashlib
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from fast_paths import prepare_splits
+from atomic import atomic_open
+from fast_paths import Linear, prepare_splits
 
 
 def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -67,39 +74,102 @@ class CUDAGraphStep:
         return self.logits
 
 
-def decode_step(model: nn.Module, idx: torch.Tensor, positions: torch.Tensor, kv_cache: object) -> torch.Tensor:
-    """GPT.decode_static at the last of positions (arange(pos + 1)) attending over all of them: CompiledStep's."""
-    return model.decode_static(idx, positions[-1:], kv_cache, positions.size(0))
+class SplitStep(nn.Module):
+    """GPT.decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
+    tensors k and v, each split Linear's (weight, bias, rest) given in module order in place of the split it made
+    (prepare_splits first)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.linears = [m for m in model.modules() if isinstance(m, Linear) and m.split is not None]
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                splits: list[tuple]) -> torch.Tensor:
+        made = [m.split for m in self.linears]
+        try:
+            for m, (w, b, rest) in zip(self.linears, splits):
+                m.split = m.split._replace(weight=w, bias=b, rest=rest)
+            return self.model.decode_static(idx, positions[-1:], SimpleNamespace(k=k, v=v), positions.size(0))
+        finally:
+            for m, split in zip(self.linears, made):
+                m.split = split
+
+
+class StepGraph(nn.Module):
+    """What CompiledStep exports: SplitStep with the model's parameters and buffers as inputs too, so the compiled
+    step holds no tensor of its own and reads the model's weights as they are when it runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.step = SplitStep(model)
+
+    def inputs(self) -> tuple[dict[str, torch.Tensor], list[tuple]]:
+        """The weights (by name under this module) and splits to pass."""
+        return dict(self.step.named_parameters()) | dict(self.step.named_buffers()), \
+            [(m.split.weight, m.split.bias, m.split.rest) for m in self.step.linears]
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                weights: dict[str, torch.Tensor], splits: list[tuple]) -> torch.Tensor:
+        return torch.func.functional_call(self.step, weights, (idx, positions, k, v, splits))
+
+
+def compile_step(graph: StepGraph, args: tuple[torch.Tensor, ...], block_size: int) -> Callable:
+    """graph exported for args (idx, positions, k, v) with any length of positions in [2, block_size) and of the
+    cache in [3, block_size], compiled by AOTInductor, loaded: the runner of the flat inputs (CompiledStep). Its
+    package is kept in inductor's cache folder under a hash of the exported program, for later processes."""
+    weights, splits = graph.inputs()
+    length = torch.export.Dim("length", min=2, max=block_size - 1)
+    cache = torch.export.Dim("cache", min=3, max=block_size)
+    dims = (None, {0: length}, {3: cache}, {3: cache}, *pytree.tree_map(lambda _: None, (weights, splits)))
+    program = torch.export.export(graph, (*args, weights, splits), dynamic_shapes=dims, strict=False)
+    what = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads\n{program}"
+    path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
+    if path.exists():
+        try:
+            return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
+        except RuntimeError:  # unreadable: compiled again below
+            pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path) as f:
+        torch._inductor.aoti_compile_and_package(program, package_path=f)
+    return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
+
+
+# Each model's compiled steps by what else their code depends on (CompiledStep.__call__)
+STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Callable]]" = weakref.WeakKeyDictionary()
 
 
 class CompiledStep:
-    """GPT.decode_static compiled by torch.compile (inductor, C++ wrapper) for the one-token steps on CPU: the step's
-    ~300 small ops become a few fused C++ loops around fast_paths.Linear's split products, and attention reads the
-    filled cache positions only, their count the one dynamic size, so one graph serves every length and cache
-    (README "Decoding (CPU)")."""
+    """GPT.decode_static exported (torch.export) and compiled ahead of time by AOTInductor for the one-token steps on
+    CPU: the step's ~300 small ops become a few fused C++ loops around fast_paths.Linear's split products, run from
+    C++ with no Python or dynamo guards in between. Attention reads the filled cache positions only; their count and
+    the cache's length are the dynamic sizes, so one compiled step serves every length and cache of a model at one
+    batch size and thread count. The weights are inputs, read as they are at each step (README "Decoding (CPU)")."""
 
     def __init__(self, model: nn.Module, kv_cache: object) -> None:
         self.model, self.cache = model, kv_cache
         self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
         self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
         prepare_splits(model)
-        self.checked = False
-        self.step = torch.compile(decode_step, dynamic=False, options={"cpp_wrapper": True})
-        for t in (kv_cache.k, kv_cache.v):  # caches of any length share the compiled step
-            torch._dynamo.maybe_mark_dynamic(t, 3)
+        self.graph = StepGraph(model)
+        self.tensors = [t for t in pytree.tree_leaves(self.graph.inputs()) if isinstance(t, torch.Tensor)]
+        self.run: Callable | None = None
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
         length = self.cache.pos + 1
-        if not 2 <= length < self.cache.max_len:  # the graph's range (the last slot would be a second graph): eager
+        if not 2 <= length < self.cache.max_len:  # outside the lengths the step was compiled for: eager
             return self.model(idx, kv_cache=self.cache)[0]
-        positions = self.positions[:length]
-        torch._dynamo.maybe_mark_dynamic(positions, 0)
-        # The first call checks dynamo's ~1,000 guards (compiling if none match); later calls pass the same model,
-        # cache and idx tensors, only a length the graph covers, so they skip the check (README "Decoding (CPU)").
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=self.checked):
-            logits = self.step(self.model, self.idx.copy_(idx), positions, self.cache)
-        self.checked = True
+        if self.run is None:  # the step's code depends on these besides the model: compiled once for each
+            key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
+                   tuple((t.shape, t.stride(), t.dtype) for t in self.tensors))
+            steps = STEPS.setdefault(self.model, {})
+            if key not in steps:
+                args = (self.idx, self.positions[:length], self.cache.k, self.cache.v)
+                steps[key] = compile_step(self.graph, args, self.model.config.block_size)
+            self.run = steps[key]
+        logits = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v, *self.tensors])[0]
         self.cache.pos += 1
         return logits
 
