@@ -4,6 +4,7 @@ AOTInductor (CPU). GPT.generate and GPT.stream call these.
 """
 
 import hashlib
+import io
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -114,15 +115,18 @@ class StepGraph(nn.Module):
         return torch.func.functional_call(self.step, weights, (idx, positions, k, v, splits))
 
 
-def compile_step(graph: StepGraph, args: tuple[torch.Tensor, ...], block_size: int) -> Callable:
-    """graph exported for args (idx, positions, k, v) with any length of positions in [2, block_size) and of the
-    cache in [3, block_size], compiled by AOTInductor, loaded: the runner of the flat inputs (CompiledStep). Its
-    package is kept in inductor's cache folder under a hash of the exported program, for later processes."""
+def compile_step(graph: StepGraph, idx: torch.Tensor, k: torch.Tensor, block_size: int) -> Callable:
+    """graph exported for inputs shaped as idx and as the K/V cache k, with any number of filled positions and of
+    cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor, loaded: the runner
+    of the flat inputs (CompiledStep). Its package is kept in inductor's cache folder under a hash of the exported
+    program, for later processes."""
     weights, splits = graph.inputs()
-    length = torch.export.Dim("length", min=2, max=block_size - 1)
-    cache = torch.export.Dim("cache", min=3, max=block_size)
+    top = max(block_size, 3)
+    length, cache = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
+    # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
+    example = (idx, torch.arange(2, device=idx.device), *[k.new_zeros(*k.shape[:3], 3, k.size(4)) for _ in "kv"])
     dims = (None, {0: length}, {3: cache}, {3: cache}, *pytree.tree_map(lambda _: None, (weights, splits)))
-    program = torch.export.export(graph, (*args, weights, splits), dynamic_shapes=dims, strict=False)
+    program = torch.export.export(graph, (*example, weights, splits), dynamic_shapes=dims, strict=False)
     what = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads\n{program}"
     path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
     if path.exists():
@@ -130,10 +134,12 @@ def compile_step(graph: StepGraph, args: tuple[torch.Tensor, ...], block_size: i
             return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
         except RuntimeError:  # unreadable: compiled again below
             pass
+    package = io.BytesIO()
+    torch._inductor.aoti_compile_and_package(program, package_path=package)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path) as f:
-        torch._inductor.aoti_compile_and_package(program, package_path=f)
-    return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
+        f.write(package.getvalue())
+    return torch._inductor.aoti_load_package(package).loader.boxed_run
 
 
 # Each model's compiled steps by what else their code depends on (CompiledStep.__call__)
@@ -159,15 +165,14 @@ class CompiledStep:
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
         length = self.cache.pos + 1
-        if not 2 <= length < self.cache.max_len:  # outside the lengths the step was compiled for: eager
+        if length < 2:  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
             return self.model(idx, kv_cache=self.cache)[0]
         if self.run is None:  # the step's code depends on these besides the model: compiled once for each
             key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
                    tuple((t.shape, t.stride(), t.dtype) for t in self.tensors))
             steps = STEPS.setdefault(self.model, {})
             if key not in steps:
-                args = (self.idx, self.positions[:length], self.cache.k, self.cache.v)
-                steps[key] = compile_step(self.graph, args, self.model.config.block_size)
+                steps[key] = compile_step(self.graph, self.idx, self.cache.k, self.model.config.block_size)
             self.run = steps[key]
         logits = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v, *self.tensors])[0]
         self.cache.pos += 1

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli, run
+from conftest import DECODE, cli, run
 
+HF_SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # the rest as GPT-2
 TINY = ["--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=16", "--device=cpu"]
 
 
@@ -41,8 +42,8 @@ def test_train_bench_counts_flops_by_hand(G: int) -> None:
 
 
 def test_hf_bench_checks_greedy_tokens_against_hugging_face() -> None:
-    r = run(["bench.py", "--mode=hf", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64",
-             "--vocab_size=101", "--new_tokens=[30]", "--dtypes=['float32']", "--repeats=1", "--device=cpu"])
+    r = run(["bench.py", "--mode=hf", *[f"--{k}={v}" for k, v in DECODE.items() if k in HF_SIZES], "--new_tokens=[30]",
+             "--dtypes=['float32']", "--repeats=1", "--device=cpu"])
     (row,) = json_rows(r.stdout)
     assert row["same_tokens"] is True and row["hf_tok_s"] > 0 and row["ours_tok_s"] > 0
     assert "llama.cpp skipped: pass --llama_cpp=DIR" in r.stderr and "llama_cpp_tok_s" not in row

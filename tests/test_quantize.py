@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from checkpoint import save_checkpoint
-from conftest import cli, run, tiny_model
+from conftest import DECODE, cli, run, tiny_model
 from dataset import write_dataset
+from model import GPT, GPTConfig
 from quantize import Int8Linear, quantize
 
 
@@ -55,9 +56,9 @@ def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Pat
     agreement near 1, sizes a quarter."""
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
-    meta = {"vocab_size": 50, "tokenizer": "char", "chars": [chr(65 + i) for i in range(50)]}
-    write_dataset(data, rng.integers(0, 50, 4000), rng.integers(0, 50, 1000), meta)
-    model = tiny_model(2, "rope", block_size=32, vocab_size=50, n_embd=64)
+    meta = {"vocab_size": 96, "tokenizer": "char", "chars": [chr(32 + i) for i in range(96)]}
+    write_dataset(data, rng.integers(0, 96, 4000), rng.integers(0, 96, 1000), meta)
+    model = GPT(GPTConfig(**DECODE))
     save_checkpoint(tmp_path / "ckpt.pt", model, iter_num=0, config={"dataset": str(data)})
     r = run(["bench.py", "--mode=int8", f"--out_dir={tmp_path}", "--eval_iters=2", "--batch_size=4",
              "--new_tokens=[12]"])

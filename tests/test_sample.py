@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
-from conftest import VARIANTS, Result, allowed, cli, run, sharpened
+from conftest import DECODE, VARIANTS, Result, allowed, cli, run, sharpened
 from dataset import CharTokenizer
 from model import GPT, GPTConfig
 
@@ -36,10 +36,11 @@ def test_greedy_with_and_without_cache_agree(variant: str, tmp_path: Path) -> No
 
 
 def test_compiled_step_writes_the_eager_text(tmp_path: Path) -> None:
-    """--compile=True (the one-token step under torch.compile) samples what the eager step does, greedy past
+    """--compile=True (the one-token step compiled by AOTInductor) samples what the eager step does, greedy past
     block_size and drawn with a seed."""
-    out = make_checkpoint(tmp_path, 2, "rope", block_size=32)
-    for args in (["--temperature=0", "--max_new_tokens=60"], ["--temperature=1.0", "--top_k=None", "--seed=3"]):
+    out = tmp_path
+    save_checkpoint(out / "ckpt.pt", GPT(GPTConfig(**DECODE)), iter_num=0, data_meta=CHARS.meta())
+    for args in (["--temperature=0", "--max_new_tokens=70"], ["--temperature=1.0", "--top_k=None", "--seed=3"]):
         eager, compiled = (sample(out, "--start=def f(x):", "--max_new_tokens=50", *args, f"--compile={c}").stdout
                            for c in (False, True))
         assert compiled == eager and len(eager) > 50
