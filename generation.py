@@ -5,6 +5,7 @@ AOTInductor (CPU). GPT.generate and GPT.stream call these.
 
 import hashlib
 import io
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -135,7 +136,9 @@ def compile_step(graph: StepGraph, idx: torch.Tensor, k: torch.Tensor, block_siz
         except RuntimeError:  # unreadable: compiled again below
             pass
     package = io.BytesIO()
-    torch._inductor.aoti_compile_and_package(program, package_path=package)
+    with warnings.catch_warnings():  # torch pickling the program's tree specs: nothing the user can act on
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
+        torch._inductor.aoti_compile_and_package(program, package_path=package)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path) as f:
         f.write(package.getvalue())
