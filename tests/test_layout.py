@@ -57,8 +57,8 @@ def test_no_script_imports_another_scripts_helpers() -> None:
 FRESH_IMPORTS = """
 import importlib, os, sys, traceback
 import numpy, torch, torch.distributed as dist  # loaded once; each project module is then imported first in a fork
-failed = []
-for module in sys.argv[1:]:
+forks = {}
+for module in sys.argv[1:]:  # all forks at once: the cores share the imports
     pid = os.fork()
     if pid == 0:
         try:
@@ -68,8 +68,8 @@ for module in sys.argv[1:]:
             traceback.print_exc()
             os._exit(1)
         os._exit(0)
-    if os.waitpid(pid, 0)[1]:
-        failed.append(module)
+    forks[module] = pid
+failed = [module for module, pid in forks.items() if os.waitpid(pid, 0)[1]]
 sys.exit(f"failed: {failed}" if failed else 0)
 """
 

@@ -36,7 +36,6 @@ def test_int8_linear_rounds_each_row_to_its_own_scale(bias: bool) -> None:
 def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
     """quantize() makes every Linear int8 (the lm_head its own copy: the embedding it was tied to keeps fp32); the
     logits stay close to fp32's, and the compiled step decodes the eager int8 tokens past block_size."""
-    torch._dynamo.reset()
     m = tiny_model(2, "rope", block_size=16, vocab_size=101)
     q = quantize(copy.deepcopy(m), "int8")
     assert not [mod for mod in q.modules() if isinstance(mod, torch.nn.Linear)]
