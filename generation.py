@@ -10,10 +10,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from atomic import atomic_open
@@ -78,75 +78,66 @@ class CUDAGraphStep:
 
 class SplitStep(nn.Module):
     """GPT.decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
-    tensors k and v, each split Linear's (weight, bias, rest) given in module order in place of the split it made
-    (prepare_splits first)."""
+    tensors k and v. The split weights that fast_paths.Linear made for this thread count (prepare_splits first) are
+    buffers here, so that export sees them as weights of the step, as it sees the model's parameters."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
         self.linears = [m for m in model.modules() if isinstance(m, Linear) and m.split is not None]
+        for i, m in enumerate(self.linears):
+            rest = m.split.rest or (None, None)
+            for name, t in zip("wbrs", (m.split.weight, m.split.bias, *rest)):
+                if t is not None:  # (export miscounts buffers that are None)
+                    self.register_buffer(f"split{i}_{name}", t, persistent=False)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                splits: list[tuple]) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         made = [m.split for m in self.linears]
         try:
-            for m, (w, b, rest) in zip(self.linears, splits):
-                m.split = m.split._replace(weight=w, bias=b, rest=rest)
+            for i, m in enumerate(self.linears):
+                w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
+                m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
             return self.model.decode_static(idx, positions[-1:], SimpleNamespace(k=k, v=v), positions.size(0))
         finally:
             for m, split in zip(self.linears, made):
                 m.split = split
 
-
-class StepGraph(nn.Module):
-    """What CompiledStep exports: SplitStep with the model's parameters and buffers as inputs too, so the compiled
-    step holds no tensor of its own and reads the model's weights as they are when it runs."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.step = SplitStep(model)
-
-    def inputs(self) -> tuple[dict[str, torch.Tensor], list[tuple]]:
-        """The weights (by name under this module) and splits to pass."""
-        return dict(self.step.named_parameters()) | dict(self.step.named_buffers()), \
-            [(m.split.weight, m.split.bias, m.split.rest) for m in self.step.linears]
-
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                weights: dict[str, torch.Tensor], splits: list[tuple]) -> torch.Tensor:
-        return torch.func.functional_call(self.step, weights, (idx, positions, k, v, splits))
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every tensor the step reads besides its inputs, by name (a tied weight under each of its names)."""
+        return dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
 
 
-def compile_step(graph: StepGraph, idx: torch.Tensor, k: torch.Tensor, block_size: int) -> Callable:
-    """graph exported for inputs shaped as idx and as the K/V cache k, with any number of filled positions and of
-    cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor, loaded: the runner
-    of the flat inputs (CompiledStep). Its package is kept in inductor's cache folder under a hash of the exported
-    program, for later processes."""
-    weights, splits = graph.inputs()
+def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size: int) -> Any:
+    """step exported for inputs shaped as idx and as the K/V cache k, with any number of filled positions and of
+    cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor with its weights left
+    out (the caller lends it the model's own: CompiledStep), loaded. The package is kept in inductor's cache folder
+    under a hash of the exported program, for later processes."""
     top = max(block_size, 3)
     length, cache = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
     # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
     example = (idx, torch.arange(2, device=idx.device), *[k.new_zeros(*k.shape[:3], 3, k.size(4)) for _ in "kv"])
-    dims = (None, {0: length}, {3: cache}, {3: cache}, *pytree.tree_map(lambda _: None, (weights, splits)))
-    program = torch.export.export(graph, (*example, weights, splits), dynamic_shapes=dims, strict=False)
+    program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: cache}, {3: cache}),
+                                  strict=False)
     what = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads\n{program}"
     path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
     if path.exists():
         try:
-            return torch._inductor.aoti_load_package(str(path)).loader.boxed_run
+            return torch._inductor.aoti_load_package(str(path))
         except RuntimeError:  # unreadable: compiled again below
             pass
     package = io.BytesIO()
     with warnings.catch_warnings():  # torch pickling the program's tree specs: nothing the user can act on
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
-        torch._inductor.aoti_compile_and_package(program, package_path=package)
+        torch._inductor.aoti_compile_and_package(program, package_path=package,
+                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path) as f:
         f.write(package.getvalue())
-    return torch._inductor.aoti_load_package(package).loader.boxed_run
+    return torch._inductor.aoti_load_package(package)
 
 
-# Each model's compiled steps by what else their code depends on (CompiledStep.__call__)
-STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Callable]]" = weakref.WeakKeyDictionary()
+# Each model's compiled steps by what else their code depends on (CompiledStep.__call__), with the tensors last lent
+STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict]]]" = weakref.WeakKeyDictionary()
 
 
 class CompiledStep:
@@ -154,15 +145,15 @@ class CompiledStep:
     CPU: the step's ~300 small ops become a few fused C++ loops around fast_paths.Linear's split products, run from
     C++ with no Python or dynamo guards in between. Attention reads the filled cache positions only; their count and
     the cache's length are the dynamic sizes, so one compiled step serves every length and cache of a model at one
-    batch size and thread count. The weights are inputs, read as they are at each step (README "Decoding (CPU)")."""
+    batch size and thread count. It holds no weights: each CompiledStep lends it the model's tensors (no copies), so
+    it reads them as they are at each step (README "Decoding (CPU)")."""
 
     def __init__(self, model: nn.Module, kv_cache: object) -> None:
         self.model, self.cache = model, kv_cache
         self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
         self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
         prepare_splits(model)
-        self.graph = StepGraph(model)
-        self.tensors = [t for t in pytree.tree_leaves(self.graph.inputs()) if isinstance(t, torch.Tensor)]
+        self.step = SplitStep(model)
         self.run: Callable | None = None
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
@@ -171,13 +162,17 @@ class CompiledStep:
         if length < 2:  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
             return self.model(idx, kv_cache=self.cache)[0]
         if self.run is None:  # the step's code depends on these besides the model: compiled once for each
+            weights = self.step.weights()
             key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
-                   tuple((t.shape, t.stride(), t.dtype) for t in self.tensors))
+                   tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()))
             steps = STEPS.setdefault(self.model, {})
-            if key not in steps:
-                steps[key] = compile_step(self.graph, self.idx, self.cache.k, self.model.config.block_size)
-            self.run = steps[key]
-        logits = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v, *self.tensors])[0]
+            package = steps[key][0] if key in steps else compile_step(self.step, self.idx, self.cache.k,
+                                                                         self.model.config.block_size)
+            package.load_constants({name: weights[name] for name in package.get_constant_fqns()},
+                                   check_full_update=True, user_managed=True)
+            steps[key] = (package, weights)  # the step points into these tensors: kept while it may run
+            self.run = package.loader.boxed_run
+        logits = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v])[0]
         self.cache.pos += 1
         return logits
 
