@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's fl
 from model import GPT, GPTConfig  # noqa: E402
 
 VARIANTS = {"MHA": 4, "GQA": 2, "MQA": 1}  # n_kv_head for n_head=4
-# The GPT-2-shaped model (as bench.py --mode=hf builds it) whose compiled step the tests that compile one in a process
-# of their own decode with (sample.py --compile, bench.py --mode=hf and --mode=int8), at batch 1: inductor's cache
-# folder keeps one package per exported step, so the suite compiles it once (README "Decoding (CPU)").
-DECODE = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=96, bias=True, gelu="tanh")
+# The GPT-2-shaped model (as bench.py --mode=hf builds it) that the tests compiling a decode step use where they can
+# (sample.py --compile, bench.py --mode=hf and --mode=int8 at batch 1; test_generate's MHA case at batch 2):
+# inductor's cache folder keeps one package per exported step, so the suite compiles each once (README "Tests").
+DECODE = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=96, bias=True, gelu="tanh")
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fast_paths
-from conftest import VARIANTS, allowed, sharpened, tiny_model
+from conftest import DECODE, VARIANTS, allowed, sharpened, tiny_model
 from generation import STEPS, CompiledStep, left_pad, sample_logits
 
 
@@ -177,16 +177,16 @@ def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(top_k:
 
 
 def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() -> None:
-    """Compiled steps are kept per model and batch size, and read the weights passed at each call: two models whose
+    """Compiled steps are kept per model and batch size, and read the weights lent at each stream: two models whose
     weights have the same shapes (4 and 2 heads over 32 features, so only the head count tells their steps apart),
-    and the first again at batch 2, streamed in turns, each decode their eager tokens. (The first at batch 2 is
-    the MHA case of the next test: inductor's cache folder holds one package for both, one compile less.)"""
-    models = [tiny_model(None, "learned", n_head=h, block_size=16, vocab_size=101) for h in (4, 2)]
-    runs = [(models[0], torch.randint(0, 101, (1, 3))), (models[1], torch.randint(0, 101, (1, 3))),
-            (models[0], torch.randint(0, 101, (2, 3)))]
+    and the first again at batch 2, streamed in turns past block_size, each decode their eager tokens. (The first is
+    the DECODE model: its batch-1 step is bench.py's and sample.py's, its batch-2 step the next test's MHA case.)"""
+    models = [tiny_model(None, "learned", **DECODE | {"n_head": h}) for h in (4, 2)]
+    runs = [(models[0], torch.randint(0, 96, (1, 3))), (models[1], torch.randint(0, 96, (1, 3))),
+            (models[0], torch.randint(0, 96, (2, 3)))]
     with torch.inference_mode():
-        want = [m.generate(p, 30, temperature=0) for m, p in runs]
-        streams = [m.stream(p, 30, temperature=0, compile_step=True) for m, p in runs]
+        want = [m.generate(p, 70, temperature=0) for m, p in runs]
+        streams = [m.stream(p, 70, temperature=0, compile_step=True) for m, p in runs]
         turns = [[] for _ in runs]
         for tokens in zip(*streams):
             for out, t in zip(turns, tokens):
@@ -200,14 +200,16 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
 def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """compile_step=True (generation.CompiledStep: GPT.decode_static exported and compiled by AOTInductor, one step
-    for every cache length, the split lm_head product inside it: its odd feature apart, or, for GQA, in a padded
-    (in, out) copy) gives the eager logits and tokens, through window slides, compiled once; a padded batch takes the
-    eager step and still matches each prompt alone."""
-    monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if variant == "GQA" else 2**40)
-    m = tiny_model(VARIANTS[variant], pos_encoding, block_size=16, vocab_size=101)  # 101: an odd lm_head row
-    idx = torch.randint(0, 101, (2, 3))
+    for every cache length) gives the eager logits and tokens, through window slides, compiled once, with each way
+    fast_paths.Linear splits a product inside it: MHA as by default (views, and (in, out) copies of the wide
+    weights), GQA with every weight an (in, out) copy padded to the thread count, MQA with views only and an odd
+    lm_head row (vocab 101) multiplied apart. A padded batch takes the eager step and still matches each prompt."""
+    monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if variant == "GQA" else fast_paths.SPLIT_COPY_BYTES)
+    monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", variant != "MQA")
+    m = tiny_model(VARIANTS[variant], pos_encoding, **DECODE | {"vocab_size": 101 if variant == "MQA" else 96})
+    idx = torch.randint(0, 96, (2, 3))
     with torch.inference_mode():
-        for n in (40, 9):  # a second cache length reuses the graph
+        for n in (80, 9):  # a second cache length reuses the graph
             eager, compiled = (torch.stack(list(m.stream(idx, n, temperature=0, compile_step=c)), 1) for c in (0, 1))
             assert torch.equal(compiled, eager)
         cache, ref = m.make_kv_cache(2, 16), m.make_kv_cache(2, 16)
@@ -221,4 +223,7 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str
         padded = m.generate(p_idx, 6, temperature=0, pad=pad, compile_step=True)
     assert [padded[b, -6:].tolist() for b in range(2)] == [
         m.generate(torch.tensor([p]), 6, temperature=0)[0, -6:].tolist() for p in prompts]
+    split = m.lm_head.split  # what the step multiplied (None with one thread: no split)
+    if variant == "MQA" and split is not None:  # views, and the rows past a multiple of the thread count apart
+        assert split.rest is not None and split.weight.size(0) * split.weight.size(2) + split.rest[0].size(0) == 101
     assert len(STEPS[m]) == 1
