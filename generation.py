@@ -158,14 +158,13 @@ class CompiledStep:
         prepare_splits(model)
         self.step = SplitStep(model)
         self.run: Callable | None = None
-        self.greedy: torch.Tensor | None = None  # the last step's greedy tokens (B,), None after an eager step
 
-    def __call__(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
+    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward, and
+        each row's greedy token (B,) where the compiled step computed it (None after an eager step)."""
         length = self.cache.pos + 1
-        self.greedy = None
         if length < 2:  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
-            return self.model(idx, kv_cache=self.cache)[0]
+            return self.model(idx, kv_cache=self.cache)[0], None
         if self.run is None:  # the step's code depends on these besides the model: compiled once for each
             weights = self.step.weights()
             key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
@@ -177,9 +176,9 @@ class CompiledStep:
                                    check_full_update=True, user_managed=True)
             steps[key] = (package, weights)  # the step points into these tensors: kept while it may run
             self.run = package.loader.boxed_run
-        logits, self.greedy = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v])
+        logits, greedy = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v])
         self.cache.pos += 1
-        return logits
+        return logits, greedy
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -266,7 +265,7 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
                 logits = graph(tokens[:, n - 1:n])
             elif compile_step and not idx.is_cuda and cache_pad is None:
                 graph = graph or CompiledStep(model, kv_cache)
-                logits, greedy = graph(tokens[:, n - 1:n]), graph.greedy
+                logits, greedy = graph(tokens[:, n - 1:n])
             else:
                 logits, _ = model(tokens[:, n - 1:n], kv_cache=kv_cache, pad=cache_pad)
         nxt = greedy if greedy is not None and temperature == 0 else \

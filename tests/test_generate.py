@@ -216,7 +216,7 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str
         m(idx, kv_cache=cache), m(idx, kv_cache=ref)
         step = CompiledStep(m, cache)
         for t in range(4):
-            torch.testing.assert_close(step(idx[:, t % 3:t % 3 + 1]), m(idx[:, t % 3:t % 3 + 1], kv_cache=ref)[0],
+            torch.testing.assert_close(step(idx[:, t % 3:t % 3 + 1])[0], m(idx[:, t % 3:t % 3 + 1], kv_cache=ref)[0],
                                        rtol=1e-5, atol=1e-5)
         prompts = [[5, 6, 7, 8], [9]]
         p_idx, pad = left_pad(prompts)
