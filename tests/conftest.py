@@ -21,6 +21,9 @@ VARIANTS = {"MHA": 4, "GQA": 2, "MQA": 1}  # n_kv_head for n_head=4
 # (sample.py --compile, bench.py --mode=hf and --mode=int8 at batch 1; test_generate's MHA case at batch 2):
 # inductor's cache folder keeps one package per exported step, so the suite compiles each once (README "Tests").
 DECODE = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=96, bias=True, gelu="tanh")
+# The tests that compile a decode step run one after another in one pytest-xdist worker (scripts/test.sh runs two):
+# the first to need a step compiles it, the others load it from inductor's cache.
+COMPILES = pytest.mark.xdist_group("compiled_steps")
 
 
 @pytest.fixture(autouse=True)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import DECODE, cli, run
+from conftest import COMPILES, DECODE, cli, run
 
 HF_SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # the rest as GPT-2
 TINY = ["--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=16", "--device=cpu"]
@@ -41,6 +41,7 @@ def test_train_bench_counts_flops_by_hand(G: int) -> None:
     assert row["ms_per_iter"] > 0 and row["loss"] > 0
 
 
+@COMPILES
 def test_hf_bench_checks_greedy_tokens_against_hugging_face() -> None:
     r = run(["bench.py", "--mode=hf", *[f"--{k}={v}" for k, v in DECODE.items() if k in HF_SIZES], "--new_tokens=[30]",
              "--dtypes=['float32']", "--repeats=1", "--device=cpu"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fast_paths
-from conftest import DECODE, VARIANTS, allowed, sharpened, tiny_model
+from conftest import COMPILES, DECODE, VARIANTS, allowed, sharpened, tiny_model
 from generation import STEPS, CompiledStep, left_pad, sample_logits
 
 
@@ -176,6 +176,7 @@ def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(top_k:
         assert abs(int(counts[token]) - 400 * p) <= 4 * (400 * p * (1 - p)) ** 0.5 + 1, (token, p, int(counts[token]))
 
 
+@COMPILES
 def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() -> None:
     """Compiled steps are kept per model and batch size, and read the weights lent at each stream: two models whose
     weights have the same shapes (4 and 2 heads over 32 features, so only the head count tells their steps apart),
@@ -196,6 +197,7 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
     assert [len(STEPS[m]) for m in models] == [2, 1]
 
 
+@COMPILES
 @pytest.mark.parametrize(("variant", "pos_encoding"), [("MHA", "learned"), ("GQA", "rope"), ("MQA", "learned")])
 def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoint import save_checkpoint
-from conftest import DECODE, cli, run, tiny_model
+from conftest import COMPILES, DECODE, cli, run, tiny_model
 from dataset import write_dataset
 from model import GPT, GPTConfig
 from quantize import Int8Linear, quantize
@@ -33,6 +33,7 @@ def test_int8_linear_rounds_each_row_to_its_own_scale(bias: bool) -> None:
                                rtol=1e-4, atol=1e-5)
 
 
+@COMPILES
 def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
     """quantize() makes every Linear int8 (the lm_head its own copy: the embedding it was tied to keeps fp32); the
     logits stay close to fp32's (GQA, 2 rows), and the compiled step decodes the eager int8 tokens past block_size
@@ -52,6 +53,7 @@ def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
         quantize(m, "int4")
 
 
+@COMPILES
 def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Path) -> None:
     """bench.py --mode=int8 reads a checkpoint and its dataset: fp32 and int8 val losses close, the next-token
     agreement near 1, sizes a quarter."""

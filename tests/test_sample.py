@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
-from conftest import DECODE, VARIANTS, Result, allowed, cli, run, sharpened
+from conftest import COMPILES, DECODE, VARIANTS, Result, allowed, cli, run, sharpened
 from dataset import CharTokenizer
 from model import GPT, GPTConfig
 
@@ -35,6 +35,7 @@ def test_greedy_with_and_without_cache_agree(variant: str, tmp_path: Path) -> No
     assert batch.split("---------------\n")[:3] == [cached] * 3
 
 
+@COMPILES
 def test_compiled_step_writes_the_eager_text(tmp_path: Path) -> None:
     """--compile=True (the one-token step compiled by AOTInductor) samples what the eager step does, greedy past
     block_size and drawn with a seed."""
