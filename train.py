@@ -355,8 +355,12 @@ class Trainer:
         self.loss_sum.zero_()
         if not d.is_master:
             return
-        tok_s, peak = self.tokens_per_iter / dt, self.peak
-        mfu = self.raw_model.estimate_mfu(self.tokens_per_iter, dt, peak, self.cfg.block_size) if peak else None
+        tok_s = self.tokens_per_iter / dt
+        mfu = self.peak and self.raw_model.estimate_mfu(self.tokens_per_iter, dt, self.peak, self.cfg.block_size)
+        if mfu is not None and mfu > 1 and not self.cfg.peak_flops and d.device_type == "cpu":
+            # over 100%: the CPU probe ran while something else had the cores. Probed again, the higher rate kept.
+            self.peak = max(self.peak, peak_flops(d.device, self.dtype))
+            mfu = self.raw_model.estimate_mfu(self.tokens_per_iter, dt, self.peak, self.cfg.block_size)
         print(f"iter {self.iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, {tok_s:,.0f} tok/s"
               + (f", mfu {mfu:.1%}" if mfu is not None else "")
               + (f", {self.skipped} non-finite steps skipped so far" if self.skipped else ""))
