@@ -356,11 +356,11 @@ class Trainer:
         if not d.is_master:
             return
         tok_s = self.tokens_per_iter / dt
-        mfu = self.peak and self.raw_model.estimate_mfu(self.tokens_per_iter, dt, self.peak, self.cfg.block_size)
-        if mfu is not None and mfu > 1 and not self.cfg.peak_flops and d.device_type == "cpu":
-            # over 100%: the CPU probe ran while something else had the cores. Probed again, the higher rate kept.
+        flops = self.raw_model.estimate_mfu(self.tokens_per_iter, dt, 1.0, self.cfg.block_size)  # achieved FLOP/s
+        if self.peak and flops > self.peak and not self.cfg.peak_flops and d.device_type == "cpu":
+            # MFU over 100%: the CPU probe ran while something else had the cores. Probed again, the higher rate kept.
             self.peak = max(self.peak, peak_flops(d.device, self.dtype))
-            mfu = self.raw_model.estimate_mfu(self.tokens_per_iter, dt, self.peak, self.cfg.block_size)
+        mfu = flops / self.peak if self.peak else None
         print(f"iter {self.iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, {tok_s:,.0f} tok/s"
               + (f", mfu {mfu:.1%}" if mfu is not None else "")
               + (f", {self.skipped} non-finite steps skipped so far" if self.skipped else ""))
