@@ -356,7 +356,7 @@ class Trainer:
         if not d.is_master:
             return
         tok_s = self.tokens_per_iter / dt
-        flops = self.raw_model.estimate_mfu(self.tokens_per_iter, dt, 1.0, self.cfg.block_size)  # achieved FLOP/s
+        flops = self.raw_model.flops_per_token(self.cfg.block_size) * tok_s  # achieved FLOP/s
         if self.peak and flops > self.peak and not self.cfg.peak_flops and d.device_type == "cpu":
             # MFU over 100%: the CPU probe ran while something else had the cores. Probed again, the higher rate kept.
             self.peak = max(self.peak, peak_flops(d.device, self.dtype))
