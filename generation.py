@@ -1,23 +1,14 @@
 """Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming decode loop with its
-sliding window, and the two faster one-token steps: a CUDA graph replayed (CUDA), and one compiled ahead of time by
-AOTInductor (CPU). GPT.generate and GPT.stream call these.
+sliding window, and the faster one-token step on CUDA, a CUDA graph replayed (the one on CPU, compiled ahead of time
+by AOTInductor, is compiled_step.py's). GPT.generate and GPT.stream call these.
 """
 
-import hashlib
-import io
-import warnings
-import weakref
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-from atomic import atomic_open
-from fast_paths import Linear, prepare_splits
+from compiled_step import CompiledStep
 
 
 def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -74,111 +65,6 @@ class CUDAGraphStep:
         self.graph.replay()
         self.cache.pos += 1
         return self.logits
-
-
-class SplitStep(nn.Module):
-    """GPT.decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
-    tensors k and v. The split weights that fast_paths.Linear made for this thread count (prepare_splits first) are
-    buffers here, so that export sees them as weights of the step, as it sees the model's parameters."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.linears = [m for m in model.modules() if isinstance(m, Linear) and m.split is not None]
-        for i, m in enumerate(self.linears):
-            rest = m.split.rest or (None, None)
-            for name, t in zip("wbrs", (m.split.weight, m.split.bias, *rest)):
-                if t is not None:  # (export miscounts buffers that are None)
-                    self.register_buffer(f"split{i}_{name}", t, persistent=False)
-
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits (B, 1, vocab) and each row's greedy token (B,)."""
-        made = [m.split for m in self.linears]
-        try:
-            for i, m in enumerate(self.linears):
-                w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
-                m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
-            logits = self.model.decode_static(idx, positions[-1:], SimpleNamespace(k=k, v=v), positions.size(0))
-            return logits, logits[:, -1].argmax(dim=-1)  # inside the graph: ~10x faster than ATen's CPU argmax
-        finally:
-            for m, split in zip(self.linears, made):
-                m.split = split
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """Every tensor the step reads besides its inputs, by name (a tied weight under each of its names)."""
-        return dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
-
-
-def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size: int) -> Any:
-    """step exported for inputs shaped as idx and as the K/V cache k, with any number of filled positions and of
-    cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor with its weights left
-    out (the caller lends it the model's own: CompiledStep), loaded. The package is kept in inductor's cache folder
-    under a hash of the exported program, for later processes."""
-    top = max(block_size, 3)
-    length, cache = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
-    # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
-    example = (idx, torch.arange(2, device=idx.device), *[k.new_zeros(*k.shape[:3], 3, k.size(4)) for _ in "kv"])
-    program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: cache}, {3: cache}),
-                                  strict=False)
-    what = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads\n{program}"
-    path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
-    if path.exists():
-        try:
-            return torch._inductor.aoti_load_package(str(path))
-        except RuntimeError:  # unreadable: compiled again below
-            pass
-    package = io.BytesIO()
-    with warnings.catch_warnings():  # torch pickling the program's tree specs: nothing the user can act on
-        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
-        torch._inductor.aoti_compile_and_package(program, package_path=package,
-                                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path) as f:
-        f.write(package.getvalue())
-    return torch._inductor.aoti_load_package(package)
-
-
-# Each model's compiled steps by what else their code depends on (CompiledStep.__call__), with the tensors last lent
-STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict]]]" = weakref.WeakKeyDictionary()
-
-
-class CompiledStep:
-    """GPT.decode_static exported (torch.export) and compiled ahead of time by AOTInductor for the one-token steps on
-    CPU: the step's ~300 small ops become a few fused C++ loops around fast_paths.Linear's split products, run from
-    C++ with no Python or dynamo guards in between. Attention reads the filled cache positions only; their count and
-    the cache's length are the dynamic sizes, so one compiled step serves every length and cache of a model at one
-    batch size and thread count. It holds no weights: each CompiledStep lends it the model's tensors (no copies), so
-    it reads them as they are at each step (README "Decoding (CPU)")."""
-
-    def __init__(self, model: nn.Module, kv_cache: object) -> None:
-        self.model, self.cache = model, kv_cache
-        self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
-        self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
-        prepare_splits(model)
-        self.step = SplitStep(model)
-        self.run: Callable | None = None
-
-    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward, and
-        each row's greedy token (B,) where the compiled step computed it (None after an eager step)."""
-        length = self.cache.pos + 1
-        if length < 2:  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
-            return self.model(idx, kv_cache=self.cache)[0], None
-        if self.run is None:  # the step's code depends on these besides the model: compiled once for each
-            weights = self.step.weights()
-            key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
-                   tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()))
-            steps = STEPS.setdefault(self.model, {})
-            package = steps[key][0] if key in steps else compile_step(self.step, self.idx, self.cache.k,
-                                                                         self.model.config.block_size)
-            package.load_constants({name: weights[name] for name in package.get_constant_fqns()},
-                                   check_full_update=True, user_managed=True)
-            steps[key] = (package, weights)  # the step points into these tensors: kept while it may run
-            self.run = package.loader.boxed_run
-        logits, greedy = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v])
-        self.cache.pos += 1
-        return logits, greedy
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:

@@ -3,9 +3,11 @@ import re
 import pytest
 import torch
 
+import compiled_step
 import fast_paths
+from compiled_step import STEPS, CompiledStep
 from conftest import COMPILES, DECODE, VARIANTS, allowed, sharpened, tiny_model
-from generation import STEPS, CompiledStep, left_pad, sample_logits
+from generation import left_pad, sample_logits
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -198,14 +200,43 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
 
 
 @COMPILES
+def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> None:
+    """The compiled step's template products read blocked copies of the weights (compiled_step.lend): kept while a
+    weight is unchanged, made again when it changes in place (as under an optimizer) or is replaced, so the compiled
+    tokens follow the eager ones after each change (and each change does change them)."""
+    m = tiny_model(None, "learned", **DECODE)
+    idx, before, copies = torch.randint(0, 96, (1, 3)), None, []
+    for change in ("none", "none", "in place", "replaced"):
+        with torch.no_grad():
+            if change == "in place":
+                m.transformer.h[0].mlp.c_fc.weight.mul_(-1)
+            elif change == "replaced":
+                m.transformer.h[1].attn.c_proj.weight = torch.nn.Parameter(torch.randn(32, 32) / 4)
+        with torch.inference_mode():
+            eager, compiled = (m.generate(idx, 40, temperature=0, compile_step=c) for c in (False, True))
+        assert torch.equal(compiled, eager)
+        assert (change == "none") == (before is None or torch.equal(eager, before))
+        before = eager
+        (_, sources, lent), = STEPS[m].values()
+        copies.append({name: lent[name][0] for name in sources})
+    assert copies[0] and all(copies[1][name] is t for name, t in copies[0].items())  # unchanged: not made again
+    assert sum(copies[2][name] is not t for name, t in copies[1].items()) == 1  # c_fc's
+    assert sum(copies[3][name] is not t for name, t in copies[2].items()) == 1  # c_proj's
+
+
+@COMPILES
 @pytest.mark.parametrize(("variant", "pos_encoding"), [("MHA", "learned"), ("GQA", "rope"), ("MQA", "learned")])
 def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """compile_step=True (generation.CompiledStep: GPT.decode_static exported and compiled by AOTInductor, one step
-    for every cache length) gives the eager logits and tokens, through window slides, compiled once, with each way
-    fast_paths.Linear splits a product inside it: MHA as by default (views, and (in, out) copies of the wide
-    weights), GQA with every weight an (in, out) copy padded to the thread count, MQA with views only and an odd
-    lm_head row (vocab 101) multiplied apart. A padded batch takes the eager step and still matches each prompt."""
+    """compile_step=True (compiled_step.CompiledStep: GPT.decode_static exported and compiled by AOTInductor, one
+    step for every cache length) gives the eager logits and tokens, through window slides, compiled once, with each
+    way a product runs inside it: MHA as by default at this size (every product through inductor's GEMM template,
+    reading blocked copies of the weights), GQA without the template (every weight fast_paths.Linear's (in, out) copy
+    padded to the thread count: the lm_head's way at GPT-2's size), MQA with the layers' products through the template
+    and the lm_head split over views of its weight, its odd row (vocab 101) multiplied apart. A padded batch takes the
+    eager step and still matches each prompt."""
+    if variant != "MHA":  # GQA: no product through the template; MQA: all but the lm_head's (32 x 101 floats)
+        monkeypatch.setattr(compiled_step, "TEMPLATE_MAX_BYTES", 0 if variant == "GQA" else 32 * 101 * 4 - 1)
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if variant == "GQA" else fast_paths.SPLIT_COPY_BYTES)
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", variant != "MQA")
     m = tiny_model(VARIANTS[variant], pos_encoding, **DECODE | {"vocab_size": 101 if variant == "MQA" else 96})
@@ -229,3 +260,10 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str
     if variant == "MQA" and split is not None:  # views, and the rows past a multiple of the thread count apart
         assert split.rest is not None and split.weight.size(0) * split.weight.size(2) + split.rest[0].size(0) == 101
     assert len(STEPS[m]) == 1
+    (_, sources, lent), = STEPS[m].values()  # the weights read in blocked copies: those of the template's products
+    blocked = {id(lent[name][0]) for name, _ in sources.values()}  # (lent as they are under their own names too)
+    candidates = {id(mod.weight) for mod in m.modules() if isinstance(mod, fast_paths.Linear) and variant != "GQA"
+                  and (variant == "MHA" or mod is not m.lm_head)}  # autotuning may still pick ATen's for a shape
+    if variant == "MQA" and split is not None:  # the lm_head's odd row: a small product of its own
+        candidates.add(id(split.rest[0]))
+    assert blocked <= candidates and bool(blocked) == bool(candidates)

@@ -1,0 +1,231 @@
+"""The compiled one-token decoding step on CPU (generation.stream's compile_step=True): GPT.decode_static exported
+(torch.export) and compiled ahead of time by AOTInductor, holding no weights of its own. The model lends it its
+tensors at each stream; the layer products run inductor's CPU GEMM template, which reads each weight in a blocked
+layout, so those weights are lent as blocked copies made from the model's own (README "Decoding (CPU)").
+"""
+
+import hashlib
+import io
+import json
+import warnings
+import weakref
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+from torch.nn import functional as F
+
+from atomic import atomic_open
+from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
+
+# Products of weights up to this size run inductor's CPU GEMM template inside the compiled step, faster than MKL's
+# for these small products; larger ones (GPT-2's lm_head) keep Linear's split product, which streams them faster
+# (README "Decoding (CPU)").
+TEMPLATE_MAX_BYTES = SPLIT_COPY_BYTES
+# The template is picked per product shape by timing it against ATen's product (inductor's autotuning). The package
+# first holds the weights it was compiled with in a side folder: that is where the blocked layouts are read from.
+TEMPLATE_CONFIGS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                    "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+
+
+class SplitStep(nn.Module):
+    """GPT.decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
+    tensors k and v. With template, every fast_paths.Linear of a weight up to TEMPLATE_MAX_BYTES multiplies unsplit
+    (the GEMM template takes it); the others use the split weights that Linear made for this thread count
+    (prepare_splits first), buffers here, so that export sees them as weights of the step, as the model's parameters."""
+
+    def __init__(self, model: nn.Module, template: bool) -> None:
+        super().__init__()
+        self.model = model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        self.unsplit = [m for m in linears if template and m.weight.nbytes <= TEMPLATE_MAX_BYTES]
+        self.linears = [m for m in linears if m.split is not None and all(m is not u for u in self.unsplit)]
+        for i, m in enumerate(self.linears):
+            rest = m.split.rest or (None, None)
+            for name, t in zip("wbrs", (m.split.weight, m.split.bias, *rest)):
+                if t is not None:  # (export miscounts buffers that are None)
+                    self.register_buffer(f"split{i}_{name}", t, persistent=False)
+
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits (B, 1, vocab) and each row's greedy token (B,)."""
+        made = [(m, m.split) for m in self.linears + self.unsplit]
+        try:
+            for m in self.unsplit:
+                m.split = None
+            for i, m in enumerate(self.linears):
+                w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
+                m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
+            logits = self.model.decode_static(idx, positions[-1:], SimpleNamespace(k=k, v=v), positions.size(0))
+            return logits, logits[:, -1].argmax(dim=-1)  # inside the graph: ~10x faster than ATen's CPU argmax
+        finally:
+            for m, split in made:
+                m.split = split
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every tensor the step reads besides its inputs, by name (a tied weight under each of its names)."""
+        return dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
+
+
+def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
+    """A Linear's weight (out, in) as inductor's CPU GEMM template reads a constant one: (out / block rounded up, in,
+    block), output features padded with zeros to a multiple of block."""
+    n, k = weight.shape
+    parts = -(-n // block)
+    return F.pad(weight, (0, 0, 0, parts * block - n)).view(parts, block, k).transpose(1, 2).contiguous()
+
+
+def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
+    """A stand-in for the i-th weight while compiling: every element distinct, the first one -1 - i."""
+    p = torch.arange(weight.numel(), dtype=weight.dtype).view(weight.shape)
+    p.view(-1)[0] = -1 - i
+    return nn.Parameter(p, requires_grad=False) if isinstance(weight, nn.Parameter) else p
+
+
+def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> dict[str, list] | None:
+    """{constant: [name of the weight, block]} for every constant that inductor made at compile time (the package's
+    weights besides the probes and the step's other tensors), each found by its probe's first element and checked to
+    be blocked(probe, block); None if one is anything else."""
+    sources = {}
+    with zipfile.ZipFile(io.BytesIO(package)) as z:
+        config = [n for n in z.namelist() if n.endswith("/weights_config.json")]
+        if len(config) != 1:
+            return None
+        folder = config[0].split("/aotinductor/")[0] + "/weights/"
+        for name, (file, shape, *_) in json.loads(z.read(config[0])).items():
+            if not name.startswith("constant"):  # the step's own tensors: lent as they are
+                continue
+            t = torch.load(io.BytesIO(z.read(folder + file)), weights_only=True)
+            i = -1 - int(t.view(-1)[0]) if t.dim() == 3 else -1
+            if not 0 <= i < len(probes) or not torch.equal(t, blocked(probes[i][1], shape[2])):
+                return None
+            sources[name] = [probes[i][0], shape[2]]
+    return sources
+
+
+def without_weights(package: bytes) -> bytes:
+    """The package with its side folder of weights left out: it then reads only what it is lent."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(package)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            if "/data/weights/" not in info.filename and not info.filename.endswith("/weights_config.json"):
+                dst.writestr(info, src.read(info))
+    return out.getvalue()
+
+
+def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[Any, dict] | None:
+    """step exported for inputs shaped as idx and as the K/V cache k, with any number of filled positions and of
+    cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor with its weights left
+    out, loaded; and blocked_sources' map of the blocked weights it reads. The package and the map are kept in
+    inductor's cache folder under a hash of the exported program, for later processes. None where the template made a
+    constant that is not a blocked weight (then compile the step without it)."""
+    top = max(block_size, 3)
+    length, cache = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
+    # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
+    example = (idx, torch.arange(2, device=idx.device), *[k.new_zeros(*k.shape[:3], 3, k.size(4)) for _ in "kv"])
+    program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: cache}, {3: cache}),
+                                  strict=False)
+    configs = {"aot_inductor.package_constants_in_so": False} | (TEMPLATE_CONFIGS if step.unsplit else {})
+    what = (f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
+            f"{configs}\n{program}")
+    path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
+    if path.exists() and path.with_suffix(".json").exists():
+        try:
+            return torch._inductor.aoti_load_package(str(path)), json.loads(path.with_suffix(".json").read_text())
+        except (RuntimeError, ValueError):  # unreadable: compiled again below
+            pass
+    # compiled on stand-ins of the matrices the template may block (any, as a split's odd rows can be one), each
+    # telling which it is in its blocked layout
+    probes = [(tensors, name, t) for tensors in (program.state_dict, program.constants)
+              for name, t in tensors.items() if t.dim() == 2 and t.is_floating_point()]
+    probes = [(tensors, name, probe(t, i)) for i, (tensors, name, t) in enumerate(probes)]
+    for tensors, name, p in probes:
+        tensors[name] = p
+    package = io.BytesIO()
+    with warnings.catch_warnings():  # torch's own, nothing the user can act on: pickling the program's tree specs,
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # autotuning,
+        warnings.filterwarnings("ignore", "No complete tensor found", UserWarning)  # packing weights that are views
+        torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=configs)
+    sources = blocked_sources(package.getvalue(), [(name, p) for _, name, p in probes]) if step.unsplit else {}
+    if sources is None:
+        return None
+    package = without_weights(package.getvalue()) if step.unsplit else package.getvalue()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path.with_suffix(".json"), "w") as f:
+        f.write(json.dumps(sources))
+    with atomic_open(path) as f:
+        f.write(package)
+    return torch._inductor.aoti_load_package(io.BytesIO(package)), sources
+
+
+def lend(weights: dict[str, torch.Tensor], sources: dict[str, list], before: dict[str, tuple]) -> dict[str, tuple]:
+    """What a compiled step reads, by name, as (tensor, what it was made from): the step's weights, and for each
+    blocked constant the blocked copy of its weight, reused from `before` while that weight is the same tensor
+    unchanged (weights made under inference_mode have no version to tell that by)."""
+    lent = {name: (t, None) for name, t in weights.items()}
+    for name, (source, block) in sources.items():
+        w = weights[source]
+        made = (w.data_ptr(), None if w.is_inference() else w._version, block)
+        lent[name] = before[name] if name in before and before[name][1] == made else (blocked(w, block), made)
+    return lent
+
+
+# Each model's compiled steps by what else their code depends on (CompiledStep.__call__): the package, its blocked
+# constants' sources, and the tensors last lent
+STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict, dict]]]" = weakref.WeakKeyDictionary()
+
+
+class CompiledStep:
+    """GPT.decode_static exported (torch.export) and compiled ahead of time by AOTInductor for the one-token steps on
+    CPU: the step's ~300 small ops become a few fused C++ loops around the products (inductor's GEMM template for the
+    layers', fast_paths.Linear's split for the larger lm_head), run from C++ with no Python or dynamo guards in
+    between. Attention reads the filled cache positions only; their count and the cache's length are the dynamic
+    sizes, so one compiled step serves every length and cache of a model at one batch size and thread count. It
+    holds no weights: each CompiledStep lends it the model's tensors (no copies) and blocked copies of the layer
+    weights (made again when a weight changes), so it reads them as they are at each stream (README "Decoding
+    (CPU)")."""
+
+    def __init__(self, model: nn.Module, kv_cache: object) -> None:
+        self.model, self.cache = model, kv_cache
+        self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
+        self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
+        prepare_splits(model)
+        self.step = SplitStep(model, template=kv_cache.k.dtype == torch.float32)
+        self.run: Callable | None = None
+
+    def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward, and
+        each row's greedy token (B,) where the compiled step computed it (None after an eager step)."""
+        length = self.cache.pos + 1
+        if length < 2:  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
+            return self.model(idx, kv_cache=self.cache)[0], None
+        if self.run is None:
+            self.run = self.load()
+        logits, greedy = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v])
+        self.cache.pos += 1
+        return logits, greedy
+
+    def load(self) -> Callable:
+        """The compiled step for this model, batch size and thread count (compiled on first use), lent its tensors."""
+        steps = STEPS.setdefault(self.model, {})
+        found = None
+        while found is None:  # the step's code depends on these besides the model: compiled once for each
+            weights = self.step.weights()
+            key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
+                   tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()))
+            found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache.k,
+                                                                      self.model.config.block_size)
+            if found is None:  # the template made a constant that is not a blocked weight: the step without it
+                self.step = SplitStep(self.model, template=False)
+        package, sources = found
+        lent = lend(weights, sources, steps[key][2] if key in steps else {})
+        package.load_constants({name: lent[name][0] for name in package.get_constant_fqns()},
+                               check_full_update=True, user_managed=True)
+        steps[key] = (package, sources, lent)  # the step points into these tensors: kept while it may run
+        return package.loader.boxed_run
