@@ -72,25 +72,28 @@ class SplitStep(nn.Module):
         return dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
 
 
-def blocked(weight: torch.Tensor, block: int) -> torch.Tensor:
+def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
     """A Linear's weight (out, in) as inductor's CPU GEMM template reads a constant one: (out / block rounded up, in,
-    block), output features padded with zeros to a multiple of block."""
+    block), output features padded with zeros to a multiple of block; with vnni > 1 (bf16 products on AMX or
+    AVX512-BF16), each run of vnni input features stored together for every output feature of a block."""
     n, k = weight.shape
     parts = -(-n // block)
-    return F.pad(weight, (0, 0, 0, parts * block - n)).view(parts, block, k).transpose(1, 2).contiguous()
+    w = F.pad(weight, (0, 0, 0, parts * block - n)).view(parts, block, k).transpose(1, 2)
+    return w.reshape(parts, k // vnni, vnni, block).transpose(2, 3).reshape(parts, k, block).contiguous()
 
 
 def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
-    """A stand-in for the i-th weight while compiling: every element distinct, the first one -1 - i."""
-    p = torch.arange(weight.numel(), dtype=weight.dtype).view(weight.shape)
+    """A stand-in for the i-th weight while compiling: integers in [0, 256) in a scrambled order (exact in bf16, so
+    that any other layout of them differs), the first one -1 - i."""
+    p = (torch.arange(weight.numel()) * 7919 % 256).to(weight.dtype).view(weight.shape)
     p.view(-1)[0] = -1 - i
     return nn.Parameter(p, requires_grad=False) if isinstance(weight, nn.Parameter) else p
 
 
 def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> dict[str, list] | None:
-    """{constant: [name of the weight, block]} for every constant that inductor made at compile time (the package's
-    weights besides the probes and the step's other tensors), each found by its probe's first element and checked to
-    be blocked(probe, block); None if one is anything else."""
+    """{constant: [name of the weight, block, vnni]} for every constant that inductor made at compile time (the
+    package's weights besides the probes and the step's other tensors), each found by its probe's first element and
+    checked to be blocked(probe, block, vnni); None if one is anything else."""
     sources = {}
     with zipfile.ZipFile(io.BytesIO(package)) as z:
         config = [n for n in z.namelist() if n.endswith("/weights_config.json")]
@@ -102,9 +105,11 @@ def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> d
                 continue
             t = torch.load(io.BytesIO(z.read(folder + file)), weights_only=True)
             i = -1 - int(t.view(-1)[0]) if t.dim() == 3 else -1
-            if not 0 <= i < len(probes) or not torch.equal(t, blocked(probes[i][1], shape[2])):
+            vnni = [n for n in (1, 2, 4) if 0 <= i < len(probes) and shape[1] % n == 0
+                    and torch.equal(t, blocked(probes[i][1], shape[2], n))]
+            if not vnni:
                 return None
-            sources[name] = [probes[i][0], shape[2]]
+            sources[name] = [probes[i][0], shape[2], vnni[0]]
     return sources
 
 
@@ -169,10 +174,10 @@ def lend(weights: dict[str, torch.Tensor], sources: dict[str, list], before: dic
     blocked constant the blocked copy of its weight, reused from `before` while that weight is the same tensor
     unchanged (weights made under inference_mode have no version to tell that by)."""
     lent = {name: (t, None) for name, t in weights.items()}
-    for name, (source, block) in sources.items():
+    for name, (source, *layout) in sources.items():
         w = weights[source]
-        made = (w.data_ptr(), None if w.is_inference() else w._version, block)
-        lent[name] = before[name] if name in before and before[name][1] == made else (blocked(w, block), made)
+        made = (w.data_ptr(), None if w.is_inference() else w._version, *layout)
+        lent[name] = before[name] if name in before and before[name][1] == made else (blocked(w, *layout), made)
     return lent
 
 
@@ -196,7 +201,7 @@ class CompiledStep:
         self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
         self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
         prepare_splits(model)
-        self.step = SplitStep(model, template=kv_cache.k.dtype == torch.float32)
+        self.step = SplitStep(model, template=True)
         self.run: Callable | None = None
 
     def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -218,7 +223,8 @@ class CompiledStep:
         while found is None:  # the step's code depends on these besides the model: compiled once for each
             weights = self.step.weights()
             key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
-                   tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()))
+                   tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),
+                   tuple(name for name, m in self.model.named_modules() if any(m is u for u in self.step.unsplit)))
             found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache.k,
                                                                       self.model.config.block_size)
             if found is None:  # the template made a constant that is not a blocked weight: the step without it

@@ -261,9 +261,29 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str
         assert split.rest is not None and split.weight.size(0) * split.weight.size(2) + split.rest[0].size(0) == 101
     assert len(STEPS[m]) == 1
     (_, sources, lent), = STEPS[m].values()  # the weights read in blocked copies: those of the template's products
-    blocked = {id(lent[name][0]) for name, _ in sources.values()}  # (lent as they are under their own names too)
+    blocked = {id(lent[name][0]) for name, *_ in sources.values()}  # (lent as they are under their own names too)
     candidates = {id(mod.weight) for mod in m.modules() if isinstance(mod, fast_paths.Linear) and variant != "GQA"
                   and (variant == "MHA" or mod is not m.lm_head)}  # autotuning may still pick ATen's for a shape
     if variant == "MQA" and split is not None:  # the lm_head's odd row: a small product of its own
         candidates.add(id(split.rest[0]))
     assert blocked <= candidates and bool(blocked) == bool(candidates)
+
+
+@COMPILES
+def test_compiled_bf16_step_gives_the_eager_logits_through_blocked_weights() -> None:
+    """In bf16 the compiled step's products run inductor's GEMM template too (AMX or AVX512-BF16 read the weights
+    with pairs of input features together, others as in fp32): each step's logits are the eager step's to bf16
+    rounding, read through blocked copies of the weights in whichever layout the template took."""
+    m = tiny_model(None, "rope", **DECODE).to(torch.bfloat16)
+    idx = torch.randint(0, 96, (1, 40))
+    cache, ref = m.make_kv_cache(1, 64), m.make_kv_cache(1, 64)
+    with torch.inference_mode():
+        m(idx[:, :1], kv_cache=cache), m(idx[:, :1], kv_cache=ref)
+        step = CompiledStep(m, cache)
+        for t in range(1, 40):
+            got, want = step(idx[:, t:t + 1])[0], m(idx[:, t:t + 1], kv_cache=ref)[0]
+            torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
+            assert got.argmax() == want.argmax() or want[0, 0].float().topk(2).values.diff().abs() < 0.05
+    (_, sources, lent), = STEPS[m].values()
+    assert sources and all(lent[name][0].dtype == torch.bfloat16 for name in sources)
+    assert {vnni for *_, vnni in sources.values()} <= {1, 2, 4}
