@@ -3,8 +3,10 @@ and the CPU allocator setting. train.py, sample.py, bench.py and compare.py shar
 """
 
 import ctypes
+import gc
 import os
 import re
+import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -77,8 +79,18 @@ def setup_distributed(device: str, alone: bool = False) -> Dist:
 
 
 def teardown_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group and end its backend's threads here, not during the interpreter's exit, where a gloo
+    worker thread that still releases a collective's tensors aborts the process ("terminate called without an active
+    exception"). Under FSDP, device meshes that DTensor's caches keep hold the group: they let go of it first, so
+    that destroying the group frees it."""
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    if "torch.distributed.device_mesh" in sys.modules:
+        from torch.distributed.device_mesh import DeviceMesh
+        for mesh in (o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)):
+            getattr(mesh, "_pg_registry", {}).clear()
+    gc.collect()  # the model's DTensors and the mesh they name, in reference cycles
 
 
 def resolve_dtype(name: str, device_type: str) -> torch.dtype:

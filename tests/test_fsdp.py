@@ -93,6 +93,21 @@ def test_the_gathered_checkpoint_samples_and_converts(pycode_small: Path, tmp_pa
     assert load_checkpoint(tmp_path / "mqa" / "ckpt.pt")["model_config"]["n_kv_head"] == 1
 
 
+def gloo_threads() -> int:
+    """How many of this process's threads belong to a gloo process group (its worker and transport threads)."""
+    return sum(Path(t, "comm").read_text().startswith(("pt_gloo", "gloo")) for t in Path("/proc/self/task").iterdir())
+
+
+def test_an_fsdp_run_ends_its_gloo_threads_before_the_process_exits(pycode_small: Path, tmp_path: Path) -> None:
+    """DTensor's caches keep FSDP's device mesh and, through it, the process group alive past destroy_process_group:
+    its gloo threads then ran into the interpreter's exit, where one that still released a collective's tensors
+    aborted a rank now and then (SIGABRT, "terminate called without an active exception"). train.py ends them."""
+    before = gloo_threads()
+    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, "--max_iters=2",
+         "--parallel=fsdp"])  # in this process: a group of its own
+    assert (tmp_path / "ckpt.pt").is_file() and gloo_threads() == before
+
+
 def test_sigterm_under_fsdp_saves_a_sharded_checkpoint_that_resumes(pycode_small: Path, tmp_path: Path) -> None:
     args = [sys.executable, *TORCHRUN, "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}",
             *TINY_TRAIN, "--log_interval=1", "--max_iters=100000", "--eval_interval=100000", "--parallel=fsdp",
