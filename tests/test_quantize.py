@@ -29,8 +29,10 @@ def test_int8_linear_rounds_each_row_to_its_own_scale(bias: bool) -> None:
         want, got = layer(x), q(x)
     assert got.shape == want.shape
     assert (got - want).norm() / want.norm() < 0.01
-    torch.testing.assert_close(got, x @ (q.weight * q.scale[:, None]).T + (layer.bias if bias else 0),
-                               rtol=1e-4, atol=1e-5)
+    # on CPU the product takes bf16 activations and scales, its result rounded to bf16 (torch's int8 kernel)
+    bf16 = lambda t: t.bfloat16().float()  # noqa: E731
+    want_exact = bf16(bf16(x) @ (q.weight * bf16(q.scale)[:, None]).T) + (layer.bias if bias else 0)
+    torch.testing.assert_close(got, want_exact, rtol=8e-3, atol=1e-3)
 
 
 @COMPILES
