@@ -33,6 +33,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
         return matmul_attention(q, k, v, mask, dropout_p)  # SDPA's CPU flash kernel is slower in bf16 training
     B, H, T, hd = q.shape
+    if q.is_cpu and q.dtype == torch.bfloat16 and T == 1 and mask is None and not dropout_p:
+        return one_query_attention(q, k, v)  # and 3-5x slower for one query over a bf16 cache
     G = k.size(1)
     with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
         if G != H and T == 1 and (mask is not None or q.is_cpu):
@@ -44,6 +46,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             return y.view(B, H, 1, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                               dropout_p=dropout_p, enable_gqa=G != H)
+
+
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """attention() of one query per head, q (B, n_head, 1, hd), over every key of k, v: two matmuls and a softmax in
+    fp32, each K/V head's queries as its rows (no copies for GQA/MQA). For bf16 on CPU, where SDPA's kernel takes
+    3-5x longer at a long context: eager in fp32 (torch's one-row bf16 products are slow), compiled with bf16
+    products, which inductor makes fast (README "Decoding (CPU)")."""
+    B, H, _, hd = q.shape
+    G = k.size(1)
+    dtype = q.dtype if torch.compiler.is_compiling() else torch.float32
+    scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).float() * hd**-0.5
+    return (scores.softmax(dim=-1).to(dtype) @ v.to(dtype)).to(q.dtype).view(B, H, 1, hd)
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -140,6 +140,26 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
     torch.testing.assert_close(low.float(), ref, rtol=0, atol=0.05)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_one_query_attention_over_a_bf16_cache_equals_sdpa(n_kv_head: int, compiled: bool) -> None:
+    """Decoding in bf16 on CPU, attention() takes one_query_attention: SDPA's function of the fp32 values to bf16
+    rounding, eager (fp32 products) and compiled (bf16 products), each K/V head serving its queries."""
+    q = torch.randn(2, 4, 1, 16)
+    k, v = (torch.randn(2, n_kv_head, 37, 16) for _ in range(2))
+    ref_k, ref_v = (t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q, ref_k, ref_v)
+    low = [t.bfloat16() for t in (q, k, v)]
+    call = torch.compile(fast_paths.attention, fullgraph=True) if compiled else fast_paths.attention
+    with torch.inference_mode():
+        out = call(*low, None, 0.0, cached=True)
+        direct = fast_paths.one_query_attention(*low)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.05)
+    if not compiled:  # the path attention() takes, not SDPA's
+        assert torch.equal(out, direct)
+
+
 @pytest.mark.parametrize("copy", [False, True])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("bias", [True, False])
