@@ -29,8 +29,10 @@ from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
 TEMPLATE_MAX_BYTES = SPLIT_COPY_BYTES
 # The template is picked per product shape by timing it against ATen's product (inductor's autotuning). The package
 # first holds the weights it was compiled with in a side folder: that is where the blocked layouts are read from.
+# The timings of each choice stay out of the user's terminal.
 TEMPLATE_CONFIGS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                    "aot_inductor.package_constants_on_disk_format": "pickle_weights"}
+                    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+                    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
 
 class SplitStep(nn.Module):
