@@ -158,6 +158,11 @@ def bench_memory(world_sizes: list[int]) -> list[dict]:
     return rows
 
 
+def header(mode: str, device: str, mcfg: GPTConfig) -> None:
+    print(f"# {mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
+          f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
+
+
 def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
     """The trained checkpoint in base.out_dir in fp32 and with int8 weights (quantize.py): val loss over eval_iters
     batches of its dataset, the share of positions where the two predict the same next token (on those batches),
@@ -165,6 +170,7 @@ def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
     ckpt = load_checkpoint(Path(base.out_dir) / "ckpt.pt")
     models = {"float32": model_from_checkpoint(ckpt).eval()}
     models["int8"] = quantize(copy.deepcopy(models["float32"]), "int8")
+    header("int8", "cpu", models["float32"].config)
     batches = Batches(data_dir(ckpt.get("config", {}).get("dataset", base.dataset)), models["int8"].config.block_size,
                       base.batch_size, base.seed, "cpu")
     n, gen, rows, greedy, picks = cfg.new_tokens[0], torch.Generator().manual_seed(0), [], {}, {}
@@ -196,8 +202,8 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     cfg, base, train_args = config
     device = resolve_device(base.device, 0)
     mcfg = base.model_config(vocab_size=vocab_size_of(base.dataset) or 50304)
-    print(f"# {cfg.mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
-          f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
+    if cfg.mode != "int8":  # which reads its model from a checkpoint
+        header(cfg.mode, device, mcfg)
     if cfg.mode == "hf":
         rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device, cfg.llama_cpp)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",

@@ -58,7 +58,7 @@ def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
 @COMPILES
 def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Path) -> None:
     """bench.py --mode=int8 reads a checkpoint and its dataset: fp32 and int8 val losses close, the next-token
-    agreement near 1, sizes a quarter."""
+    agreement near 1, sizes a quarter; its header describes the checkpoint's model."""
     rng = np.random.default_rng(0)
     data = tmp_path / "data"
     meta = {"vocab_size": 96, "tokenizer": "char", "chars": [chr(32 + i) for i in range(96)]}
@@ -71,6 +71,7 @@ def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Pat
     assert abs(int8["val_loss"] - fp32["val_loss"]) < 0.01 and int8["top1_agreement"] > 0.9
     assert int8["weight_bytes"] < 0.5 * fp32["weight_bytes"]
     assert 0 <= int8["greedy_agreement"] <= 1 and int8["compiled_tok_s"] > 0 and fp32["eager_tok_s"] > 0
+    assert "int8 benchmark on cpu" in r.stderr and "2 layers, 4 heads, 32 wide, vocab 96" in r.stderr
 
 
 def test_sample_refuses_an_unknown_quantization(tmp_path: Path) -> None:
