@@ -23,8 +23,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale.to(w.dtype))
         # the scale for bf16 products of fp32 activations (below), a buffer: inductor's lowering of the int8 product
-        # takes its scale as it comes, and a cast inside the graph is not realized for it
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
+        # takes its scale as it comes, and a cast inside the graph is not realized for it. In the state dict too, so
+        # that loading one sets both scales.
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
