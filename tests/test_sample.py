@@ -1,4 +1,5 @@
 import base64
+import re
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,17 @@ def test_greedy_with_and_without_cache_agree(variant: str, tmp_path: Path) -> No
 @COMPILES
 def test_compiled_step_writes_the_eager_text(tmp_path: Path) -> None:
     """--compile=True (the one-token step compiled by AOTInductor) samples what the eager step does, greedy past
-    block_size and drawn with a seed; compiling it (autotuning the products) prints nothing of its own."""
+    block_size and drawn with a seed; compiling it (autotuning the products) prints nothing of its own, and the
+    speed it reports leaves the compiling out."""
     save_checkpoint(tmp_path / "ckpt.pt", GPT(GPTConfig(**DECODE)), iter_num=0, data_meta=CHARS.meta())
     for args in (["--temperature=0", "--max_new_tokens=70"], ["--temperature=1.0", "--top_k=None", "--seed=3"]):
         eager, compiled = (sample(tmp_path, "--start=def f(x):", "--max_new_tokens=50", *args, f"--compile={c}")
                            for c in (False, True))
         assert compiled.stdout == eager.stdout and len(eager.stdout) > 50
         assert "AUTOTUNE" not in compiled.stderr
+        # its speed told apart from the compiling (or loading) that the second step waits for
+        assert re.search(r"compiled step ready after [\d.]+ s, then [\d,]+ tok/s", compiled.stderr)
+        assert "compiled step" not in eager.stderr
 
 
 def test_same_seed_same_text_other_seed_other_text(tmp_path: Path) -> None:
@@ -152,9 +157,10 @@ def test_a_single_sample_streams_exactly_the_text_it_returns(tmp_path: Path, cap
     make_checkpoint(tmp_path, 2)
     model = model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt")).eval()
     cfg = sample_script.SampleConfig(max_new_tokens=80, temperature=1.0, top_k=None, stop="e", seed=5)
-    texts, n_tokens, _, _ = sample_script.decode(model, CHARS, torch.tensor([CHARS.encode("import ")]), None, cfg)
+    texts, n_tokens, times = sample_script.decode(model, CHARS, torch.tensor([CHARS.encode("import ")]), None, cfg)
     streamed = capsys.readouterr().out
     assert streamed == texts[0] and 0 < n_tokens == len(texts[0]) and texts[0].endswith("e")
+    assert times[-1][1] == n_tokens and [n for _, n in times] == list(range(1, n_tokens + 1))  # a token a step
 
 
 def test_bpe_sample_stops_at_the_end_of_text_token(tmp_path: Path) -> None:
