@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from atomic import atomic_open
 from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
+from quantize import Int8Linear
 
 # Products of weights up to this size run inductor's CPU GEMM template inside the compiled step, faster than MKL's
 # for these small products; larger ones (GPT-2's lm_head) keep Linear's split product, which streams them faster
@@ -38,14 +39,18 @@ TEMPLATE_CONFIGS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CP
 class SplitStep(nn.Module):
     """GPT.decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
     tensors k and v. With template, every fast_paths.Linear of a weight up to TEMPLATE_MAX_BYTES multiplies unsplit
-    (the GEMM template takes it); the others use the split weights that Linear made for this thread count
-    (prepare_splits first), buffers here, so that export sees them as weights of the step, as the model's parameters."""
+    (the GEMM template takes it), as does every quantize.Int8Linear (faster than torch's int8 kernel); the others use
+    the split weights that Linear made for this thread count (prepare_splits first), buffers here, so that export
+    sees them as weights of the step, as the model's parameters."""
 
     def __init__(self, model: nn.Module, template: bool) -> None:
         super().__init__()
         self.model = model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         self.unsplit = [m for m in linears if template and m.weight.nbytes <= TEMPLATE_MAX_BYTES]
+        self.int8 = [m for m in model.modules() if template and isinstance(m, Int8Linear)
+                     and m.weight.nbytes <= TEMPLATE_MAX_BYTES]
+        self.template = bool(self.unsplit or self.int8)  # compiled with the template among its choices
         self.linears = [m for m in linears if m.split is not None and all(m is not u for u in self.unsplit)]
         for i, m in enumerate(self.linears):
             rest = m.split.rest or (None, None)
@@ -85,17 +90,17 @@ def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
 
 
 def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
-    """A stand-in for the i-th weight while compiling: integers in [0, 256) in a scrambled order (exact in bf16, so
-    that any other layout of them differs), the first one -1 - i."""
-    p = (torch.arange(weight.numel()) * 7919 % 256).to(weight.dtype).view(weight.shape)
-    p.view(-1)[0] = -1 - i
+    """A stand-in for the i-th weight while compiling: integers in [0, 128) in a scrambled order (exact in bf16 and
+    int8, so that any other layout of them differs), the first one -1 - i % 128."""
+    p = (torch.arange(weight.numel()) * 7919 % 128).to(weight.dtype).view(weight.shape)
+    p.view(-1)[0] = -1 - i % 128
     return nn.Parameter(p, requires_grad=False) if isinstance(weight, nn.Parameter) else p
 
 
 def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> dict[str, list] | None:
     """{constant: [name of the weight, block, vnni]} for every constant that inductor made at compile time (the
-    package's weights besides the probes and the step's other tensors), each found by its probe's first element and
-    checked to be blocked(probe, block, vnni); None if one is anything else."""
+    package's weights besides the probes and the step's other tensors): the probe that it is blocked(probe, block,
+    vnni) of, among those with its first element; None if one is anything else."""
     sources = {}
     with zipfile.ZipFile(io.BytesIO(package)) as z:
         config = [n for n in z.namelist() if n.endswith("/weights_config.json")]
@@ -106,12 +111,12 @@ def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> d
             if not name.startswith("constant"):  # the step's own tensors: lent as they are
                 continue
             t = torch.load(io.BytesIO(z.read(folder + file)), weights_only=True)
-            i = -1 - int(t.view(-1)[0]) if t.dim() == 3 else -1
-            vnni = [n for n in (1, 2, 4) if 0 <= i < len(probes) and shape[1] % n == 0
-                    and torch.equal(t, blocked(probes[i][1], shape[2], n))]
-            if not vnni:
+            found = [[source, shape[2], n] for source, p in probes if t.dim() == 3 and p.dtype == t.dtype
+                     and p.size(1) == shape[1] and p.view(-1)[0] == t.view(-1)[0] for n in (1, 2, 4)
+                     if shape[1] % n == 0 and torch.equal(t, blocked(p, shape[2], n))]
+            if not found:
                 return None
-            sources[name] = [probes[i][0], shape[2], vnni[0]]
+            sources[name] = found[0]
     return sources
 
 
@@ -137,7 +142,7 @@ def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size
     example = (idx, torch.arange(2, device=idx.device), *[k.new_zeros(*k.shape[:3], 3, k.size(4)) for _ in "kv"])
     program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: cache}, {3: cache}),
                                   strict=False)
-    configs = {"aot_inductor.package_constants_in_so": False} | (TEMPLATE_CONFIGS if step.unsplit else {})
+    configs = {"aot_inductor.package_constants_in_so": False} | (TEMPLATE_CONFIGS if step.template else {})
     what = (f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
             f"{configs}\n{program}")
     path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
@@ -149,7 +154,7 @@ def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size
     # compiled on stand-ins of the matrices the template may block (any, as a split's odd rows can be one), each
     # telling which it is in its blocked layout
     probes = [(tensors, name, t) for tensors in (program.state_dict, program.constants)
-              for name, t in tensors.items() if t.dim() == 2 and t.is_floating_point()]
+              for name, t in tensors.items() if t.dim() == 2 and (t.is_floating_point() or t.dtype == torch.int8)]
     probes = [(tensors, name, probe(t, i)) for i, (tensors, name, t) in enumerate(probes)]
     for tensors, name, p in probes:
         tensors[name] = p
@@ -159,10 +164,10 @@ def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # autotuning,
         warnings.filterwarnings("ignore", "No complete tensor found", UserWarning)  # packing weights that are views
         torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=configs)
-    sources = blocked_sources(package.getvalue(), [(name, p) for _, name, p in probes]) if step.unsplit else {}
+    sources = blocked_sources(package.getvalue(), [(name, p) for _, name, p in probes]) if step.template else {}
     if sources is None:
         return None
-    package = without_weights(package.getvalue()) if step.unsplit else package.getvalue()
+    package = without_weights(package.getvalue()) if step.template else package.getvalue()
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path.with_suffix(".json"), "w") as f:
         f.write(json.dumps(sources))
@@ -226,7 +231,8 @@ class CompiledStep:
             weights = self.step.weights()
             key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
                    tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),
-                   tuple(name for name, m in self.model.named_modules() if any(m is u for u in self.step.unsplit)))
+                   tuple(name for name, m in self.model.named_modules()
+                         if any(m is u for u in self.step.unsplit + self.step.int8)))
             found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache.k,
                                                                       self.model.config.block_size)
             if found is None:  # the template made a constant that is not a blocked weight: the step without it

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from checkpoint import save_checkpoint
+from compiled_step import STEPS
 from conftest import COMPILES, DECODE, cli, run, tiny_model
 from dataset import write_dataset
 from model import GPT, GPTConfig
@@ -39,7 +40,8 @@ def test_int8_linear_rounds_each_row_to_its_own_scale(bias: bool) -> None:
 def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
     """quantize() makes every Linear int8 (the lm_head its own copy: the embedding it was tied to keeps fp32); the
     logits stay close to fp32's (GQA, 2 rows), and the compiled step decodes the eager int8 tokens past block_size
-    (the DECODE model, which bench.py --mode=int8 compiles next: one package for both)."""
+    (the DECODE model, which bench.py --mode=int8 compiles next: one package for both), its int8 products through
+    inductor's GEMM template (autotuning may still pick torch's kernel for some)."""
     m = tiny_model(2, "rope", block_size=16, vocab_size=101)
     q = quantize(copy.deepcopy(m), "int8")
     assert not [mod for mod in q.modules() if isinstance(mod, torch.nn.Linear)]
@@ -51,6 +53,10 @@ def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
         assert (got - want).norm() / want.norm() < 0.02
         eager = d.generate(idx[:1, :3], 80, temperature=0)
         assert torch.equal(d.generate(idx[:1, :3], 80, temperature=0, compile_step=True), eager)
+    (_, sources, lent), = STEPS[d].values()  # its int8 products through inductor's GEMM template: blocked int8 copies
+    int8 = {f"model.{name}.weight" for name, mod in d.named_modules() if isinstance(mod, Int8Linear)}
+    assert {source for source, *_ in sources.values()} <= int8 and sources
+    assert all(lent[name][0].dtype == torch.int8 for name in sources)
     with pytest.raises(ValueError, match="quantize='int4' must be one of"):
         quantize(m, "int4")
 
