@@ -91,8 +91,9 @@ def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
 
 def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
     """A stand-in for the i-th weight while compiling: integers in [0, 128) in a scrambled order (exact in bf16 and
-    int8, so that any other layout of them differs), the first one -1 - i % 128."""
-    p = (torch.arange(weight.numel()) * 7919 % 128).to(weight.dtype).view(weight.shape)
+    int8, so that any other layout of them differs), the first one -1 - i % 128, the order shifted by i // 128 (so
+    that probes of the same shape and first element differ)."""
+    p = ((torch.arange(weight.numel()) * 7919 + i // 128) % 128).to(weight.dtype).view(weight.shape)
     p.view(-1)[0] = -1 - i % 128
     return nn.Parameter(p, requires_grad=False) if isinstance(weight, nn.Parameter) else p
 

@@ -199,6 +199,17 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
     assert [len(STEPS[m]) for m in models] == [2, 1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
+    """The stand-ins that the compiled step is compiled on (compiled_step.probe) are exact in each dtype, and the
+    blocked layouts of any two of the same shape differ, past 128 of them too (the first elements repeat)."""
+    w = torch.zeros(48, 32, dtype=dtype)
+    probes = [compiled_step.probe(w, i) for i in range(300)]
+    assert all(p.dtype == dtype and p.view(-1)[0] == -1 - i % 128 for i, p in enumerate(probes))
+    layouts = {compiled_step.blocked(p, 16, 2).float().numpy().tobytes() for p in probes}
+    assert len(layouts) == len(probes)
+
+
 @COMPILES
 def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> None:
     """The compiled step's template products read blocked copies of the weights (compiled_step.lend): kept while a
