@@ -112,12 +112,15 @@ def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> d
             if not name.startswith("constant"):  # the step's own tensors: lent as they are
                 continue
             t = torch.load(io.BytesIO(z.read(folder + file)), weights_only=True)
-            found = [[source, shape[2], n] for source, p in probes if t.dim() == 3 and p.dtype == t.dtype
-                     and p.size(1) == shape[1] and p.view(-1)[0] == t.view(-1)[0] for n in (1, 2, 4)
-                     if shape[1] % n == 0 and torch.equal(t, blocked(p, shape[2], n))]
-            if not found:
+            if t.dim() != 3:
                 return None
-            sources[name] = found[0]
+            candidates = [(source, p) for source, p in probes
+                          if p.dtype == t.dtype and p.size(1) == shape[1] and p.view(-1)[0] == t.view(-1)[0]]
+            found = next(([source, shape[2], n] for source, p in candidates for n in (1, 2, 4)
+                          if shape[1] % n == 0 and torch.equal(t, blocked(p, shape[2], n))), None)
+            if found is None:
+                return None
+            sources[name] = found
     return sources
 
 

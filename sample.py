@@ -116,7 +116,7 @@ def main(cfg: SampleConfig) -> None:
             print(f"{prompt}{text}\n---------------", flush=True)
     mc = model.config
     kv = mc.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.transformer.wte.weight.dtype)
-    (elapsed, _), prefill_s = times[-1] if times else (0.0, 0), times[0][0] if times else 0.0
+    elapsed, prefill_s = (times[-1][0], times[0][0]) if times else (0.0, 0.0)
     speed = f"{n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill {prefill_s * 1000:.1f} ms"
     if cfg.compile and device == "cpu" and len(times) > 3:  # the second step compiles the step (or loads it): apart
         ready_s, ready_n = times[1]
