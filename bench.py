@@ -22,7 +22,7 @@ import torch
 import bench_peers
 import sharding
 from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import parse_config, run_cli, split_args
+from configurator import UserError, parse_config, run_cli, split_args
 from dataset import Batches, data_dir, vocab_size_of
 from fast_paths import Linear
 from measure import default_kv_heads, step_ms, table, timed_decode
@@ -61,6 +61,18 @@ class BenchConfig:
         if bad := [d for d in self.dtypes if d not in allowed]:
             raise ValueError(f"dtypes={self.dtypes!r}: {bad[0]!r} is not one of {', '.join(allowed)} (int8: --mode=hf "
                              f"only), e.g. --dtypes='[\"float32\", \"bfloat16\"]'")
+        lists = {"dtypes": self.dtypes, "compiles": self.compiles, "new_tokens": self.new_tokens,
+                 "batch_sizes": self.batch_sizes, "world_sizes": self.world_sizes}
+        problems = [f"{k}=[] needs at least one value" for k, v in lists.items() if not v]
+        problems += [f"{k}={v} must all be positive" for k, v in [*lists.items(), ("kv_heads", self.kv_heads)]
+                     if k not in ("dtypes", "compiles") and min(v, default=1) < 1]
+        problems += [f"{k}={getattr(self, k)} must be positive" for k in ("iters", "repeats") if getattr(self, k) < 1]
+        problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("warmup", "recompute_max_batch")
+                     if getattr(self, k) < 0]
+        if self.mode == "nanogpt" and not self.nanogpt_dir:
+            problems.append("--mode=nanogpt needs --nanogpt_dir=<a karpathy/nanoGPT checkout outside this repository>")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 GPT2_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024), "gpt2-xl": (48, 25, 1600)}  # layers, heads, width
@@ -202,6 +214,11 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     cfg, base, train_args = config
     device = resolve_device(base.device, 0)
     mcfg = base.model_config(vocab_size=vocab_size_of(base.dataset) or 50304)
+    if bad := [k for k in cfg.kv_heads if mcfg.n_head % k]:
+        raise UserError(f"kv_heads={cfg.kv_heads}: n_head={mcfg.n_head} is not divisible by n_kv_head={bad[0]}")
+    if cfg.mode == "hf" and max(cfg.new_tokens) >= mcfg.block_size:  # Hugging Face's GPT-2 cannot slide its window
+        raise UserError(f"new_tokens={cfg.new_tokens}: --mode=hf decodes up to block_size={mcfg.block_size} "
+                        f"positions (a 1-token prompt), so each must be below it")
     if cfg.mode != "int8":  # which reads its model from a checkpoint
         header(cfg.mode, device, mcfg)
     if cfg.mode == "hf":

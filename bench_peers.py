@@ -214,6 +214,8 @@ def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], device: s
     wall time against our last val loss and wall time; and the 6x384 step's ms/iter (nanoGPT as its recipe runs;
     ours eager and compiled: our_step_ms gives {compiled: ms})."""
     root = Path(nanogpt_dir).resolve()
+    if root == Path(__file__).resolve().parent:
+        raise UserError(f"--nanogpt_dir={nanogpt_dir} is this repository: pass a karpathy/nanoGPT checkout outside it")
     if not (root / "train.py").is_file():
         raise UserError(f"no nanoGPT checkout at {root}: git clone https://github.com/karpathy/nanoGPT there "
                         f"(outside this repository) and pass --nanogpt_dir")

@@ -7,8 +7,10 @@ atomically and loaded with weights_only=True (it cannot run code).
 
 import os
 import pickle
+import re
 import shutil
 import tempfile
+import zipfile
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 
 from atomic import atomic_open
-from configurator import UserError
+from configurator import UserError, first_line
 from model import GPT, GPTConfig
 
 
@@ -58,13 +60,18 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its directory is at the end of the file
+        raise UserError(f"checkpoint {path} is corrupt or truncated (not a whole torch.save archive)")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise UserError(f"refusing to load {path}: it holds objects other than tensors and plain data, which "
-                        f"could run code ({str(e).splitlines()[0]})") from e
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if unsafe is None:
+            raise UserError(f"checkpoint {path} is corrupt ({first_line(e)})") from e
+        raise UserError(f"refusing to load {path}: it holds {unsafe[1]}, not only tensors and plain data, and "
+                        f"loading it could run code") from e
     except (RuntimeError, EOFError, OSError) as e:
-        raise UserError(f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0]})") from e
+        raise UserError(f"checkpoint {path} is corrupt or truncated ({first_line(e)})") from e
     if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys():
         raise UserError(f"{path} is not a checkpoint written by this project (no 'model' and 'model_config')")
     return ckpt
@@ -79,7 +86,8 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
-        raise UserError(f"checkpoint weights do not match its model_config ({str(e).splitlines()[0]})") from e
+        reason = first_line(e, skip="Error(s) in loading")
+        raise UserError(f"checkpoint weights do not match its model_config ({reason})") from e
     return model
 
 
@@ -94,7 +102,7 @@ def from_hf_gpt2(name_or_path: str) -> GPT:
     try:
         hf = GPT2LMHeadModel.from_pretrained(name_or_path)
     except OSError as e:  # what transformers raises for no network, no cache or a bad folder
-        raise UserError(f"cannot load GPT-2 weights {name_or_path!r} ({str(e).splitlines()[0]}): with no network, "
+        raise UserError(f"cannot load GPT-2 weights {name_or_path!r} ({first_line(e)}): with no network, "
                         f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained") from e
     c = hf.config
     model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,

@@ -29,6 +29,14 @@ class UserError(Exception):
 USER_ERRORS = (UserError, OSError)
 
 
+def first_line(e: BaseException, skip: str | None = None) -> str:
+    """The first non-empty line of an exception's message (lines starting with skip left out), or its type's name:
+    the reason a UserError quotes from a library's many-line error."""
+    lines = [line.strip() for line in str(e).splitlines()]
+    lines = [line for line in lines if line and not (skip and line.startswith(skip))]
+    return lines[0][:300] if lines else type(e).__name__
+
+
 def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expected: str = "") -> Any:
     """value converted to the field type hint, or a UserError naming key, value, expected type and source."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
@@ -75,9 +83,16 @@ def _read_file(path: str) -> dict[str, Any]:
     """Top-level names a config file defines (imports, functions and _private names left out)."""
     file = Path(path)
     if not file.is_file():
-        raise UserError(f"config file {path} not found (arguments are config files or --key=value)")
+        what = "is not a file" if file.exists() else "not found"
+        raise UserError(f"config file {path} {what} (arguments are config files or --key=value)")
+    try:
+        code = compile(file.read_text(encoding="utf-8"), str(file), "exec")
+    except UnicodeDecodeError as e:
+        raise UserError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    except SyntaxError as e:
+        raise UserError(f"config file {path} line {e.lineno}: {e.msg}") from e
     namespace: dict[str, Any] = {"__file__": str(file)}
-    exec(compile(file.read_text(), str(file), "exec"), namespace)
+    exec(code, namespace)
     return {k: v for k, v in namespace.items() if not k.startswith("_")
             and not isinstance(v, types.ModuleType | types.FunctionType | type)}
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from atomic import atomic_open
-from configurator import UserError, run_cli
+from configurator import UserError, first_line, run_cli
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
 GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
@@ -219,7 +219,7 @@ def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: boo
             return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
         return datasets.load_dataset(hub_id, name, split="train", streaming=streaming, trust_remote_code=False)
     except (ConnectionError, OSError, ValueError) as e:  # no network, no cache, or files it cannot read
-        raise UserError(f"cannot load {local or hub_id} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+        raise UserError(f"cannot load {local or hub_id} ({type(e).__name__}: {first_line(e)}); "
                         f"with no network, pass local parquet/json/text files as --input=PATH") from e
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from atomic import atomic_open
-from configurator import UserError
+from configurator import UserError, first_line
 
 
 class RunLog:
@@ -60,7 +60,7 @@ def start_wandb(cfg: Any, default_name: str) -> Any:
         return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or default_name, group=cfg.wandb_group,
                           mode=mode, tags=cfg.wandb_tags, config=asdict(cfg), dir=cfg.out_dir)
     except Exception as e:  # wandb raises its own errors (no API key, no network)
-        raise UserError(f"wandb could not start ({type(e).__name__}: {str(e).splitlines()[0]}); "
+        raise UserError(f"wandb could not start ({type(e).__name__}: {first_line(e)}); "
                         f"set WANDB_MODE=offline to log locally, or --wandb_log=False") from e
 
 

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import UserError
+from configurator import UserError, first_line
 from model import GPT, GPTConfig
 
 
@@ -141,7 +141,7 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
         dcp.load(state, checkpoint_id=folder)
     except (CheckpointException, RuntimeError, ValueError, OSError) as e:
         raise UserError(f"the sharded checkpoint {folder} is corrupt or does not fit this model "
-                        f"({str(e).splitlines()[0]})") from e
+                        f"({first_line(e)})") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 

@@ -85,6 +85,22 @@ def test_nanogpt_bench_without_a_checkout_is_one_line(tmp_path: Path) -> None:
     assert f"no nanoGPT checkout at {tmp_path}" in r.stderr and "--nanogpt_dir" in r.stderr
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--mode=nanogpt"], "--mode=nanogpt needs --nanogpt_dir="),
+    (["--mode=nanogpt", f"--nanogpt_dir={Path(__file__).parents[1]}"], "is this repository"),
+    (["--mode=train", "--iters=0"], "iters=0 must be positive"),
+    (["--new_tokens=[0]"], "new_tokens=[0] must all be positive"),
+    (["--new_tokens=[]"], "new_tokens=[] needs at least one value"),
+    (["--batch_sizes=[0]"], "batch_sizes=[0] must all be positive"),
+    (["--kv_heads=[3]"], "n_head=4 is not divisible by n_kv_head=3"),
+    (["--mode=hf", "--new_tokens=[16]"], "each must be below it"),
+])
+def test_bad_bench_settings_are_one_line_before_any_work(args: list[str], message: str) -> None:
+    r = cli(["bench.py", *TINY, *args])
+    (error,) = [line for line in r.stderr.splitlines() if not line.startswith("# ")]  # at most the bench's header
+    assert r.returncode == 2 and error.startswith("error: ") and message in error
+
+
 def test_memory_bench_reports_ddp_and_fsdp_bytes_per_process() -> None:
     r = cli(["bench.py", "--mode=memory", "--world_sizes=[2,8]"])
     rows = json_rows(r.stdout)
