@@ -50,6 +50,13 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("train", "report", "all", "costs"):
             raise ValueError(f"mode={self.mode!r} must be one of train, report, all, costs")
+        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"kv_dtype={self.kv_dtype!r} must be float32, bfloat16 or float16")
+        sizes = ("kv_seq_len", "kv_batch", "decode_tokens", "decode_batch", "decode_context", "decode_steps")
+        if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
+            raise ValueError(f"{', '.join(bad)}: must be positive")
+        if min(self.kv_heads, default=1) < 1 or self.uptrain_fraction <= 0:
+            raise ValueError(f"kv_heads={self.kv_heads} and uptrain_fraction={self.uptrain_fraction} must be positive")
 
 
 def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig:
@@ -163,6 +170,11 @@ def report(cfg: CompareConfig, root: Path) -> str:
     if not dirs:
         raise UserError(f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)")
     runs = [read_run(d) | {"dir": str(d)} for d in dirs]
+    if unevaluated := [r["dir"] for r in runs if not r["evals"]]:  # e.g. a run stopped before its first evaluation
+        print(f"left out of the report, no evaluation logged yet: {', '.join(unevaluated)}", file=sys.stderr)
+        runs = [r for r in runs if r["evals"]]
+    if not runs:
+        raise UserError(f"no run under {root} has logged an evaluation yet")
     runs.sort(key=lambda r: (r["config"]["init_from"] != "scratch", -r["model_config"]["n_kv_head"]))
     for run in runs:  # a converted run continues its source's curve in the plot
         src = next((r for r in runs if Path(r["dir"]) == Path(run["config"]["init_from"].removeprefix("convert:"))),

@@ -86,9 +86,19 @@ def versions() -> dict[str, str | None]:
 def read_run(run_dir: Path) -> dict:
     """The latest run in run_dir/log.jsonl: its config and eval/train records, wall-clock continued across resumes
     (a record's wall_s)."""
-    records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-    starts = [i for i, r in enumerate(records) if r["event"] == "config"  # a fresh start, not a resume
+    path, records = run_dir / "log.jsonl", []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for i, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):  # a process killed mid-write leaves its last line cut short
+                break
+            raise UserError(f"{path} line {i} is not a JSON record ({e.msg}): not a log written by train.py") from e
+    starts = [i for i, r in enumerate(records) if r.get("event") == "config"  # a fresh start, not a resume
               and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0]
+    if not starts:
+        raise UserError(f"{path} holds no run's config record: not a log written by train.py")
     records = records[starts[-1]:]
     offset, last, evals, trains = 0.0, 0.0, [], []
     for r in records:

@@ -97,6 +97,29 @@ def test_sweep_and_report_end_to_end(pycode_small: Path, tmp_path: Path) -> None
     # each variant ran with the group and a tag naming it
     cfg = read_log(out / "gqa2")[0]["config"]
     assert cfg["wandb_group"] == "cmp" and "gqa2" in cfg["wandb_tags"] and cfg["n_kv_head"] == 2
+    # runs as a killed sweep leaves them: a last line cut short, a run stopped before its first evaluation
+    with open(out / "gqa2" / "log.jsonl", "a") as f:
+        f.write('{"event": "eval", "iter": 4')
+    mqa_log = out / "mqa" / "log.jsonl"
+    mqa_log.write_text(mqa_log.read_text().splitlines()[0] + "\n")
+    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--mode=report"])
+    assert f"left out of the report, no evaluation logged yet: {out / 'mqa'}" in r.stderr
+    again = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
+    assert list(again) == ["mha", "gqa2", "mha-to-gqa2", "mha-to-mqa"]
+    assert again["gqa2"]["final_val_loss"] == rows["gqa2"]["final_val_loss"]
+    mqa_log.write_text("")
+    r = cli(["compare.py", f"--out_dir={out}", *SWEEP, "--mode=report"])
+    assert r.returncode == 2 and r.stderr == f"error: {mqa_log} holds no run's config record: not a log written by " \
+                                             "train.py\n"
+
+
+@pytest.mark.parametrize(("arg", "message"), [("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
+                                              ("--decode_steps=0", "decode_steps=0: must be positive"),
+                                              ("--kv_heads=[0]", "kv_heads=[0] and uptrain_fraction=0.1 must be")])
+def test_bad_report_settings_are_one_line_before_any_training(tmp_path: Path, arg: str, message: str) -> None:
+    r = cli(["compare.py", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, arg])
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
+    assert not (tmp_path / "cmp").exists()
 
 
 def test_costs_table_lists_every_divisor() -> None:
