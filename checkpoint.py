@@ -5,6 +5,7 @@ A checkpoint is {'model': state_dict, 'model_config': asdict(GPTConfig), **state
 atomically and loaded with weights_only=True (it cannot run code).
 """
 
+import json
 import os
 import pickle
 import re
@@ -20,6 +21,8 @@ import torch
 from atomic import atomic_open
 from configurator import UserError, first_line
 from model import GPT, GPTConfig
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
 
 
 def check_out_dir(out_dir: Path, need_bytes: int) -> None:
@@ -99,6 +102,18 @@ def from_hf_gpt2(name_or_path: str) -> GPT:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    if name_or_path not in GPT2_NAMES:  # a local folder: from_pretrained would take a wrong one for a hub id
+        folder = Path(name_or_path)
+        if not (folder / "config.json").is_file():
+            raise UserError(f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved by "
+                            f"save_pretrained, or one of {', '.join(GPT2_NAMES)}")
+        try:
+            kind = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            kind = None
+        if kind != "gpt2":
+            raise UserError(f"{folder} is not a GPT-2 folder saved by save_pretrained (config.json's model_type is "
+                            f"{kind!r}); a checkpoint of this project loads with init_from=resume and out_dir")
     try:
         hf = GPT2LMHeadModel.from_pretrained(name_or_path)
     except OSError as e:  # what transformers raises for no network, no cache or a bad folder

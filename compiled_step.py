@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._inductor import cpp_builder
+from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn import functional as F
 
 from atomic import atomic_open
+from configurator import UserError
 from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
 from quantize import Int8Linear
 
@@ -155,6 +158,11 @@ def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size
             return torch._inductor.aoti_load_package(str(path)), json.loads(path.with_suffix(".json").read_text())
         except (RuntimeError, ValueError):  # unreadable: compiled again below
             pass
+    try:
+        cpp_builder.get_cpp_compiler()
+    except InvalidCxxCompiler as e:
+        raise UserError("compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set CXX), "
+                        "or decode without compile") from e
     # compiled on stand-ins of the matrices the template may block (any, as a split's odd rows can be one), each
     # telling which it is in its blocked layout
     probes = [(tensors, name, t) for tensors in (program.state_dict, program.constants)

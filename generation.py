@@ -3,6 +3,7 @@ sliding window, and the faster one-token step on CUDA, a CUDA graph replayed (th
 by AOTInductor, is compiled_step.py's). GPT.generate and GPT.stream call these.
 """
 
+import codecs
 from collections.abc import Iterator
 
 import torch
@@ -122,13 +123,18 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
     B, T0 = idx.shape
     bs = model.config.block_size
     keep = max(1, bs // 2)
-    tokens = torch.empty(B, T0 + max_new_tokens, dtype=idx.dtype, device=idx.device)
+    # the tokens so far, moved left when full (to what windows reach, at most bs + 1): bounded however many are asked
+    tokens = torch.empty(B, T0 + min(max_new_tokens, 2 * bs + 1), dtype=idx.dtype, device=idx.device)
     tokens[:, :T0] = idx
     # row b's window, what the model sees of it, is tokens[b, start[b]:n]: its newest real tokens, at most bs
     start = [max(p, T0 - bs) for p in ([0] * B if pad is None else pad.tolist())]
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)
-    kv_cache, cache_pad, graph = None, None, None
-    for n in range(T0, T0 + max_new_tokens):
+    kv_cache, cache_pad, graph, n = None, None, None, T0
+    for _ in range(max_new_tokens):
+        if n == tokens.size(1):  # full: keep what a window still reaches
+            drop = min(start)
+            tokens[:, :n - drop] = tokens[:, drop:n].clone()
+            start, n = [s - drop for s in start], n - drop
         greedy = None  # the greedy tokens, where the step computed them
         slid = [b for b in range(B) if n - start[b] > bs]  # full: keep the newest `keep` tokens, prefill them again
         for b in slid:
@@ -160,8 +166,34 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
             nxt = torch.where(done, eos, nxt)
             done |= nxt == eos
         tokens[:, n] = nxt
+        n += 1
         yield nxt
         if eos is not None and bool(done.all()):
+            return
+
+
+def stream_text(model: nn.Module, tok: object, idx: torch.Tensor, max_new_tokens: int, stop: str | None = None,
+                **options: object) -> Iterator[list[str | None]]:
+    """stream() as text: each step's new text of every row, None for a row that had ended. A row ends at the
+    tokenizer's end-of-text token (tok.eot_token) or just after the stop string (kept); its tokens decode as one UTF-8
+    stream (tok.decode_bytes), as a BPE token can end inside a character."""
+    B = idx.size(0)
+    texts, done = [""] * B, [False] * B
+    utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(B)]
+    for step in stream(model, idx, max_new_tokens, eos=tok.eot_token, **options):
+        pieces: list[str | None] = [None] * B
+        for b, t in enumerate(step.tolist()):
+            done[b] = done[b] or t == tok.eot_token
+            if done[b]:
+                continue
+            piece = utf8[b].decode(tok.decode_bytes([t]))
+            texts[b] += piece
+            if stop is not None and stop in texts[b][-len(piece) - len(stop):]:
+                end = texts[b].index(stop) + len(stop)
+                piece, texts[b], done[b] = piece[: len(piece) - (len(texts[b]) - end)], texts[b][:end], True
+            pieces[b] = piece
+        yield pieces
+        if all(done):
             return
 
 

@@ -4,7 +4,6 @@
 left-padded batch. A single sample streams to the terminal; timings go to stderr.
 """
 
-import codecs
 import sys
 import time
 from dataclasses import dataclass
@@ -13,10 +12,10 @@ from typing import Any
 
 import torch
 
-from checkpoint import from_hf_gpt2, load_checkpoint, model_from_checkpoint
+from checkpoint import GPT2_NAMES, from_hf_gpt2, load_checkpoint, model_from_checkpoint
 from configurator import UserError, run_cli
 from dataset import data_dir, load_meta, load_tokenizer
-from generation import check_sampling, left_pad, stream
+from generation import check_sampling, left_pad, stream_text
 from model import GPT
 from quantize import QUANTIZE, quantize
 from runtime import resolve_device
@@ -46,6 +45,10 @@ class SampleConfig:
         problems = [f"num_samples={self.num_samples} must be at least 1"] * (self.num_samples < 1)
         problems += [f"max_new_tokens={self.max_new_tokens} must not be negative"] * (self.max_new_tokens < 0)
         problems += [f"quantize={self.quantize!r} must be one of {QUANTIZE}"] * (self.quantize not in QUANTIZE)
+        if self.init_from not in ("resume", *GPT2_NAMES) and not self.init_from.startswith("hf:"):
+            problems.append(f"init_from={self.init_from!r} must be 'resume' (out_dir/ckpt.pt), "
+                            f"{', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
+        problems += ["stop='' would end every sample at once: give a string, or leave stop out"] * (self.stop == "")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
         if problems:
@@ -57,37 +60,31 @@ def read_prompts(start: str) -> list[str]:
     if kind not in ("FILE", "LINES") or not path:
         return [start]
     if not Path(path).is_file():
-        raise UserError(f"prompt file {path} not found")
-    text = Path(path).read_text(encoding="utf-8")
-    return [line for line in text.splitlines() if line] if kind == "LINES" else [text]
+        raise UserError(f"prompt file {path} {'is not a file' if Path(path).exists() else 'not found'}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    prompts = [line for line in text.splitlines() if line] if kind == "LINES" else [text]
+    if not prompts:
+        raise UserError(f"prompt file {path} has no non-empty line: LINES: makes one prompt of each")
+    return prompts
 
 
 def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig
            ) -> tuple[list[str], int, list[tuple[float, int]]]:
-    """Each row's new text (ending at end-of-text, or just after the stop string), the number of tokens decoded, and
-    after each step the seconds since the start and the tokens so far. A batch of one row streams to stdout."""
-    B, streaming = idx.size(0), idx.size(0) == 1
-    texts, done, n_tokens, t0, times = [""] * B, [False] * B, 0, time.perf_counter(), []
-    utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(B)]  # BPE tokens split characters
+    """Each row's new text (generation.stream_text), the number of tokens decoded, and after each step the seconds
+    since the start and the tokens so far. A batch of one row streams to stdout."""
+    B, texts, n_tokens, t0, times = idx.size(0), [""] * idx.size(0), 0, time.perf_counter(), []
     gen = torch.Generator(idx.device).manual_seed(cfg.seed)
-    for step in stream(model, idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                       eos=tok.eot_token, use_cache=cfg.kv_cache, pad=pad, generator=gen, cuda_graph=cfg.cuda_graph,
-                       compile_step=cfg.compile):
-        for b, t in enumerate(step.tolist()):
-            done[b] = done[b] or t == tok.eot_token
-            if done[b]:
-                continue
-            n_tokens += 1
-            piece = utf8[b].decode(tok.decode_bytes([t]))
-            texts[b] += piece
-            if cfg.stop is not None and cfg.stop in texts[b][-len(piece) - len(cfg.stop):]:
-                end = texts[b].index(cfg.stop) + len(cfg.stop)
-                piece, texts[b], done[b] = piece[: len(piece) - (len(texts[b]) - end)], texts[b][:end], True
-            if streaming:
-                print(piece, end="", flush=True)
+    for pieces in stream_text(model, tok, idx, cfg.max_new_tokens, cfg.stop, temperature=cfg.temperature,
+                              top_k=cfg.top_k, top_p=cfg.top_p, use_cache=cfg.kv_cache, pad=pad, generator=gen,
+                              cuda_graph=cfg.cuda_graph, compile_step=cfg.compile):
+        n_tokens += sum(p is not None for p in pieces)
+        texts = [text + (p or "") for text, p in zip(texts, pieces, strict=True)]
+        if B == 1:
+            print(pieces[0] or "", end="", flush=True)
         times.append((time.perf_counter() - t0, n_tokens))
-        if all(done):
-            break
     return texts, n_tokens, times
 
 
@@ -103,7 +100,10 @@ def main(cfg: SampleConfig) -> None:
     model = quantize(model.to(device=device, dtype=getattr(torch, cfg.dtype)), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
     ids, bs, B = [tok.encode(p) for p in prompts], model.config.block_size, len(prompts)
-    if bad := [len(p) for p in ids if not p or len(p) > bs]:
+    if not all(ids):
+        raise UserError("the prompt is empty: give it at least one character (--start=..., nanoGPT's default is a "
+                        "newline)")
+    if bad := [len(p) for p in ids if len(p) > bs]:
         raise UserError(f"a prompt has {bad[0]} tokens; it needs 1 to block_size={bs} (shorten it, or train with a "
                         f"larger block_size)")
     idx, pad = left_pad(ids, device=device)
@@ -118,7 +118,7 @@ def main(cfg: SampleConfig) -> None:
     kv = mc.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.transformer.wte.weight.dtype)
     elapsed, prefill_s = (times[-1][0], times[0][0]) if times else (0.0, 0.0)
     speed = f"{n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill {prefill_s * 1000:.1f} ms"
-    if cfg.compile and device == "cpu" and len(times) > 3:  # the second step compiles the step (or loads it): apart
+    if cfg.compile and device == "cpu" and cfg.kv_cache and not pad.any() and len(times) > 3:  # step 2 compiles
         ready_s, ready_n = times[1]
         rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
         speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"

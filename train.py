@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sharding
 from checkpoint import (
+    GPT2_NAMES,
     check_out_dir,
     convert_kv_heads,
     gpt2_for_finetuning,
@@ -40,8 +41,6 @@ from runtime import (
     stop_requested,
     teardown_distributed,
 )
-
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 @with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False, vocab_size=None)

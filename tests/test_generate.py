@@ -1,3 +1,4 @@
+import itertools
 import re
 
 import pytest
@@ -7,7 +8,7 @@ import compiled_step
 import fast_paths
 from compiled_step import STEPS, CompiledStep
 from conftest import COMPILES, DECODE, VARIANTS, allowed, sharpened, tiny_model
-from generation import left_pad, sample_logits
+from generation import left_pad, sample_logits, stream
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -136,6 +137,15 @@ def test_each_row_of_a_padded_batch_equals_its_prompt_alone_far_past_block_size(
         assert batch[row] == alone, f"row {row} ({len(p)} tokens)"
         if use_cache and pos_encoding == "rope":  # the oracle is slow: check it on a part of the grid
             assert alone == by_hand(m, p, new)
+
+
+def test_a_stream_asked_for_endless_tokens_keeps_bounded_memory() -> None:
+    """stream() keeps only what the windows reach (not a buffer of max_new_tokens): 10**12 asked, 100 taken, the
+    same tokens as generate() of 100, past block_size 16 with rows of a padded batch sliding at different steps."""
+    m = sharpened(tiny_model(2, "rope", block_size=16))
+    idx, pad = left_pad([torch.randint(0, 61, (n,)).tolist() for n in (16, 3)])
+    endless = torch.stack(list(itertools.islice(stream(m, idx, 10**12, temperature=0, pad=pad), 100)), dim=1)
+    assert torch.equal(endless, m.generate(idx, 100, temperature=0, pad=pad)[:, -100:])
 
 
 @pytest.mark.parametrize("block_size", [2, 3, 8])

@@ -103,12 +103,34 @@ def test_prompt_from_file(tmp_path: Path) -> None:
     (["--temperature=-1"], "temperature=-1.0 must be >= 0 (0 is greedy)"),
     (["--top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
     (["--top_k=0"], "top_k=0 must be >= 1"),
+    (["--start="], "the prompt is empty"),
+    (["--stop="], "stop='' would end every sample at once"),
+    (["--init_from=scratch"], "init_from='scratch' must be 'resume' (out_dir/ckpt.pt), gpt2,"),
+    (["--init_from=hf:{tmp}"], "is not a GPT-2 folder saved by save_pretrained"),
+    (["--init_from=hf:{tmp}/none"], "no Hugging Face model folder at"),
+    (["--start=LINES:{tmp}/blank.txt"], "blank.txt has no non-empty line"),
+    (["--start=FILE:{tmp}/latin1.txt"], "latin1.txt is not UTF-8 text"),
+    (["--start=FILE:{tmp}"], "is not a file"),
 ])
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
     out = make_checkpoint(tmp_path, 2)
-    r = cli(["sample.py", f"--out_dir={out}", *args])
+    (out / "config.json").write_text('{"out_dir": "x"}')  # not a Hugging Face config
+    (tmp_path / "blank.txt").write_text("\n\n")
+    (tmp_path / "latin1.txt").write_bytes("d\xe9f".encode("latin-1"))
+    r = cli(["sample.py", f"--out_dir={out}", *[a.format(tmp=out) for a in args]])
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert message in r.stderr
+
+
+@COMPILES
+def test_compiling_with_no_cpp_compiler_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = make_checkpoint(tmp_path, 2)
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
+    r = cli(["sample.py", f"--out_dir={out}", "--compile=True", "--max_new_tokens=5"],
+            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})  # no package to load: one to compile
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        "error: compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set CXX), or decode "
+        "without compile"]
 
 
 def test_corrupt_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> None:
