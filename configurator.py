@@ -50,6 +50,8 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
     elif origin in (list, tuple) and args:
         if isinstance(value, str):  # --tags=a,b
             value = [v for v in value.split(",") if v]
+        elif isinstance(value, args[0]) and (args[0] is bool or not isinstance(value, bool)):
+            value = [value]  # --kv_heads=3: a list of one
         if isinstance(value, list | tuple) and all(isinstance(v, args[0]) for v in value):
             return list(value)
     elif hint is bool:

@@ -121,6 +121,7 @@ class CharTokenizer:
         self.chars = chars
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.eot_token = None  # as tiktoken's Encoding: char datasets have no end-of-text token
+        self.n_vocab = len(chars)
 
     @classmethod
     def from_text(cls, text: str) -> "CharTokenizer":

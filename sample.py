@@ -97,6 +97,9 @@ def main(cfg: SampleConfig) -> None:
         del ckpt
     else:
         model, tok = from_hf_gpt2(cfg.init_from.removeprefix("hf:")), load_tokenizer({"tokenizer": "gpt2"})
+    if tok.n_vocab > model.config.vocab_size:  # e.g. a checkpoint without data_meta, its dataset prepared again
+        raise UserError(f"the tokenizer has {tok.n_vocab} tokens, the model only {model.config.vocab_size}: not the "
+                        f"dataset this checkpoint was trained on")
     model = quantize(model.to(device=device, dtype=getattr(torch, cfg.dtype)), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
     ids, bs, B = [tok.encode(p) for p in prompts], model.config.block_size, len(prompts)

@@ -17,6 +17,7 @@ class Cfg:
     n_kv_head: int | None = None
     run_name: str | None = None
     tags: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
 
 
 def test_overrides_are_typed() -> None:
@@ -27,6 +28,7 @@ def test_overrides_are_typed() -> None:
     cfg = parse_config(Cfg, ["--compile=false", "--out_dir=123", "--run_name=exp=1", "--tags=x,y", "--n_kv_head=None"])
     got = (cfg.compile, cfg.out_dir, cfg.run_name, cfg.tags, cfg.n_kv_head)
     assert got == (False, "123", "exp=1", ["x", "y"], None)
+    assert [parse_config(Cfg, [f"--sizes={v}"]).sizes for v in ("3", "3,", "[3, 1]")] == [[3], [3], [3, 1]]
 
 
 def test_config_files_then_flags_in_order(tmp_path: Path) -> None:
@@ -45,6 +47,7 @@ def test_config_files_then_flags_in_order(tmp_path: Path) -> None:
     (["--learning_rate=fast"], ["learning_rate=fast", "expected float"]),
     (["--n_kv_head=two"], ["n_kv_head=two", "expected int or None"]),
     (["--batch_size"], ["--batch_size needs a value"]),
+    (["--sizes=True"], ["sizes=True", "expected list[int]", "got bool"]),
     (["no/such/config.py"], ["config file no/such/config.py not found"]),
 ])
 def test_bad_arguments_give_one_clear_line(argv: list[str], pieces: list[str]) -> None:
@@ -64,6 +67,12 @@ def test_keys_from_files_are_checked_like_flags(tmp_path: Path) -> None:
         parse_config(Cfg, [str(f)])
     f.write_text("compile = 'yes'\n")
     with pytest.raises(UserError, match="expected bool"):
+        parse_config(Cfg, [str(f)])
+    f.write_text("batch_size = (\n")
+    with pytest.raises(UserError, match=r"config file .*bad.py line 1: '\(' was never closed"):
+        parse_config(Cfg, [str(f)])
+    f.write_bytes(b"out_dir = 'd\xe9'\n")  # latin-1
+    with pytest.raises(UserError, match=r"config file .*bad.py is not UTF-8 text"):
         parse_config(Cfg, [str(f)])
 
 

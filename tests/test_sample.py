@@ -122,6 +122,14 @@ def test_bad_input_is_one_line(tmp_path: Path, args: list[str], message: str) ->
     assert message in r.stderr
 
 
+def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path: Path) -> None:
+    cfg = GPTConfig(block_size=16, vocab_size=len(CHARS.chars) - 1, n_layer=1, n_head=2, n_embd=16)
+    save_checkpoint(tmp_path / "ckpt.pt", GPT(cfg), iter_num=0, data_meta=CHARS.meta())
+    r = cli(["sample.py", f"--out_dir={tmp_path}"])
+    assert r.returncode == 2 and r.stderr == (f"error: the tokenizer has {len(CHARS.chars)} tokens, the model only "
+                                              f"{cfg.vocab_size}: not the dataset this checkpoint was trained on\n")
+
+
 @COMPILES
 def test_compiling_with_no_cpp_compiler_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = make_checkpoint(tmp_path, 2)
