@@ -52,7 +52,7 @@ def test_hf_bench_checks_greedy_tokens_against_hugging_face() -> None:
 
 def test_hf_bench_with_no_llama_cpp_build_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "convert_hf_to_gguf.py").write_text("")  # a source folder whose llama-bench was never built
-    r = cli(["bench.py", "--mode=hf", *TINY, f"--llama_cpp={tmp_path}"])
+    r = cli(["bench.py", "--mode=hf", *TINY, "--new_tokens=[8]", f"--llama_cpp={tmp_path}"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     (error,) = [line for line in r.stderr.splitlines() if not line.startswith("# ")]  # after the bench's header
     assert error.startswith(f"error: --llama_cpp={tmp_path}: no ") and "build/bin/llama-bench" in error
