@@ -153,7 +153,7 @@ def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size
     what = (f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
             f"{configs}\n{program}")
     path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
-    if path.exists() and path.with_suffix(".json").exists():
+    if zipfile.is_zipfile(path) and path.with_suffix(".json").exists():  # torch warns on a cut-short one
         try:
             return torch._inductor.aoti_load_package(str(path)), json.loads(path.with_suffix(".json").read_text())
         except (RuntimeError, ValueError):  # unreadable: compiled again below
