@@ -143,7 +143,8 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
                 runs = [timed_decode(model, batch, n, True, gen) for _ in range(cfg.repeats)]
                 stamps = sorted(runs, key=lambda s: s[-1])[len(runs) // 2]
                 row |= {"cache_tok_s": batch * n / stamps[-1], "prefill_ms": 1000 * stamps[0],
-                        "step_ms_at_100": step_ms(stamps, 100), "step_ms_at_end": step_ms(stamps, n)}
+                        "step_ms_at_100": step_ms(stamps, 100) if n > 100 else None,
+                        "step_ms_at_end": step_ms(stamps, n)}
                 # a step at the end reads every weight once and the whole cache once
                 row["gb_s_at_end"] = (weight_bytes + row["kv_cache_bytes"]) / row["step_ms_at_end"] / 1e6
                 if batch <= cfg.recompute_max_batch:
@@ -251,7 +252,8 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "peak_tflops": "peak TFLOP/s",
                            "loss": "loss"}))
     else:
-        rows = bench_decode(cfg, mcfg, device, resolve_dtype(base.dtype, device.split(":")[0]))
+        dtype = torch.float16 if base.dtype == "float16" else resolve_dtype(base.dtype, device.split(":")[0])
+        rows = bench_decode(cfg, mcfg, device, dtype)  # float16 on any device: decoding needs no GradScaler
         print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
                            "new_tokens": "new tokens",
                            "kv_cache_bytes": "KV cache bytes", "cache_tok_s": "cache tok/s",
