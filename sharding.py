@@ -159,8 +159,14 @@ def load_optimizer(ckpt: dict, out_dir: Path, model: torch.nn.Module, optimizer:
     the weights, at any number of processes), or from its own whole state."""
     if "sharded" in ckpt:
         load_sharded(out_dir / ckpt["sharded"], model, optimizer)
-    elif is_sharded(model):
-        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+    elif is_sharded(model):  # written without FSDP: parameters by number, not by name
+        names = {id(p): n for n, p in model.named_parameters()}
+        saved, by_name = ckpt["optimizer"], {}
+        for group, ours in zip(saved["param_groups"], optimizer.param_groups, strict=True):
+            by_name |= {i: names[id(p)] for i, p in zip(group["params"], ours["params"], strict=True)}
+        state = {"state": {by_name[i]: s for i, s in saved["state"].items()},
+                 "param_groups": [g | {"params": [by_name[i] for i in g["params"]]} for g in saved["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
     else:
         optimizer.load_state_dict(ckpt["optimizer"])
 

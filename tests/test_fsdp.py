@@ -62,14 +62,15 @@ def test_fsdp_matches_one_process(pycode_small: Path, plain: Path, tmp_path: Pat
     assert len(list((tmp_path / "sharded-0000020").glob("*.distcp"))) == 2
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("first, then", [((2, "fsdp"), (1, "ddp")), ((1, "fsdp"), (2, "fsdp")),
+                                         ((1, "ddp"), (2, "fsdp"))])
 def test_sharded_checkpoint_resumes_at_another_process_count(pycode_small: Path, plain: Path, tmp_path: Path,
-                                                             first: int, then: int) -> None:
-    """Written by 2 FSDP processes and resumed by one plain process, or written by one FSDP process and resumed by
-    2: the loss curve continues as the uninterrupted run's."""
-    train(pycode_small, tmp_path, "--max_iters=10", "--parallel=fsdp", procs=first)
-    parallel = "--parallel=fsdp" if then == 2 else "--parallel=ddp"
-    train(pycode_small, tmp_path, "--max_iters=20", "--init_from=resume", parallel, procs=then)
+                                                             first: tuple, then: tuple) -> None:
+    """Written by 2 FSDP processes and resumed by one plain process, written by one FSDP process and resumed by 2,
+    or written whole by one plain process and resumed by 2 under FSDP: the loss curve continues as the
+    uninterrupted run's."""
+    train(pycode_small, tmp_path, "--max_iters=10", f"--parallel={first[1]}", procs=first[0])
+    train(pycode_small, tmp_path, "--max_iters=20", "--init_from=resume", f"--parallel={then[1]}", procs=then[0])
     resumed, once = losses(tmp_path), losses(plain)
     assert list(resumed) == list(range(1, 21))
     assert list(resumed.values()) == pytest.approx(list(once.values()), rel=1e-5)
