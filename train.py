@@ -223,8 +223,9 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, d: Dist) -> None:
         if cfg.gradient_accumulation_steps % d.world_size:
+            up = -(-cfg.gradient_accumulation_steps // d.world_size) * d.world_size
             raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
-                            f"{d.world_size} processes")
+                            f"{d.world_size} processes (it is the total over them), e.g. {up}")
         self.cfg, self.d, self.accum = cfg, d, cfg.gradient_accumulation_steps // d.world_size
         self.sharded = cfg.parallel == "fsdp"  # then every rank evaluates and saves (collectives), rank 0 writes
         if d.device_type == "cpu":
