@@ -36,6 +36,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
     """Write train.bin, val.bin, then meta.json (last: a folder with meta.json is complete), each atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "meta.json").unlink(missing_ok=True)  # a folder prepared again is not complete until the end
     dtype = token_dtype(meta["vocab_size"])
     for split, ids in (("train", train_ids), ("val", val_ids)):
         with atomic_open(out_dir / f"{split}.bin") as f:
@@ -53,15 +54,18 @@ def load_meta(path: Path) -> dict:
                 else "prepare it first (python dataset.py --help)")
         raise UserError(f"no dataset at {path} (missing meta.json): {hint}")
     try:
-        return json.loads(file.read_text())
+        meta = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
+    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or meta.get("dtype") not in (
+            "uint16", "uint32"):
+        raise UserError(f"{file} lacks an int vocab_size and a dtype uint16 or uint32; prepare the dataset again")
+    return meta
 
 
 def vocab_size_of(dataset: str) -> int | None:
     """The dataset's vocab_size if it has been prepared, else None."""
-    file = data_dir(dataset) / "meta.json"
-    return json.loads(file.read_text())["vocab_size"] if file.is_file() else None
+    return load_meta(data_dir(dataset))["vocab_size"] if (data_dir(dataset) / "meta.json").is_file() else None
 
 
 def open_tokens(path: Path, split: str, meta: dict) -> np.memmap:
@@ -111,7 +115,20 @@ class Batches:
 
 def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     n = int(len(ids) * (1 - val_fraction))
+    if not 0 < val_fraction < 1 or not 0 < n < len(ids):
+        raise UserError(f"{len(ids)} tokens at val_fraction={val_fraction} leave a split empty: val_fraction must be "
+                        f"in (0, 1), and the text long enough for both")
     return ids[:n], ids[n:]
+
+
+def read_text(path: str) -> str:
+    """A UTF-8 text file's contents, or one line saying why not."""
+    if not Path(path).is_file():
+        raise UserError(f"input file {path} {'is not a file' if Path(path).exists() else 'not found'}")
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"input file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
 class CharTokenizer:
@@ -196,6 +213,8 @@ def load_tokenizer(meta: dict) -> "CharTokenizer | object":
 
 def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction: float = 0.1) -> None:
     """Tokenise one text (char-level or GPT-2 BPE) and write it as a dataset with a train/val split."""
+    if not text:
+        raise UserError("the text is empty: nothing to make a dataset of")
     if tokenizer == "char":
         tok = CharTokenizer.from_text(text)
         ids, meta = tok.encode_array(text), tok.meta()
@@ -205,8 +224,6 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
         meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab}
     else:
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'gpt2'")
-    if len(ids) < 2:
-        raise UserError(f"the text has {len(ids)} tokens: too few for a dataset")
     write_dataset(out_dir, *split_ids(ids, val_fraction), meta)
 
 
@@ -266,6 +283,11 @@ class CorpusConfig:
     max_docs: int | None = None
     subset: str | None = None  # the hub dataset's configuration, if it has several
 
+    def __post_init__(self) -> None:
+        if self.val_every < 2 or self.num_proc < 1 or (self.max_docs is not None and self.max_docs < 1):
+            raise ValueError(f"val_every={self.val_every} must be at least 2, num_proc={self.num_proc} and "
+                             f"max_docs={self.max_docs} positive")
+
 
 def prepare_hub_corpus(cfg: CorpusConfig, hub_id: str) -> None:
     ds = load_corpus(hub_id, cfg.subset, cfg.input, cfg.streaming)
@@ -283,9 +305,7 @@ class TextConfig:
 def main(cfg: TextConfig) -> None:
     if not cfg.input or not cfg.out_dir:
         raise UserError("usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2]")
-    if not Path(cfg.input).is_file():
-        raise UserError(f"input file {cfg.input} not found")
-    prepare_text(Path(cfg.input).read_text(encoding="utf-8"), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
+    prepare_text(read_text(cfg.input), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
 
 
 if __name__ == "__main__":

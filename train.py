@@ -19,6 +19,7 @@ import sharding
 from checkpoint import (
     GPT2_NAMES,
     check_out_dir,
+    check_vocabulary,
     convert_kv_heads,
     gpt2_for_finetuning,
     load_checkpoint,
@@ -236,6 +237,8 @@ class Trainer:
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
         self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype)
+        check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta, ckpt and ckpt.get("data_meta"),
+                         cfg.dataset)
         self.optimizer = make_optimizer(self.raw_model, cfg.optimizer, cfg.weight_decay, cfg.learning_rate,
                                         (cfg.beta1, cfg.beta2), d.device, cfg.muon_lr)
         self.scaler = torch.amp.GradScaler(d.device_type, enabled=self.dtype == torch.float16)

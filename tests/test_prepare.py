@@ -139,3 +139,34 @@ def test_corpus_offline_is_one_clear_line(tmp_path: Path) -> None:
                             "HF_HOME": str(tmp_path / "hf")})
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert "cannot load Skylion007/openwebtext" in r.stderr and "--input=PATH" in r.stderr
+
+
+@pytest.mark.parametrize(("content", "args", "message"), [
+    (b"", [], "the text is empty"),
+    (b"ab\xffcd", [], "is not UTF-8 text (invalid start byte at byte 2)"),
+    (b"hello world", ["--val_fraction=0"], "11 tokens at val_fraction=0.0 leave a split empty"),
+    (b"hello world", ["--val_fraction=1.5"], "val_fraction must be in (0, 1)"),
+    (None, [], "is not a file"),
+])
+def test_unusable_text_is_one_line_and_writes_nothing(tmp_path: Path, content: bytes | None, args: list[str],
+                                                      message: str) -> None:
+    source = tmp_path / "in"
+    source.mkdir() if content is None else source.write_bytes(content)
+    r = cli(["dataset.py", f"--input={source}", f"--out_dir={tmp_path / 'd'}", *args])
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "d" / "meta.json").exists()
+
+
+@pytest.mark.parametrize(("meta", "message"), [([1, 2], "lacks an int vocab_size"),
+                                               ({"tokenizer": "char", "vocab_size": 3}, "a dtype uint16 or uint32")])
+def test_malformed_meta_json_is_one_line(tmp_path: Path, meta: object, message: str) -> None:
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match=message):
+        load_meta(tmp_path)
+
+
+def test_bad_preparer_settings_are_one_line(tmp_path: Path) -> None:
+    for args, message in ((["data/pycode_char/prepare.py", "--max_chars=0"], "max_chars=0 must be at least 2"),
+                          (["data/openwebtext/prepare.py", "--val_every=0"], "val_every=0 must be at least 2")):
+        r = cli([*args, f"--out_dir={tmp_path / 'd'}"])
+        assert r.returncode == 2 and message in r.stderr and not (tmp_path / "d").exists()

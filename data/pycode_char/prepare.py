@@ -26,6 +26,10 @@ class PrepareConfig:
     val_fraction: float = 0.1
     max_chars: int | None = None  # keep only the first N characters (for quick experiments and tests)
 
+    def __post_init__(self) -> None:
+        if self.max_chars is not None and self.max_chars < 2:
+            raise ValueError(f"max_chars={self.max_chars} must be at least 2 (or None: all)")
+
 
 def stdlib_files(root: Path) -> list[Path]:
     return sorted((p for p in root.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])),

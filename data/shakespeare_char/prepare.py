@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
 
 from configurator import run_cli  # noqa: E402
-from dataset import download_text, prepare_text  # noqa: E402
+from dataset import download_text, prepare_text, read_text  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -26,9 +26,7 @@ class PrepareConfig:
 
 
 def main(cfg: PrepareConfig) -> None:
-    if cfg.input is not None and not Path(cfg.input).is_file():
-        raise FileNotFoundError(f"input file {cfg.input} not found")
-    text = Path(cfg.input).read_text(encoding="utf-8") if cfg.input else download_text(cfg.url)
+    text = read_text(cfg.input) if cfg.input else download_text(cfg.url)
     prepare_text(text, Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
 
 
