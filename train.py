@@ -163,8 +163,12 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
     """init_model's model from weights (GPT-2's, or a checkpoint's), with the checkpoint when resuming; None for a
     new model, or one resumed under FSDP from a sharded checkpoint."""
     init_from = cfg.init_from
+    existing = Path(cfg.out_dir) / "ckpt.pt"
     if init_from == "auto":
-        init_from = "resume" if (Path(cfg.out_dir) / "ckpt.pt").exists() else "scratch"
+        init_from = "resume" if existing.exists() else "scratch"
+    if init_from != "resume" and existing.exists() and not cfg.eval_only:  # a run's checkpoint is never replaced
+        raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; to start a new "
+                        f"run, choose another out_dir or delete that one first")
     if init_from in GPT2_NAMES or init_from.startswith("hf:"):
         return gpt2_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
                                    cfg.n_kv_head), None

@@ -85,6 +85,20 @@ def test_a_vocabulary_the_model_cannot_hold_is_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.startswith("error: the checkpoint was trained on other tokens than dataset")
 
 
+def test_a_new_run_never_replaces_another_runs_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
+    args = ["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, "--max_iters=2"]
+    run(args)
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    for init_from in ("scratch", f"convert:{tmp_path}"):
+        r = cli([*args, f"--init_from={init_from}", "--n_kv_head=1"])
+        assert r.returncode == 2 and r.stderr == (
+            f"error: {tmp_path / 'ckpt.pt'} holds another run: --init_from=resume (or auto) continues it; to start a "
+            "new run, choose another out_dir or delete that one first\n")
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    run([*args, "--init_from=auto", "--max_iters=3"])  # continues it
+    assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 3
+
+
 def test_eval_only_writes_no_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = train(pycode_small, out, "--eval_only=True")
