@@ -236,7 +236,8 @@ def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: boo
             kind = {"jsonl": "json", "txt": "text"}.get(local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1])
             return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
         return datasets.load_dataset(hub_id, name, split="train", streaming=streaming, trust_remote_code=False)
-    except (ConnectionError, OSError, ValueError) as e:  # no network, no cache, or files it cannot read
+    except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # no network,
+        # no cache, or files it cannot read (an empty parquet file among them)
         raise UserError(f"cannot load {local or hub_id} ({type(e).__name__}: {first_line(e)}); "
                         f"with no network, pass local parquet/json/text files as --input=PATH") from e
 
@@ -254,9 +255,14 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
         return {"ids": [*enc.encode_ordinary(example[text_field]), enc.eot_token]}
 
     streaming = not hasattr(ds, "__len__")
+    if ds.column_names is not None and text_field not in ds.column_names:  # None: a stream that does not say
+        raise UserError(f"the corpus has no {text_field!r} column (its columns: {', '.join(ds.column_names)})")
+    if not streaming and len(ds) == 0:
+        raise UserError("the corpus has no documents")
     ds = ds.take(max_docs) if streaming and max_docs else ds.select(range(min(max_docs, len(ds)))) if max_docs else ds
     ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "meta.json").unlink(missing_ok=True)  # complete again only at the end
     counts = {"train": 0, "val": 0}
     with ExitStack() as stack:  # both files are renamed into place only after the last document
         files = {split: stack.enter_context(atomic_open(out_dir / f"{split}.bin")) for split in counts}
@@ -264,6 +270,9 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
             split = "val" if i % val_every == 0 else "train"
             files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
             counts[split] += len(example["ids"])
+    if not all(counts.values()):
+        raise UserError(f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
+                        f"smaller val_every")
     meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "dtype": "uint16", "train_tokens": counts["train"],
             "val_tokens": counts["val"]}
     with atomic_open(out_dir / "meta.json", "w") as f:

@@ -170,3 +170,18 @@ def test_bad_preparer_settings_are_one_line(tmp_path: Path) -> None:
                           (["data/openwebtext/prepare.py", "--val_every=0"], "val_every=0 must be at least 2")):
         r = cli([*args, f"--out_dir={tmp_path / 'd'}"])
         assert r.returncode == 2 and message in r.stderr and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(("table", "message"), [({"content": ["a doc"]}, "the corpus has no 'text' column (its "
+                                                                        "columns: content)"),
+                                                ({"text": ["one doc"]}, "1 documents at val_every=2000 leave a split"),
+                                                ({"text": []}, "cannot load ")])
+def test_unusable_corpus_is_one_line(tmp_path: Path, tiny_bpe: dict, table: dict, message: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(table, schema=pa.schema([(k, pa.string()) for k in table])), tmp_path / "docs.parquet")
+    r = cli(["data/openwebtext/prepare.py", f"--input={tmp_path / 'docs.parquet'}", f"--out_dir={tmp_path / 'd'}",
+             "--num_proc=1"], env=tiny_bpe)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(f"error: {message}")
+    assert not (tmp_path / "d" / "meta.json").exists()
