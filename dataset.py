@@ -10,7 +10,6 @@ import base64
 import json
 import os
 import urllib.request
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import numpy as np
 import torch
 
 from atomic import atomic_open
-from configurator import UserError, first_line, run_cli
+from configurator import UserError, run_cli
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
 GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
@@ -225,82 +224,6 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
     else:
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'gpt2'")
     write_dataset(out_dir, *split_ids(ids, val_fraction), meta)
-
-
-def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: bool) -> object:
-    """A Hugging Face text corpus: from the hub, or from local parquet/json/text files (a path or a glob)."""
-    import datasets
-
-    try:
-        if local:
-            kind = {"jsonl": "json", "txt": "text"}.get(local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1])
-            return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
-        return datasets.load_dataset(hub_id, name, split="train", streaming=streaming, trust_remote_code=False)
-    except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # no network,
-        # no cache, or files it cannot read (an empty parquet file among them)
-        raise UserError(f"cannot load {local or hub_id} ({type(e).__name__}: {first_line(e)}); "
-                        f"with no network, pass local parquet/json/text files as --input=PATH") from e
-
-
-def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int = 2000, max_docs: int | None = None,
-                   text_field: str = "text") -> None:
-    """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every val_every-th document
-    into val.bin and the others into train.bin (uint16). Writes go to temp files renamed at the end, so an
-    interrupted run leaves the previous dataset intact; a re-run starts over."""
-    from tqdm import tqdm
-
-    enc = gpt2_encoding()
-
-    def tokenize(example: dict) -> dict:
-        return {"ids": [*enc.encode_ordinary(example[text_field]), enc.eot_token]}
-
-    streaming = not hasattr(ds, "__len__")
-    if ds.column_names is not None and text_field not in ds.column_names:  # None: a stream that does not say
-        raise UserError(f"the corpus has no {text_field!r} column (its columns: {', '.join(ds.column_names)})")
-    if not streaming and len(ds) == 0:
-        raise UserError("the corpus has no documents")
-    ds = ds.take(max_docs) if streaming and max_docs else ds.select(range(min(max_docs, len(ds)))) if max_docs else ds
-    ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # complete again only at the end
-    counts = {"train": 0, "val": 0}
-    with ExitStack() as stack:  # both files are renamed into place only after the last document
-        files = {split: stack.enter_context(atomic_open(out_dir / f"{split}.bin")) for split in counts}
-        for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
-            split = "val" if i % val_every == 0 else "train"
-            files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
-            counts[split] += len(example["ids"])
-    if not all(counts.values()):
-        raise UserError(f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
-                        f"smaller val_every")
-    meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "dtype": "uint16", "train_tokens": counts["train"],
-            "val_tokens": counts["val"]}
-    with atomic_open(out_dir / "meta.json", "w") as f:
-        json.dump(meta, f, indent=1)
-    print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
-
-
-@dataclass(slots=True)
-class CorpusConfig:
-    """The options of the corpus preparers (data/openwebtext, data/fineweb_edu)."""
-
-    input: str | None = None  # local parquet/json/text files (a path or glob) instead of the hub
-    out_dir: str = ""
-    num_proc: int = 8  # tokenising processes (not used when streaming)
-    streaming: bool = False  # read the hub dataset as a stream: little disk, one process
-    val_every: int = 2000  # every N-th document goes to val (0.05%, as nanoGPT)
-    max_docs: int | None = None
-    subset: str | None = None  # the hub dataset's configuration, if it has several
-
-    def __post_init__(self) -> None:
-        if self.val_every < 2 or self.num_proc < 1 or (self.max_docs is not None and self.max_docs < 1):
-            raise ValueError(f"val_every={self.val_every} must be at least 2, num_proc={self.num_proc} and "
-                             f"max_docs={self.max_docs} positive")
-
-
-def prepare_hub_corpus(cfg: CorpusConfig, hub_id: str) -> None:
-    ds = load_corpus(hub_id, cfg.subset, cfg.input, cfg.streaming)
-    prepare_corpus(ds, Path(cfg.out_dir), cfg.num_proc, cfg.val_every, cfg.max_docs)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
 
 from configurator import run_cli  # noqa: E402
-from dataset import CorpusConfig, prepare_hub_corpus  # noqa: E402
+from corpus import CorpusConfig, prepare_hub_corpus  # noqa: E402
 
 
 @dataclass(slots=True)
