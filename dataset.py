@@ -120,14 +120,14 @@ def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, n
     return ids[:n], ids[n:]
 
 
-def read_text(path: str) -> str:
+def read_text(path: str, what: str = "input file") -> str:
     """A UTF-8 text file's contents, or one line saying why not."""
     if not Path(path).is_file():
-        raise UserError(f"input file {path} {'is not a file' if Path(path).exists() else 'not found'}")
+        raise UserError(f"{what} {path} {'is not a file' if Path(path).exists() else 'not found'}")
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"input file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+        raise UserError(f"{what} {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
 class CharTokenizer:

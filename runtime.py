@@ -154,6 +154,13 @@ def rng_states(device_type: str) -> dict:
     return {"torch": torch.get_rng_state()} | cuda
 
 
+def set_rng_states(states: dict, device_type: str) -> None:
+    """rng_states() again, as a checkpoint keeps them (CUDA's only on CUDA)."""
+    torch.set_rng_state(states["torch"].cpu())
+    if "cuda" in states and device_type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
+
+
 def stop_requested(signals: list[int], d: Dist, at_log: bool) -> bool:
     """Whether a signal asked the run to stop; under torchrun the ranks agree on it at log steps, so all stop
     together."""

@@ -14,7 +14,7 @@ import torch
 
 from checkpoint import GPT2_NAMES, from_hf_gpt2, load_checkpoint, model_from_checkpoint
 from configurator import UserError, run_cli
-from dataset import data_dir, load_meta, load_tokenizer
+from dataset import data_dir, load_meta, load_tokenizer, read_text
 from generation import check_sampling, left_pad, stream_text
 from model import GPT
 from quantize import QUANTIZE, quantize
@@ -59,12 +59,7 @@ def read_prompts(start: str) -> list[str]:
     kind, _, path = start.partition(":")
     if kind not in ("FILE", "LINES") or not path:
         return [start]
-    if not Path(path).is_file():
-        raise UserError(f"prompt file {path} {'is not a file' if Path(path).exists() else 'not found'}")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"prompt file {path} is not UTF-8 text ({e.reason} at byte {e.start})") from e
+    text = read_text(path, "prompt file")
     prompts = [line for line in text.splitlines() if line] if kind == "LINES" else [text]
     if not prompts:
         raise UserError(f"prompt file {path} has no non-empty line: LINES: makes one prompt of each")

@@ -38,6 +38,7 @@ from runtime import (
     peak_flops,
     resolve_dtype,
     rng_states,
+    set_rng_states,
     setup_distributed,
     stop_requested,
     teardown_distributed,
@@ -106,8 +107,8 @@ class TrainConfig:
                     "block_size"]
         problems = [f"{k}={getattr(self, k)} must be positive" for k in positive if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("max_iters", "warmup_iters",
-                     "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip") if getattr(self, k) < 0]
-        problems += [f"keep_last={self.keep_last} must not be negative"] if self.keep_last < 0 else []
+                     "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip", "keep_last")
+                     if getattr(self, k) < 0]
         if self.nonfinite not in ("stop", "skip"):
             problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
         named = self.init_from in ("scratch", "resume", "auto", *GPT2_NAMES)
@@ -269,9 +270,7 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num, self.best_val, self.saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["iter_num"]
         if "rng" in ckpt:
-            torch.set_rng_state(ckpt["rng"]["torch"].cpu())
-            if "cuda" in ckpt["rng"] and self.d.device_type == "cuda":
-                torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
+            set_rng_states(ckpt["rng"], self.d.device_type)
 
     def start_log(self) -> RunLog:
         """Check out_dir, print the config and the model, and open the run log (rank 0 only)."""
