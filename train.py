@@ -361,8 +361,8 @@ class Trainer:
         self.loss_sum.zero_()
         if not d.is_master:
             return
-        tok_s = self.tokens_per_iter / dt
-        flops = self.raw_model.flops_per_token(self.cfg.block_size) * tok_s  # achieved FLOP/s
+        tok_s = self.tokens_per_iter / dt  # all processes together
+        flops = self.raw_model.flops_per_token(self.cfg.block_size) * tok_s / d.world_size  # each one's FLOP/s
         if self.peak and flops > self.peak and not self.cfg.peak_flops and d.device_type == "cpu":
             # MFU over 100%: the CPU probe ran while something else had the cores. Probed again, the higher rate kept.
             self.peak = max(self.peak, peak_flops(d.device, self.dtype))

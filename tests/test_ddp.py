@@ -7,13 +7,14 @@ import torch
 
 from checkpoint import load_checkpoint
 from conftest import ROOT, TINY_TRAIN, read_log, run
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 
 
 def test_two_gloo_processes_match_one_process_with_twice_the_accumulation(pycode_small: Path, tmp_path: Path) -> None:
     common = [f"--dataset={pycode_small}", *TINY_TRAIN, "--max_iters=20", "--eval_interval=20",
-              "--always_save_checkpoint=True"]
+              "--always_save_checkpoint=True", "--peak_flops=1e12"]
     r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
              f"--out_dir={tmp_path / 'ddp'}", "--gradient_accumulation_steps=4", *common])
     run(["train.py", f"--out_dir={tmp_path / 'single'}", "--gradient_accumulation_steps=4", *common],
@@ -36,6 +37,11 @@ def test_two_gloo_processes_match_one_process_with_twice_the_accumulation(pycode
     assert r.stdout.count("iter 20: loss") == 1 and r.stdout.count("step 20:") == 1
     assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == ["ckpt.pt", "config.json", "log.jsonl"]
     assert ddp[0]["event"] == "config" and sum(x["event"] == "config" for x in ddp) == 1
+    # MFU is each process's FLOP/s over its device's peak: the tokens of both processes count against 2 peaks
+    per_token = GPT(GPTConfig(**ddp[0]["model_config"])).flops_per_token(ddp[0]["config"]["block_size"])
+    for x in ddp[1:]:
+        if x["event"] == "train":
+            assert x["mfu"] == pytest.approx(per_token * x["tokens_per_s"] / 2e12, rel=1e-6)
 
 
 def test_accumulation_not_divisible_by_world_size_is_one_clear_error(pycode_small: Path, tmp_path: Path) -> None:
