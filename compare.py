@@ -75,8 +75,8 @@ def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
     root, group = Path(base.out_dir), base.wandb_group or Path(base.out_dir).name
     for g in cfg.kv_heads:
         name = variant_name(variant(base, g))
-        launch(cfg.train_args + [f"--n_kv_head={g}", f"--out_dir={root / name}", f"--wandb_group={group}",
-                                 f"--wandb_tags={name},n_kv_head={g}"])
+        launch(cfg.train_args + [f"--n_kv_head={g}", f"--wandb_group={group}", f"--wandb_tags={name},n_kv_head={g}"],
+               root / name)
     if not cfg.convert:
         return
     iters = max(1, round(base.max_iters * cfg.uptrain_fraction))
@@ -84,13 +84,17 @@ def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
         if g != base.n_head:
             name = f"mha-to-{variant_name(variant(base, g))}"
             launch(cfg.train_args + [f"--init_from=convert:{root / 'mha'}", f"--n_kv_head={g}",
-                                     f"--out_dir={root / name}", f"--max_iters={iters}", f"--lr_decay_iters={iters}",
+                                     f"--max_iters={iters}", f"--lr_decay_iters={iters}",
                                      f"--warmup_iters={min(base.warmup_iters, iters // 10)}",
                                      f"--eval_interval={max(1, iters // 4)}", "--always_save_checkpoint=True",
-                                     f"--wandb_group={group}", f"--wandb_tags={name},converted,n_kv_head={g}"])
+                                     f"--wandb_group={group}", f"--wandb_tags={name},converted,n_kv_head={g}"],
+                   root / name)
 
 
-def launch(args: list[str]) -> None:
+def launch(args: list[str], out_dir: Path) -> None:
+    """python train.py args into out_dir; a run that already has a checkpoint there (a sweep run again, or cut
+    short) resumes it: it trains on to max_iters, or says it is done."""
+    args = args + [f"--out_dir={out_dir}"] + ["--init_from=resume"] * (out_dir / "ckpt.pt").exists()
     print(f"$ python train.py {' '.join(args)}", flush=True)
     if subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args]).returncode:
         raise UserError(f"a training run failed (python train.py {' '.join(args)}); see its output above")

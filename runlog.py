@@ -3,6 +3,7 @@ written, and wandb when asked for; and read_run, which reads a log.jsonl back fo
 """
 
 import json
+import math
 import os
 import platform
 import socket
@@ -84,8 +85,9 @@ def versions() -> dict[str, str | None]:
 
 
 def read_run(run_dir: Path) -> dict:
-    """The latest run in run_dir/log.jsonl: its config and eval/train records, wall-clock continued across resumes
-    (a record's wall_s)."""
+    """The latest run in run_dir/log.jsonl: its config and eval/train records, one per iteration (a resume's records
+    replace those a killed process logged after the checkpoint it resumed), wall-clock continued across resumes (a
+    record's wall_s: the time lost to a kill included)."""
     path, records = run_dir / "log.jsonl", []
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for i, line in enumerate(lines, 1):
@@ -100,12 +102,16 @@ def read_run(run_dir: Path) -> dict:
     if not starts:
         raise UserError(f"{path} holds no run's config record: not a log written by train.py")
     records = records[starts[-1]:]
-    offset, last, evals, trains = 0.0, 0.0, [], []
+    offset, last, evals, trains = 0.0, 0.0, {}, {}  # by iteration: a resume replaces what came after its checkpoint
     for r in records:
         if r["event"] == "config":
             offset += last
+            for kept in (evals, trains):
+                for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
+                    del kept[it]
         else:
             last = r["elapsed_s"]
-            (evals if r["event"] == "eval" else trains).append(r | {"wall_s": offset + r["elapsed_s"]})
+            (evals if r["event"] == "eval" else trains)[r["iter"]] = r | {"wall_s": offset + r["elapsed_s"]}
     return {"name": run_dir.name, "config": records[0]["config"], "model_config": records[0]["model_config"],
-            "evals": evals, "trains": trains}
+            "evals": sorted(evals.values(), key=lambda r: r["iter"]),
+            "trains": sorted(trains.values(), key=lambda r: r["iter"])}

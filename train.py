@@ -251,11 +251,12 @@ class Trainer:
         self.saved = None  # the iteration of the last good checkpoint
         if ckpt is not None:
             self.restore(ckpt)
+        self.finished = ckpt is not None and self.iter_num >= cfg.max_iters and not cfg.eval_only  # resumed, done
         del ckpt
         self.model = torch.compile(self.raw_model) if cfg.compile else self.raw_model
         self.ddp_model = DDP(self.model, device_ids=[d.local_rank] if d.device_type == "cuda" else None,
                              broadcast_buffers=False) if d.world_size > 1 and not self.sharded else self.model
-        self.log = self.start_log() if d.is_master else None
+        self.log = self.start_log() if d.is_master and not self.finished else None
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.peak = (cfg.peak_flops or peak_flops(d.device, self.dtype)) if d.is_master else None
         self.loss_sum, self.taken_steps, self.skipped = torch.zeros((), device=d.device), 0, 0
@@ -286,6 +287,11 @@ class Trainer:
 
     def run(self) -> None:
         cfg = self.cfg
+        if self.finished:  # e.g. --init_from=auto run again after the end
+            if self.d.is_master:
+                print(f"{Path(cfg.out_dir) / 'ckpt.pt'} is at iteration {self.iter_num}, max_iters={cfg.max_iters}: "
+                      f"nothing to train (raise --max_iters to train on, or --eval_only=True to evaluate)")
+            return
         signals: list[int] = []  # SIGTERM/SIGINT (pre-emption, Ctrl-C): finish the step, save, exit cleanly
         previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum))
                     for sig in (signal.SIGTERM, signal.SIGINT)}

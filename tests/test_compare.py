@@ -97,6 +97,15 @@ def test_sweep_and_report_end_to_end(pycode_small: Path, tmp_path: Path) -> None
     # each variant ran with the group and a tag naming it
     cfg = read_log(out / "gqa2")[0]["config"]
     assert cfg["wandb_group"] == "cmp" and "gqa2" in cfg["wandb_tags"] and cfg["n_kv_head"] == 2
+    # the sweep run again resumes each run from its checkpoint: those at their last iteration say they are done
+    finished = {d.name: load_checkpoint(d / "ckpt.pt")["iter_num"] == (15 if "-to-" in d.name else 30)
+                for d in out.iterdir() if d.is_dir()}
+    logs = {name: (out / name / "log.jsonl").read_text() for name, done in finished.items() if done}
+    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--convert=True",
+             "--uptrain_fraction=0.5", "--mode=train"], env={"WANDB_MODE": "disabled"})
+    assert len(finished) == 5 and sum(finished.values()) >= 2  # the converted runs save at every evaluation
+    assert r.stdout.count("--init_from=resume") == 5  # (train.py's own output is not captured here)
+    assert all((out / name / "log.jsonl").read_text() == log for name, log in logs.items())  # nothing trained again
     # runs as a killed sweep leaves them: a last line cut short, a run stopped before its first evaluation
     with open(out / "gqa2" / "log.jsonl", "a") as f:
         f.write('{"event": "eval", "iter": 4')

@@ -16,6 +16,7 @@ from configurator import UserError
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run, worker_ranks
 from dataset import Batches
 from model import GPT, GPTConfig
+from runlog import read_run
 from runtime import Dist
 from train import train_step
 
@@ -176,3 +177,10 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(pycode_small: Pat
     resumed_at = next(x["iter"] for x in log[starts[1]:] if x["event"] == "train") - 1
     assert 40 <= resumed_at < 120 and resumed_at % 20 == 0
     assert train_losses(out) == train_losses(tmp_path / "once")
+    # the log reader keeps one record per iteration: the restart's, not those logged past its checkpoint
+    killed, once = read_run(out), read_run(tmp_path / "once")
+    assert [x["iter"] for x in killed["trains"]] == list(range(1, 121))
+    assert [x["loss"] for x in killed["trains"]] == [x["loss"] for x in once["trains"]]
+    assert [x["iter"] for x in killed["evals"]] == list(range(0, 121, 20))
+    assert [x["val_loss"] for x in killed["evals"]] == pytest.approx([x["val_loss"] for x in once["evals"]])
+    assert killed["trains"][-1]["wall_s"] > killed["trains"][-1]["elapsed_s"]  # the first attempt's time counts

@@ -97,6 +97,11 @@ def test_a_new_run_never_replaces_another_runs_checkpoint(pycode_small: Path, tm
     assert (tmp_path / "ckpt.pt").read_bytes() == before
     run([*args, "--init_from=auto", "--max_iters=3"])  # continues it
     assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 3
+    log, before = (tmp_path / "log.jsonl").read_text(), (tmp_path / "ckpt.pt").read_bytes()
+    r = run([*args, "--init_from=auto", "--max_iters=3"])  # run again after its end: done, nothing written
+    assert r.stdout.strip().endswith(f"{tmp_path / 'ckpt.pt'} is at iteration 3, max_iters=3: nothing to train (raise "
+                                     "--max_iters to train on, or --eval_only=True to evaluate)")
+    assert (tmp_path / "log.jsonl").read_text() == log and (tmp_path / "ckpt.pt").read_bytes() == before
 
 
 def test_eval_only_writes_no_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
