@@ -4,7 +4,8 @@ layout) without holding the corpus in memory.
 """
 
 import json
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,23 +16,40 @@ from configurator import UserError, first_line
 from dataset import gpt2_encoding
 
 
+@contextmanager
+def reading(source: str, local: bool) -> Iterator[None]:
+    """Errors of loading a corpus, or of reading it (a stream reads its files only as it goes), as one line: no
+    network, no cache, files that are not what they say (empty ones among them: datasets raises StopIteration for
+    an empty JSON file)."""
+    import datasets
+    import pyarrow
+
+    try:
+        yield
+    except (ConnectionError, OSError, ValueError, StopIteration, pyarrow.ArrowException,
+            datasets.exceptions.DatasetGenerationError) as e:
+        root = e  # datasets wraps the reader's error (pyarrow's) in its own
+        while root.__cause__ is not None:
+            root = root.__cause__
+        why = type(root).__name__ + (f": {first_line(root)}" if str(root).strip() else "")
+        hint = ("are they empty, or not of the kind their names say?" if local else
+                "with no network, pass local parquet/json/text files as --input=PATH")
+        raise UserError(f"cannot load {source} ({why}); {hint}") from e
+
+
 def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: bool) -> object:
     """A Hugging Face text corpus: from the hub, or from local parquet/json/text files (a path or a glob)."""
     import datasets
 
-    try:
+    with reading(local or hub_id, bool(local)):
         if local:
             kind = {"jsonl": "json", "txt": "text"}.get(local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1])
             return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
         return datasets.load_dataset(hub_id, name, split="train", streaming=streaming, trust_remote_code=False)
-    except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:  # no network,
-        # no cache, or files it cannot read (an empty parquet file among them)
-        raise UserError(f"cannot load {local or hub_id} ({type(e).__name__}: {first_line(e)}); "
-                        f"with no network, pass local parquet/json/text files as --input=PATH") from e
 
 
 def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int = 2000, max_docs: int | None = None,
-                   text_field: str = "text") -> None:
+                   text_field: str = "text", source: str = "the corpus", local: bool = True) -> None:
     """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every val_every-th document
     into val.bin and the others into train.bin (uint16). Writes go to temp files renamed at the end, so an
     interrupted run leaves the previous dataset intact; a re-run starts over."""
@@ -51,13 +69,15 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
     ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # complete again only at the end
-    counts = {"train": 0, "val": 0}
-    with ExitStack() as stack:  # both files are renamed into place only after the last document
+    counts, i = {"train": 0, "val": 0}, -1
+    with ExitStack() as stack, reading(source, local):  # both files are renamed into place only after the last document
         files = {split: stack.enter_context(atomic_open(out_dir / f"{split}.bin")) for split in counts}
         for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
             split = "val" if i % val_every == 0 else "train"
             files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
             counts[split] += len(example["ids"])
+    if i < 0:
+        raise UserError(f"{source} has no documents")
     if not all(counts.values()):
         raise UserError(f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
                         f"smaller val_every")
@@ -88,4 +108,5 @@ class CorpusConfig:
 
 def prepare_hub_corpus(cfg: CorpusConfig, hub_id: str) -> None:
     ds = load_corpus(hub_id, cfg.subset, cfg.input, cfg.streaming)
-    prepare_corpus(ds, Path(cfg.out_dir), cfg.num_proc, cfg.val_every, cfg.max_docs)
+    prepare_corpus(ds, Path(cfg.out_dir), cfg.num_proc, cfg.val_every, cfg.max_docs, source=cfg.input or hub_id,
+                   local=bool(cfg.input))

@@ -174,8 +174,7 @@ def test_bad_preparer_settings_are_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("table", "message"), [({"content": ["a doc"]}, "the corpus has no 'text' column (its "
                                                                         "columns: content)"),
-                                                ({"text": ["one doc"]}, "1 documents at val_every=2000 leave a split"),
-                                                ({"text": []}, "cannot load ")])
+                                                ({"text": ["one doc"]}, "1 documents at val_every=2000 leave a split")])
 def test_unusable_corpus_is_one_line(tmp_path: Path, tiny_bpe: dict, table: dict, message: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -184,4 +183,24 @@ def test_unusable_corpus_is_one_line(tmp_path: Path, tiny_bpe: dict, table: dict
     r = cli(["data/openwebtext/prepare.py", f"--input={tmp_path / 'docs.parquet'}", f"--out_dir={tmp_path / 'd'}",
              "--num_proc=1"], env=tiny_bpe)
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(f"error: {message}")
+    assert not (tmp_path / "d" / "meta.json").exists()
+
+
+@pytest.mark.parametrize("script", ["data/openwebtext/prepare.py", "data/fineweb_edu/prepare.py"])  # whole, streamed
+@pytest.mark.parametrize("name", ["docs.parquet", "docs.jsonl"])
+def test_an_empty_corpus_file_is_one_line(tmp_path: Path, tiny_bpe: dict, script: str, name: str) -> None:
+    """A stream reads its files only as it goes (pyarrow's error comes mid-loop); datasets raises StopIteration
+    for an empty JSON file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / name
+    if name.endswith(".parquet"):  # a schema and no rows
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+    else:
+        path.write_text("")
+    r = cli([script, f"--input={path}", f"--out_dir={tmp_path / 'd'}", "--num_proc=1"], env=tiny_bpe)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.splitlines()[-1].startswith(f"error: cannot load {path} (")
+    assert r.stderr.splitlines()[-1].endswith("); are they empty, or not of the kind their names say?")
     assert not (tmp_path / "d" / "meta.json").exists()
