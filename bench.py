@@ -263,4 +263,4 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main, parse)
+    run_cli(main, parse, keys=(BenchConfig, TrainConfig))

@@ -247,4 +247,4 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main, parse)
+    run_cli(main, parse, keys=(CompareConfig, TrainConfig))

@@ -101,6 +101,19 @@ def _read_file(path: str) -> dict[str, Any]:
 
 def parse_config(cls: type[T], argv: list[str]) -> T:
     """An instance of the dataclass cls from config files and --key=value overrides, applied left to right."""
+    return build(cls, given_values(cls, argv))
+
+
+def build(cls: type[T], values: dict[str, Any]) -> T:
+    try:
+        return cls(**values)
+    except ValueError as e:  # the dataclass's own checks of values and their combinations (__post_init__)
+        raise UserError(str(e)) from e
+
+
+def given_values(cls: type, argv: list[str]) -> dict[str, Any]:
+    """The values that config files and --key=value overrides give the dataclass cls's fields, checked and coerced:
+    only the keys given (a resumed run takes the others from its checkpoint)."""
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
@@ -120,10 +133,7 @@ def parse_config(cls: type[T], argv: list[str]) -> T:
             if key not in hints:
                 raise _unknown(key, known, source)
             values[key] = _coerce(key, value, hints[key], source, raws.get(key))
-    try:
-        return cls(**values)
-    except ValueError as e:  # the dataclass's own checks of values and their combinations (__post_init__)
-        raise UserError(str(e)) from e
+    return values
 
 
 def split_args(argv: list[str], cls: type) -> tuple[list[str], list[str]]:
@@ -160,15 +170,20 @@ def print_config(cfg: Any) -> None:
 
 
 def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T],
-            argv: list[str] | None = None) -> None:
-    """Parse the command line (into the dataclass `config`, or by the function `config`) and run main on it. A user
-    error (USER_ERRORS) ends the process with one `error: ...` line and exit 2 (SMALLGPT_DEBUG=1 shows its
-    traceback); anything else is a bug or a failure inside a library and keeps its traceback.
+            argv: list[str] | None = None, keys: tuple[type, ...] = ()) -> None:
+    """Parse the command line (into the dataclass `config`, or by the function `config`, whose keys are those of the
+    dataclasses `keys`) and run main on it. A user error (USER_ERRORS) ends the process with one `error: ...` line
+    and exit 2 (SMALLGPT_DEBUG=1 shows its traceback); anything else is a bug or a failure inside a library and
+    keeps its traceback.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(argv) and dataclasses.is_dataclass(config):
+    keys = (config,) if dataclasses.is_dataclass(config) else keys
+    if {"-h", "--help"} & set(argv) and keys:
         print(f"usage: python {sys.argv[0]} [config files] [--key=value ...]; the keys and their defaults:")
-        print_config(config())
+        for cls in keys:
+            if len(keys) > 1:
+                print(f"{cls.__name__}:")
+            print_config(cls())
         return
     try:
         main(parse_config(config, argv) if dataclasses.is_dataclass(config) else config(argv))

@@ -15,34 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import checkpoint
+import runtime
 import sharding
-from checkpoint import (
-    GPT2_NAMES,
-    check_out_dir,
-    check_vocabulary,
-    convert_kv_heads,
-    gpt2_for_finetuning,
-    load_checkpoint,
-    model_from_checkpoint,
-    save_checkpoint,
-)
-from configurator import UserError, print_config, run_cli, with_fields_of
+from configurator import UserError, build, given_values, print_config, run_cli, with_fields_of
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
 from optim import lr_at, make_optimizer
 from runlog import RunLog
-from runtime import (
-    Dist,
-    autocast,
-    keep_freed_memory,
-    peak_flops,
-    resolve_dtype,
-    rng_states,
-    set_rng_states,
-    setup_distributed,
-    stop_requested,
-    teardown_distributed,
-)
 
 
 @with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False, vocab_size=None)
@@ -111,10 +91,10 @@ class TrainConfig:
                      if getattr(self, k) < 0]
         if self.nonfinite not in ("stop", "skip"):
             problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
-        named = self.init_from in ("scratch", "resume", "auto", *GPT2_NAMES)
+        named = self.init_from in ("scratch", "resume", "auto", *checkpoint.GPT2_NAMES)
         if not named and not self.init_from.startswith(("convert:", "hf:")):
-            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'auto', "
-                            f"'convert:<checkpoint>', {', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
+            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'auto', 'convert:<checkpoint>',"
+                            f" {', '.join(checkpoint.GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
         if self.optimizer not in ("adamw", "muon") or (self.optimizer, self.parallel) == ("muon", "fsdp"):
@@ -170,14 +150,14 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
     if init_from != "resume" and existing.exists() and not cfg.eval_only:  # a run's checkpoint is never replaced
         raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; to start a new "
                         f"run, choose another out_dir or delete that one first")
-    if init_from in GPT2_NAMES or init_from.startswith("hf:"):
-        return gpt2_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
+    if init_from in checkpoint.GPT2_NAMES or init_from.startswith("hf:"):
+        return checkpoint.gpt2_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
                                    cfg.n_kv_head), None
     if init_from == "scratch":
         return None, None
     resume = init_from == "resume"
     path = Path(cfg.out_dir if resume else init_from.removeprefix("convert:"))
-    ckpt = load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
+    ckpt = checkpoint.load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
     # resume: the model keys changed since the checkpoint's run (a fine-tuned GPT-2 keeps GPT-2's shape);
     # convert: every model key but n_kv_head must match the source
     before, now = (ckpt.get("config", {}), cfg) if resume else (ckpt["model_config"], cfg.model_config(vocab_size))
@@ -188,12 +168,12 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
                         f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")
     if resume and "sharded" in ckpt and cfg.parallel == "fsdp":
         return None, ckpt
-    model = model_from_checkpoint(ckpt)
-    return (model, ckpt) if resume else (convert_kv_heads(model, now.n_kv_head), None)
+    model = checkpoint.model_from_checkpoint(ckpt)
+    return (model, ckpt) if resume else (checkpoint.convert_kv_heads(model, now.n_kv_head), None)
 
 
 def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               batches: Batches, it: int, d: Dist, accum: int, amp: AbstractContextManager, grad_clip: float,
+               batches: Batches, it: int, d: runtime.Dist, accum: int, amp: AbstractContextManager, grad_clip: float,
                skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
     """One optimizer step over this rank's accum micro-batches; returns their mean loss (a tensor: no host sync) and
     whether the step was taken: skip_nonfinite drops a step whose gradient norm is NaN/inf (the same on every rank,
@@ -227,7 +207,7 @@ class Trainer:
     """One run, in the phases run() reads: set up (data, model, optimizer), restore a checkpoint, then steps with
     evaluation and checkpoints, progress logs, and a clean stop on a signal."""
 
-    def __init__(self, cfg: TrainConfig, d: Dist) -> None:
+    def __init__(self, cfg: TrainConfig, d: runtime.Dist) -> None:
         if cfg.gradient_accumulation_steps % d.world_size:
             up = -(-cfg.gradient_accumulation_steps // d.world_size) * d.world_size
             raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
@@ -235,14 +215,14 @@ class Trainer:
         self.cfg, self.d, self.accum = cfg, d, cfg.gradient_accumulation_steps // d.world_size
         self.sharded = cfg.parallel == "fsdp"  # then every rank evaluates and saves (collectives), rank 0 writes
         if d.device_type == "cpu":
-            keep_freed_memory()
-        self.dtype = resolve_dtype(cfg.dtype, d.device_type)
-        self.amp = autocast(d.device_type, self.dtype)
+            runtime.keep_freed_memory()
+        self.dtype = runtime.resolve_dtype(cfg.dtype, d.device_type)
+        self.amp = runtime.autocast(d.device_type, self.dtype)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
         self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype)
-        check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta, ckpt and ckpt.get("data_meta"),
+        checkpoint.check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta, ckpt and ckpt.get("data_meta"),
                          cfg.dataset)
         self.optimizer = make_optimizer(self.raw_model, cfg.optimizer, cfg.weight_decay, cfg.learning_rate,
                                         (cfg.beta1, cfg.beta2), d.device, cfg.muon_lr)
@@ -258,7 +238,7 @@ class Trainer:
                              broadcast_buffers=False) if d.world_size > 1 and not self.sharded else self.model
         self.log = self.start_log() if d.is_master and not self.finished else None
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
-        self.peak = (cfg.peak_flops or peak_flops(d.device, self.dtype)) if d.is_master else None
+        self.peak = (cfg.peak_flops or runtime.peak_flops(d.device, self.dtype)) if d.is_master else None
         self.loss_sum, self.taken_steps, self.skipped = torch.zeros((), device=d.device), 0, 0
         self.t_start = self.t_last = time.perf_counter()
         self.last_log = self.iter_num
@@ -271,13 +251,13 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num, self.best_val, self.saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["iter_num"]
         if "rng" in ckpt:
-            set_rng_states(ckpt["rng"], self.d.device_type)
+            runtime.set_rng_states(ckpt["rng"], self.d.device_type)
 
     def start_log(self) -> RunLog:
         """Check out_dir, print the config and the model, and open the run log (rank 0 only)."""
         cfg, d, model_cfg = self.cfg, self.d, self.raw_model.config
         # a checkpoint holds the weights and AdamW's two moments (and a few small things)
-        check_out_dir(Path(cfg.out_dir), 3 * sum(p.nbytes for p in self.raw_model.parameters()) + 2**20)
+        checkpoint.check_out_dir(Path(cfg.out_dir), 3 * sum(p.nbytes for p in self.raw_model.parameters()) + 2**20)
         print(f"config ({d.world_size} process{'es' if d.world_size > 1 else ''}, {d.device}, {self.dtype}):")
         print_config(cfg)
         log = RunLog(cfg, model_cfg, self.iter_num)  # iter_num > 0: resumed
@@ -310,7 +290,7 @@ class Trainer:
                 at_log = self.iter_num % cfg.log_interval == 0 or self.iter_num == cfg.max_iters
                 if at_log:
                     self.log_progress(lr)
-                if stop_requested(signals, self.d, at_log):
+                if runtime.stop_requested(signals, self.d, at_log):
                     if self.d.is_master:
                         why = signal.Signals(signals[0]).name if signals else "a signal to another rank"
                         print(f"stopping on {why} at iteration {self.iter_num}")
@@ -371,7 +351,7 @@ class Trainer:
         flops = self.raw_model.flops_per_token(self.cfg.block_size) * tok_s / d.world_size  # each one's FLOP/s
         if self.peak and flops > self.peak and not self.cfg.peak_flops and d.device_type == "cpu":
             # MFU over 100%: the CPU probe ran while something else had the cores. Probed again, the higher rate kept.
-            self.peak = max(self.peak, peak_flops(d.device, self.dtype))
+            self.peak = max(self.peak, runtime.peak_flops(d.device, self.dtype))
         mfu = flops / self.peak if self.peak else None
         print(f"iter {self.iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, {dt * 1000:.1f} ms/iter, {tok_s:,.0f} tok/s"
               + (f", mfu {mfu:.1%}" if mfu is not None else "")
@@ -387,24 +367,36 @@ class Trainer:
             raise diverged("a weight", math.nan, self.iter_num, self.saved)
         state = sharding.checkpoint_state(out, self.iter_num, model, self.optimizer)  # under FSDP, collectives
         if self.d.is_master:
-            save_checkpoint(out / "ckpt.pt", model, keep_last=cfg.keep_last, scaler=self.scaler.state_dict(),
+            checkpoint.save_checkpoint(out / "ckpt.pt", model, keep_last=cfg.keep_last, scaler=self.scaler.state_dict(),
                             iter_num=self.iter_num, best_val_loss=self.best_val, config=asdict(cfg),
-                            data_meta=self.batches.meta, rng=rng_states(self.d.device_type), **state)
+                            data_meta=self.batches.meta, rng=runtime.rng_states(self.d.device_type), **state)
             if self.sharded:
                 sharding.prune_sharded(out, self.iter_num)
             print(f"saved checkpoint to {out / 'ckpt.pt'}")
         self.saved = self.iter_num
 
 
+def parse(argv: list[str]) -> TrainConfig:
+    """TrainConfig from config files and flags; a resumed run (init_from 'resume', or 'auto' with out_dir/ckpt.pt) takes
+    each key not given from its checkpoint's run, out_dir and init_from aside (README "Training": Resume)."""
+    given = given_values(TrainConfig, argv)
+    default = {f.name: f.default for f in fields(TrainConfig)}
+    path = Path(given.get("out_dir", default["out_dir"])) / "ckpt.pt"
+    if given.get("init_from", default["init_from"]) in ("resume", "auto") and path.is_file():
+        run = checkpoint.load_checkpoint(path, "cpu", mmap=True).get("config", {})
+        given = {k: v for k, v in run.items() if k in default and k not in ("out_dir", "init_from")} | given
+    return build(TrainConfig, given)
+
+
 def main(cfg: TrainConfig) -> None:
-    d = setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
+    d = runtime.setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
     try:
         Trainer(cfg, d).run()
         if d.world_size > 1:
             dist.barrier()
     finally:
-        teardown_distributed()
+        runtime.teardown_distributed()
 
 
 if __name__ == "__main__":
-    run_cli(main, TrainConfig)
+    run_cli(main, parse, keys=(TrainConfig,))

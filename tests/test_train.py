@@ -49,6 +49,22 @@ def test_resume_with_another_architecture_is_refused(pycode_small: Path, tmp_pat
                         "--init_from=resume", "--n_kv_head=2", "--max_iters=20"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "cannot resume" in r.stderr and "n_kv_head: checkpoint 4, config 2" in r.stderr
+    r = cli(["train.py", f"--out_dir={out}", "--init_from=resume", "--n_kv_head=2"])  # the other keys: the run's
+    assert r.returncode == 2 and r.stderr == f"error: cannot resume {out}: the config asks for another model " \
+                                             "(n_kv_head: checkpoint 4, config 2); drop those overrides or use a new " \
+                                             "out_dir\n"
+
+
+def test_resume_takes_the_keys_not_given_from_the_run(pycode_small: Path, tmp_path: Path) -> None:
+    """nanoGPT's resume takes the model's shape from the checkpoint; here every key not given does, so
+    --init_from=resume --out_dir=... alone continues a run made with a config file and flags."""
+    out = tmp_path / "out"
+    train(pycode_small, out, "--max_iters=10", "--eval_interval=10", "--lr_decay_iters=40", "--wandb_tags=['a']")
+    run(["train.py", f"--out_dir={out}", "--init_from=resume", "--max_iters=20"])
+    first, resumed = (r for r in read_log(out) if r["event"] == "config")
+    assert resumed["start_iter"] == 10 and resumed["model_config"] == first["model_config"]
+    assert resumed["config"] == first["config"] | {"init_from": "resume", "max_iters": 20}
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 20
 
 
 def test_missing_dataset_names_the_prepare_script(tmp_path: Path) -> None:
