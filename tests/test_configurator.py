@@ -104,6 +104,9 @@ def test_every_shipped_config_file_parses(path: str) -> None:
 def test_help_lists_the_keys_and_defaults() -> None:
     r = cli(["train.py", "--help"])
     assert r.returncode == 0 and "n_kv_head" in r.stdout and "learning_rate" in r.stdout and "= 0.001" in r.stdout
+    for script, own in (("compare.py", "kv_heads"), ("bench.py", "new_tokens")):  # their keys, then train.py's
+        r = cli([script, "-h"])
+        assert r.returncode == 0 and r.stdout.index(own) < r.stdout.index("TrainConfig:") < r.stdout.index("n_kv_head")
 
 
 def test_train_config_has_every_model_key_and_passes_it_on() -> None:
