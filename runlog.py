@@ -2,6 +2,7 @@
 written, and wandb when asked for; and read_run, which reads a log.jsonl back for reports and benchmarks.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -29,10 +30,19 @@ class RunLog:
         self.path, self.wandb = out / "log.jsonl", None
         with atomic_open(out / "config.json", "w") as f:
             json.dump(asdict(cfg), f, indent=1)
-        if cfg.wandb_log:
-            self.wandb = start_wandb(cfg, f"{Path(cfg.dataset).name}-{model_config.attention_kind}")
+        if cfg.wandb_log:  # a resumed run goes on in the wandb run it started
+            self.wandb = start_wandb(cfg, f"{Path(cfg.dataset).name}-{model_config.attention_kind}",
+                                     self.wandb_id() if start_iter else None)
         self.write(event="config", config=asdict(cfg), model_config=asdict(model_config), start_iter=start_iter,
-                   versions=versions())
+                   versions=versions(), wandb_id=self.wandb and self.wandb.id)
+
+    def wandb_id(self) -> str | None:
+        """The wandb run id of the latest config record that has one in this log."""
+        ids = []
+        for line in self.path.read_text().splitlines() if self.path.is_file() else []:
+            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill
+                ids.append(json.loads(line).get("wandb_id"))
+        return next((i for i in reversed(ids) if i), None)
 
     def write(self, **record: Any) -> None:
         with open(self.path, "a") as f:
@@ -45,8 +55,9 @@ class RunLog:
             self.wandb.finish()
 
 
-def start_wandb(cfg: Any, default_name: str) -> Any:
-    """A wandb run, honouring WANDB_MODE; online without a reachable server it logs offline instead of waiting."""
+def start_wandb(cfg: Any, default_name: str, run_id: str | None = None) -> Any:
+    """A wandb run (the run run_id again, if given), honouring WANDB_MODE; online without a reachable server it logs
+    offline instead of waiting."""
     if os.environ.get("WANDB_MODE") == "":  # an empty WANDB_MODE crashes wandb.init
         del os.environ["WANDB_MODE"]
     import wandb
@@ -59,7 +70,8 @@ def start_wandb(cfg: Any, default_name: str) -> Any:
               f"later with `wandb sync`, or set WANDB_MODE=offline to skip this check")
     try:
         return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or default_name, group=cfg.wandb_group,
-                          mode=mode, tags=cfg.wandb_tags, config=asdict(cfg), dir=cfg.out_dir)
+                          mode=mode, tags=cfg.wandb_tags, config=asdict(cfg), dir=cfg.out_dir, id=run_id,
+                          resume="allow" if run_id else None)
     except Exception as e:  # wandb raises its own errors (no API key, no network)
         raise UserError(f"wandb could not start ({type(e).__name__}: {first_line(e)}); "
                         f"set WANDB_MODE=offline to log locally, or --wandb_log=False") from e

@@ -142,6 +142,12 @@ def test_wandb_offline_records_the_run(pycode_small: Path, tmp_path: Path) -> No
     assert info["summary"]["val_loss"] == [x for x in log if x["event"] == "eval"][-1]["val_loss"]
     assert abs(info["summary"]["loss"] - last_train["loss"]) < 1e-9
     assert set(info["tags"]) == {"MHA", "test"} and info["config"]["wandb_group"] == "g1"
+    # resumed, the run goes on in the same wandb run (offline: a second folder with its id, synced into that run)
+    train(pycode_small, out, "--init_from=resume", "--max_iters=30", env={"WANDB_MODE": "offline", "WANDB_SILENT":
+                                                                           "true"}, fresh=True)
+    ids = [x["wandb_id"] for x in read_log(out) if x["event"] == "config"]
+    assert len(ids) == 2 and ids[0] == ids[1] and runs[0].name.endswith(ids[0])
+    assert sorted(p.name[-len(ids[0]):] for p in (out / "wandb").glob("offline-run-*")) == [ids[0]] * 2
 
 
 def test_float16_off_cuda_and_missing_cuda_are_clear_errors(pycode_small: Path, tmp_path: Path) -> None:
