@@ -370,8 +370,7 @@ class Trainer:
             checkpoint.save_checkpoint(out / "ckpt.pt", model, keep_last=cfg.keep_last, scaler=self.scaler.state_dict(),
                             iter_num=self.iter_num, best_val_loss=self.best_val, config=asdict(cfg),
                             data_meta=self.batches.meta, rng=runtime.rng_states(self.d.device_type), **state)
-            if self.sharded:
-                sharding.prune_sharded(out, self.iter_num)
+            sharding.prune_sharded(out, self.iter_num)  # also those of an FSDP run resumed without FSDP
             print(f"saved checkpoint to {out / 'ckpt.pt'}")
         self.saved = self.iter_num
 

@@ -73,6 +73,8 @@ def test_sharded_checkpoint_resumes_at_another_process_count(pycode_small: Path,
     train(pycode_small, tmp_path, "--max_iters=20", "--init_from=resume", f"--parallel={then[1]}", procs=then[0])
     resumed, once = losses(tmp_path), losses(plain)
     assert list(resumed) == list(range(1, 21))
+    # the sharded folders that no checkpoint names are gone (the FSDP run's, once a plain run has saved)
+    assert [p.name for p in tmp_path.glob("sharded-*")] == ["sharded-0000020"] * (then[1] == "fsdp")
     assert list(resumed.values()) == pytest.approx(list(once.values()), rel=1e-5)
     diffs = weight_diffs(tmp_path, plain)
     assert diffs.max() < 1e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
