@@ -27,6 +27,8 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 
 
 def check_out_dir(out_dir: Path, need_bytes: int) -> None:
     """Fail before training, not at the first save, if out_dir is not writable or has too little free space."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"out_dir {out_dir} is a file, not a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=out_dir):
         pass
@@ -72,6 +74,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     """A checkpoint written by save_checkpoint, loaded with weights_only=True (mmap: its tensors are read from the
     file when used)."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path} is a folder, not a checkpoint file")
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its directory is at the end of the file
@@ -80,13 +84,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        if unsafe is None:
-            raise UserError(f"checkpoint {path} is corrupt ({first_line(e)})") from e
+        if unsafe is None:  # torch's message advises weights_only=False first: quote the unpickler's reason
+            reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
+            raise UserError(f"checkpoint {path} is corrupt ({reason[1].strip() if reason else first_line(e)})") from e
         raise UserError(f"refusing to load {path}: it holds {unsafe[1]}, not only tensors and plain data, and "
                         f"loading it could run code") from e
     except (RuntimeError, EOFError, OSError) as e:
         raise UserError(f"checkpoint {path} is corrupt or truncated ({first_line(e)})") from e
-    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys():
+    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys() or not isinstance(
+            ckpt["model_config"], dict):
         raise UserError(f"{path} is not a checkpoint written by this project (no 'model' and 'model_config')")
     return ckpt
 

@@ -114,8 +114,6 @@ def build(cls: type[T], values: dict[str, Any]) -> T:
 def given_values(cls: type, argv: list[str]) -> dict[str, Any]:
     """The values that config files and --key=value overrides give the dataclass cls's fields, checked and coerced:
     only the keys given (a resumed run takes the others from its checkpoint)."""
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
     values: dict[str, Any] = {}
     for arg in argv:
         if arg.startswith("--"):
@@ -129,11 +127,18 @@ def given_values(cls: type, argv: list[str]) -> dict[str, Any]:
             items, source, raws = {key: value}, f"flag {arg}", {key: raw}
         else:
             items, source, raws = _read_file(arg), f"config file {arg}", {}
-        for key, value in items.items():
-            if key not in hints:
-                raise _unknown(key, known, source)
-            values[key] = _coerce(key, value, hints[key], source, raws.get(key))
+        values |= checked_values(cls, items, source, raws)
     return values
+
+
+def checked_values(cls: type, items: dict[str, Any], source: str, raws: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
+    """items (keys of the dataclass cls, from source) checked and coerced to the fields' types, as given_values does
+    (raws: the text typed on the command line for a key)."""
+    hints, known = typing.get_type_hints(cls), [f.name for f in dataclasses.fields(cls)]
+    if unknown := next((key for key in items if key not in hints), None):
+        raise _unknown(unknown, known, source)
+    return {key: _coerce(key, value, hints[key], source, (raws or {}).get(key)) for key, value in items.items()}
 
 
 def split_args(argv: list[str], cls: type) -> tuple[list[str], list[str]]:

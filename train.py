@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import checkpoint
 import runtime
 import sharding
-from configurator import UserError, build, given_values, print_config, run_cli, with_fields_of
+from configurator import UserError, build, checked_values, given_values, print_config, run_cli, with_fields_of
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
 from optim import lr_at, make_optimizer
@@ -147,7 +147,7 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
     existing = Path(cfg.out_dir) / "ckpt.pt"
     if init_from == "auto":
         init_from = "resume" if existing.exists() else "scratch"
-    if init_from != "resume" and existing.exists() and not cfg.eval_only:  # a run's checkpoint is never replaced
+    if init_from != "resume" and existing.exists():  # a run's checkpoint is never replaced, nor its log mixed up
         raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; to start a new "
                         f"run, choose another out_dir or delete that one first")
     if init_from in checkpoint.GPT2_NAMES or init_from.startswith("hf:"):
@@ -158,11 +158,10 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
     resume = init_from == "resume"
     path = Path(cfg.out_dir if resume else init_from.removeprefix("convert:"))
     ckpt = checkpoint.load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
-    # resume: the model keys changed since the checkpoint's run (a fine-tuned GPT-2 keeps GPT-2's shape);
-    # convert: every model key but n_kv_head must match the source
-    before, now = (ckpt.get("config", {}), cfg) if resume else (ckpt["model_config"], cfg.model_config(vocab_size))
+    # resume: the model keys given (parse took the others from the checkpoint); convert: all but n_kv_head
+    now = cfg if resume else cfg.model_config(vocab_size)
     differ = [f"{k}: checkpoint {v!r}, config {getattr(now, k)!r}" for k, v in ckpt["model_config"].items()
-              if k in before and before[k] != getattr(now, k) and (resume or k != "n_kv_head")]
+              if hasattr(now, k) and v != getattr(now, k) and (resume or k != "n_kv_head")]
     if differ:
         raise UserError(f"cannot {'resume' if resume else 'convert'} {path}: the config asks for another model "
                         f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")
@@ -382,8 +381,11 @@ def parse(argv: list[str]) -> TrainConfig:
     default = {f.name: f.default for f in fields(TrainConfig)}
     path = Path(given.get("out_dir", default["out_dir"])) / "ckpt.pt"
     if given.get("init_from", default["init_from"]) in ("resume", "auto") and path.is_file():
-        run = checkpoint.load_checkpoint(path, "cpu", mmap=True).get("config", {})
-        given = {k: v for k, v in run.items() if k in default and k not in ("out_dir", "init_from")} | given
+        ckpt = checkpoint.load_checkpoint(path, "cpu", mmap=True)
+        run = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}  # none in an old checkpoint
+        stored = {k: v for k, v in (run | ckpt["model_config"]).items()  # the model keys as the model is (GPT-2's)
+                  if k in default and k not in ("out_dir", "init_from")}
+        given = checked_values(TrainConfig, stored, f"the run config in {path}") | given
     return build(TrainConfig, given)
 
 

@@ -1,5 +1,7 @@
 import base64
+import io
 import re
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,17 @@ def test_corrupt_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> No
         (out / "ckpt.pt").write_bytes(broken)  # truncated, empty, random bytes
         r = cli(["sample.py", f"--out_dir={out}"])
         assert r.returncode == 2 and "is corrupt or truncated" in r.stderr and "Traceback" not in r.stderr
+    with zipfile.ZipFile(io.BytesIO(data)) as z:  # a whole archive whose pickle has bytes overwritten
+        pkl = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    start = pkl.header_offset + 30 + len(pkl.filename) + len(pkl.extra) + 20  # 30: the zip's local header
+    (out / "ckpt.pt").write_bytes(data[:start] + b"\x99" * 40 + data[start + 40:])
+    r = cli(["sample.py", f"--out_dir={out}"])  # torch's reason, not its advice to load with weights_only=False
+    assert r.returncode == 2 and r.stderr == f"error: checkpoint {out / 'ckpt.pt'} is corrupt (Unsupported operand " \
+                                             "153)\n"
+    (out / "ckpt.pt").unlink()
+    (out / "ckpt.pt").mkdir()
+    r = cli(["sample.py", f"--out_dir={out}"])
+    assert r.returncode == 2 and r.stderr == f"error: {out / 'ckpt.pt'} is a folder, not a checkpoint file\n"
     evil = tmp_path / "b"
     evil.mkdir()
     torch.save({"model": {}, "model_config": {}, "payload": Path("x")}, evil / "ckpt.pt")  # a pickled class

@@ -63,8 +63,16 @@ def test_resume_takes_the_keys_not_given_from_the_run(pycode_small: Path, tmp_pa
     run(["train.py", f"--out_dir={out}", "--init_from=resume", "--max_iters=20"])
     first, resumed = (r for r in read_log(out) if r["event"] == "config")
     assert resumed["start_iter"] == 10 and resumed["model_config"] == first["model_config"]
-    assert resumed["config"] == first["config"] | {"init_from": "resume", "max_iters": 20}
+    # the model keys as the model is: vocab_size and n_kv_head resolved (None: the dataset's, n_head)
+    assert resumed["config"] == first["config"] | first["model_config"] | {"init_from": "resume", "max_iters": 20}
     assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 20
+    ckpt = load_checkpoint(out / "ckpt.pt")  # a checkpoint with no run config (an older format): the model's keys
+    del ckpt["config"]
+    torch.save(ckpt, out / "ckpt.pt")
+    run(["train.py", f"--out_dir={out}", "--init_from=resume", "--max_iters=30", f"--dataset={pycode_small}"])
+    last = [r for r in read_log(out) if r["event"] == "config"][-1]
+    assert last["config"] | last["model_config"] == last["config"] and last["model_config"] == first["model_config"]
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 30
 
 
 def test_missing_dataset_names_the_prepare_script(tmp_path: Path) -> None:
@@ -104,13 +112,13 @@ def test_a_vocabulary_the_model_cannot_hold_is_one_line(tmp_path: Path) -> None:
 def test_a_new_run_never_replaces_another_runs_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
     args = ["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, "--max_iters=2"]
     run(args)
-    before = (tmp_path / "ckpt.pt").read_bytes()
-    for init_from in ("scratch", f"convert:{tmp_path}"):
-        r = cli([*args, f"--init_from={init_from}", "--n_kv_head=1"])
+    before, log = (tmp_path / "ckpt.pt").read_bytes(), (tmp_path / "log.jsonl").read_text()
+    for extra in (["--init_from=scratch"], [f"--init_from=convert:{tmp_path}"], ["--eval_only=True"]):
+        r = cli([*args, *extra, "--n_kv_head=1"])  # (eval_only of a new model: its records would join the run's)
         assert r.returncode == 2 and r.stderr == (
             f"error: {tmp_path / 'ckpt.pt'} holds another run: --init_from=resume (or auto) continues it; to start a "
             "new run, choose another out_dir or delete that one first\n")
-    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    assert (tmp_path / "ckpt.pt").read_bytes() == before and (tmp_path / "log.jsonl").read_text() == log
     run([*args, "--init_from=auto", "--max_iters=3"])  # continues it
     assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 3
     log, before = (tmp_path / "log.jsonl").read_text(), (tmp_path / "ckpt.pt").read_bytes()
@@ -165,6 +173,8 @@ def test_unwritable_out_dir_is_one_line(pycode_small: Path, tmp_path: Path) -> N
                         f"--out_dir={tmp_path / 'a_file' / 'out'}", "--max_iters=1"])
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert r.stderr.startswith("error:") and "a_file" in r.stderr
+    r = cli(["train.py", f"--dataset={pycode_small}", *TINY_TRAIN, f"--out_dir={tmp_path / 'a_file'}", "--max_iters=1"])
+    assert r.returncode == 2 and r.stderr == f"error: out_dir {tmp_path / 'a_file'} is a file, not a folder\n"
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
