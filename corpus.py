@@ -58,7 +58,9 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
     enc = gpt2_encoding()
 
     def tokenize(example: dict) -> dict:
-        return {"ids": [*enc.encode_ordinary(example[text_field]), enc.eot_token]}
+        if not isinstance(text := example[text_field], str):
+            raise UserError(f"a document's {text_field!r} is {text!r}, not a string")
+        return {"ids": [*enc.encode_ordinary(text), enc.eot_token]}
 
     streaming = not hasattr(ds, "__len__")
     if ds.column_names is not None and text_field not in ds.column_names:  # None: a stream that does not say
@@ -68,7 +70,6 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
     ds = ds.take(max_docs) if streaming and max_docs else ds.select(range(min(max_docs, len(ds)))) if max_docs else ds
     ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # complete again only at the end
     counts, i = {"train": 0, "val": 0}, -1
     with ExitStack() as stack, reading(source, local):  # both files are renamed into place only after the last document
         files = {split: stack.enter_context(atomic_open(out_dir / f"{split}.bin")) for split in counts}
@@ -76,11 +77,12 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
             split = "val" if i % val_every == 0 else "train"
             files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
             counts[split] += len(example["ids"])
-    if i < 0:
-        raise UserError(f"{source} has no documents")
-    if not all(counts.values()):
-        raise UserError(f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
-                        f"smaller val_every")
+        if i < 0:  # an error up to here leaves a dataset already in out_dir as it was
+            raise UserError(f"{source} has no documents")
+        if not all(counts.values()):
+            raise UserError(f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
+                            f"smaller val_every")
+        (out_dir / "meta.json").unlink(missing_ok=True)  # complete again only once the new token files are in place
     meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "dtype": "uint16", "train_tokens": counts["train"],
             "val_tokens": counts["val"]}
     with atomic_open(out_dir / "meta.json", "w") as f:

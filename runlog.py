@@ -28,6 +28,11 @@ class RunLog:
     def __init__(self, cfg: Any, model_config: Any, start_iter: int) -> None:
         out = Path(cfg.out_dir)
         self.path, self.wandb = out / "log.jsonl", None
+        if self.path.is_file() and self.path.stat().st_size:  # a line cut short by a kill stays a line of its own
+            with open(self.path, "rb+") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
         with atomic_open(out / "config.json", "w") as f:
             json.dump(asdict(cfg), f, indent=1)
         if cfg.wandb_log:  # a resumed run goes on in the wandb run it started
@@ -106,8 +111,8 @@ def read_run(run_dir: Path) -> dict:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            if i == len(lines):  # a process killed mid-write leaves its last line cut short
-                break
+            if i == len(lines) or '"event": "config"' in lines[i]:  # a process killed mid-write leaves its last
+                continue  # line cut short (then a resume may follow)
             raise UserError(f"{path} line {i} is not a JSON record ({e.msg}): not a log written by train.py") from e
     starts = [i for i, r in enumerate(records) if r.get("event") == "config"  # a fresh start, not a resume
               and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0]
@@ -117,7 +122,7 @@ def read_run(run_dir: Path) -> dict:
     offset, last, evals, trains = 0.0, 0.0, {}, {}  # by iteration: a resume replaces what came after its checkpoint
     for r in records:
         if r["event"] == "config":
-            offset += last
+            offset, last = offset + last, 0.0
             for kept in (evals, trains):
                 for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
                     del kept[it]

@@ -130,6 +130,14 @@ def test_corpus_pipeline_on_local_parquet(script: str, tmp_path: Path, tiny_bpe:
     for name in ("train.bin", "val.bin", "meta.json"):  # streaming gives the same files; a re-run overwrites whole
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
     assert not list(outs[0].glob("*.tmp"))
+    # a re-run that fails (a document with no text, streamed or not) leaves the dataset there as it was
+    files = {p.name: p.read_bytes() for p in outs[0].iterdir()}
+    pq.write_table(pa.table({"text": ["a doc", None, "another"]}), tmp_path / "bad.parquet")
+    for streaming in (False, True):
+        r = cli([script, f"--input={tmp_path / 'bad.parquet'}", f"--out_dir={outs[0]}", "--num_proc=1",
+                 "--val_every=2", f"--streaming={streaming}"], env=tiny_bpe)
+        assert r.returncode == 2 and r.stderr.splitlines()[-1] == "error: a document's 'text' is None, not a string"
+        assert {p.name: p.read_bytes() for p in outs[0].iterdir()} == files
 
 
 def test_corpus_offline_is_one_clear_line(tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """Checkpoints that survive kill -9, divergence handling, restarts under torchrun, up-front checks."""
 
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -184,3 +186,25 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(pycode_small: Pat
     assert [x["iter"] for x in killed["evals"]] == list(range(0, 121, 20))
     assert [x["val_loss"] for x in killed["evals"]] == pytest.approx([x["val_loss"] for x in once["evals"]])
     assert killed["trains"][-1]["wall_s"] > killed["trains"][-1]["elapsed_s"]  # the first attempt's time counts
+
+
+def test_a_log_line_cut_short_by_a_kill_stays_apart_from_the_resume(tmp_path: Path) -> None:
+    """A kill mid-write leaves log.jsonl's last line cut short: the resume's RunLog starts on a new line, and read_run
+    skips the cut line, keeps one record per iteration and adds each attempt's time once (one attempt was killed
+    before logging anything)."""
+    from runlog import RunLog
+    from train import TrainConfig
+
+    def record(**r: object) -> str:
+        return json.dumps(r | {"time": 0.0}) + "\n"
+
+    cfg, mcfg = TrainConfig(out_dir=str(tmp_path)), GPTConfig()
+    first = {"event": "config", "config": dataclasses.asdict(cfg), "model_config": dataclasses.asdict(mcfg)}
+    (tmp_path / "log.jsonl").write_text(record(**first, start_iter=0) + record(event="train", iter=1, elapsed_s=1.0)
+                                        + record(event="train", iter=2, elapsed_s=2.0) + '{"event": "train", "it')
+    RunLog(cfg, mcfg, start_iter=1).close()  # an attempt killed before its first record
+    log = RunLog(cfg, mcfg, start_iter=1)
+    log.write(event="train", iter=2, elapsed_s=0.5)
+    log.close()
+    run = read_run(tmp_path)
+    assert [(r["iter"], r["wall_s"]) for r in run["trains"]] == [(1, 1.0), (2, 2.5)]
