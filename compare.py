@@ -97,7 +97,7 @@ def launch(args: list[str], out_dir: Path) -> None:
     args = args + [f"--out_dir={out_dir}"] + ["--init_from=resume"] * (out_dir / "ckpt.pt").exists()
     print(f"$ python train.py {' '.join(args)}", flush=True)
     if subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args]).returncode:
-        raise UserError(f"a training run failed (python train.py {' '.join(args)}); see its output above")
+        raise UserError(f"the training run into {out_dir} failed: see its output above")
 
 
 def decode_speed(run_dir: Path, tokens: int) -> float:

@@ -3,6 +3,7 @@ from the hub or from local parquet/json/text files, tokenised with GPT-2's BPE i
 layout) without holding the corpus in memory.
 """
 
+import glob
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -41,6 +42,8 @@ def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: boo
     """A Hugging Face text corpus: from the hub, or from local parquet/json/text files (a path or a glob)."""
     import datasets
 
+    if local and "://" not in local and not glob.glob(local):  # (datasets says "Couldn't find cache for ...")
+        raise UserError(f"no file matches --input={local}")
     with reading(local or hub_id, bool(local)):
         if local:
             kind = {"jsonl": "json", "txt": "text"}.get(local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1])

@@ -257,7 +257,8 @@ class Trainer:
         cfg, d, model_cfg = self.cfg, self.d, self.raw_model.config
         # a checkpoint holds the weights and AdamW's two moments (and a few small things)
         checkpoint.check_out_dir(Path(cfg.out_dir), 3 * sum(p.nbytes for p in self.raw_model.parameters()) + 2**20)
-        print(f"config ({d.world_size} process{'es' if d.world_size > 1 else ''}, {d.device}, {self.dtype}):")
+        resumed = "; keys not given: the resumed run's" if self.iter_num else ""
+        print(f"config ({d.world_size} process{'es' if d.world_size > 1 else ''}, {d.device}, {self.dtype}{resumed}):")
         print_config(cfg)
         log = RunLog(cfg, model_cfg, self.iter_num)  # iter_num > 0: resumed
         print(f"model: {self.raw_model.num_params() / 1e6:.2f}M parameters, {model_cfg.attention_kind} "

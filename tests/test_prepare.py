@@ -147,6 +147,8 @@ def test_corpus_offline_is_one_clear_line(tmp_path: Path) -> None:
                             "HF_HOME": str(tmp_path / "hf")})
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert "cannot load Skylion007/openwebtext" in r.stderr and "--input=PATH" in r.stderr
+    r = cli(["data/openwebtext/prepare.py", f"--input={tmp_path / 'docs-*.parquet'}", f"--out_dir={tmp_path / 'd'}"])
+    assert r.returncode == 2 and r.stderr == f"error: no file matches --input={tmp_path / 'docs-*.parquet'}\n"
 
 
 @pytest.mark.parametrize(("content", "args", "message"), [
