@@ -40,13 +40,13 @@ def check_out_dir(out_dir: Path, need_bytes: int) -> None:
 
 def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, dataset: str) -> None:
     """The model must have a row for each of the dataset's tokens, and a resumed one the tokens it was trained on."""
-    if vocab_size < meta["vocab_size"]:
-        raise UserError(f"the model's vocab_size={vocab_size} is smaller than dataset {dataset}'s "
-                        f"{meta['vocab_size']} tokens: drop vocab_size (the dataset's is the default) or raise it")
     if trained_on and any(trained_on.get(k) != meta.get(k) for k in ("tokenizer", "chars")):
         raise UserError(f"the checkpoint was trained on other tokens than dataset {dataset}'s (its tokenizer "
                         f"{trained_on.get('tokenizer')}, vocab_size {trained_on.get('vocab_size')}): resume on its "
                         f"dataset, or use a new out_dir")
+    if vocab_size < meta["vocab_size"]:
+        raise UserError(f"the model's vocab_size={vocab_size} is smaller than dataset {dataset}'s "
+                        f"{meta['vocab_size']} tokens: drop vocab_size (the dataset's is the default) or raise it")
 
 
 def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, model_state: dict | None = None,

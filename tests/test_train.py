@@ -97,7 +97,8 @@ def test_block_size_larger_than_the_dataset_is_one_line(tmp_path: Path) -> None:
 
 def test_a_vocabulary_the_model_cannot_hold_is_one_line(tmp_path: Path) -> None:
     """A vocab_size below the dataset's, and a checkpoint resumed on a dataset of other tokens (same size or not)."""
-    for name, text in (("d", "print('hello')\n" * 40), ("digits", "0123456789\n" * 60)):
+    for name, text in (("d", "print('hello')\n" * 40), ("digits", "0123456789\n" * 60),
+                       ("letters", "abcdefghijklmnopqrstuvwxyz\n" * 40)):
         (tmp_path / "t.txt").write_text(text)
         run(["dataset.py", f"--input={tmp_path / 't.txt'}", f"--out_dir={tmp_path / name}"])
     args = [f"--dataset={tmp_path / 'd'}", f"--out_dir={tmp_path / 'out'}", *TINY_TRAIN, "--block_size=8"]
@@ -105,8 +106,10 @@ def test_a_vocabulary_the_model_cannot_hold_is_one_line(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.startswith("error: the model's vocab_size=5 is smaller than dataset ")
     assert not (tmp_path / "out").exists()
     run(["train.py", *args, "--max_iters=2"])
-    r = cli(["train.py", *args, "--init_from=resume", f"--dataset={tmp_path / 'digits'}"])
-    assert r.returncode == 2 and r.stderr.startswith("error: the checkpoint was trained on other tokens than dataset")
+    for other in ("digits", "letters"):  # fewer tokens than the model holds, and more
+        r = cli(["train.py", *args, "--init_from=resume", f"--dataset={tmp_path / other}"])
+        assert r.returncode == 2 and r.stderr.startswith("error: the checkpoint was trained on other tokens than "
+                                                         "dataset")
 
 
 def test_a_new_run_never_replaces_another_runs_checkpoint(pycode_small: Path, tmp_path: Path) -> None:
