@@ -158,10 +158,12 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
     resume = init_from == "resume"
     path = Path(cfg.out_dir if resume else init_from.removeprefix("convert:"))
     ckpt = checkpoint.load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
-    # resume: the model keys given (parse took the others from the checkpoint); convert: all but n_kv_head
+    # resume: a model key given (parse took the others from the checkpoint) must be the model's or the run's (GPT-2
+    # fine-tuned has GPT-2's shape whatever its config said); convert: all but n_kv_head must be the source's
     now = cfg if resume else cfg.model_config(vocab_size)
+    run = ckpt["config"] if resume and isinstance(ckpt.get("config"), dict) else {}
     differ = [f"{k}: checkpoint {v!r}, config {getattr(now, k)!r}" for k, v in ckpt["model_config"].items()
-              if hasattr(now, k) and v != getattr(now, k) and (resume or k != "n_kv_head")]
+              if hasattr(now, k) and getattr(now, k) not in (v, run.get(k, v)) and (resume or k != "n_kv_head")]
     if differ:
         raise UserError(f"cannot {'resume' if resume else 'convert'} {path}: the config asks for another model "
                         f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")

@@ -60,7 +60,8 @@ def test_resume_takes_the_keys_not_given_from_the_run(pycode_small: Path, tmp_pa
     --init_from=resume --out_dir=... alone continues a run made with a config file and flags."""
     out = tmp_path / "out"
     train(pycode_small, out, "--max_iters=10", "--eval_interval=10", "--lr_decay_iters=40", "--wandb_tags=['a']")
-    run(["train.py", f"--out_dir={out}", "--init_from=resume", "--max_iters=20"])
+    vocab = load_checkpoint(out / "ckpt.pt")["model_config"]["vocab_size"]  # given as the model has it: accepted
+    run(["train.py", f"--out_dir={out}", "--init_from=resume", "--max_iters=20", f"--vocab_size={vocab}"])
     first, resumed = (r for r in read_log(out) if r["event"] == "config")
     assert resumed["start_iter"] == 10 and resumed["model_config"] == first["model_config"]
     # the model keys as the model is: vocab_size and n_kv_head resolved (None: the dataset's, n_head)
