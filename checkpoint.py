@@ -83,12 +83,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        # torch names a refused global one of two ways (a blocked module such as os: the second)
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)|unsupported GLOBAL (\S+) whose module", str(e))
         if unsafe is None:  # torch's message advises weights_only=False first: quote the unpickler's reason
             reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
             raise UserError(f"checkpoint {path} is corrupt ({reason[1].strip() if reason else first_line(e)})") from e
-        raise UserError(f"refusing to load {path}: it holds {unsafe[1]}, not only tensors and plain data, and "
-                        f"loading it could run code") from e
+        raise UserError(f"refusing to load {path}: it holds {unsafe[1] or unsafe[2]}, not only tensors and plain data, "
+                        f"and loading it could run code") from e
     except (RuntimeError, EOFError, OSError) as e:
         raise UserError(f"checkpoint {path} is corrupt or truncated ({first_line(e)})") from e
     if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys() or not isinstance(

@@ -4,6 +4,7 @@ Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
 """
 
+import inspect
 import math
 import signal
 import time
@@ -198,12 +199,6 @@ def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Op
     return loss_sum, taken
 
 
-def diverged(what: str, value: float, iter_num: int, saved: int | None) -> UserError:
-    kept = "no checkpoint was written yet" if saved is None else f"the last good checkpoint (iteration {saved}) is kept"
-    return UserError(f"{what} is {value} at iteration {iter_num}: training diverged; {kept}; lower learning_rate "
-                     f"(or raise warmup_iters), or set --nonfinite=skip to drop such steps")
-
-
 class Trainer:
     """One run, in the phases run() reads: set up (data, model, optimizer), restore a checkpoint, then steps with
     evaluation and checkpoints, progress logs, and a clean stop on a signal."""
@@ -235,14 +230,24 @@ class Trainer:
         self.finished = ckpt is not None and self.iter_num >= cfg.max_iters and not cfg.eval_only  # resumed, done
         del ckpt
         self.model = torch.compile(self.raw_model) if cfg.compile else self.raw_model
+        # no buffer broadcast each forward (the rotary tables are the same everywhere); torch 2.13 renamed the flag
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else \
+            "broadcast_buffers"
         self.ddp_model = DDP(self.model, device_ids=[d.local_rank] if d.device_type == "cuda" else None,
-                             broadcast_buffers=False) if d.world_size > 1 and not self.sharded else self.model
+                             **{no_sync: False}) if d.world_size > 1 and not self.sharded else self.model
         self.log = self.start_log() if d.is_master and not self.finished else None
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.peak = (cfg.peak_flops or runtime.peak_flops(d.device, self.dtype)) if d.is_master else None
         self.loss_sum, self.taken_steps, self.skipped = torch.zeros((), device=d.device), 0, 0
         self.t_start = self.t_last = time.perf_counter()
         self.last_log = self.iter_num
+
+    def diverged(self, what: str, value: float) -> UserError:
+        skip = "" if self.cfg.nonfinite == "skip" else ", or set --nonfinite=skip to drop such steps"
+        kept = (f"the last good checkpoint (iteration {self.saved}) is kept" if self.saved is not None else
+                "no checkpoint was written yet")
+        return UserError(f"{what} is {value} at iteration {self.iter_num}: training diverged; {kept}; lower "
+                         f"learning_rate (or raise warmup_iters){skip}")
 
     def restore(self, ckpt: dict) -> None:
         """Continue a checkpointed run: optimizer (and the weights, from a sharded checkpoint), grad scaler,
@@ -323,7 +328,7 @@ class Trainer:
         if self.sharded:  # every rank evaluated the same batches; all decide as rank 0 does
             losses = sharding.from_rank0(losses)
         if not math.isfinite(losses["val"]):
-            raise diverged("the val loss", losses["val"], self.iter_num, self.saved)
+            raise self.diverged("the val loss", losses["val"])
         if self.d.is_master:
             print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
             self.log.write(event="eval", iter=self.iter_num, train_loss=losses["train"], val_loss=losses["val"], lr=lr,
@@ -342,7 +347,7 @@ class Trainer:
         steps = self.taken_steps
         train_loss = self.loss_sum.item() / d.world_size / steps if steps else math.nan  # host sync
         if steps and not math.isfinite(train_loss):
-            raise diverged("the training loss", train_loss, self.iter_num, self.saved)
+            raise self.diverged("the training loss", train_loss)
         now = time.perf_counter()
         dt = (now - self.t_last) / (self.iter_num - self.last_log)
         self.t_last, self.last_log, self.taken_steps = now, self.iter_num, 0
@@ -366,7 +371,7 @@ class Trainer:
         the sharded checkpoint it names (weights and optimizer), and ckpt.pt holds the whole model gathered."""
         cfg, out, model = self.cfg, Path(self.cfg.out_dir), self.raw_model
         if not sharding.all_finite(model):
-            raise diverged("a weight", math.nan, self.iter_num, self.saved)
+            raise self.diverged("a weight", math.nan)
         state = sharding.checkpoint_state(out, self.iter_num, model, self.optimizer)  # under FSDP, collectives
         if self.d.is_master:
             checkpoint.save_checkpoint(out / "ckpt.pt", model, keep_last=cfg.keep_last, scaler=self.scaler.state_dict(),

@@ -81,6 +81,7 @@ def test_skip_mode_counts_skipped_steps_in_the_log(pycode_small: Path, tmp_path:
                         "--log_interval=2", "--learning_rate=1e30", "--decay_lr=False", "--nonfinite=skip")])
     assert r.returncode == 2 and "the val loss is nan at iteration 6" in r.stderr
     assert "no checkpoint was written yet" in r.stderr and not (out / "ckpt.pt").exists()
+    assert "--nonfinite=skip" not in r.stderr  # (it is set: not advised again)
     skipped = [x["skipped"] for x in read_log(out) if x["event"] == "train"]
     assert skipped[-1] >= 4 and "non-finite steps skipped" in r.stdout
 

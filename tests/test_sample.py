@@ -1,5 +1,6 @@
 import base64
 import io
+import os
 import re
 import zipfile
 from pathlib import Path
@@ -143,6 +144,13 @@ def test_compiling_with_no_cpp_compiler_is_one_line(tmp_path: Path, monkeypatch:
         "without compile"]
 
 
+class RunsCode:
+    """Unpickled, it would call os.system (weights_only=True refuses it before)."""
+
+    def __reduce__(self) -> tuple:
+        return os.system, ("true",)
+
+
 def test_corrupt_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> None:
     out = make_checkpoint(tmp_path / "a", 2)
     data = (out / "ckpt.pt").read_bytes()
@@ -167,6 +175,10 @@ def test_corrupt_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> No
     r = cli(["sample.py", f"--out_dir={evil}"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"error: refusing to load {evil / 'ckpt.pt'}: it holds pathlib")
+    torch.save({"model": {}, "model_config": {}, "payload": RunsCode()}, evil / "ckpt.pt")  # a blocked module's
+    r = cli(["sample.py", f"--out_dir={evil}"])
+    held = f"{os.system.__module__}.system"  # posix.system on Linux
+    assert r.returncode == 2 and r.stderr.startswith(f"error: refusing to load {evil / 'ckpt.pt'}: it holds {held}")
 
 
 def test_summary_line_reports_speed_cache_and_attention_kind(tmp_path: Path) -> None:
