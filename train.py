@@ -4,7 +4,6 @@ Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
 """
 
-import inspect
 import math
 import signal
 import time
@@ -14,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint
 import runtime
@@ -230,11 +228,7 @@ class Trainer:
         self.finished = ckpt is not None and self.iter_num >= cfg.max_iters and not cfg.eval_only  # resumed, done
         del ckpt
         self.model = torch.compile(self.raw_model) if cfg.compile else self.raw_model
-        # no buffer broadcast each forward (the rotary tables are the same everywhere); torch 2.13 renamed the flag
-        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else \
-            "broadcast_buffers"
-        self.ddp_model = DDP(self.model, device_ids=[d.local_rank] if d.device_type == "cuda" else None,
-                             **{no_sync: False}) if d.world_size > 1 and not self.sharded else self.model
+        self.ddp_model = runtime.ddp(self.model, d) if d.world_size > 1 and not self.sharded else self.model
         self.log = self.start_log() if d.is_master and not self.finished else None
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.peak = (cfg.peak_flops or runtime.peak_flops(d.device, self.dtype)) if d.is_master else None
