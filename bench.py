@@ -21,7 +21,7 @@ import torch
 
 import bench_peers
 import sharding
-from checkpoint import load_checkpoint, model_from_checkpoint
+from checkpoint import load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError, parse_config, run_cli, split_args
 from dataset import Batches, data_dir, vocab_size_of
 from fast_paths import Linear
@@ -184,7 +184,7 @@ def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
     models = {"float32": model_from_checkpoint(ckpt).eval()}
     models["int8"] = quantize(copy.deepcopy(models["float32"]), "int8")
     header("int8", "cpu", models["float32"].config)
-    batches = Batches(data_dir(ckpt.get("config", {}).get("dataset", base.dataset)), models["int8"].config.block_size,
+    batches = Batches(data_dir(run_config(ckpt).get("dataset", base.dataset)), models["int8"].config.block_size,
                       base.batch_size, base.seed, "cpu")
     n, gen, rows, greedy, picks = cfg.new_tokens[0], torch.Generator().manual_seed(0), [], {}, {}
     val = [batches.eval("val", k) for k in range(base.eval_iters)]  # read once, for both models

@@ -92,10 +92,14 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", 
                         f"and loading it could run code") from e
     except (RuntimeError, EOFError, OSError) as e:
         raise UserError(f"checkpoint {path} is corrupt or truncated ({first_line(e)})") from e
-    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys() or not isinstance(
-            ckpt["model_config"], dict):
+    if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt.get("model_config"), dict):
         raise UserError(f"{path} is not a checkpoint written by this project (no 'model' and 'model_config')")
     return ckpt
+
+
+def run_config(ckpt: dict[str, Any]) -> dict[str, Any]:
+    """The config of the run that wrote ckpt, as a dict ({} from an older checkpoint without one)."""
+    return ckpt["config"] if isinstance(ckpt.get("config"), dict) else {}
 
 
 def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:

@@ -4,7 +4,6 @@ and the CPU allocator setting. train.py, sample.py, bench.py and compare.py shar
 
 import ctypes
 import gc
-import inspect
 import os
 import re
 import sys
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import UserError
 
@@ -148,14 +146,6 @@ def keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
     libc.mallopt(m_mmap_threshold, 32 * 2**20)  # blocks up to 32 MiB (glibc's maximum) come from the heap ...
     libc.mallopt(m_trim_threshold, 2**30)  # ... and the heap is not shrunk until 1 GiB of it is free
-
-
-def ddp(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
-    """model wrapped by DDP, without a buffer broadcast at each forward (the rotary tables are the same everywhere;
-    torch 2.13 renamed that flag)."""
-    flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else \
-        "broadcast_buffers"
-    return DDP(model, device_ids=[d.local_rank] if d.device_type == "cuda" else None, **{flag: False})
 
 
 def rng_states(device_type: str) -> dict:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from checkpoint import GPT2_NAMES, from_hf_gpt2, load_checkpoint, model_from_checkpoint
+from checkpoint import GPT2_NAMES, from_hf_gpt2, load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError, run_cli
 from dataset import data_dir, load_meta, load_tokenizer, read_text
 from generation import check_sampling, left_pad, stream_text
@@ -88,7 +88,7 @@ def main(cfg: SampleConfig) -> None:
     if cfg.init_from == "resume":
         ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", map_location=device)
         model = model_from_checkpoint(ckpt)
-        tok = load_tokenizer(ckpt.get("data_meta") or load_meta(data_dir(ckpt.get("config", {}).get("dataset", "?"))))
+        tok = load_tokenizer(ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?"))))
         del ckpt
     else:
         model, tok = from_hf_gpt2(cfg.init_from.removeprefix("hf:")), load_tokenizer({"tokenizer": "gpt2"})

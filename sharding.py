@@ -1,11 +1,13 @@
-"""FSDP2 (torch.distributed.fsdp.fully_shard) for train.py's --parallel=fsdp: each block and the root sharded over
-the processes, a model built on the meta device and initialised shard by shard, and sharded checkpoints written
-with torch.distributed.checkpoint (readable at any number of processes, with or without FSDP).
+"""train.py's parallel training: DDP's wrapper, and FSDP2 (torch.distributed.fsdp.fully_shard) for --parallel=fsdp:
+each block and the root sharded over the processes, a model built on the meta device and initialised shard by shard,
+and sharded checkpoints written with torch.distributed.checkpoint (readable at any number of processes, with or
+without FSDP).
 
 A sharded checkpoint is a folder `sharded-<iteration>` beside ckpt.pt; ckpt.pt (the full model, gathered) names it
 under 'sharded' and is written after it, so a crash at any point leaves a ckpt.pt whose folder is complete.
 """
 
+import inspect
 import shutil
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -67,6 +69,14 @@ def assign_shard(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
+
+
+def ddp(model: torch.nn.Module, device: int | None) -> DDP:
+    """model wrapped by DDP (device: the CUDA device index, None on CPU), without a buffer broadcast at each forward
+    (the rotary tables are the same everywhere; torch 2.13 renamed that flag)."""
+    flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else \
+        "broadcast_buffers"
+    return DDP(model, device_ids=None if device is None else [device], **{flag: False})
 
 
 def gradient_sync(model: torch.nn.Module, raw_model: torch.nn.Module, last: bool) -> AbstractContextManager:

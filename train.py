@@ -151,7 +151,7 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
                         f"run, choose another out_dir or delete that one first")
     if init_from in checkpoint.GPT2_NAMES or init_from.startswith("hf:"):
         return checkpoint.gpt2_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
-                                   cfg.n_kv_head), None
+                                              cfg.n_kv_head), None
     if init_from == "scratch":
         return None, None
     resume = init_from == "resume"
@@ -160,7 +160,7 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
     # resume: a model key given (parse took the others from the checkpoint) must be the model's or the run's (GPT-2
     # fine-tuned has GPT-2's shape whatever its config said); convert: all but n_kv_head must be the source's
     now = cfg if resume else cfg.model_config(vocab_size)
-    run = ckpt["config"] if resume and isinstance(ckpt.get("config"), dict) else {}
+    run = checkpoint.run_config(ckpt) if resume else {}
     differ = [f"{k}: checkpoint {v!r}, config {getattr(now, k)!r}" for k, v in ckpt["model_config"].items()
               if hasattr(now, k) and getattr(now, k) not in (v, run.get(k, v)) and (resume or k != "n_kv_head")]
     if differ:
@@ -216,8 +216,8 @@ class Trainer:
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
         self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype)
-        checkpoint.check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta, ckpt and ckpt.get("data_meta"),
-                         cfg.dataset)
+        checkpoint.check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta,
+                                    ckpt and ckpt.get("data_meta"), cfg.dataset)
         self.optimizer = make_optimizer(self.raw_model, cfg.optimizer, cfg.weight_decay, cfg.learning_rate,
                                         (cfg.beta1, cfg.beta2), d.device, cfg.muon_lr)
         self.scaler = torch.amp.GradScaler(d.device_type, enabled=self.dtype == torch.float16)
@@ -228,7 +228,8 @@ class Trainer:
         self.finished = ckpt is not None and self.iter_num >= cfg.max_iters and not cfg.eval_only  # resumed, done
         del ckpt
         self.model = torch.compile(self.raw_model) if cfg.compile else self.raw_model
-        self.ddp_model = runtime.ddp(self.model, d) if d.world_size > 1 and not self.sharded else self.model
+        cuda_index = d.local_rank if d.device_type == "cuda" else None
+        self.ddp_model = sharding.ddp(self.model, cuda_index) if d.world_size > 1 and not self.sharded else self.model
         self.log = self.start_log() if d.is_master and not self.finished else None
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.peak = (cfg.peak_flops or runtime.peak_flops(d.device, self.dtype)) if d.is_master else None
@@ -369,8 +370,9 @@ class Trainer:
         state = sharding.checkpoint_state(out, self.iter_num, model, self.optimizer)  # under FSDP, collectives
         if self.d.is_master:
             checkpoint.save_checkpoint(out / "ckpt.pt", model, keep_last=cfg.keep_last, scaler=self.scaler.state_dict(),
-                            iter_num=self.iter_num, best_val_loss=self.best_val, config=asdict(cfg),
-                            data_meta=self.batches.meta, rng=runtime.rng_states(self.d.device_type), **state)
+                                       iter_num=self.iter_num, best_val_loss=self.best_val, config=asdict(cfg),
+                                       data_meta=self.batches.meta, rng=runtime.rng_states(self.d.device_type),
+                                       **state)
             sharding.prune_sharded(out, self.iter_num)  # also those of an FSDP run resumed without FSDP
             print(f"saved checkpoint to {out / 'ckpt.pt'}")
         self.saved = self.iter_num
@@ -383,10 +385,9 @@ def parse(argv: list[str]) -> TrainConfig:
     default = {f.name: f.default for f in fields(TrainConfig)}
     path = Path(given.get("out_dir", default["out_dir"])) / "ckpt.pt"
     if given.get("init_from", default["init_from"]) in ("resume", "auto") and path.is_file():
-        ckpt = checkpoint.load_checkpoint(path, "cpu", mmap=True)
-        run = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}  # none in an old checkpoint
-        stored = {k: v for k, v in (run | ckpt["model_config"]).items()  # the model keys as the model is (GPT-2's)
-                  if k in default and k not in ("out_dir", "init_from")}
+        ckpt = checkpoint.load_checkpoint(path, "cpu", mmap=True)  # (load_model loads it again: mmap, cheap)
+        stored = {k: v for k, v in (checkpoint.run_config(ckpt) | ckpt["model_config"]).items()  # the model keys
+                  if k in default and k not in ("out_dir", "init_from")}  # as the model is (a fine-tuned GPT-2's)
         given = checked_values(TrainConfig, stored, f"the run config in {path}") | given
     return build(TrainConfig, given)
 
