@@ -170,9 +170,13 @@ def gpt2_for_finetuning(name_or_path: str, vocab_size: int, dropout: float, bloc
     return convert_kv_heads(model, n_kv_head) if n_kv_head else model
 
 
-def convert_kv_heads(model: GPT, n_kv_head: int) -> GPT:
-    """A copy of model whose K/V heads are pooled into n_kv_head groups: each new K (and V) head is the mean of the
-    heads of its group, query and output projections unchanged (GQA paper, https://arxiv.org/abs/2305.13245 s2.1)."""
+CONVERT_METHODS = ("mean", "first", "random")
+
+
+def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int = 0) -> GPT:
+    """A copy of model with n_kv_head K/V heads, query, output and every other weight unchanged; each new K (and V)
+    head is, by method (the GQA paper's ablation, https://arxiv.org/abs/2305.13245 s2.1 and fig. 5), the mean of
+    the heads of its group, the first head of its group, or drawn afresh as a new model made with seed would be."""
     old = model.config.n_kv_head
     try:
         config = replace(model.config, n_kv_head=n_kv_head)  # checks that n_kv_head divides n_head
@@ -181,12 +185,15 @@ def convert_kv_heads(model: GPT, n_kv_head: int) -> GPT:
     if old % n_kv_head:
         raise UserError(f"cannot pool the model's {old} K/V heads into n_kv_head={n_kv_head} groups: "
                         f"n_kv_head must divide {old}")
-    state = model.state_dict()
+    converted = GPT(config).to(next(model.parameters()).device)
+    if method == "random":
+        converted.init_weights(seed)
+    fresh, state = converted.state_dict(), model.state_dict()
     for name, t in state.items():
         if name.endswith(("attn.c_k.weight", "attn.c_k.bias", "attn.c_v.weight", "attn.c_v.bias")):
-            # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...) -> mean over each group
+            # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...) -> one head per group
             grouped = t.view(n_kv_head, old // n_kv_head, config.head_dim, *t.shape[1:])
-            state[name] = grouped.mean(dim=1).reshape(n_kv_head * config.head_dim, *t.shape[1:])
-    converted = GPT(config).to(next(model.parameters()).device)
+            pooled = {"mean": grouped.mean(dim=1), "first": grouped[:, 0], "random": None}[method]
+            state[name] = fresh[name] if pooled is None else pooled.reshape(n_kv_head * config.head_dim, *t.shape[1:])
     converted.load_state_dict(state)
     return converted

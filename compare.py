@@ -1,62 +1,85 @@
-"""Compare attention variants: train MHA, GQA and MQA versions of one config, then report what each costs and scores.
+"""Compare attention variants: train MHA, GQA and MQA versions of one config over seeds (and sizes, and MHA -> GQA/MQA
+conversions), then report what each costs and scores, with intervals that tell a difference from noise.
 
-    python compare.py config/compare/cpu.py                # sweep + report in the config's out_dir
-    python compare.py config/compare/cpu.py --convert=True # also MHA -> GQA/MQA conversion + uptraining
-    python compare.py config/compare/cpu.py --mode=report  # the report alone, from the runs' log.jsonl files
-    python compare.py config/train_gpt2.py --mode=costs    # parameters and KV-cache bytes of every n_kv_head
+    python compare.py config/compare/cpu.py --seeds=3                 # sweep + report in the config's out_dir
+    python compare.py config/compare/cpu.py --seeds=3 --mode=plan     # the runs and an estimated time, no training
+    python compare.py config/compare/cpu.py --match=[width,params]    # also variants widened to MHA's parameters
+    python compare.py config/compare/cpu.py --convert=True --convert_methods=[mean,first,random] \
+        --uptrain_fractions=[0,0.05,0.1]                                # the GQA paper's conversion ablations
+    python compare.py config/compare/cpu.py --mode=report             # the report alone, from the runs' logs
+    python compare.py config/train_gpt2.py --mode=costs               # parameters and KV-cache bytes of every n_kv_head
 
 Positional arguments and --key=value flags of train.py's TrainConfig describe the base run; the keys below steer
-the comparison. Each variant trains in <out_dir>/<name> with wandb group <out_dir name> and a tag naming it.
+the comparison. Each run trains in <out_dir>/<variant>-s<seed> (sizes: <n_layer>x<n_embd>-<variant>-s<seed>) with
+wandb group <out_dir name> and tags naming its variant, seed and size.
 """
 
-import csv
 import dataclasses
-import statistics
-import subprocess
-import sys
+import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+import report
+import sweep
 from atomic import atomic_open
-from checkpoint import load_checkpoint, model_from_checkpoint
-from configurator import UserError, parse_config, run_cli, split_args
-from dataset import vocab_size_of
-from measure import cached_step_throughput, default_kv_heads, table, timed_decode
+from checkpoint import CONVERT_METHODS
+from configurator import UserError, given_values, parse_config, run_cli, split_args
+from dataset import data_dir, load_meta, vocab_size_of
+from measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from model import GPT, GPTConfig
-from runlog import read_run
-from runtime import resolve_device
+from runtime import resolve_device, resolve_dtype
 from train import TrainConfig
 
 
 @dataclass(slots=True)
 class CompareConfig:
-    mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both) or 'costs' (a table, no training)
+    mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
     kv_heads: list[int] = field(default_factory=list)  # the variants; empty: n_head, a middle divisor, 1
-    convert: bool = False  # also convert the trained MHA model to each GQA/MQA variant and uptrain it
-    uptrain_fraction: float = 0.1  # uptraining length, as a fraction of the base run's max_iters
+    seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
+    # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters); 'params': the
+    # GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both: each variant twice
+    match: list[str] = field(default_factory=lambda: ["width"])
+    sizes: list[tuple[int, int] | str] = field(default_factory=list)  # (n_layer, n_embd), 'LxD' or a preset name
+    convert: bool = False  # also convert each seed's trained MHA model to each GQA/MQA variant and uptrain it
+    convert_methods: list[str] = field(default_factory=lambda: ["mean"])  # K/V heads: mean, first or random
+    uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])  # of the base run's max_iters (0: none)
+    uptrain_lr_scale: float = 0.1  # uptraining's peak learning rates, as a fraction of the base run's
     kv_seq_len: int = 8192  # the KV-cache column for a sequence length and batch of your choice
     kv_batch: int = 8
     kv_dtype: str = "bfloat16"
-    decode_tokens: int = 256  # decode speed on each trained checkpoint: batch 1, greedy, this many tokens
     # decode speed where the KV cache dominates what a step reads: this batch, this many positions cached (each
-    # variant's shape with random weights, float32; decode_steps one-token steps, the median reported)
+    # variant's shape with random weights, float32; the median of decode_steps one-token steps), measured
+    # speed_repeats times per shape, interleaved, after the runs, and stored in <out_dir>/speed.json
     decode_batch: int = 8
     decode_context: int = 4096
     decode_steps: int = 16
+    speed_repeats: int = 3
     train_args: list[str] = field(default_factory=list)  # filled from the command line: files and train.py flags
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "report", "all", "costs"):
-            raise ValueError(f"mode={self.mode!r} must be one of train, report, all, costs")
+        problems = []
+        if self.mode not in ("train", "report", "all", "plan", "costs"):
+            problems.append(f"mode={self.mode!r} must be one of train, report, all, plan, costs")
         if self.kv_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_dtype={self.kv_dtype!r} must be float32, bfloat16 or float16")
-        sizes = ("kv_seq_len", "kv_batch", "decode_tokens", "decode_batch", "decode_context", "decode_steps")
+            problems.append(f"kv_dtype={self.kv_dtype!r} must be float32, bfloat16 or float16")
+        sizes = ("seeds", "kv_seq_len", "kv_batch", "decode_batch", "decode_context", "decode_steps", "speed_repeats")
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
-            raise ValueError(f"{', '.join(bad)}: must be positive")
-        if min(self.kv_heads, default=1) < 1 or self.uptrain_fraction <= 0:
-            raise ValueError(f"kv_heads={self.kv_heads} and uptrain_fraction={self.uptrain_fraction} must be positive")
+            problems.append(f"{', '.join(bad)}: must be positive")
+        if min(self.kv_heads, default=1) < 1:
+            problems.append(f"kv_heads={self.kv_heads} must be positive")
+        if bad := [m for m in self.match if m not in ("width", "params")] or not self.match:
+            problems.append(f"match={self.match} must be width, params or [width,params]")
+        if bad := [m for m in self.convert_methods if m not in CONVERT_METHODS] or not self.convert_methods:
+            problems.append(f"convert_methods={self.convert_methods}: each must be one of {', '.join(CONVERT_METHODS)}")
+        if bad := [f for f in self.uptrain_fractions if not 0 <= f <= 1] or not self.uptrain_fractions:
+            problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
+        if not self.uptrain_lr_scale > 0:
+            problems.append(f"uptrain_lr_scale={self.uptrain_lr_scale} must be positive")
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig:
@@ -64,145 +87,46 @@ def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig
     return dataclasses.replace(base.model_config(vocab_size), n_kv_head=n_kv_head)
 
 
-def variant_name(config: GPTConfig) -> str:
-    """'mha', 'gqa<n_kv_head>' or 'mqa'."""
-    kind = config.attention_kind.lower()
-    return f"gqa{config.n_kv_head}" if kind == "gqa" else kind
+def timings(runs: list[sweep.Run], base: TrainConfig) -> dict[tuple, tuple[float, float]]:
+    """Each shape's seconds per training step and per evaluation batch (measure.training_seconds: 5 timed steps)."""
+    device = resolve_device(base.device)
+    dtype = resolve_dtype(base.dtype, device.split(":")[0])
+    shapes = {r.shape: r.model for r in runs}
+    return {k: training_seconds(m, base.batch_size, base.optimizer, device, dtype) for k, m in shapes.items()}
 
 
-def train_runs(cfg: CompareConfig, base: TrainConfig) -> None:
-    """Train every variant (and, with convert, every MHA -> GQA/MQA conversion) one after another."""
-    root, group = Path(base.out_dir), base.wandb_group or Path(base.out_dir).name
-    for g in cfg.kv_heads:
-        name = variant_name(variant(base, g))
-        launch(cfg.train_args + [f"--n_kv_head={g}", f"--wandb_group={group}", f"--wandb_tags={name},n_kv_head={g}"],
-               root / name)
-    if not cfg.convert:
-        return
-    iters = max(1, round(base.max_iters * cfg.uptrain_fraction))
-    for g in cfg.kv_heads:
-        if g != base.n_head:
-            name = f"mha-to-{variant_name(variant(base, g))}"
-            launch(cfg.train_args + [f"--init_from=convert:{root / 'mha'}", f"--n_kv_head={g}",
-                                     f"--max_iters={iters}", f"--lr_decay_iters={iters}",
-                                     f"--warmup_iters={min(base.warmup_iters, iters // 10)}",
-                                     f"--eval_interval={max(1, iters // 4)}", "--always_save_checkpoint=True",
-                                     f"--wandb_group={group}", f"--wandb_tags={name},converted,n_kv_head={g}"],
-                   root / name)
-
-
-def launch(args: list[str], out_dir: Path) -> None:
-    """python train.py args into out_dir; a run that already has a checkpoint there (a sweep run again, or cut
-    short) resumes it: it trains on to max_iters, or says it is done."""
-    args = args + [f"--out_dir={out_dir}"] + ["--init_from=resume"] * (out_dir / "ckpt.pt").exists()
-    print(f"$ python train.py {' '.join(args)}", flush=True)
-    if subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args]).returncode:
-        raise UserError(f"the training run into {out_dir} failed: see its output above")
-
-
-def decode_speed(run_dir: Path, tokens: int) -> float:
-    model = model_from_checkpoint(load_checkpoint(run_dir / "ckpt.pt")).to(resolve_device("auto")).eval()
-    timed_decode(model, 1, 8, True, torch.Generator().manual_seed(0))  # warm-up
-    return tokens / timed_decode(model, 1, tokens, True, torch.Generator().manual_seed(0))[-1]
-
-
-def report_rows(cfg: CompareConfig, runs: list[dict]) -> list[dict]:
-    rows, kv_dtype, long = [], getattr(torch, cfg.kv_dtype), f"{cfg.decode_context}x{cfg.decode_batch}"
-    by_name = {r["name"]: r for r in runs}
-    for run in runs:
-        mcfg = GPTConfig(**run["model_config"])
-        with torch.device("meta"):
-            model = GPT(mcfg)
-        evals = run["evals"]
-        row = {"variant": run["name"], "n_head": mcfg.n_head, "n_kv_head": mcfg.n_kv_head,
-               "params": model.num_params(), "attention_params": model.attention_params_per_layer() * mcfg.n_layer,
-               f"kv_bytes@{mcfg.block_size}": mcfg.kv_cache_bytes(1, mcfg.block_size, kv_dtype),
-               f"kv_bytes@{cfg.kv_seq_len}x{cfg.kv_batch}": mcfg.kv_cache_bytes(cfg.kv_batch, cfg.kv_seq_len, kv_dtype),
-               "best_val_loss": min(e["val_loss"] for e in evals), "final_val_loss": evals[-1]["val_loss"],
-               "wall_s": max(e["wall_s"] for e in evals + run["trains"]),
-               "train_tok_s": statistics.median(t["tokens_per_s"] for t in run["trains"]) if run["trains"] else None,
-               "decode_tok_s": decode_speed(Path(run["dir"]), cfg.decode_tokens),
-               f"kv_bytes_fp32@{long}": mcfg.kv_cache_bytes(cfg.decode_batch, cfg.decode_context),
-               f"decode_tok_s@{long}": cached_step_throughput(mcfg, cfg.decode_batch, cfg.decode_context,
-                                                              cfg.decode_steps, resolve_device("auto"))}
-        if run["config"]["init_from"].startswith("convert:"):
-            scratch = by_name.get(variant_name(mcfg))
-            row |= {"val_loss_after_conversion": evals[0]["val_loss"],
-                    "scratch_final_val_loss": scratch["evals"][-1]["val_loss"] if scratch else None}
-        rows.append(row)
-    return rows
-
-
-def plot(runs: list[dict], rows: list[dict], speed_key: str, path: Path) -> None:
-    """Val loss by iteration and by wall-clock time per variant, and each variant's final val loss against its
-    decode speed at long context (one point each)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_iter, by_time, by_speed) = plt.subplots(1, 3, figsize=(16, 4))
-    for run in runs:
-        evals = run["evals"]
-        it0, t0 = run["offset"]
-        losses = [e["val_loss"] for e in evals]
-        by_iter.plot([it0 + e["iter"] for e in evals], losses, marker=".", label=run["name"])
-        by_time.plot([t0 + e["wall_s"] for e in evals], losses, marker=".", label=run["name"])
-    # the y range leaves out the untrained models' first evaluation, which would flatten everything else
-    shown = [e["val_loss"] for r in runs for e in r["evals"] if e["iter"] > 0 or r["offset"][0] > 0]
-    for ax, xlabel in ((by_iter, "iteration"), (by_time, "wall-clock seconds")):
-        ax.set_ylim(min(shown) * 0.98, max(shown) * 1.05)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("val loss")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    for row in rows:
-        by_speed.scatter(row[speed_key], row["final_val_loss"])
-        by_speed.annotate(row["variant"], (row[speed_key], row["final_val_loss"]), textcoords="offset points",
-                          xytext=(4, 4), fontsize=8)
-    by_speed.set_xlabel(f"decode tokens/s, {speed_key.split('@')[1]} (context x batch)")
-    by_speed.set_ylabel("final val loss")
-    by_speed.grid(alpha=0.3)
-    fig.suptitle("val loss by attention variant; quality against decode speed")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def report(cfg: CompareConfig, root: Path) -> str:
-    dirs = sorted(p.parent for p in root.glob("*/log.jsonl"))
-    if not dirs:
-        raise UserError(f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)")
-    runs = [read_run(d) | {"dir": str(d)} for d in dirs]
-    if unevaluated := [r["dir"] for r in runs if not r["evals"]]:  # e.g. a run stopped before its first evaluation
-        print(f"left out of the report, no evaluation logged yet: {', '.join(unevaluated)}", file=sys.stderr)
-        runs = [r for r in runs if r["evals"]]
-    if not runs:
-        raise UserError(f"no run under {root} has logged an evaluation yet")
-    runs.sort(key=lambda r: (r["config"]["init_from"] != "scratch", -r["model_config"]["n_kv_head"]))
-    for run in runs:  # a converted run continues its source's curve in the plot
-        src = next((r for r in runs if Path(r["dir"]) == Path(run["config"]["init_from"].removeprefix("convert:"))),
-                   None)
-        run["offset"] = (src["evals"][-1]["iter"], src["evals"][-1]["wall_s"]) if src else (0, 0.0)
-    rows = report_rows(cfg, runs)
-    text = table(rows)
-    device = resolve_device("auto")
-    long = f"{cfg.decode_context}x{cfg.decode_batch}"
-    notes = (f"KV-cache bytes in {cfg.kv_dtype}: per sequence at block_size, and for batch {cfg.kv_batch} at "
-             f"{cfg.kv_seq_len} tokens. decode_tok_s: the trained checkpoint, batch 1, greedy, {cfg.decode_tokens} "
-             f"tokens with the KV cache, on {device}. decode_tok_s@{long}: one-token steps with {cfg.decode_context} "
-             f"positions cached for each of {cfg.decode_batch} rows (median of {cfg.decode_steps} steps; the "
-             f"variant's shape with random weights, float32, on {device}), next to that cache's bytes "
-             f"(kv_bytes_fp32@{long}). wall_s: the run's own training time (a converted run's uptraining only).")
-    with atomic_open(root / "report.md", "w") as f:
-        f.write(f"{text}\n\n{notes}\n\n![val loss](report.png)\n")
-    with atomic_open(root / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(runs, rows, f"decode_tok_s@{cfg.decode_context}x{cfg.decode_batch}", root / "report.png")
-    print(f"{text}\n\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
+def show_plan(runs: list[sweep.Run], times: dict[tuple, tuple[float, float]], base: TrainConfig) -> str:
+    """The runs a sweep makes, their tokens and estimated times, and the total."""
+    rows = [{"run": r.dir.name, "iters": r.iters, "tokens": r.iters * r.tokens_per_iter,
+             "estimated s": round(sweep.estimate(r, times, base.eval_iters)),
+             "state": "finished" if sweep.finished(r) else "to run"} for r in runs]
+    todo = sum(sweep.estimate(r, times, base.eval_iters) for r in runs if not sweep.finished(r))
+    done = sum(not sweep.finished(r) for r in runs)
+    text = (f"{table(rows)}\n\n{len(runs)} runs, {done} to run: about {sweep.clock(todo)} on "
+            f"{resolve_device(base.device)} (5 timed training steps and 3 evaluation batches per shape, plus "
+            f"{sweep.STARTUP_S:.0f} s per run to start train.py), plus the decode-speed measurement")
+    print(text)
     return text
+
+
+def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path) -> None:
+    """The cached-step decode speed of each shape not measured yet, speed_repeats times interleaved over the shapes
+    (so drift on a shared machine spreads over all of them), into root/speed.json."""
+    path = root / report.SPEED_FILE
+    stored = json.loads(path.read_text()) if path.is_file() else {}
+    shapes = {report.speed_key(r.model, cfg.decode_context, cfg.decode_batch): r.model for r in runs}
+    todo = {k: m for k, m in shapes.items() if len(stored.get(k, [])) < cfg.speed_repeats}
+    if not todo:
+        return
+    print(f"decode speed of {len(todo)} shapes, batch {cfg.decode_batch} at {cfg.decode_context} positions, "
+          f"{cfg.speed_repeats} repeats ...", flush=True)
+    t0, device, fresh = time.perf_counter(), resolve_device("auto"), {k: [] for k in todo}
+    for _ in range(cfg.speed_repeats):
+        for k, m in todo.items():
+            fresh[k].append(cached_step_throughput(m, cfg.decode_batch, cfg.decode_context, cfg.decode_steps, device))
+    with atomic_open(path, "w") as f:
+        json.dump(stored | fresh, f, indent=1)
+    print(f"measured in {time.perf_counter() - t0:.0f} s: {path}")
 
 
 def costs(cfg: CompareConfig, base: TrainConfig) -> str:
@@ -227,11 +151,18 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     cfg = dataclasses.replace(parse_config(CompareConfig, ours), train_args=train_args)
     base = parse_config(TrainConfig, train_args)
     cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
-    for g in cfg.kv_heads:  # each variant must be a valid model before anything trains
-        try:
-            variant(base, g)
-        except ValueError as e:
-            raise UserError(f"kv_heads={cfg.kv_heads}: {e}") from e
+    given = given_values(CompareConfig, ours)
+    if not cfg.convert and (steer := [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale")
+                                      if k in given]):
+        raise UserError(f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them")
+    if cfg.convert and base.n_head not in cfg.kv_heads:
+        raise UserError(f"convert=True converts the MHA runs: kv_heads={cfg.kv_heads} must hold n_head={base.n_head}")
+    for _, sbase in sweep.sizes(cfg.sizes, base):
+        for g in cfg.kv_heads:  # each variant must be a valid model at each size before anything trains
+            try:
+                variant(sbase, g)
+            except ValueError as e:
+                raise UserError(f"kv_heads={cfg.kv_heads} at {sbase.n_layer}x{sbase.n_embd}: {e}") from e
     return cfg, base
 
 
@@ -240,10 +171,20 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
     if cfg.mode == "costs":
         costs(cfg, base)
         return
-    if cfg.mode in ("train", "all"):
-        train_runs(cfg, base)
+    root = Path(base.out_dir)
+    if cfg.mode in ("train", "all", "plan"):
+        # a plan needs no data (GPT-2's padded vocabulary stands in); a sweep stops here on a missing dataset
+        vocab = vocab_size_of(base.dataset) or (50304 if cfg.mode == "plan" else load_meta(data_dir(base.dataset)))
+        runs = sweep.plan(cfg, base, vocab, root)
+        times = timings(runs, base)
+        if cfg.mode == "plan":
+            show_plan(runs, times, base)
+            return
+        sweep.launch_all(runs, times, base.eval_iters)
+        measure_speeds(cfg, runs, root)
     if cfg.mode in ("report", "all"):
-        report(cfg, Path(base.out_dir))
+        text = report.write(root, cfg, base)
+        print(f"{text}\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
 
 
 if __name__ == "__main__":

@@ -41,19 +41,24 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
     """value converted to the field type hint, or a UserError naming key, value, expected type and source."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        if value is None or raw == "None":
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _coerce(key, value, inner[0], source, raw, f"{inner[0].__name__} or None")
+        if (value is None or raw == "None") and type(None) in args:
+            return None
+        expected = " or ".join(map(_name, args))
+        for one in (a for a in args if a is not type(None)):  # the first type that takes the value
+            try:
+                return _coerce(key, value, one, source, raw)
+            except UserError:
+                pass
     elif origin in (list, tuple) and args:
-        if isinstance(value, str):  # --tags=a,b
-            value = [v for v in value.split(",") if v]
-        elif isinstance(value, args[0]) and (args[0] is bool or not isinstance(value, bool)):
-            value = [value]  # --kv_heads=3: a list of one
-        if isinstance(value, list | tuple) and all(isinstance(v, args[0]) for v in value):
-            return list(value)
+        items = value
+        if isinstance(value, str):  # --tags=a,b or --methods=[a,b]
+            items = [v.strip() for v in value.removeprefix("[").removesuffix("]").split(",") if v.strip()]
+        elif not isinstance(value, list | tuple):
+            items = [value]  # --kv_heads=3: a list of one
+        try:
+            return [_coerce(key, v, args[0], source, None) for v in items]
+        except UserError:
+            pass
     elif hint is bool:
         if isinstance(value, bool):
             return value
@@ -70,9 +75,15 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
             return value if isinstance(value, str) else raw
         if isinstance(value, str):
             return value
-    name = expected or (hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", ""))
+    name = expected or _name(hint)
     raise UserError(f"{key}={raw if raw is not None else repr(value)} (from {source}) has the wrong type: "
                     f"expected {name}, got {type(value).__name__}")
+
+
+def _name(hint: Any) -> str:
+    if hint is type(None):
+        return "None"
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
 
 
 def _unknown(key: str, known: list[str], source: str) -> UserError:

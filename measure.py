@@ -5,10 +5,13 @@ timed decoding (from a prompt, and cached steps at long context), and markdown t
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
 from model import GPT, GPTConfig
+from optim import make_optimizer
+from runtime import autocast
 
 
 def default_kv_heads(n_head: int) -> list[int]:
@@ -49,6 +52,41 @@ def cached_step_throughput(config: GPTConfig, batch: int, context: int, steps: i
             sync()
             times.append(time.perf_counter() - t0)
     return batch / statistics.median(times)
+
+
+def training_seconds(config: GPTConfig, batch_size: int, optimizer: str, device: str, dtype: torch.dtype,
+                     steps: int = 5) -> tuple[float, float]:
+    """Seconds of a training step (forward, backward, optimizer step; the median of steps after a warm-up) and of
+    an evaluation forward, on a (batch_size, block_size) batch of random tokens, for a model of config's shape."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(config, dropout=0.0)).to(device)
+    opt = make_optimizer(model, optimizer, 0.1, 1e-4, (0.9, 0.99), device, 1e-3)
+    amp, device_type = autocast(device.split(":")[0], dtype), device.split(":")[0]
+    x = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), device=device)
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+
+    def timed(fn: Callable[[], None], n: int) -> float:
+        times = []
+        for _ in range(n + 1):  # the first one warms up
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    def step() -> None:
+        with amp:
+            loss = model(x[:, :-1], x[:, 1:])[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def forward() -> None:
+        with torch.no_grad(), amp:
+            model(x[:, :-1], x[:, 1:])
+
+    return timed(step, steps), timed(forward, 3)
 
 
 def step_ms(stamps: list[float], at: int, width: int = 20) -> float:

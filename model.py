@@ -4,6 +4,7 @@ GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, Ro
 """
 
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,14 @@ class GPTConfig:
     pos_encoding: str = "learned"  # 'learned' (GPT-2 absolute positions) or 'rope' (rotary)
     rope_theta: float = 10000.0
     gelu: str = "exact"  # 'exact' or 'tanh' (the approximation OpenAI's GPT-2 was trained with)
+    mlp_hidden: int | None = None  # the MLP's hidden width; None: 4 * n_embd (GPT-2's)
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        sizes = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
+        if self.mlp_hidden is None and type(self.n_embd) is int:
+            self.mlp_hidden = 4 * self.n_embd
+        sizes = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")
         problems = [f"{k}={getattr(self, k)!r} must be a positive integer" for k in sizes
                     if type(getattr(self, k)) is not int or getattr(self, k) < 1]
         if not problems:
@@ -182,8 +186,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.c_proj = Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
@@ -234,11 +238,13 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None,
+    def init_weights(self, seed: int | None = None,
                      assign: Callable[[torch.Tensor, torch.Tensor], Any] = torch.Tensor.copy_) -> None:
         """GPT-2's initialisation: N(0, 0.02) weights, residual projections' (c_proj) std / sqrt(2 * n_layer), zero
-        biases, LayerNorm weights one. Each parameter is drawn whole on CPU, in named_parameters order, from
-        generator (default: torch's global one) and given to assign(param, values); meta parameters are skipped."""
+        biases, LayerNorm weights one. Each parameter is drawn whole on CPU, from torch's global generator or, given
+        a seed, from a generator seeded by (seed, its name): models of other shapes (n_kv_head, mlp_hidden) made
+        with one seed share every parameter of equal shape, and a larger one starts with the smaller one's rows.
+        assign(param, values) stores them; meta parameters are skipped."""
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -249,7 +255,9 @@ class GPT(nn.Module):
                 values = torch.zeros(p.shape, device="cpu")
             else:
                 std = 0.02 / math.sqrt(2 * self.config.n_layer) if owner.endswith("c_proj") else 0.02
-                values = torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=generator)
+                # (a CPU generator keeps 32 bits of its seed)
+                gen = None if seed is None else torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                values = torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen)
             assign(p, values)
 
     def num_params(self, non_embedding: bool = False) -> int:

@@ -44,7 +44,7 @@ def shard(model: GPT, device: str, dtype: torch.dtype) -> GPT:
 
 def build(config: GPTConfig, device: str, dtype: torch.dtype, seed: int | None, sharded: bool) -> GPT:
     """A new GPT made on the meta device, sharded (if sharded), then given memory on device (for its shards only)
-    and initialised there by GPT.init_weights with a generator seeded by seed: every rank draws each parameter's
+    and initialised there by GPT.init_weights from seed: every rank draws each parameter's
     values in turn and keeps its shard, so any number of processes, sharded or not, starts from the same weights,
     and one parameter at a time is whole in memory, never the model. seed None leaves the weights uninitialised
     (a checkpoint is loaded next)."""
@@ -56,7 +56,7 @@ def build(config: GPTConfig, device: str, dtype: torch.dtype, seed: int | None, 
     model.lm_head.weight = model.transformer.wte.weight  # to_empty made each module its own tensor
     model.init_buffers()
     if seed is not None:
-        model.init_weights(torch.Generator().manual_seed(seed), assign=assign_shard)
+        model.init_weights(seed, assign=assign_shard)
     return model
 
 

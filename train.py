@@ -41,9 +41,10 @@ class TrainConfig:
     keep_last: int = 0  # also keep the last K checkpoints as ckpt-<iteration>.pt (hard links: no extra disk)
     # 'scratch', 'resume' (from out_dir/ckpt.pt), 'auto' (resume if out_dir/ckpt.pt exists, else scratch: for
     # restarts, e.g. torchrun --max-restarts), 'convert:<ckpt or out_dir>' (another run's model with its K/V
-    # heads mean-pooled into n_kv_head groups: MHA -> GQA/MQA uptraining), or OpenAI's GPT-2: 'gpt2', 'gpt2-medium',
+    # heads made n_kv_head by convert_method: MHA -> GQA/MQA uptraining), or OpenAI's GPT-2: 'gpt2', 'gpt2-medium',
     # 'gpt2-large', 'gpt2-xl' or 'hf:<local folder>' (model keys other than dropout, block_size, n_kv_head ignored)
     init_from: str = "scratch"
+    convert_method: str = "mean"  # each group's K/V head: the 'mean' of its heads, the 'first' of them, or 'random'
     # logging: wandb honours WANDB_MODE (online, offline, disabled); out_dir/log.jsonl is always written
     wandb_log: bool = False
     wandb_project: str = "smallgpt"
@@ -94,6 +95,8 @@ class TrainConfig:
         if not named and not self.init_from.startswith(("convert:", "hf:")):
             problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'auto', 'convert:<checkpoint>',"
                             f" {', '.join(checkpoint.GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
+        if self.convert_method not in (methods := checkpoint.CONVERT_METHODS):
+            problems.append(f"convert_method={self.convert_method!r} must be one of {', '.join(methods)}")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
         if self.optimizer not in ("adamw", "muon") or (self.optimizer, self.parallel) == ("muon", "fsdp"):
@@ -169,7 +172,9 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
     if resume and "sharded" in ckpt and cfg.parallel == "fsdp":
         return None, ckpt
     model = checkpoint.model_from_checkpoint(ckpt)
-    return (model, ckpt) if resume else (checkpoint.convert_kv_heads(model, now.n_kv_head), None)
+    if resume:
+        return model, ckpt
+    return checkpoint.convert_kv_heads(model, now.n_kv_head, cfg.convert_method, cfg.seed), None
 
 
 def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,

@@ -1,4 +1,8 @@
 import csv
+import dataclasses
+import glob
+import json
+import math
 from pathlib import Path
 
 import pytest
@@ -6,10 +10,13 @@ import torch
 
 from checkpoint import convert_kv_heads, load_checkpoint
 from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
+from model import GPT, GPTConfig
+from sweep import matched_mlp_hidden
 
 SWEEP = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
          "--log_interval=10", "--device=cpu", "--max_iters=30", "--eval_interval=10", "--learning_rate=3e-3",
-         "--warmup_iters=5", "--decode_tokens=16", "--decode_batch=2", "--decode_context=40", "--decode_steps=3"]
+         "--warmup_iters=5", "--decode_batch=2", "--decode_context=40", "--decode_steps=3", "--speed_repeats=2"]
+T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -72,63 +79,204 @@ def test_converting_to_a_group_count_that_does_not_divide_n_head_is_one_line(pyc
     assert "n_head=4 must be divisible by n_kv_head=3" in r.stderr
 
 
-def test_sweep_and_report_end_to_end(pycode_small: Path, tmp_path: Path) -> None:
+def test_first_conversion_keeps_each_groups_first_head_and_random_is_a_fresh_models() -> None:
+    m = tiny_model(None)  # MHA, 4 heads of 8 dims, 32 wide
+    first = convert_kv_heads(m, 2, "first")
+    fresh = GPT(dataclasses.replace(m.config, n_kv_head=2))
+    fresh.init_weights(seed=7)
+    rand = convert_kv_heads(m, 2, "random", seed=7)
+    for old, f, r, new in zip(m.transformer.h, first.transformer.h, rand.transformer.h, fresh.transformer.h,
+                              strict=True):
+        for name in ("c_k", "c_v"):
+            w, b = getattr(old.attn, name).weight, getattr(old.attn, name).bias
+            assert torch.equal(getattr(f.attn, name).weight, torch.cat([w[0:8], w[16:24]]))  # heads 0 and 2
+            assert torch.equal(getattr(f.attn, name).bias, torch.cat([b[0:8], b[16:24]]))
+            assert torch.equal(getattr(r.attn, name).weight, getattr(new.attn, name).weight)
+            assert not torch.equal(getattr(r.attn, name).weight[:8], w[:8])
+        for conv in (f, r):
+            assert torch.equal(conv.attn.c_q.weight, old.attn.c_q.weight)
+            assert torch.equal(conv.mlp.c_fc.weight, old.mlp.c_fc.weight)
+    assert not torch.equal(convert_kv_heads(m, 2, "random", seed=8).transformer.h[0].attn.c_k.weight,
+                           rand.transformer.h[0].attn.c_k.weight)
+
+
+def test_a_seed_gives_every_shape_the_same_weights_where_shapes_allow() -> None:
+    config = GPTConfig(block_size=16, vocab_size=50, n_layer=2, n_head=4, n_embd=32)
+    models = {}
+    for key, change in {"mha": {}, "mqa": {"n_kv_head": 1}, "wide": {"mlp_hidden": 200}}.items():
+        models[key] = GPT(dataclasses.replace(config, **change))
+        models[key].init_weights(seed=3)
+    mha, mqa, wide = (dict(models[k].named_parameters()) for k in ("mha", "mqa", "wide"))
+    for name, p in mha.items():
+        if ".c_k." in name or ".c_v." in name:
+            assert torch.equal(mqa[name], p[:8])  # the one K/V head: the first rows of MHA's
+        else:
+            assert torch.equal(mqa[name], p)
+        if name.endswith("mlp.c_fc.weight"):
+            assert torch.equal(wide[name][:128], p)  # the wider MLP starts with the narrower one's rows
+    other = GPT(config)
+    other.init_weights(seed=4)
+    assert not torch.equal(other.transformer.h[0].attn.c_q.weight, mha["transformer.h.0.attn.c_q.weight"])
+
+
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_params_match_widens_the_mlp_to_mhas_count_within_one_percent(n_kv_head: int, bias: bool) -> None:
+    mha = GPTConfig(block_size=64, vocab_size=95, n_layer=3, n_head=4, n_embd=64, bias=bias)
+    config = dataclasses.replace(mha, n_kv_head=n_kv_head)
+    hidden = matched_mlp_hidden(mha, config)
+    count = lambda c: sum(p.numel() for p in GPT(c).parameters())  # noqa: E731
+    target, got = count(mha), count(dataclasses.replace(config, mlp_hidden=hidden))
+    assert abs(got - target) <= 0.01 * target
+    # by hand: each layer's K/V projections lose 2 * D * (H - G) * head_dim weights (+ biases); each unit of MLP
+    # width costs 2 * D weights (+ 1 bias); the nearest width
+    lost = 2 * (64 * (4 - n_kv_head) * 16 + bias * (4 - n_kv_head) * 16)
+    assert hidden == 256 + round(lost / (2 * 64 + bias))
+    if n_kv_head == 4:
+        assert hidden == 256 and got == target  # MHA keeps its own width exactly
+
+
+def test_student_t_interval_and_paired_difference_match_hand_computation() -> None:
+    import stats
+
+    est = stats.mean_interval([1.50, 1.52, 1.55])
+    mean = (1.50 + 1.52 + 1.55) / 3
+    sd = math.sqrt(((1.50 - mean) ** 2 + (1.52 - mean) ** 2 + (1.55 - mean) ** 2) / 2)
+    assert est.n == 3 and est.mean == pytest.approx(mean, abs=1e-12)
+    assert est.half_width == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-6)  # t(0.975, 2) from a table
+    a, b = {1: 1.60, 2: 1.58, 3: 1.63, 9: 2.0}, {1: 1.50, 2: 1.52, 3: 1.55, 7: 1.0}  # paired on seeds 1, 2, 3
+    d = stats.paired_difference(a, b)
+    diffs = [0.10, 0.06, 0.08]
+    sd = math.sqrt(sum((x - 0.08) ** 2 for x in diffs) / 2)
+    assert d.n == 3 and d.mean == pytest.approx(0.08) and d.half_width == pytest.approx(4.302653 * sd / math.sqrt(3),
+                                                                                         rel=1e-6)
+    assert d.half_width < stats.mean_interval([1.60, 1.58, 1.63]).half_width  # pairing removes the seeds' spread
+    assert stats.verdict("mqa", "MHA", d) == ("mqa is 0.0800 ± 0.0497 nats worse than MHA (3 seeds, 95% interval "
+                                              "of the seed-paired difference).")
+    assert "no difference from MHA detected at 2 seeds" in stats.verdict("gqa", "MHA", stats.mean_interval([0.1, -0.1]))
+    assert "no interval" in stats.verdict("gqa", "MHA", stats.mean_interval([0.1]))
+    assert stats.t_quantile(4) == pytest.approx(2.776445, rel=1e-6)
+
+
+def final_val_loss(run_dir: Path) -> float:
+    return [r for r in read_log(run_dir) if r["event"] == "eval"][-1]["val_loss"]
+
+
+def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
-    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--convert=True",
-             "--uptrain_fraction=0.5", "--kv_seq_len=100", "--kv_batch=3"], env={"WANDB_MODE": "disabled"})
-    assert "wrote" in r.stdout
+    args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4,1]", "--seeds=2",
+            "--match=[width,params]", "--convert=True", "--convert_methods=[first]", "--uptrain_fractions=[0,0.5]"]
+    r = run([*args, "--kv_seq_len=100", "--kv_batch=3"], env={"WANDB_MODE": "disabled"})
+    assert "[10/10] mha-to-mqa-first-u0.5-s1338 done in" in r.stdout and "left" in r.stdout
     rows = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
-    assert list(rows) == ["mha", "gqa2", "mqa", "mha-to-gqa2", "mha-to-mqa"]
-    D, H, L, V, T = 32, 4, 2, int(read_log(out / "mha")[0]["model_config"]["vocab_size"]), 32
+    assert list(rows) == ["mha", "mqa", "mqa-params", "mha-to-mqa-first-u0", "mha-to-mqa-first-u0.5"]
+    D, H, L, V, T = 32, 4, 2, int(read_log(out / "mha-s1337")[0]["model_config"]["vocab_size"]), 32
     for row in rows.values():
-        G = int(row["n_kv_head"])
+        G, hidden = int(row["n_kv_head"]), int(row["mlp_hidden"])
         attn = 2 * D * D + 2 * D * D * G // H  # bias=False, the TrainConfig default
         assert int(row["attention_params"]) == L * attn
-        assert int(row["params"]) == L * (attn + 8 * D * D + 2 * D) + D + V * D + T * D  # learned positions
-        assert int(row["kv_bytes@32"]) == 2 * L * 1 * G * T * (D // H) * 2  # bfloat16
+        assert int(row["params"]) == L * (attn + 2 * D * hidden + 2 * D) + D + V * D + T * D  # learned positions
+        assert int(row["kv_bytes_per_token_bfloat16"]) == 2 * L * G * (D // H) * 2
         assert int(row["kv_bytes@100x3"]) == 2 * L * 3 * G * 100 * (D // H) * 2
-        assert int(row["kv_bytes_fp32@40x2"]) == 2 * L * 2 * G * 40 * (D // H) * 4
-        assert float(row["decode_tok_s@40x2"]) > 0
-        assert float(row["decode_tok_s"]) > 0 and float(row["best_val_loss"]) <= float(row["final_val_loss"]) + 1e-9
-    assert float(rows["mha-to-mqa"]["val_loss_after_conversion"]) > 0
-    assert rows["mha-to-mqa"]["scratch_final_val_loss"] == rows["mqa"]["final_val_loss"]
-    assert (out / "report.png").stat().st_size > 10_000 and (out / "report.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| mha | 4 | 4 |" in (out / "report.md").read_text()
-    # each variant ran with the group and a tag naming it
-    cfg = read_log(out / "gqa2")[0]["config"]
-    assert cfg["wandb_group"] == "cmp" and "gqa2" in cfg["wandb_tags"] and cfg["n_kv_head"] == 2
-    # the sweep run again resumes each run from its checkpoint: those at their last iteration say they are done
-    finished = {d.name: load_checkpoint(d / "ckpt.pt")["iter_num"] == (15 if "-to-" in d.name else 30)
-                for d in out.iterdir() if d.is_dir()}
-    logs = {name: (out / name / "log.jsonl").read_text() for name, done in finished.items() if done}
-    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--convert=True",
-             "--uptrain_fraction=0.5", "--mode=train"], env={"WANDB_MODE": "disabled"})
-    assert len(finished) == 5 and sum(finished.values()) >= 2  # the converted runs save at every evaluation
-    assert r.stdout.count("--init_from=resume") == 5  # (train.py's own output is not captured here)
-    assert all((out / name / "log.jsonl").read_text() == log for name, log in logs.items())  # nothing trained again
-    # runs as a killed sweep leaves them: a last line cut short, a run stopped before its first evaluation
-    with open(out / "gqa2" / "log.jsonl", "a") as f:
+        assert int(row["decode_repeats"]) == 2 and 0 < float(row["decode_tok_s_min"]) <= float(row["decode_tok_s"])
+        assert int(row["seeds"]) == 2
+    assert int(rows["mha"]["mlp_hidden"]) == int(rows["mqa"]["mlp_hidden"]) == 4 * D
+    assert abs(int(rows["mqa-params"]["params"]) - int(rows["mha"]["params"])) <= 0.01 * int(rows["mha"]["params"])
+    # the statistics, by hand from each run's own log: mean, t interval with 1 degree of freedom, paired difference
+    finals = {name: [final_val_loss(out / f"{name}-s{s}") for s in (1337, 1338)] for name in rows}
+    for name, (a, b) in finals.items():
+        assert float(rows[name]["val_loss"]) == pytest.approx((a + b) / 2, rel=1e-12)
+        assert float(rows[name]["val_loss_ci95"]) == pytest.approx(T_975_1 * abs(a - b) / 2, rel=1e-6)
+    d = [finals["mqa"][i] - finals["mha"][i] for i in (0, 1)]
+    assert float(rows["mqa"]["diff_vs_mha"]) == pytest.approx(sum(d) / 2, rel=1e-9)
+    assert float(rows["mqa"]["diff_vs_mha_ci95"]) == pytest.approx(T_975_1 * abs(d[0] - d[1]) / 2, rel=1e-6)
+    # fraction 0: evaluated right after conversion, nothing trained or saved; the same model the 0.5 run starts from
+    u0 = read_log(out / "mha-to-mqa-first-u0-s1337")
+    assert [e["iter"] for e in u0 if e["event"] == "eval"] == [0] and not [e for e in u0 if e["event"] == "train"]
+    assert not (out / "mha-to-mqa-first-u0-s1337" / "ckpt.pt").exists()
+    u5 = [e for e in read_log(out / "mha-to-mqa-first-u0.5-s1337") if e["event"] == "eval"]
+    assert [e["iter"] for e in u5] == [0, 15] and u5[0]["val_loss"] == finals["mha-to-mqa-first-u0"][0]
+    assert u5[-1]["val_loss"] == finals["mha-to-mqa-first-u0.5"][0]  # the uptrained model, not the first eval
+    config = read_log(out / "mha-to-mqa-first-u0.5-s1338")[0]["config"]
+    assert config["convert_method"] == "first" and config["init_from"] == f"convert:{out / 'mha-s1338'}"
+    assert config["warmup_iters"] >= 1 and config["learning_rate"] == pytest.approx(3e-4)  # its own schedule
+    assert config["wandb_group"] == "cmp" and {"mha-to-mqa-first-u0.5", "seed=1338", "convert=first",
+                                               "uptrain=0.5"} <= set(config["wandb_tags"])
+    md = (out / "report.md").read_text()
+    assert "## 2x32" in md and "by method" in md and "by uptraining fraction" in md and "- mqa" in md
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    # the report alone reads the logs and the stored speeds: the same table, nothing measured again; with wandb
+    # (offline here), its rows also go to one wandb Table in a run of the sweep's group
+    before = (out / "report.csv").read_text()
+    r = run([*args, "--kv_seq_len=100", "--kv_batch=3", "--mode=report", "--wandb_log=True"],
+            env={"WANDB_MODE": "offline"}, fresh=True)
+    assert (out / "report.csv").read_text() == before and "decode speed of" not in r.stdout
+    tables = glob.glob(str(out / "wandb" / "offline-run-*" / "files" / "media" / "table" / "comparison*.table.json"))
+    assert len(tables) == 1
+    table = json.loads(Path(tables[0]).read_text())
+    assert [row[table["columns"].index("variant")] for row in table["data"]] == list(rows)
+    assert "val_loss_ci95" in table["columns"] and "diff_vs_mha" in table["columns"]
+    # run again: nothing trains; a run lost (folder deleted) is the only one made again
+    logs = {d.name: (d / "log.jsonl").read_text() for d in out.iterdir() if (d / "log.jsonl").is_file()}
+    r = run([*args, "--mode=plan"])
+    assert "10 runs, 0 to run" in r.stdout
+    r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
+    assert "10 of 10 runs already finished" in r.stdout and "$ python train.py" not in r.stdout
+    for d in out.glob("mqa-s1338"):
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
+    assert r.stdout.count("$ python train.py") == 1 and f"--out_dir={out / 'mqa-s1338'}" in r.stdout
+    assert all((out / name / "log.jsonl").read_text() == log for name, log in logs.items() if name != "mqa-s1338")
+    # a killed run's log (a last line cut short; no evaluation yet) is left out of the report with a line
+    with open(out / "mha-s1338" / "log.jsonl", "a") as f:
         f.write('{"event": "eval", "iter": 4')
-    mqa_log = out / "mqa" / "log.jsonl"
+    mqa_log = out / "mqa-s1338" / "log.jsonl"
     mqa_log.write_text(mqa_log.read_text().splitlines()[0] + "\n")
-    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--mode=report"])
-    assert f"left out of the report, no evaluation logged yet: {out / 'mqa'}" in r.stderr
+    r = run([*args, "--mode=report"])
+    assert f"left out of the report, no evaluation logged yet: {out / 'mqa-s1338'}" in r.stderr
     again = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
-    assert list(again) == ["mha", "gqa2", "mha-to-gqa2", "mha-to-mqa"]
-    assert again["gqa2"]["final_val_loss"] == rows["gqa2"]["final_val_loss"]
+    assert again["mqa"]["seeds"] == "1" and again["mqa"]["val_loss_ci95"] == "" and again["mha"]["seeds"] == "2"
     mqa_log.write_text("")
-    r = cli(["compare.py", f"--out_dir={out}", *SWEEP, "--mode=report"])
+    r = cli([*args, "--mode=report"])
     assert r.returncode == 2 and r.stderr == f"error: {mqa_log} holds no run's config record: not a log written by " \
                                              "train.py\n"
 
 
-@pytest.mark.parametrize(("arg", "message"), [("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
-                                              ("--decode_steps=0", "decode_steps=0: must be positive"),
-                                              ("--kv_heads=[0]", "kv_heads=[0] and uptrain_fraction=0.1 must be")])
-def test_bad_report_settings_are_one_line_before_any_training(tmp_path: Path, arg: str, message: str) -> None:
-    r = cli(["compare.py", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, arg])
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr
-    assert not (tmp_path / "cmp").exists()
+def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_path: Path) -> None:
+    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[4,1]",
+             "--sizes=[tiny,1x16,3x48]", "--seeds=2", "--mode=plan"])
+    names = [line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")]
+    sizes = ("2x64", "1x16", "3x48")
+    assert names == [f"{size}-{v}-s{s}" for size in sizes for s in (1337, 1338) for v in ("mha", "mqa")]
+    assert "12 runs, 12 to run: about" in r.stdout and not (tmp_path / "cmp").exists()
+    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[4]",
+             "--sizes=[(1,16),(2,64)]", "--mode=plan"])  # (n_layer, n_embd) pairs
+    assert "| 1x16-mha-s1337 |" in r.stdout and "| 2x64-mha-s1337 |" in r.stdout
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
+    ("--decode_steps=0", "decode_steps=0: must be positive"),
+    ("--kv_heads=[0]", "kv_heads=[0] must be positive"),
+    ("--seeds=0", "seeds=0: must be positive"),
+    ("--match=size", "match=['size'] must be width, params"),
+    ("--convert=True --convert_methods=[mean,best]", "convert_methods=['mean', 'best']: each must be one of mean"),
+    ("--convert=True --uptrain_fractions=[0,1.5]", "uptrain_fractions=[0.0, 1.5]: each must be in [0, 1]"),
+    ("--convert_methods=[first]", "convert_methods given without --convert=True"),
+    ("--convert=True --kv_heads=[2,1]", "kv_heads=[2, 1] must hold n_head=4"),
+    ("--sizes=[2x30]", "sizes: 2x30: invalid GPTConfig: n_embd=30 must be divisible by n_head=4"),
+    ("--sizes=[huge]", "sizes: 'huge' is neither n_layer x n_embd"),
+    ("--n_head=6 --n_embd=48 --kv_heads=[6,4]", "n_head=6 must be divisible by n_kv_head=4"),
+    ("--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 --bias=True",
+     "match=params: no MLP width gives mqa at 1x4 MHA's"),
+])
+def test_bad_sweep_settings_are_one_line_before_any_training(pycode_small: Path, tmp_path: Path, arg: str,
+                                                              message: str) -> None:
+    r = cli(["compare.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, *arg.split()])
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "cmp").exists()
 
 
 def test_costs_table_lists_every_divisor() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from conftest import ROOT, TINY_TRAIN, read_log, run
+from conftest import ROOT, SEED, TINY_TRAIN, read_log, run
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_two_gloo_processes_match_one_process_with_twice_the_accumulation(pycode_small: Path, tmp_path: Path) -> None:
     common = [f"--dataset={pycode_small}", *TINY_TRAIN, "--max_iters=20", "--eval_interval=20",
-              "--always_save_checkpoint=True", "--peak_flops=1e12"]
+              "--always_save_checkpoint=True", "--peak_flops=1e12", f"--seed={SEED}"]
     r = run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
              f"--out_dir={tmp_path / 'ddp'}", "--gradient_accumulation_steps=4", *common])
     run(["train.py", f"--out_dir={tmp_path / 'single'}", "--gradient_accumulation_steps=4", *common],

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from conftest import ROOT, TINY_TRAIN, read_log, run, worker_ranks
+from conftest import ROOT, SEED, TINY_TRAIN, read_log, run, worker_ranks
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -22,7 +22,7 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 def train(data: Path, out: Path, *extra: str, procs: int = 1) -> str:
     """train.py's stdout, under torchrun with 2 processes or in a process of its own (1 thread: as each rank)."""
     args = ["train.py", f"--dataset={data}", f"--out_dir={out}", *TINY_TRAIN, "--gradient_accumulation_steps=2",
-            "--eval_interval=10", "--always_save_checkpoint=True", "--log_interval=1", *extra]
+            "--eval_interval=10", "--always_save_checkpoint=True", "--log_interval=1", f"--seed={SEED}", *extra]
     return run([*TORCHRUN, *args] if procs == 2 else args, env={"OMP_NUM_THREADS": "1"}, fresh=True).stdout
 
 

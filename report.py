@@ -1,0 +1,269 @@
+"""The attention-variant comparison's report (compare.py), from the runs' log.jsonl files and the stored speed
+measurements alone: each variant x size x conversion over its seeds (mean val loss with its 95% interval, the
+seed-paired difference to MHA), the GQA paper's conversion tables, a verdict per size written from the numbers,
+and report.md, report.csv, report.png and (with wandb_log) a wandb Table.
+"""
+
+import csv
+import dataclasses
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import stats
+from atomic import atomic_open
+from checkpoint import CONVERT_METHODS
+from configurator import UserError
+from measure import table
+from model import GPT, GPTConfig
+from runlog import read_run, start_wandb
+
+SPEED_FILE = "speed.json"
+
+
+def speed_key(config: GPTConfig, context: int, batch: int) -> str:
+    """A shape's key in speed.json: what the cached-step decode speed depends on."""
+    c = config
+    return f"{c.n_layer}x{c.n_embd}-h{c.n_head}-kv{c.n_kv_head}-mlp{c.mlp_hidden}-{c.pos_encoding}@{context}x{batch}"
+
+
+def read_runs(root: Path) -> list[dict]:
+    """Every run under root with an evaluation, read_run's record plus what the sweep's tags say of it."""
+    dirs = sorted(p.parent for p in root.glob("*/log.jsonl"))
+    if not dirs:
+        raise UserError(f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)")
+    runs = [read_run(d) | {"dir": str(d)} for d in dirs]
+    if unevaluated := [r["dir"] for r in runs if not r["evals"]]:  # e.g. a run stopped before its first evaluation
+        print(f"left out of the report, no evaluation logged yet: {', '.join(unevaluated)}", file=sys.stderr)
+        runs = [r for r in runs if r["evals"]]
+    if not runs:
+        raise UserError(f"no run under {root} has logged an evaluation yet")
+    for r in runs:
+        cfg, mc, tags = r["config"], r["model_config"], r["config"].get("wandb_tags") or []
+        kv = dict(t.split("=", 1) for t in tags if "=" in t)
+        converted = cfg["init_from"].startswith("convert:")
+        r |= {"variant": tags[0] if tags and "=" not in tags[0] else r["name"], "seed": cfg["seed"],
+              "size": kv.get("size", f"{mc['n_layer']}x{mc['n_embd']}"), "match": kv.get("match", "width"),
+              "method": kv.get("convert", cfg.get("convert_method", "mean")) if converted else None,
+              "fraction": float(kv["uptrain"]) if "uptrain" in kv else None, "model": GPTConfig(**mc),
+              "final": r["evals"][-1]["val_loss"], "iters": r["evals"][-1]["iter"],
+              "tokens": r["evals"][-1]["iter"] * cfg["gradient_accumulation_steps"] * cfg["batch_size"]
+              * cfg["block_size"]}
+    return runs
+
+
+def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dict]:
+    """One row per size x variant (conversions: x method x fraction), over its seeds. cfg: compare.py's
+    CompareConfig (the KV-cache and decode-speed settings)."""
+    groups = defaultdict(list)
+    for r in runs:
+        groups[(r["size"], r["variant"])].append(r)
+    finals = {k: {r["seed"]: r["final"] for r in g} for k, g in groups.items()}
+    kv_dtype = getattr(torch, cfg.kv_dtype)
+    out = []
+    for (size, name), group in groups.items():
+        first, m = group[0], group[0]["model"]
+        with torch.device("meta"):
+            model = GPT(m)
+        est = stats.mean_interval([r["final"] for r in group])
+        diff = stats.paired_difference(finals[(size, name)], finals[(size, "mha")]) \
+            if (size, "mha") in finals and name != "mha" else None
+        speed = speeds.get(speed_key(m, cfg.decode_context, cfg.decode_batch), [])
+        trains = [statistics.median(t["tokens_per_s"] for t in r["trains"]) for r in group if r["trains"]]
+        row = {"size": size, "variant": name, "n_head": m.n_head, "n_kv_head": m.n_kv_head, "match": first["match"],
+               "method": first["method"], "uptrain_fraction": first["fraction"], "params": model.num_params(),
+               "attention_params": model.attention_params_per_layer() * m.n_layer, "mlp_hidden": m.mlp_hidden,
+               f"kv_bytes_per_token_{cfg.kv_dtype}": m.kv_cache_bytes(1, 1, kv_dtype),
+               f"kv_bytes@{cfg.kv_seq_len}x{cfg.kv_batch}": m.kv_cache_bytes(cfg.kv_batch, cfg.kv_seq_len, kv_dtype),
+               "iters": first["iters"], "tokens": first["tokens"], "seeds": est.n, "val_loss": est.mean,
+               "val_loss_ci95": est.half_width, "val_loss_by_seed": " ".join(f"{r['final']:.4f}" for r in group),
+               "diff_vs_mha": diff and diff.mean, "diff_vs_mha_ci95": diff and diff.half_width,
+               "diff_pairs": diff and diff.n}
+        if first["method"]:
+            scratch = finals.get((size, target({"variant": name})))
+            after = stats.mean_interval([r["evals"][0]["val_loss"] for r in group])
+            vs = stats.paired_difference(finals[(size, name)], scratch) if scratch else None
+            row |= {"val_loss_after_conversion": after.mean,
+                    "scratch_val_loss": scratch and statistics.fmean(scratch.values()),
+                    "diff_vs_scratch": vs and vs.mean, "diff_vs_scratch_ci95": vs and vs.half_width,
+                    "diff_vs_scratch_pairs": vs and vs.n}
+        row |= {"decode_tok_s": statistics.median(speed) if speed else None,
+                "decode_tok_s_min": min(speed, default=None), "decode_tok_s_max": max(speed, default=None),
+                "decode_repeats": len(speed), "train_tok_s": statistics.median(trains) if trains else None,
+                "wall_s": statistics.fmean(max(e["wall_s"] for e in r["evals"] + r["trains"]) for r in group)}
+        out.append(row)
+    smallest = {size: min(r["params"] for r in out if r["size"] == size) for size in {r["size"] for r in out}}
+    methods = {m: i for i, m in enumerate(CONVERT_METHODS)}
+    return sorted(out, key=lambda r: (smallest[r["size"]], r["size"], r["method"] is not None, -r["n_kv_head"],
+                                      r["match"] == "params", methods.get(r["method"], -1), r["uptrain_fraction"] or 0))
+
+
+def estimate(row: dict, key: str, n: str = "seeds") -> stats.Estimate | None:
+    """A row's column as an Estimate (its _ci95 column the half-width), None when missing."""
+    return None if row.get(key) is None else stats.Estimate(row[key], row.get(f"{key}_ci95"), row[n] or 0)
+
+
+def text(est: stats.Estimate | None, signed: bool = False) -> str:
+    return "-" if est is None else est.text(signed)
+
+
+def target(row: dict) -> str:
+    """The variant a conversion makes: 'mha-to-mqa-first-u0.1' -> 'mqa'."""
+    return row["variant"].split("-")[2]
+
+
+def markdown(rows_: list[dict], cfg: Any, root: Path) -> str:
+    """report.md: per size, the variants table and its verdicts, then the conversion tables."""
+    long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes_per_token_{cfg.kv_dtype}"
+    parts = [f"# Attention variants: {root.name}", "",
+             "final val loss: mean over seeds ± the half-width of its 95% Student t interval (n: seeds); vs MHA: "
+             "the seed-paired difference (variant minus MHA at the same seed: the same data order, and the same "
+             "initial weights where shapes allow) ± its own 95% interval; positive is worse. "
+             f"decode tok/s @{long}: one-token steps with {cfg.decode_context} positions cached for each of "
+             f"{cfg.decode_batch} rows (the variant's shape, float32, random weights), median of the repeats "
+             f"(min-max), measured once by the sweep and stored in {SPEED_FILE}."]
+    for size in dict.fromkeys(r["size"] for r in rows_):
+        mine = [r for r in rows_ if r["size"] == size]
+        scratch, conv = [r for r in mine if not r["method"]], [r for r in mine if r["method"]]
+        shown = [{"variant": r["variant"], "params": r["params"], "kv": r[kv],
+                  "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok",
+                  "loss": f"{text(estimate(r, 'val_loss'))} (n={r['seeds']})",
+                  "diff": text(estimate(r, "diff_vs_mha", "diff_pairs"), signed=True), "speed": speed_text(r)}
+                 for r in scratch]
+        columns = {"variant": "variant", "params": "params", "kv": f"KV bytes/token ({cfg.kv_dtype})",
+                   "trained": "trained", "loss": "final val loss", "diff": "vs MHA (paired)",
+                   "speed": f"decode tok/s @{long}"}
+        parts += ["", f"## {size} (n_layer x n_embd)", "", table(shown, columns), "", *verdicts(scratch, conv, kv)]
+        if conv:
+            parts += ["", *conversion_tables(scratch, conv)]
+    parts += ["", "![val loss by iteration; the gap to MHA against size; conversions by uptraining](report.png)"]
+    return "\n".join(parts) + "\n"
+
+
+def speed_text(row: dict) -> str:
+    if row["decode_tok_s"] is None:
+        return "-"
+    return f"{row['decode_tok_s']:,.0f} ({row['decode_tok_s_min']:,.0f}-{row['decode_tok_s_max']:,.0f})"
+
+
+def verdicts(scratch: list[dict], conv: list[dict], kv: str) -> list[str]:
+    """A sentence per variant against MHA, and per conversion (at its longest uptraining) against the same shape
+    trained from scratch, each from its seed-paired difference."""
+    mha, lines = next((r for r in scratch if r["variant"] == "mha"), None), []
+    for r in scratch if mha else []:
+        if r is not mha:
+            what = f"{r['variant']} ({r['params'] / mha['params']:.0%} of MHA's parameters, {mha[kv] / r[kv]:g}x " \
+                   f"smaller KV cache)"
+            line = stats.verdict(what, "MHA", estimate(r, "diff_vs_mha", "diff_pairs"))
+            if r["decode_tok_s"] and mha["decode_tok_s"]:
+                line += f" Its cached decode ran at {r['decode_tok_s'] / mha['decode_tok_s']:.2f}x MHA's speed."
+            lines.append(f"- {line}")
+    longest = max((r["uptrain_fraction"] for r in conv), default=None)
+    for r in (r for r in conv if r["uptrain_fraction"] == longest):
+        what = f"{target(r)} converted by {r['method']} and uptrained {longest:g}"
+        diff = estimate(r, "diff_vs_scratch", "diff_vs_scratch_pairs")
+        lines.append(f"- {stats.verdict(what, f'{target(r)} from scratch', diff)}")
+    return lines
+
+
+def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
+    """The GQA paper's two ablations: final val loss by conversion method (at the longest uptraining), and by
+    uptraining fraction (0: right after conversion), each beside the same shape trained from scratch."""
+    fractions = sorted({r["uptrain_fraction"] for r in conv})
+    methods = list(dict.fromkeys(r["method"] for r in conv))
+    targets = list(dict.fromkeys(target(r) for r in conv))
+    cell = {(target(r), r["method"], r["uptrain_fraction"]): text(estimate(r, "val_loss")) for r in conv}
+    own = {r["variant"]: text(estimate(r, "val_loss")) for r in scratch}
+    by_method = [{"target": t, "scratch": own.get(t, "-"), **{m: cell.get((t, m, fractions[-1]), "-")
+                                                             for m in methods}} for t in targets]
+    by_fraction = [{"target": t, "method": m, **{f"{f:g}": cell.get((t, m, f), "-") for f in fractions},
+                    "scratch": own.get(t, "-")} for t in targets for m in methods]
+    return [f"Conversion from MHA by method, uptrained for {fractions[-1]:g} of the base run's iterations (GQA "
+            f"paper, fig. 5):", "", table(by_method), "",
+            "Conversion from MHA by uptraining fraction, 0 = evaluated right after conversion (GQA paper, fig. 6):",
+            "", table(by_fraction)]
+
+
+def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
+    """Mean val loss by iteration of each scratch variant; each variant's paired gap to MHA (95% interval) against
+    its parameters, one point per size; with conversions, val loss by uptraining fraction per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conv = [r for r in rows_ if r["method"]]
+    fig, axes = plt.subplots(1, 3 if conv else 2, figsize=(17 if conv else 11, 4.2))
+    curves = defaultdict(lambda: defaultdict(list))
+    for run in (r for r in runs if not r["method"]):
+        for e in run["evals"]:
+            curves[(run["size"], run["variant"])][e["iter"]].append(e["val_loss"])
+    shown = []
+    for (size, name), by_iter in curves.items():
+        its = sorted(i for i in by_iter if i > 0)  # the untrained first evaluation would flatten the rest
+        shown += [statistics.fmean(by_iter[i]) for i in its]
+        axes[0].plot(its, [statistics.fmean(by_iter[i]) for i in its], marker=".", label=f"{size} {name}")
+    if shown:
+        axes[0].set_ylim(min(shown) * 0.98, min(max(shown), min(shown) * 1.6))
+    axes[0].set(xlabel="iteration", ylabel="val loss (mean over seeds)")
+    size_params = {r["size"]: r["params"] for r in rows_ if r["variant"] == "mha"}
+    for name in dict.fromkeys(r["variant"] for r in rows_ if not r["method"] and r["variant"] != "mha"):
+        mine = [r for r in rows_ if r["variant"] == name and r["diff_vs_mha"] is not None]
+        axes[1].errorbar([size_params[r["size"]] for r in mine], [r["diff_vs_mha"] for r in mine], capsize=4,
+                         marker="o", yerr=[r["diff_vs_mha_ci95"] or 0 for r in mine], label=name)
+    axes[1].axhline(0, color="gray", lw=0.8)
+    axes[1].set(xscale="log", xlabel="size: MHA's parameters", ylabel="val loss minus MHA's (paired, 95% interval)")
+    for (size, t, method) in dict.fromkeys((r["size"], target(r), r["method"]) for r in conv):
+        mine = sorted((r for r in conv if (r["size"], target(r), r["method"]) == (size, t, method)),
+                      key=lambda r: r["uptrain_fraction"])
+        axes[2].errorbar([r["uptrain_fraction"] for r in mine], [r["val_loss"] for r in mine], capsize=3,
+                         marker="o", yerr=[r["val_loss_ci95"] or 0 for r in mine], label=f"{size} {t} {method}")
+        if mine[0]["scratch_val_loss"] is not None:
+            axes[2].axhline(mine[0]["scratch_val_loss"], ls="--", lw=0.8, color="gray")
+    if conv:
+        axes[2].set(xlabel="uptraining fraction", ylabel="val loss (dashed: from scratch)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(root: Path, cfg: Any, base: Any) -> str:
+    """report.md, report.csv and report.png under root from its runs' logs (and, with base.wandb_log, the rows as
+    a wandb Table in one more run of the sweep's group); returns report.md's text."""
+    runs = read_runs(root)
+    speed_file = root / SPEED_FILE
+    speeds = json.loads(speed_file.read_text()) if speed_file.is_file() else {}
+    rows_ = rows(runs, speeds, cfg)
+    text_ = markdown(rows_, cfg, root)
+    with atomic_open(root / "report.md", "w") as f:
+        f.write(text_)
+    with atomic_open(root / "report.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows_ for k in r)))
+        writer.writeheader()
+        writer.writerows(rows_)
+    plot(runs, rows_, root / "report.png")
+    if base.wandb_log:
+        log_table(rows_, base, root)
+    return text_
+
+
+def log_table(rows_: list[dict], base: Any, root: Path) -> None:
+    """The report's rows as one wandb Table, in a run named '<group>-summary' of the sweep's group."""
+    import wandb
+
+    group = base.wandb_group or root.name
+    cfg = dataclasses.replace(base, out_dir=str(root), wandb_group=group, wandb_run_name=f"{group}-summary",
+                              wandb_tags=["summary"])
+    run = start_wandb(cfg, f"{group}-summary")
+    columns = list(dict.fromkeys(k for r in rows_ for k in r))
+    run.log({"comparison": wandb.Table(columns=columns, data=[[r.get(k) for k in columns] for r in rows_])})
+    run.finish()

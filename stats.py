@@ -1,0 +1,61 @@
+"""Statistics over seeds for the comparison report: a mean with its Student t interval, the seed-paired difference
+of two variants with its own interval, and the sentence that says what they show.
+"""
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    mean: float
+    half_width: float | None  # of the 95% interval; None for fewer than 2 values
+    n: int
+
+    def text(self, signed: bool = False) -> str:
+        """'1.5123 ± 0.0040' ('+0.0123 ± ...' signed); the mean alone without an interval."""
+        return f"{self.mean:{'+' if signed else ''}.4f}" + ("" if self.half_width is None else
+                                                            f" ± {self.half_width:.4f}")
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.half_width is not None and abs(self.mean) > self.half_width
+
+
+def t_quantile(df: int, level: float = 0.95) -> float:
+    """The two-sided Student t critical value: t(1 - (1 - level) / 2, df)."""
+    from scipy.stats import t
+
+    return float(t.ppf(1 - (1 - level) / 2, df))
+
+
+def mean_interval(values: list[float], level: float = 0.95) -> Estimate:
+    """The mean and the half-width of its `level` interval, t(n - 1) * s / sqrt(n) (s: the sample deviation)."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("no values")
+    if n < 2:
+        return Estimate(values[0], None, 1)
+    return Estimate(statistics.fmean(values), t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n), n)
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> Estimate | None:
+    """a minus b, paired by seed (the seeds both have): the mean difference and its interval; None if none shared."""
+    shared = sorted(a.keys() & b.keys())
+    return mean_interval([a[s] - b[s] for s in shared], level) if shared else None
+
+
+def verdict(name: str, reference: str, diff: Estimate | None) -> str:
+    """One sentence on name's val loss against reference's, from their seed-paired difference."""
+    if diff is None:
+        return f"{name}: no seed in common with {reference}, so no paired comparison."
+    if diff.half_width is None:
+        return (f"{name}: {diff.mean:+.4f} nats against {reference} at 1 seed, with no interval: run --seeds=3 or "
+                f"more to tell a difference from noise.")
+    seeds = f"{diff.n} seeds, 95% interval of the seed-paired difference"
+    if diff.excludes_zero:
+        side = "worse" if diff.mean > 0 else "better"
+        return f"{name} is {abs(diff.mean):.4f} ± {diff.half_width:.4f} nats {side} than {reference} ({seeds})."
+    return (f"{name}: no difference from {reference} detected at {diff.n} seeds ({diff.mean:+.4f} ± "
+            f"{diff.half_width:.4f} nats; the {seeds[len(f'{diff.n} seeds, '):]} includes 0).")
