@@ -46,7 +46,7 @@ class CompareConfig:
     convert: bool = False  # also convert each seed's trained MHA model to each GQA/MQA variant and uptrain it
     convert_methods: list[str] = field(default_factory=lambda: ["mean"])  # K/V heads: mean, first or random
     uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])  # of the base run's max_iters (0: none)
-    uptrain_lr_scale: float = 0.1  # uptraining's peak learning rates, as a fraction of the base run's
+    uptrain_lr_scale: float = 1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
     kv_seq_len: int = 8192  # the KV-cache column for a sequence length and batch of your choice
     kv_batch: int = 8
     kv_dtype: str = "bfloat16"

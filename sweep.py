@@ -139,8 +139,8 @@ def plan(cfg: Any, base: Any, vocab_size: int, root: Path) -> list[Run]:
 
 def uptraining(base: Any, iters: int, lr_scale: float) -> list[str]:
     """train.py's schedule for uptraining a converted model for iters iterations (0: evaluate it only): its own
-    warm-up over a tenth of them and peak learning rates lr_scale times the base run's (the base run ends at
-    min_lr; its peak would undo the conversion's knowledge before it adapts), evaluated at the start and end."""
+    linear warm-up over a tenth of them (at the peak learning rate at once, the converted model's loss first rises),
+    peak learning rates lr_scale times the base run's, cosine decay; evaluated at the start and the end."""
     if iters == 0:
         return ["--eval_only=True", "--max_iters=0"]
     return [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--warmup_iters={max(1, iters // 10)}",
