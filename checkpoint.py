@@ -143,7 +143,8 @@ def from_hf_gpt2(name_or_path: str) -> GPT:
                         f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained") from e
     c = hf.config
     model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                          n_embd=c.n_embd, bias=True, gelu="tanh" if c.activation_function == "gelu_new" else "exact"))
+                          n_embd=c.n_embd, bias=True, gelu="tanh" if c.activation_function == "gelu_new" else "exact",
+                          mlp_hidden=c.n_inner))  # None: 4 * n_embd, as GPT-2's own
     state = {}
     for name, t in hf.state_dict().items():
         if ".attn.c_attn." in name:

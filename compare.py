@@ -101,8 +101,8 @@ def show_plan(runs: list[sweep.Run], times: dict[tuple, tuple[float, float]], ba
              "estimated s": round(sweep.estimate(r, times, base.eval_iters)),
              "state": "finished" if sweep.finished(r) else "to run"} for r in runs]
     todo = sum(sweep.estimate(r, times, base.eval_iters) for r in runs if not sweep.finished(r))
-    done = sum(not sweep.finished(r) for r in runs)
-    text = (f"{table(rows)}\n\n{len(runs)} runs, {done} to run: about {sweep.clock(todo)} on "
+    waiting = sum(r["state"] == "to run" for r in rows)
+    text = (f"{table(rows)}\n\n{len(runs)} runs, {waiting} to run: about {sweep.clock(todo)} on "
             f"{resolve_device(base.device)} (5 timed training steps and 3 evaluation batches per shape, plus "
             f"{sweep.STARTUP_S:.0f} s per run to start train.py), plus the decode-speed measurement")
     print(text)

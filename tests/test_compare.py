@@ -165,11 +165,11 @@ def final_val_loss(run_dir: Path) -> float:
 def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4,1]", "--seeds=2",
-            "--match=[width,params]", "--convert=True", "--convert_methods=[first]", "--uptrain_fractions=[0,0.5]"]
+            "--match=params", "--convert=True", "--convert_methods=[first]", "--uptrain_fractions=[0,0.5]"]
     r = run([*args, "--kv_seq_len=100", "--kv_batch=3"], env={"WANDB_MODE": "disabled"})
-    assert "[10/10] mha-to-mqa-first-u0.5-s1338 done in" in r.stdout and "left" in r.stdout
+    assert "[8/8] mha-to-mqa-first-u0.5-s1338 done in" in r.stdout and "left" in r.stdout
     rows = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
-    assert list(rows) == ["mha", "mqa", "mqa-params", "mha-to-mqa-first-u0", "mha-to-mqa-first-u0.5"]
+    assert list(rows) == ["mha", "mqa-params", "mha-to-mqa-first-u0", "mha-to-mqa-first-u0.5"]
     D, H, L, V, T = 32, 4, 2, int(read_log(out / "mha-s1337")[0]["model_config"]["vocab_size"]), 32
     for row in rows.values():
         G, hidden = int(row["n_kv_head"]), int(row["mlp_hidden"])
@@ -180,16 +180,16 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
         assert int(row["kv_bytes@100x3"]) == 2 * L * 3 * G * 100 * (D // H) * 2
         assert int(row["decode_repeats"]) == 2 and 0 < float(row["decode_tok_s_min"]) <= float(row["decode_tok_s"])
         assert int(row["seeds"]) == 2
-    assert int(rows["mha"]["mlp_hidden"]) == int(rows["mqa"]["mlp_hidden"]) == 4 * D
+    assert int(rows["mha"]["mlp_hidden"]) == int(rows["mha-to-mqa-first-u0"]["mlp_hidden"]) == 4 * D
     assert abs(int(rows["mqa-params"]["params"]) - int(rows["mha"]["params"])) <= 0.01 * int(rows["mha"]["params"])
     # the statistics, by hand from each run's own log: mean, t interval with 1 degree of freedom, paired difference
     finals = {name: [final_val_loss(out / f"{name}-s{s}") for s in (1337, 1338)] for name in rows}
     for name, (a, b) in finals.items():
         assert float(rows[name]["val_loss"]) == pytest.approx((a + b) / 2, rel=1e-12)
         assert float(rows[name]["val_loss_ci95"]) == pytest.approx(T_975_1 * abs(a - b) / 2, rel=1e-6)
-    d = [finals["mqa"][i] - finals["mha"][i] for i in (0, 1)]
-    assert float(rows["mqa"]["diff_vs_mha"]) == pytest.approx(sum(d) / 2, rel=1e-9)
-    assert float(rows["mqa"]["diff_vs_mha_ci95"]) == pytest.approx(T_975_1 * abs(d[0] - d[1]) / 2, rel=1e-6)
+    d = [finals["mqa-params"][i] - finals["mha"][i] for i in (0, 1)]
+    assert float(rows["mqa-params"]["diff_vs_mha"]) == pytest.approx(sum(d) / 2, rel=1e-9)
+    assert float(rows["mqa-params"]["diff_vs_mha_ci95"]) == pytest.approx(T_975_1 * abs(d[0] - d[1]) / 2, rel=1e-6)
     # fraction 0: evaluated right after conversion, nothing trained or saved; the same model the 0.5 run starts from
     u0 = read_log(out / "mha-to-mqa-first-u0-s1337")
     assert [e["iter"] for e in u0 if e["event"] == "eval"] == [0] and not [e for e in u0 if e["event"] == "train"]
@@ -203,7 +203,7 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
     assert config["wandb_group"] == "cmp" and {"mha-to-mqa-first-u0.5", "seed=1338", "convert=first",
                                                "uptrain=0.5"} <= set(config["wandb_tags"])
     md = (out / "report.md").read_text()
-    assert "## 2x32" in md and "by method" in md and "by uptraining fraction" in md and "- mqa" in md
+    assert "## 2x32" in md and "by method" in md and "by uptraining fraction" in md and "- mqa-params" in md
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     # the report alone reads the logs and the stored speeds: the same table, nothing measured again; with wandb
     # (offline here), its rows also go to one wandb Table in a run of the sweep's group
@@ -219,25 +219,27 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
     # run again: nothing trains; a run lost (folder deleted) is the only one made again
     logs = {d.name: (d / "log.jsonl").read_text() for d in out.iterdir() if (d / "log.jsonl").is_file()}
     r = run([*args, "--mode=plan"])
-    assert "10 runs, 0 to run" in r.stdout
+    assert "8 runs, 0 to run" in r.stdout
     r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
-    assert "10 of 10 runs already finished" in r.stdout and "$ python train.py" not in r.stdout
-    for d in out.glob("mqa-s1338"):
+    assert "8 of 8 runs already finished" in r.stdout and "$ python train.py" not in r.stdout
+    for d in out.glob("mqa-params-s1338"):
         for f in d.iterdir():
             f.unlink()
         d.rmdir()
     r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
-    assert r.stdout.count("$ python train.py") == 1 and f"--out_dir={out / 'mqa-s1338'}" in r.stdout
-    assert all((out / name / "log.jsonl").read_text() == log for name, log in logs.items() if name != "mqa-s1338")
+    assert r.stdout.count("$ python train.py") == 1 and f"--out_dir={out / 'mqa-params-s1338'}" in r.stdout
+    assert all((out / name / "log.jsonl").read_text() == log for name, log in logs.items()
+               if name != "mqa-params-s1338")
     # a killed run's log (a last line cut short; no evaluation yet) is left out of the report with a line
     with open(out / "mha-s1338" / "log.jsonl", "a") as f:
         f.write('{"event": "eval", "iter": 4')
-    mqa_log = out / "mqa-s1338" / "log.jsonl"
+    mqa_log = out / "mqa-params-s1338" / "log.jsonl"
     mqa_log.write_text(mqa_log.read_text().splitlines()[0] + "\n")
     r = run([*args, "--mode=report"])
-    assert f"left out of the report, no evaluation logged yet: {out / 'mqa-s1338'}" in r.stderr
+    assert f"left out of the report, no evaluation logged yet: {out / 'mqa-params-s1338'}" in r.stderr
     again = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
-    assert again["mqa"]["seeds"] == "1" and again["mqa"]["val_loss_ci95"] == "" and again["mha"]["seeds"] == "2"
+    assert again["mqa-params"]["seeds"] == "1" and again["mqa-params"]["val_loss_ci95"] == ""
+    assert again["mha"]["seeds"] == "2"
     mqa_log.write_text("")
     r = cli([*args, "--mode=report"])
     assert r.returncode == 2 and r.stderr == f"error: {mqa_log} holds no run's config record: not a log written by " \
