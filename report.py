@@ -24,6 +24,8 @@ from model import GPT, GPTConfig
 from runlog import read_run, start_wandb
 
 SPEED_FILE = "speed.json"
+MATCHES = {"width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters)",
+           "params": "params (<variant>-params: the MLP widened to MHA's parameter count, within 1%)"}
 
 
 def speed_key(config: GPTConfig, context: int, batch: int) -> str:
@@ -126,7 +128,8 @@ def markdown(rows_: list[dict], cfg: Any, root: Path) -> str:
              "initial weights where shapes allow) ± its own 95% interval; positive is worse. "
              f"decode tok/s @{long}: one-token steps with {cfg.decode_context} positions cached for each of "
              f"{cfg.decode_batch} rows (the variant's shape, float32, random weights), median of the repeats "
-             f"(min-max), measured once by the sweep and stored in {SPEED_FILE}."]
+             f"(min-max), measured once by the sweep and stored in {SPEED_FILE}.", "",
+             "Match: " + "; ".join(MATCHES[m] for m in sorted({r["match"] for r in rows_}, reverse=True)) + "."]
     for size in dict.fromkeys(r["size"] for r in rows_):
         mine = [r for r in rows_ if r["size"] == size]
         scratch, conv = [r for r in mine if not r["method"]], [r for r in mine if r["method"]]
