@@ -70,11 +70,11 @@ class CompareConfig:
             problems.append(f"{', '.join(bad)}: must be positive")
         if min(self.kv_heads, default=1) < 1:
             problems.append(f"kv_heads={self.kv_heads} must be positive")
-        if bad := [m for m in self.match if m not in ("width", "params")] or not self.match:
+        if not self.match or any(m not in ("width", "params") for m in self.match):
             problems.append(f"match={self.match} must be width, params or [width,params]")
-        if bad := [m for m in self.convert_methods if m not in CONVERT_METHODS] or not self.convert_methods:
+        if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):
             problems.append(f"convert_methods={self.convert_methods}: each must be one of {', '.join(CONVERT_METHODS)}")
-        if bad := [f for f in self.uptrain_fractions if not 0 <= f <= 1] or not self.uptrain_fractions:
+        if not self.uptrain_fractions or any(not 0 <= f <= 1 for f in self.uptrain_fractions):
             problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
         if not self.uptrain_lr_scale > 0:
             problems.append(f"uptrain_lr_scale={self.uptrain_lr_scale} must be positive")

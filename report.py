@@ -62,9 +62,14 @@ def read_runs(root: Path) -> list[dict]:
 def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dict]:
     """One row per size x variant (conversions: x method x fraction), over its seeds. cfg: compare.py's
     CompareConfig (the KV-cache and decode-speed settings)."""
-    groups = defaultdict(list)
+    groups, seen = defaultdict(list), {}
     for r in runs:
-        groups[(r["size"], r["variant"])].append(r)
+        if (key := (r["size"], r["variant"], r["seed"])) in seen:  # e.g. a folder of an earlier sweep's layout
+            print(f"two runs of {r['variant']} at seed {r['seed']}: {seen[key]} left out, {r['dir']} kept",
+                  file=sys.stderr)
+            groups[key[:2]] = [g for g in groups[key[:2]] if g["dir"] != seen[key]]
+        seen[key] = r["dir"]
+        groups[key[:2]].append(r)
     finals = {k: {r["seed"]: r["final"] for r in g} for k, g in groups.items()}
     kv_dtype = getattr(torch, cfg.kv_dtype)
     out = []

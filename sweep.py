@@ -96,44 +96,42 @@ def evaluations(iters: int, interval: int, at_start: bool) -> int:
 def plan(cfg: Any, base: Any, vocab_size: int, root: Path) -> list[Run]:
     """Every run of the sweep, in the order it trains: per size and seed, the scratch variants (MHA first), then
     the conversions of that seed's MHA model. cfg: compare.py's CompareConfig; base: train.py's TrainConfig."""
-    runs, group = [], base.wandb_group or root.name
-    for label, sbase in sizes(cfg.sizes, base):
-        size_args = [f"--n_layer={sbase.n_layer}", f"--n_embd={sbase.n_embd}"] if cfg.sizes else []
-        prefix = f"{label}-" if cfg.sizes else ""
-        mha = dataclasses.replace(sbase.model_config(vocab_size), n_kv_head=sbase.n_head)
-        tokens = sbase.gradient_accumulation_steps * sbase.batch_size * sbase.block_size
-        for seed in range(base.seed, base.seed + cfg.seeds):
-            def add(name: str, model: GPTConfig, args: list[str], tags: list[str], iters: int, evals: int) -> Run:
-                tags = [name, f"seed={seed}", f"size={label}", f"n_kv_head={model.n_kv_head}", *tags]
-                runs.append(Run(name, seed, label, root / f"{prefix}{name}-s{seed}", model,
-                                cfg.train_args + size_args + [f"--n_kv_head={model.n_kv_head}", f"--seed={seed}",
-                                                              f"--wandb_group={group}",
-                                                              f"--wandb_tags={','.join(tags)}", *args],
-                                iters, evals, tokens))
-                return runs[-1]
+    return [run for label, sbase in sizes(cfg.sizes, base) for seed in range(base.seed, base.seed + cfg.seeds)
+            for run in seed_runs(cfg, sbase, label if cfg.sizes else None, seed, vocab_size, root)]
 
-            source = None
-            scratch_evals = evaluations(sbase.max_iters, sbase.eval_interval, sbase.eval_at_start)
-            for g in cfg.kv_heads:
-                width = dataclasses.replace(mha, n_kv_head=g)
-                for match in cfg.match if g != mha.n_head else ["width"]:
-                    model, args = width, []
-                    if match == "params":
-                        model = dataclasses.replace(width, mlp_hidden=matched_mlp_hidden(mha, width))
-                        args = [f"--mlp_hidden={model.mlp_hidden}"]
-                    name = variant_name(model) + ("-params" if match == "params" else "")
-                    run = add(name, model, args, [f"match={match}"], sbase.max_iters, scratch_evals)
-                    source = run if g == mha.n_head else source
-            for g in (g for g in cfg.kv_heads if cfg.convert and g != mha.n_head):
-                for method in cfg.convert_methods:
-                    for fraction in cfg.uptrain_fractions:
-                        iters = round(fraction * sbase.max_iters)
-                        name = f"mha-to-{variant_name(dataclasses.replace(mha, n_kv_head=g))}-{method}-u{fraction:g}"
-                        add(name, dataclasses.replace(mha, n_kv_head=g),
-                            [f"--init_from=convert:{source.dir}", f"--convert_method={method}",
-                             *uptraining(sbase, iters, cfg.uptrain_lr_scale)],
-                            ["match=width", "converted", f"convert={method}", f"uptrain={fraction:g}"], iters,
-                            1 if iters == 0 else 2)
+
+def seed_runs(cfg: Any, base: Any, label: str | None, seed: int, vocab_size: int, root: Path) -> list[Run]:
+    """One seed's runs of base (at a size of --sizes named label, or at its own)."""
+    mha = dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head)
+    size = f"{base.n_layer}x{base.n_embd}"
+    common = cfg.train_args + [f"--n_layer={base.n_layer}", f"--n_embd={base.n_embd}"] * (label is not None) + \
+        [f"--seed={seed}", f"--wandb_group={base.wandb_group or root.name}"]
+
+    def run(name: str, model: GPTConfig, args: list[str], tags: list[str], iters: int, evals: int) -> Run:
+        tags = [name, f"seed={seed}", f"size={size}", f"n_kv_head={model.n_kv_head}", *tags]
+        return Run(name, seed, size, root / f"{label + '-' if label else ''}{name}-s{seed}", model,
+                   common + [f"--n_kv_head={model.n_kv_head}", f"--wandb_tags={','.join(tags)}", *args], iters, evals,
+                   base.gradient_accumulation_steps * base.batch_size * base.block_size)
+
+    runs, evals = [], evaluations(base.max_iters, base.eval_interval, base.eval_at_start)
+    for g in cfg.kv_heads:
+        for match in cfg.match if g != mha.n_head else ["width"]:
+            model = dataclasses.replace(mha, n_kv_head=g)
+            if match == "params":
+                model = dataclasses.replace(model, mlp_hidden=matched_mlp_hidden(mha, model))
+            runs.append(run(variant_name(model) + "-params" * (match == "params"), model,
+                            [f"--mlp_hidden={model.mlp_hidden}"] * (match == "params"), [f"match={match}"],
+                            base.max_iters, evals))
+    for g in (g for g in cfg.kv_heads if cfg.convert and g != mha.n_head):
+        source, target = next(r for r in runs if r.name == "mha"), dataclasses.replace(mha, n_kv_head=g)
+        for method in cfg.convert_methods:
+            for fraction in cfg.uptrain_fractions:
+                iters = round(fraction * base.max_iters)
+                runs.append(run(f"mha-to-{variant_name(target)}-{method}-u{fraction:g}", target,
+                                [f"--init_from=convert:{source.dir}", f"--convert_method={method}",
+                                 *uptraining(base, iters, cfg.uptrain_lr_scale)],
+                                ["match=width", "converted", f"convert={method}", f"uptrain={fraction:g}"], iters,
+                                1 if iters == 0 else 2))
     return runs
 
 

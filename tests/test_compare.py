@@ -3,6 +3,7 @@ import dataclasses
 import glob
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -235,8 +236,10 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
         f.write('{"event": "eval", "iter": 4')
     mqa_log = out / "mqa-params-s1338" / "log.jsonl"
     mqa_log.write_text(mqa_log.read_text().splitlines()[0] + "\n")
+    shutil.copytree(out / "mha-s1337", out / "mha")  # the same run in an earlier sweep's folder: counted once
     r = run([*args, "--mode=report"])
     assert f"left out of the report, no evaluation logged yet: {out / 'mqa-params-s1338'}" in r.stderr
+    assert f"two runs of mha at seed 1337: {out / 'mha'} left out, {out / 'mha-s1337'} kept" in r.stderr
     again = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
     assert again["mqa-params"]["seeds"] == "1" and again["mqa-params"]["val_loss_ci95"] == ""
     assert again["mha"]["seeds"] == "2"
