@@ -1,0 +1,99 @@
+"""This project's GPT as a stock Hugging Face transformers model (no code of ours needed to load it): rotary
+positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel (MHA; GQA with each K/V
+head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA).
+The weight mapping only; export.py (issue 33) will write the folder with the tokenizer and a model card.
+"""
+
+from typing import Any
+
+import torch
+
+from configurator import UserError
+from model import GPT
+
+
+def target_class(config: Any) -> str:
+    """The transformers class that holds a model of config (a GPTConfig)."""
+    if config.pos_encoding == "rope":
+        return "Starcoder2ForCausalLM"
+    return "GPTBigCodeForCausalLM" if config.attention_kind == "MQA" else "GPT2LMHeadModel"
+
+
+def to_hf(model: GPT) -> Any:
+    """A transformers model (float32, eval mode) that computes what model computes."""
+    import transformers
+
+    c = model.config
+    if c.dropout:
+        raise UserError(f"dropout={c.dropout}: export a model whose dropout is 0 (dropout only acts in training)")
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    cls_name, hf_config, state = (starcoder2 if c.pos_encoding == "rope" else gpt2)(c, sd)
+    hf = getattr(transformers, cls_name)(hf_config)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
+    if missing or unexpected:
+        raise AssertionError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf.eval()
+
+
+def starcoder2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """Rotary positions: Starcoder2's config and weights. It rotates halves of each head (rotate_half), as
+    model.apply_rope does, and query head h reads K/V head h // (n_head / n_kv_head), as SDPA's enable_gqa."""
+    import transformers
+
+    config = transformers.Starcoder2Config(
+        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
+        hidden_act="gelu" if c.gelu == "exact" else "gelu_pytorch_tanh", max_position_embeddings=c.block_size,
+        norm_epsilon=1e-5, use_bias=c.bias, tie_word_embeddings=True, rope_theta=c.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, sliding_window=None,
+        bos_token_id=None, eos_token_id=None)
+    zeros = torch.zeros(c.n_embd)
+    state = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
+             "model.norm.weight": sd["transformer.ln_f.weight"],
+             "model.norm.bias": sd.get("transformer.ln_f.bias", zeros)}
+    names = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
+             "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj",
+             "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+    for i in range(c.n_layer):
+        for ours, theirs in names.items():
+            for kind in ("weight", "bias"):
+                key = f"transformer.h.{i}.{ours}.{kind}"
+                if key in sd:
+                    state[f"model.layers.{i}.{theirs}.{kind}"] = sd[key]
+                elif ours.startswith("ln"):  # nn.LayerNorm always has a bias
+                    state[f"model.layers.{i}.{theirs}.{kind}"] = zeros
+    return "Starcoder2ForCausalLM", config, state
+
+
+def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """Learned positions: GPTBigCode with multi_query for MQA, else GPT-2 (GQA's K/V heads repeated for their
+    groups); both hold Q, K and V as one c_attn, and biases everywhere (zeros where the model has none)."""
+    import transformers
+
+    mqa = c.attention_kind == "MQA"
+    common = dict(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
+                  n_head=c.n_head, n_inner=c.mlp_hidden, activation_function="gelu" if c.gelu == "exact" else
+                  "gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
+                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    config = transformers.GPTBigCodeConfig(multi_query=True, **common) if mqa else transformers.GPT2Config(**common)
+    group = c.n_head // c.n_kv_head
+    conv = (lambda t: t) if mqa else (lambda t: t.t())  # GPT-2's Conv1D stores (in, out)
+
+    def kv(t: torch.Tensor) -> torch.Tensor:  # GPT-2 holds every head: each K/V head repeated for its group
+        return t if mqa else t.view(c.n_kv_head, c.head_dim, *t.shape[1:]).repeat_interleave(group, 0).reshape(
+            c.n_embd, *t.shape[1:])
+
+    state = {k: sd[k] for k in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight")}
+    state["transformer.ln_f.bias"] = sd.get("transformer.ln_f.bias", torch.zeros(c.n_embd))
+    for i in range(c.n_layer):
+        p = f"transformer.h.{i}."
+        w = {n: sd[p + f"{n}.weight"] for n in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc",
+                                                "mlp.c_proj", "ln_1", "ln_2")}
+        b = {n: sd.get(p + f"{n}.bias", torch.zeros(t.shape[0])) for n, t in w.items()}
+        state |= {p + "attn.c_attn.weight": conv(torch.cat([w["attn.c_q"], kv(w["attn.c_k"]), kv(w["attn.c_v"])])),
+                  p + "attn.c_attn.bias": torch.cat([b["attn.c_q"], kv(b["attn.c_k"]), kv(b["attn.c_v"])])}
+        for n in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj", "ln_1", "ln_2"):
+            state |= {p + f"{n}.weight": conv(w[n]) if "." in n else w[n], p + f"{n}.bias": b[n]}
+    return "GPTBigCodeForCausalLM" if mqa else "GPT2LMHeadModel", config, state
