@@ -1,14 +1,14 @@
 """This project's GPT as a stock Hugging Face transformers model (no code of ours needed to load it): rotary
 positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel (MHA; GQA with each K/V
 head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA).
-The weight mapping only; export.py (issue 33) will write the folder with the tokenizer and a model card.
+The weight mapping; export.py writes the folder with the tokenizer and a model card. Dropout is training's only: the
+exported model has none.
 """
 
 from typing import Any
 
 import torch
 
-from configurator import UserError
 from model import GPT
 
 
@@ -24,8 +24,6 @@ def to_hf(model: GPT) -> Any:
     import transformers
 
     c = model.config
-    if c.dropout:
-        raise UserError(f"dropout={c.dropout}: export a model whose dropout is 0 (dropout only acts in training)")
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     cls_name, hf_config, state = (starcoder2 if c.pos_encoding == "rope" else gpt2)(c, sd)
     hf = getattr(transformers, cls_name)(hf_config)
