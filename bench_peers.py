@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from checkpoint import from_hf_gpt2
+from checkpoint import from_hf
 from configurator import UserError
 from dataset import data_dir, gpt2_encoding, load_meta
 from model import GPTConfig
@@ -68,7 +68,7 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     hf = GPT2LMHeadModel(hf_cfg).eval()
     with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
         hf.save_pretrained(d)
-        ours = from_hf_gpt2(d).eval()
+        ours = from_hf(d).eval()
         llama = llama_cpp_runners(Path(d), *tools, dtypes) if tools else {}
         if not tools:
             print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import hf as hf_formats
 from atomic import atomic_open
 from configurator import UserError, first_line
 from model import GPT, GPTConfig
@@ -116,10 +117,11 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     return model
 
 
-def from_hf_gpt2(name_or_path: str) -> GPT:
+def from_hf(name_or_path: str) -> GPT:
     """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium', 'gpt2-large',
     'gpt2-xl') or a local folder written by save_pretrained. Its fused c_attn is split into c_q, c_k, c_v and its
-    Conv1D weights, stored (in, out), are transposed to Linear's (out, in)."""
+    Conv1D weights, stored (in, out), are transposed to Linear's (out, in). A Starcoder2 or GPTBigCode folder (as
+    export.py writes) goes through hf.from_transformers."""
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -133,9 +135,12 @@ def from_hf_gpt2(name_or_path: str) -> GPT:
             kind = json.loads((folder / "config.json").read_text()).get("model_type")
         except (ValueError, AttributeError):
             kind = None
+        if kind in ("starcoder2", "gpt_bigcode"):  # what export.py writes for rotary and MQA models
+            return hf_formats.from_transformers(name_or_path)
         if kind != "gpt2":
-            raise UserError(f"{folder} is not a GPT-2 folder saved by save_pretrained (config.json's model_type is "
-                            f"{kind!r}); a checkpoint of this project loads with init_from=resume and out_dir")
+            raise UserError(f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained "
+                            f"(config.json's model_type is {kind!r}); a checkpoint of this project loads with "
+                            f"init_from=resume and out_dir")
     try:
         hf = GPT2LMHeadModel.from_pretrained(name_or_path)
     except OSError as e:  # what transformers raises for no network, no cache or a bad folder
@@ -156,19 +161,21 @@ def from_hf_gpt2(name_or_path: str) -> GPT:
     return model
 
 
-def gpt2_for_finetuning(name_or_path: str, vocab_size: int, dropout: float, block_size: int,
-                        n_kv_head: int | None) -> GPT:
-    """GPT-2's weights with a run's dropout, cropped to its block_size, and pooled to its n_kv_head if given."""
-    model = from_hf_gpt2(name_or_path)
+def hf_for_finetuning(name_or_path: str, vocab_size: int, dropout: float, block_size: int,
+                      n_kv_head: int | None) -> GPT:
+    """GPT-2's (or an exported model's) weights with a run's dropout, cropped to its block_size, and pooled to its
+    n_kv_head if given."""
+    model = from_hf(name_or_path)
     if vocab_size > model.config.vocab_size:
         raise UserError(f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
                         f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)")
     config = replace(model.config, dropout=dropout, block_size=min(block_size, model.config.block_size))
     state = model.state_dict()
-    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
+    if "transformer.wpe.weight" in state:
+        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state)
-    return convert_kv_heads(model, n_kv_head) if n_kv_head else model
+    return convert_kv_heads(model, n_kv_head) if n_kv_head and n_kv_head != model.config.n_kv_head else model
 
 
 CONVERT_METHODS = ("mean", "first", "random")

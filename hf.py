@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-from model import GPT
+from configurator import UserError
+from model import GPT, GPTConfig
+
+# a block's modules: ours -> Starcoder2's
+STARCODER2_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
+                    "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj",
+                    "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
 
 
 def target_class(config: Any) -> str:
@@ -51,11 +57,8 @@ def starcoder2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str,
     state = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
              "model.norm.weight": sd["transformer.ln_f.weight"],
              "model.norm.bias": sd.get("transformer.ln_f.bias", zeros)}
-    names = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
-             "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj",
-             "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
     for i in range(c.n_layer):
-        for ours, theirs in names.items():
+        for ours, theirs in STARCODER2_LAYER.items():
             for kind in ("weight", "bias"):
                 key = f"transformer.h.{i}.{ours}.{kind}"
                 if key in sd:
@@ -95,3 +98,55 @@ def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch
         for n in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj", "ln_1", "ln_2"):
             state |= {p + f"{n}.weight": conv(w[n]) if "." in n else w[n], p + f"{n}.bias": b[n]}
     return "GPTBigCodeForCausalLM" if mqa else "GPT2LMHeadModel", config, state
+
+
+
+def from_transformers(folder: str) -> GPT:
+    """This project's model from a Starcoder2 or multi-query GPTBigCode folder (what export.py writes for rotary
+    and MQA models); what this model cannot hold (untied embeddings, a sliding window shorter than the positions,
+    another norm epsilon, activation or rope type, LayerNorm biases without the others) is refused in one line.
+    GPT-2 folders: checkpoint.from_hf."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    c, sd = hf.config, {k: v.float() for k, v in hf.state_dict().items()}
+    act = getattr(c, "hidden_act", None) or getattr(c, "activation_function", None)
+    window, eps = getattr(c, "sliding_window", None), getattr(c, "norm_epsilon", getattr(c, "layer_norm_epsilon", 0))
+    rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
+    ln_bias = any(sd[k].any() for k in sd if k.endswith(("layernorm.bias", "model.norm.bias")))
+    problems = {f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
+                f"hidden_act={act!r}": act not in ("gelu", "gelu_pytorch_tanh", "gelu_new"),
+                f"sliding_window={window}": window is not None and window < getattr(c, "max_position_embeddings", 0),
+                f"norm epsilon {eps}": eps != 1e-5, f"rope_type={rope!r}": rope != "default",
+                "multi_query=False": c.model_type == "gpt_bigcode" and not c.multi_query,
+                "LayerNorm biases with use_bias=False": c.model_type == "starcoder2" and not c.use_bias and ln_bias}
+    if bad := [what for what, true in problems.items() if true]:
+        raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
+    gelu = "exact" if act == "gelu" else "tanh"
+    state = {}
+    if c.model_type == "starcoder2":
+        config = GPTConfig(block_size=c.max_position_embeddings, vocab_size=c.vocab_size, n_layer=c.num_hidden_layers,
+                           n_head=c.num_attention_heads, n_kv_head=c.num_key_value_heads, n_embd=c.hidden_size,
+                           bias=c.use_bias, pos_encoding="rope", rope_theta=float(c.rope_parameters["rope_theta"]),
+                           gelu=gelu, mlp_hidden=c.intermediate_size)
+        names = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight",
+                 "transformer.ln_f.bias": "model.norm.bias"}
+        names |= {f"transformer.h.{i}.{ours}.{kind}": f"model.layers.{i}.{theirs}.{kind}"
+                  for i in range(c.num_hidden_layers) for ours, theirs in STARCODER2_LAYER.items()
+                  for kind in ("weight", "bias")}
+    else:  # multi-query GPTBigCode: Q, K and V in one c_attn (nn.Linear), every bias
+        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                           n_kv_head=1, n_embd=c.n_embd, bias=True, pos_encoding="learned", gelu=gelu,
+                           mlp_hidden=c.n_inner or 4 * c.n_embd)
+        names = {k: k for k in sd if "c_attn" not in k and k != "lm_head.weight"}
+        for i in range(c.n_layer):
+            for kind in ("weight", "bias"):
+                p = f"transformer.h.{i}.attn."
+                q, k, v = sd[f"{p}c_attn.{kind}"].split([c.n_embd, config.head_dim, config.head_dim])
+                state |= {f"{p}c_q.{kind}": q, f"{p}c_k.{kind}": k, f"{p}c_v.{kind}": v}
+    model = GPT(config)
+    wanted = model.state_dict().keys()
+    state |= {ours: sd[theirs] for ours, theirs in names.items() if ours in wanted and theirs in sd}
+    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
+    model.load_state_dict(state)  # strict: every weight of ours is given
+    return model

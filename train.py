@@ -41,8 +41,9 @@ class TrainConfig:
     keep_last: int = 0  # also keep the last K checkpoints as ckpt-<iteration>.pt (hard links: no extra disk)
     # 'scratch', 'resume' (from out_dir/ckpt.pt), 'auto' (resume if out_dir/ckpt.pt exists, else scratch: for
     # restarts, e.g. torchrun --max-restarts), 'convert:<ckpt or out_dir>' (another run's model with its K/V
-    # heads made n_kv_head by convert_method: MHA -> GQA/MQA uptraining), or OpenAI's GPT-2: 'gpt2', 'gpt2-medium',
-    # 'gpt2-large', 'gpt2-xl' or 'hf:<local folder>' (model keys other than dropout, block_size, n_kv_head ignored)
+    # heads made n_kv_head by convert_method: MHA -> GQA/MQA uptraining), OpenAI's GPT-2: 'gpt2', 'gpt2-medium',
+    # 'gpt2-large', 'gpt2-xl', or 'hf:<local folder>' (GPT-2, or export.py's Starcoder2/GPTBigCode) (model keys other
+    # than dropout, block_size, n_kv_head ignored)
     init_from: str = "scratch"
     convert_method: str = "mean"  # each group's K/V head: the 'mean' of its heads, the 'first' of them, or 'random'
     # logging: wandb honours WANDB_MODE (online, offline, disabled); out_dir/log.jsonl is always written
@@ -153,7 +154,7 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
         raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; to start a new "
                         f"run, choose another out_dir or delete that one first")
     if init_from in checkpoint.GPT2_NAMES or init_from.startswith("hf:"):
-        return checkpoint.gpt2_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
+        return checkpoint.hf_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
                                               cfg.n_kv_head), None
     if init_from == "scratch":
         return None, None

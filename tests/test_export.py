@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint, model_from_checkpoint
-from conftest import TINY_TRAIN, cli, run
+from conftest import TINY_TRAIN, cli, read_log, run
 
 
 def load(folder: Path) -> tuple:
@@ -48,6 +48,13 @@ def test_export_loads_in_transformers_and_decodes_as_sample_py(pycode_small: Pat
     with torch.no_grad():
         ids = hf.generate(**tok("def ", return_tensors="pt"), max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert len(ids[0]) == 28 and s.stdout.startswith(tok.decode(ids[0]))
+    # back in: a run from the exported folder starts from the same model (its first evaluation is the run's last)
+    if pos_encoding == "rope":
+        run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'again'}", *TINY_TRAIN,
+             f"--init_from=hf:{folder}", "--max_iters=1", "--eval_interval=1"])
+        first = [r for r in read_log(tmp_path / "again") if r["event"] == "eval"][0]
+        last = [r for r in read_log(out) if r["event"] == "eval"][-1]
+        assert first["iter"] == 0 and first["val_loss"] == pytest.approx(last["val_loss"], abs=1e-5)
     card = (folder / "README.md").read_text()
     assert f"n_kv_head={n_kv_head}" in card and "val loss" in card
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import from_hf_gpt2, load_checkpoint
+from checkpoint import from_hf, load_checkpoint
 from conftest import ROOT, run
 
 
@@ -27,7 +27,7 @@ def hf_gpt2(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, Path]:
 
 def test_logits_match_hugging_face(hf_gpt2: tuple) -> None:
     hf, path = hf_gpt2
-    ours = from_hf_gpt2(str(path)).eval()
+    ours = from_hf(str(path)).eval()
     assert ours.config.gelu == "tanh" and ours.config.n_kv_head == 4 and ours.config.block_size == 64
     idx = torch.randint(0, 100, (3, 50))
     with torch.no_grad():
@@ -38,7 +38,7 @@ def test_logits_match_hugging_face(hf_gpt2: tuple) -> None:
 
 def test_greedy_generation_matches_hugging_face(hf_gpt2: tuple) -> None:
     hf, path = hf_gpt2
-    ours = from_hf_gpt2(str(path)).eval()
+    ours = from_hf(str(path)).eval()
     idx = torch.randint(0, 99, (2, 6))
     ref = hf.generate(idx, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert ours.generate(idx, 40, temperature=0).tolist() == ref.tolist()

@@ -1,8 +1,12 @@
-"""The transformers models hf.to_hf makes compute what this project's model computes (issue 33's weight mapping)."""
+"""The transformers models hf.to_hf makes compute what this project's model computes, and come back unchanged."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from checkpoint import from_hf
+from configurator import UserError
 from hf import target_class, to_hf
 from model import GPT, GPTConfig
 
@@ -40,3 +44,26 @@ def test_stock_transformers_model_gives_the_same_logits_and_greedy_tokens(pos_en
         hf_tokens = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
     assert len(set(mine[:, 8:].flatten().tolist())) > 5  # not one token repeated
     assert torch.equal(hf_tokens, mine)
+
+
+@pytest.mark.parametrize(("pos_encoding", "n_kv_head", "bias"), [("rope", 4, False), ("rope", 2, True),
+                                                                ("rope", 1, False), ("learned", 1, True),
+                                                                ("learned", 2, False)])
+def test_a_saved_export_comes_back_with_the_same_logits(tmp_path: Path, pos_encoding: str, n_kv_head: int,
+                                                       bias: bool) -> None:
+    model = sharp_model(pos_encoding, n_kv_head, bias)
+    to_hf(model).save_pretrained(tmp_path)
+    back = from_hf(str(tmp_path)).eval()
+    idx = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(back(idx, targets=idx)[0], model(idx, targets=idx)[0], rtol=0, atol=1e-5)
+    # learned GQA comes back as GPT-2, its K/V heads repeated: the same function with MHA's head count
+    assert back.config.n_kv_head == (4 if (pos_encoding, n_kv_head) == ("learned", 2) else n_kv_head)
+
+
+def test_a_folder_this_model_cannot_hold_is_refused_in_one_line(tmp_path: Path) -> None:
+    hf = to_hf(sharp_model("rope", 2, False))
+    hf.config.sliding_window, hf.config.norm_epsilon = 8, 1e-6
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(UserError, match="cannot hold sliding_window=8, norm epsilon 1e-06"):
+        from_hf(str(tmp_path))
