@@ -109,7 +109,7 @@ def test_prompt_from_file(tmp_path: Path) -> None:
     (["--start="], "the prompt is empty"),
     (["--stop="], "stop='' would end every sample at once"),
     (["--init_from=scratch"], "init_from='scratch' must be 'resume' (out_dir/ckpt.pt), gpt2,"),
-    (["--init_from=hf:{tmp}"], "is not a GPT-2 folder saved by save_pretrained"),
+    (["--init_from=hf:{tmp}"], "is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained"),
     (["--init_from=hf:{tmp}/none"], "no Hugging Face model folder at"),
     (["--start=LINES:{tmp}/blank.txt"], "blank.txt has no non-empty line"),
     (["--start=FILE:{tmp}/latin1.txt"], "latin1.txt is not UTF-8 text"),
