@@ -1,5 +1,6 @@
 """What bench.py, bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA variants of a model,
-timed decoding (from a prompt, and cached steps at long context), and markdown tables.
+timed decoding (from a prompt, and cached steps at long context), timed training steps (a sweep's plan), and
+markdown tables.
 """
 
 import dataclasses
