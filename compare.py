@@ -97,12 +97,12 @@ def timings(runs: list[sweep.Run], base: TrainConfig) -> dict[tuple, tuple[float
 
 def show_plan(runs: list[sweep.Run], times: dict[tuple, tuple[float, float]], base: TrainConfig) -> str:
     """The runs a sweep makes, their tokens and estimated times, and the total."""
+    waiting = [r for r in runs if not sweep.finished(r)]
     rows = [{"run": r.dir.name, "iters": r.iters, "tokens": r.iters * r.tokens_per_iter,
              "estimated s": round(sweep.estimate(r, times, base.eval_iters)),
-             "state": "finished" if sweep.finished(r) else "to run"} for r in runs]
-    todo = sum(sweep.estimate(r, times, base.eval_iters) for r in runs if not sweep.finished(r))
-    waiting = sum(r["state"] == "to run" for r in rows)
-    text = (f"{table(rows)}\n\n{len(runs)} runs, {waiting} to run: about {sweep.clock(todo)} on "
+             "state": "to run" if r in waiting else "finished"} for r in runs]
+    todo = sum(sweep.estimate(r, times, base.eval_iters) for r in waiting)
+    text = (f"{table(rows)}\n\n{len(runs)} runs, {len(waiting)} to run: about {sweep.clock(todo)} on "
             f"{resolve_device(base.device)} (5 timed training steps and 3 evaluation batches per shape, plus "
             f"{sweep.STARTUP_S:.0f} s per run to start train.py), plus the decode-speed measurement")
     print(text)
@@ -173,8 +173,10 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
         return
     root = Path(base.out_dir)
     if cfg.mode in ("train", "all", "plan"):
-        # a plan needs no data (GPT-2's padded vocabulary stands in); a sweep stops here on a missing dataset
-        vocab = vocab_size_of(base.dataset) or (50304 if cfg.mode == "plan" else load_meta(data_dir(base.dataset)))
+        vocab = vocab_size_of(base.dataset)
+        if vocab is None and cfg.mode != "plan":
+            load_meta(data_dir(base.dataset))  # a sweep stops here: the missing dataset's one-line error
+        vocab = vocab or 50304  # a plan needs no data: GPT-2's padded vocabulary stands in
         runs = sweep.plan(cfg, base, vocab, root)
         times = timings(runs, base)
         if cfg.mode == "plan":

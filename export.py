@@ -8,6 +8,7 @@ model.safetensors, generation_config.json, the dataset's tokenizer (char-level, 
 card. Which class holds which model: hf.py. The folder is written whole or not at all.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -84,8 +85,8 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
 
 def hf_kv_bytes(c: Any) -> int:
     """KV-cache bytes per token of the exported model (GPT-2 holds a GQA model's K/V heads repeated)."""
-    heads = c.n_head if c.pos_encoding == "learned" and c.attention_kind == "GQA" else c.n_kv_head
-    return 2 * c.n_layer * heads * c.head_dim * 4
+    repeated = c.pos_encoding == "learned" and c.attention_kind == "GQA"
+    return dataclasses.replace(c, n_kv_head=c.n_head).kv_cache_bytes(1, 1) if repeated else c.kv_cache_bytes(1, 1)
 
 
 def export(cfg: ExportConfig) -> Path:

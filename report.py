@@ -62,15 +62,14 @@ def read_runs(root: Path) -> list[dict]:
 def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dict]:
     """One row per size x variant (conversions: x method x fraction), over its seeds. cfg: compare.py's
     CompareConfig (the KV-cache and decode-speed settings)."""
-    groups, seen = defaultdict(list), {}
+    by_seed = defaultdict(dict)  # (size, variant) -> {seed: run}
     for r in runs:
-        if (key := (r["size"], r["variant"], r["seed"])) in seen:  # e.g. a folder of an earlier sweep's layout
-            print(f"two runs of {r['variant']} at seed {r['seed']}: {seen[key]} left out, {r['dir']} kept",
+        if (old := by_seed[(r["size"], r["variant"])].get(r["seed"])) is not None:  # e.g. an earlier sweep's folder
+            print(f"two runs of {r['variant']} at seed {r['seed']}: {old['dir']} left out, {r['dir']} kept",
                   file=sys.stderr)
-            groups[key[:2]] = [g for g in groups[key[:2]] if g["dir"] != seen[key]]
-        seen[key] = r["dir"]
-        groups[key[:2]].append(r)
-    finals = {k: {r["seed"]: r["final"] for r in g} for k, g in groups.items()}
+        by_seed[(r["size"], r["variant"])][r["seed"]] = r
+    groups = {k: list(g.values()) for k, g in by_seed.items()}
+    finals = {k: {seed: r["final"] for seed, r in g.items()} for k, g in by_seed.items()}
     kv_dtype = getattr(torch, cfg.kv_dtype)
     out = []
     for (size, name), group in groups.items():
