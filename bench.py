@@ -42,6 +42,7 @@ class BenchConfig:
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
     warmup: int = 3  # iterations left out (compilation happens here)
     iters: int = 10  # measured iterations; the median is reported
+    profile: bool = False  # train: then 5 more iterations under torch.profiler, its 25 costliest ops printed
     # decode: MHA/GQA/MQA variants of the model, from a 1-token prompt, greedy
     kv_heads: list[int] = field(default_factory=list)  # empty: n_head, a middle divisor, 1
     new_tokens: list[int] = field(default_factory=lambda: [256, 1000])
@@ -113,6 +114,16 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
                 sync()
                 times.append(time.perf_counter() - t0)
             dt = statistics.median(times[cfg.warmup:])
+            if cfg.profile:
+                activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * (
+                    device_type == "cuda")
+                with torch.profiler.profile(activities=activities) as prof:
+                    for it in range(5):
+                        train_step(model, raw, opt, scaler, batches, it, d, base.gradient_accumulation_steps,
+                                   autocast(device_type, dtype), base.grad_clip)
+                    sync()
+                sort = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+                print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
             mfu = raw.estimate_mfu(tokens_per_iter, dt, peak, base.block_size) if peak else None
             row = {"mode": "train", "device": device, "dtype": dtype_name, "compile": compiled,
                    "ms_per_iter": 1000 * dt, "tokens_per_s": tokens_per_iter / dt,

@@ -43,7 +43,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             # kernel reads each K/V head once per query head, so GQA/MQA would not gain their smaller cache's
             # speed (README "Compare attention variants").
             y = F.scaled_dot_product_attention(q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p)
-            return y.view(B, H, 1, hd)
+            return y.reshape(B, H, 1, hd)  # CUDA's kernels return (B, G, H // G, hd) strided as (B, H // G, G, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                               dropout_p=dropout_p, enable_gqa=G != H)
 
