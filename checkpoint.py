@@ -41,7 +41,7 @@ def check_out_dir(out_dir: Path, need_bytes: int) -> None:
 
 def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, dataset: str) -> None:
     """The model must have a row for each of the dataset's tokens, and a resumed one the tokens it was trained on."""
-    if trained_on and any(trained_on.get(k) != meta.get(k) for k in ("tokenizer", "chars")):
+    if trained_on and any(trained_on.get(k) != meta.get(k) for k in ("tokenizer", "chars", "bpe")):
         raise UserError(f"the checkpoint was trained on other tokens than dataset {dataset}'s (its tokenizer "
                         f"{trained_on.get('tokenizer')}, vocab_size {trained_on.get('vocab_size')}): resume on its "
                         f"dataset, or use a new out_dir")

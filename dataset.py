@@ -2,13 +2,16 @@
 and the training batches drawn from them.
 
 meta.json (JSON, not pickle, so loading a dataset cannot run code) holds the token dtype, vocab_size and the
-tokenizer: 'char' with its character list, or 'gpt2' (tiktoken BPE). Run as a script it turns any local text file
-into such a dataset: `python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=char` (or gpt2).
+tokenizer: 'char' with its character list, 'gpt2' (tiktoken BPE), or 'bpe' (a byte-level BPE trained on the text by
+Hugging Face tokenizers, kept beside it as tokenizer.json). Run as a script it turns any local text file into such a
+dataset: `python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=char` (or gpt2, or bpe with
+--vocab_size=N).
 """
 
 import base64
 import json
 import os
+import re
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +24,8 @@ from configurator import UserError, run_cli
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
 GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
+BPE_FILE = "tokenizer.json"  # a 'bpe' dataset's tokenizer, beside its meta.json
+EOT = "<|endoftext|>"
 
 
 def data_dir(dataset: str) -> Path:
@@ -33,10 +38,14 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
-    """Write train.bin, val.bin, then meta.json (last: a folder with meta.json is complete), each atomically."""
+    """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json (last: a folder with meta.json is
+    complete), each atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # a folder prepared again is not complete until the end
     dtype = token_dtype(meta["vocab_size"])
+    if "bpe" in meta:
+        with atomic_open(out_dir / BPE_FILE, "w") as f:
+            f.write(meta.pop("bpe"))
     for split, ids in (("train", train_ids), ("val", val_ids)):
         with atomic_open(out_dir / f"{split}.bin") as f:
             f.write(np.asarray(ids, dtype=dtype).tobytes())
@@ -59,6 +68,10 @@ def load_meta(path: Path) -> dict:
     if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or meta.get("dtype") not in (
             "uint16", "uint32"):
         raise UserError(f"{file} lacks an int vocab_size and a dtype uint16 or uint32; prepare the dataset again")
+    if meta.get("tokenizer") == "bpe":  # the tokenizer travels with the meta (into checkpoints, to export.py)
+        if not (path / BPE_FILE).is_file():
+            raise UserError(f"{path / BPE_FILE} is missing (the dataset's BPE tokenizer); prepare the dataset again")
+        meta["bpe"] = (path / BPE_FILE).read_text()
     return meta
 
 
@@ -169,6 +182,76 @@ class CharTokenizer:
         return {"tokenizer": "char", "vocab_size": len(self.chars), "chars": self.chars}
 
 
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer (a 'bpe' dataset's, or an exported folder's tokenizer.json) with the
+    interface sample.py uses of tiktoken's: encode, decode, decode_bytes, eot_token, n_vocab."""
+
+    def __init__(self, tokenizer_json: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_str(tokenizer_json)
+        self.eot_token = self.tok.token_to_id(EOT)
+        self.n_vocab = self.tok.get_vocab_size()
+        self.byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
+        if self.byte_level:  # each token's characters stand for bytes (GPT-2's table)
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self.char_byte = {c: b for b, c in bytes_to_unicode().items()}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if (back := self.decode(ids)) != text:  # a word-level (char) tokenizer maps what it lacks to its unk token
+            raise UserError(f"characters not in the tokenizer's vocabulary: {''.join(sorted(set(text) - set(back)))!r}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def decode_bytes(self, ids: list[int]) -> bytes:  # a token can end inside a character (streamed decoding)
+        if not self.byte_level:
+            return self.decode(ids).encode()
+        pieces = (self.tok.id_to_token(i) for i in ids)
+        return b"".join(p.encode() if p == EOT else bytes(self.char_byte[c] for c in p) for p in pieces)
+
+    def encode_array(self, text: str, piece_chars: int = 1 << 20) -> np.ndarray:
+        """encode() for long texts, with a progress bar: pieces of about piece_chars encoded in parallel, each cut
+        where a space sits between two ASCII letters, so the ids equal encode(text)'s (no pre-token spans a cut)."""
+        from tqdm import tqdm
+
+        cut, pieces, pos = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])"), [], 0
+        while pos < len(text):
+            m = cut.search(text, pos + piece_chars)
+            pieces.append(text[pos:m.start() if m else len(text)])
+            pos += len(pieces[-1])
+        ids = []
+        with tqdm(total=len(text), desc="encoding", unit="char", unit_scale=True, disable=len(pieces) < 8) as bar:
+            for i in range(0, len(pieces), 8):
+                batch = pieces[i:i + 8]
+                ids += [np.array(e.ids, dtype=np.int64) for e in self.tok.encode_batch(batch, add_special_tokens=False)]
+                bar.update(sum(map(len, batch)))
+        return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+
+
+def train_bpe(text: str, vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenizer and byte alphabet, <|endoftext|> as its one special token) of
+    vocab_size tokens, trained on text by Hugging Face tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if not len(alphabet) + 1 < vocab_size <= 2**32:
+        raise UserError(f"vocab_size={vocab_size} for a byte-level BPE must be above {len(alphabet) + 1} (the 256 "
+                        f"bytes and {EOT})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet,
+                                  show_progress=len(text) > 1 << 20)
+    step = 1 << 16
+    tok.train_from_iterator((text[i:i + step] for i in range(0, len(text), step)), trainer=trainer,
+                            length=-(-len(text) // step))
+    return HFTokenizer(tok.to_str())
+
+
 def download_text(url: str) -> str:
     try:
         with urllib.request.urlopen(url, timeout=30) as r:
@@ -207,13 +290,25 @@ def load_tokenizer(meta: dict) -> "CharTokenizer | object":
         return CharTokenizer(meta["chars"])
     if meta.get("tokenizer") == "gpt2":
         return gpt2_encoding()
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char' or 'gpt2')")
+    if meta.get("tokenizer") == "bpe":
+        return HFTokenizer(meta["bpe"])
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char', 'gpt2' or 'bpe')")
 
 
-def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction: float = 0.1) -> None:
-    """Tokenise one text (char-level or GPT-2 BPE) and write it as a dataset with a train/val split."""
+def folder_tokenizer(name_or_path: str) -> "HFTokenizer | object":
+    """The tokenizer of a Hugging Face model folder (its tokenizer.json, as export.py writes), else GPT-2's."""
+    file = Path(name_or_path) / BPE_FILE
+    return HFTokenizer(file.read_text()) if file.is_file() else gpt2_encoding()
+
+
+def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction: float = 0.1,
+                 vocab_size: int | None = None) -> None:
+    """Tokenise one text (char-level, GPT-2 BPE, or a BPE of vocab_size trained on it) and write it as a dataset
+    with a train/val split."""
     if not text:
         raise UserError("the text is empty: nothing to make a dataset of")
+    if vocab_size is not None and tokenizer != "bpe":
+        raise UserError(f"vocab_size is for tokenizer='bpe'; a {tokenizer} dataset's vocabulary is fixed")
     if tokenizer == "char":
         tok = CharTokenizer.from_text(text)
         ids, meta = tok.encode_array(text), tok.meta()
@@ -221,8 +316,14 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
         enc = gpt2_encoding()
         ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
         meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab}
+    elif tokenizer == "bpe":
+        if vocab_size is None:
+            raise UserError("tokenizer='bpe' needs --vocab_size=N, the number of tokens to train")
+        tok = train_bpe(text, vocab_size)
+        ids, meta = tok.encode_array(text), {"tokenizer": "bpe", "vocab_size": tok.n_vocab, "bpe": tok.tok.to_str()}
     else:
-        raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char' or 'gpt2'")
+        raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char', 'gpt2' or 'bpe'")
+
     write_dataset(out_dir, *split_ids(ids, val_fraction), meta)
 
 
@@ -230,14 +331,16 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
 class TextConfig:
     input: str = ""  # a UTF-8 text file
     out_dir: str = ""  # the dataset folder to write, e.g. data/mytext
-    tokenizer: str = "char"  # 'char' or 'gpt2'
+    tokenizer: str = "char"  # 'char', 'gpt2', or 'bpe' (a byte-level BPE trained on the input)
+    vocab_size: int | None = None  # bpe: tokens to train, bytes and <|endoftext|> included
     val_fraction: float = 0.1
 
 
 def main(cfg: TextConfig) -> None:
     if not cfg.input or not cfg.out_dir:
-        raise UserError("usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2]")
-    prepare_text(read_text(cfg.input), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
+        raise UserError("usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2|bpe "
+                        "--vocab_size=N]")
+    prepare_text(read_text(cfg.input), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction, cfg.vocab_size)
 
 
 if __name__ == "__main__":

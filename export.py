@@ -4,8 +4,8 @@
 
 DIR (default <out_dir>/hf) then loads with transformers' own classes, no code of ours:
 AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR). It holds config.json,
-model.safetensors, generation_config.json, the dataset's tokenizer (char-level, or GPT-2's BPE) and a README.md model
-card. Which class holds which model: hf.py. The folder is written whole or not at all.
+model.safetensors, generation_config.json, the dataset's tokenizer (char-level, GPT-2's BPE or its own) and a
+README.md model card. Which class holds which model: hf.py. The folder is written whole or not at all.
 """
 
 import dataclasses
@@ -20,7 +20,7 @@ from typing import Any
 import hf
 from checkpoint import load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError, run_cli
-from dataset import data_dir, gpt2_encoding, load_meta
+from dataset import EOT, data_dir, gpt2_encoding, load_meta
 from model import GPT
 from runlog import read_run
 
@@ -34,7 +34,7 @@ class ExportConfig:
 
 def tokenizer(meta: dict) -> Any:
     """The dataset's tokenizer as a transformers fast tokenizer: char-level (one token per character of the
-    dataset's list), or GPT-2's BPE (from tiktoken's ranks, offline from $GPT2_BPE_FILE)."""
+    dataset's list), GPT-2's BPE (from tiktoken's ranks, offline from $GPT2_BPE_FILE), or the dataset's own BPE."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,8 +52,10 @@ def tokenizer(meta: dict) -> Any:
         assert [enc._special_tokens[t] for t in specials] == list(range(len(enc._mergeable_ranks), enc.n_vocab))
         converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=specials)
         converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks tiktoken holds, from any file
-        eot = {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"} if enc.eot_token is not None else {}
+        eot = {"eos_token": EOT, "bos_token": EOT} if enc.eot_token is not None else {}
         return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), **eot)
+    if meta.get("tokenizer") == "bpe":
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(meta["bpe"]), eos_token=EOT, bos_token=EOT)
     raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in the checkpoint's dataset meta")
 
 

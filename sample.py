@@ -14,7 +14,7 @@ import torch
 
 from checkpoint import GPT2_NAMES, from_hf, load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError, run_cli
-from dataset import data_dir, load_meta, load_tokenizer, read_text
+from dataset import data_dir, folder_tokenizer, load_meta, load_tokenizer, read_text
 from generation import check_sampling, left_pad, stream_text
 from model import GPT
 from quantize import QUANTIZE, quantize
@@ -91,7 +91,8 @@ def main(cfg: SampleConfig) -> None:
         tok = load_tokenizer(ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?"))))
         del ckpt
     else:
-        model, tok = from_hf(cfg.init_from.removeprefix("hf:")), load_tokenizer({"tokenizer": "gpt2"})
+        name = cfg.init_from.removeprefix("hf:")
+        model, tok = from_hf(name), folder_tokenizer(name)
     if tok.n_vocab > model.config.vocab_size:  # e.g. a checkpoint without data_meta, its dataset prepared again
         raise UserError(f"the tokenizer has {tok.n_vocab} tokens, the model only {model.config.vocab_size}: not the "
                         f"dataset this checkpoint was trained on")
