@@ -4,6 +4,7 @@
     python bench.py --mode=decode --block_size=1024 --vocab_size=256
     python bench.py --mode=memory
     python bench.py --mode=nanogpt --nanogpt_dir=../nanoGPT config/speedrun_gpu.py   (on a GPU; CPU: train_cpu_fast.py)
+    python bench.py --mode=gguf --out_dir=RUN --llama_cpp=../llama.cpp   (RUN's greedy text in llama.cpp and here)
 
 The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig steer the bench.
 """
@@ -35,7 +36,8 @@ from train import TrainConfig, train_step
 @dataclass(slots=True)
 class BenchConfig:
     # 'train', 'decode', 'memory' (DDP vs FSDP), 'int8' (a checkpoint in out_dir with int8 weights: val loss,
-    # greedy agreement, speed), or against peers (bench_peers.py): 'hf', 'nanogpt'
+    # greedy agreement, speed), or against peers (bench_peers.py): 'hf', 'nanogpt', 'gguf' (out_dir's checkpoint as
+    # GGUF in llama.cpp: the same greedy text)
     mode: str = "decode"
     # train: every combination of these, on random tokens (speed does not depend on the data)
     compiles: list[bool] = field(default_factory=lambda: [False, True])
@@ -50,14 +52,16 @@ class BenchConfig:
     recompute_max_batch: int = 1  # recomputation only up to this batch size (it is slow)
     repeats: int = 3  # cached runs per setting, the median is reported
     nanogpt_dir: str = ""  # nanogpt: a karpathy/nanoGPT checkout, outside this repository
-    llama_cpp: str = ""  # hf: a llama.cpp source folder with build/bin/llama-bench, outside this repository
+    llama_cpp: str = ""  # hf, gguf: a llama.cpp source folder with build/bin/llama-bench (hf), llama-simple (gguf)
+    prompt: str = "def "  # gguf: the prompt both decode from (new_tokens[0] tokens, within block_size)
     linear_split: bool = True  # False: few-row products through nn.Linear's own path (fast_paths.Linear unsplit)
     # memory: per-process bytes of weights, gradients and AdamW state of GPT-2's shapes with DDP and with FSDP
     world_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "decode", "memory", "int8", "hf", "nanogpt"):
-            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'memory', 'int8', 'hf' or 'nanogpt'")
+        if self.mode not in ("train", "decode", "memory", "int8", "hf", "nanogpt", "gguf"):
+            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'memory', 'int8', 'hf', 'nanogpt' or "
+                             f"'gguf'")
         allowed = ("float32", "bfloat16", "float16") + ("int8",) * (self.mode == "hf")
         if bad := [d for d in self.dtypes if d not in allowed]:
             raise ValueError(f"dtypes={self.dtypes!r}: {bad[0]!r} is not one of {', '.join(allowed)} (int8: --mode=hf "
@@ -231,9 +235,15 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     if cfg.mode == "hf" and max(cfg.new_tokens) >= mcfg.block_size:  # Hugging Face's GPT-2 cannot slide its window
         raise UserError(f"new_tokens={cfg.new_tokens}: --mode=hf decodes up to block_size={mcfg.block_size} "
                         f"positions (a 1-token prompt), so each must be below it")
-    if cfg.mode != "int8":  # which reads its model from a checkpoint
+    if cfg.mode not in ("int8", "gguf"):  # which read their model from a checkpoint
         header(cfg.mode, device, mcfg)
-    if cfg.mode == "hf":
+    if cfg.mode == "gguf":
+        rows = bench_peers.bench_gguf(base.out_dir, cfg.llama_cpp, cfg.prompt, cfg.new_tokens[0])
+        if rows and not rows[0]["same_text"]:
+            raise SystemExit(f"error: llama.cpp's greedy text differs from ours after {rows[0]['chars_agreeing']} "
+                             f"characters")
+        print(table(rows) if rows else "")
+    elif cfg.mode == "hf":
         rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device, cfg.llama_cpp)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",
                            "llama_cpp_tok_s": "llama.cpp tok/s", "ours_tok_s": "ours tok/s",

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from checkpoint import from_hf
+import hf
+from checkpoint import from_hf, load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError
-from dataset import data_dir, gpt2_encoding, load_meta
+from dataset import data_dir, gpt2_encoding, load_meta, load_tokenizer
 from model import GPTConfig
 from quantize import quantize
 from runlog import read_run
@@ -240,3 +241,39 @@ def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], device: s
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
+
+
+def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> list[dict]:
+    """The checkpoint in out_dir through export's GGUF path (hf.to_gguf, f32) into llama.cpp's llama-simple, greedy,
+    against this project's greedy decoding of the same prompt: the same tokens give the same text."""
+    if not llama_cpp:
+        print("# gguf check skipped: pass --llama_cpp=DIR, a llama.cpp source folder with build/bin/llama-simple")
+        return []
+    binary = Path(llama_cpp).resolve() / "build" / "bin" / "llama-simple"
+    if not binary.is_file() or not (binary.parents[2] / "convert_hf_to_gguf.py").is_file():
+        raise UserError(f"--llama_cpp={llama_cpp}: no convert_hf_to_gguf.py and build/bin/llama-simple there; build "
+                        f"it with cmake --build build --target llama-simple (docs/export.md)")
+    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
+    model = model_from_checkpoint(ckpt).float().eval()
+    meta = ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
+    tok, c = load_tokenizer(meta), model.config
+    ids = tok.encode(prompt)
+    n = min(new_tokens, c.block_size - len(ids))  # llama.cpp slides no window: stay within the positions
+    new = model.generate(torch.tensor([ids]), n, temperature=0)[0, len(ids):].tolist()
+    new = new[:new.index(tok.eot_token)] if tok.eot_token in new else new  # llama.cpp stops there, silently
+    ours = tok.decode(ids + new)
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = Path(tmp) / "model.gguf"
+        hf.to_gguf(model, hf.tokenizer(meta), gguf, llama_cpp, "f32")
+        r = subprocess.run([str(binary), "-m", str(gguf), "-n", str(n), prompt], capture_output=True, text=True)
+    if r.returncode:
+        raise UserError(f"llama-simple failed: {(r.stderr.strip() or 'no output').splitlines()[-1]}")
+    theirs = r.stdout.removesuffix("\n")
+    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    row = {"mode": "gguf", "model": f"{c.pos_encoding} {c.attention_kind} (n_kv_head={c.n_kv_head})",
+           "tokenizer": meta.get("tokenizer"), "new_tokens": len(new), "same_text": ours == theirs,
+           "chars_agreeing": agree, "chars": len(ours)}
+    print(json.dumps(row), flush=True)
+    if ours != theirs:
+        print(f"# ours:      {ours!r}\n# llama.cpp: {theirs!r}", flush=True)
+    return [row]

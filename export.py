@@ -1,11 +1,14 @@
-"""Export a trained model to a Hugging Face transformers folder:
+"""Export a trained model to a Hugging Face transformers folder, and from it to a GGUF file for llama.cpp:
 
     python export.py --out_dir=out-pycode-char [--to=DIR] [--overwrite=True]
+    python export.py --out_dir=OUT --gguf=model.gguf --llama_cpp=../llama.cpp [--gguf_type=f32]
 
 DIR (default <out_dir>/hf) then loads with transformers' own classes, no code of ours:
 AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR). It holds config.json,
 model.safetensors, generation_config.json, the dataset's tokenizer (char-level, GPT-2's BPE or its own) and a
-README.md model card. Which class holds which model: hf.py. The folder is written whole or not at all.
+README.md model card. Which class holds which model: hf.py. The GGUF file is written by llama.cpp's own
+convert_hf_to_gguf.py from such a folder (byte-level BPE tokenizers only: llama.cpp has no char-level vocabulary).
+Each is written whole or not at all.
 """
 
 import dataclasses
@@ -20,7 +23,7 @@ from typing import Any
 import hf
 from checkpoint import load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError, run_cli
-from dataset import EOT, data_dir, gpt2_encoding, load_meta
+from dataset import data_dir, load_meta
 from model import GPT
 from runlog import read_run
 
@@ -29,34 +32,16 @@ from runlog import read_run
 class ExportConfig:
     out_dir: str = "out"  # the run to export: its ckpt.pt, and its dataset's tokenizer
     to: str = ""  # the folder to write; '': <out_dir>/hf
-    overwrite: bool = False  # replace a folder that is there and not empty
+    overwrite: bool = False  # replace a folder (or GGUF file) that is there and not empty
+    gguf: str = ""  # also write this GGUF file, converted from the folder by llama.cpp's converter
+    llama_cpp: str = ""  # gguf: a llama.cpp source folder (its convert_hf_to_gguf.py and gguf-py)
+    gguf_type: str = "f32"  # gguf: the converter's --outtype: f32, f16, bf16 or q8_0
 
-
-def tokenizer(meta: dict) -> Any:
-    """The dataset's tokenizer as a transformers fast tokenizer: char-level (one token per character of the
-    dataset's list), GPT-2's BPE (from tiktoken's ranks, offline from $GPT2_BPE_FILE), or the dataset's own BPE."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    if meta.get("tokenizer") == "char":
-        chars = meta["chars"]
-        tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
-        tok.decoder = decoders.Fuse()  # joined with nothing between
-        return PreTrainedTokenizerFast(tokenizer_object=tok)
-    if meta.get("tokenizer") == "gpt2":
-        from transformers.convert_slow_tokenizer import TikTokenConverter
-
-        enc = gpt2_encoding()
-        specials = sorted(enc._special_tokens, key=enc._special_tokens.get)  # each numbered after the ranks
-        assert [enc._special_tokens[t] for t in specials] == list(range(len(enc._mergeable_ranks), enc.n_vocab))
-        converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=specials)
-        converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks tiktoken holds, from any file
-        eot = {"eos_token": EOT, "bos_token": EOT} if enc.eot_token is not None else {}
-        return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), **eot)
-    if meta.get("tokenizer") == "bpe":
-        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(meta["bpe"]), eos_token=EOT, bos_token=EOT)
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in the checkpoint's dataset meta")
+    def __post_init__(self) -> None:
+        if self.gguf_type not in hf.GGUF_TYPES:
+            raise ValueError(f"gguf_type={self.gguf_type!r} must be one of {', '.join(hf.GGUF_TYPES)}")
+        if bool(self.gguf) != bool(self.llama_cpp):
+            raise ValueError("--gguf=FILE and --llama_cpp=DIR go together: the file is made by llama.cpp's converter")
 
 
 def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
@@ -96,10 +81,18 @@ def export(cfg: ExportConfig) -> Path:
     dest = Path(cfg.to) if cfg.to else out / "hf"
     if dest.is_file() or dest.is_dir() and any(dest.iterdir()) and not cfg.overwrite:
         raise UserError(f"{dest} is there and not empty: choose another --to, or --overwrite=True to replace it")
+    if cfg.gguf and not (Path(cfg.llama_cpp) / "convert_hf_to_gguf.py").is_file():
+        raise UserError(f"no convert_hf_to_gguf.py in --llama_cpp={cfg.llama_cpp}: pass a llama.cpp source folder "
+                        f"(e.g. the one vendored in the llama-cpp-python sdist)")
+    if cfg.gguf and (Path(cfg.gguf).is_dir() or Path(cfg.gguf).exists() and not cfg.overwrite):
+        raise UserError(f"{cfg.gguf} is there: choose another --gguf, or --overwrite=True to replace it")
     ckpt = load_checkpoint(out / "ckpt.pt")
     model = model_from_checkpoint(ckpt).float().eval()
     meta = ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
-    tok, hf_model = tokenizer(meta), hf.to_hf(model)
+    if cfg.gguf and meta.get("tokenizer") == "char":
+        raise UserError("GGUF needs a byte-level BPE vocabulary (llama.cpp has no char-level one): train on a "
+                        "dataset prepared with --tokenizer=bpe or gpt2")
+    tok, hf_model = hf.tokenizer(meta), hf.to_hf(model)
     try:
         run = read_run(out) | {"dir": str(out)}
     except (UserError, OSError):
@@ -117,6 +110,10 @@ def export(cfg: ExportConfig) -> Path:
         os.replace(folder, dest)
     print(f"wrote {dest}: {type(hf_model).__name__} ({model.config.attention_kind}), {model.num_params():,} "
           f"parameters, {meta.get('tokenizer')} tokenizer")
+    if cfg.gguf:
+        Path(cfg.gguf).parent.mkdir(parents=True, exist_ok=True)
+        hf.to_gguf(model, tok, Path(cfg.gguf), cfg.llama_cpp, cfg.gguf_type)
+        print(f"wrote {cfg.gguf}: {cfg.gguf_type}, by llama.cpp's convert_hf_to_gguf.py")
     return dest
 
 

@@ -1,15 +1,22 @@
 """This project's GPT as a stock Hugging Face transformers model (no code of ours needed to load it): rotary
 positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel (MHA; GQA with each K/V
 head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA).
-The weight mapping; export.py writes the folder with the tokenizer and a model card. Dropout is training's only: the
-exported model has none.
+The weight mapping, the tokenizer as a transformers one, and llama.cpp's converter from such a folder to GGUF;
+export.py writes the folder with a model card. Dropout is training's only: the exported model has none.
 """
 
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from configurator import UserError
+from dataset import EOT, gpt2_encoding
 from model import GPT, GPTConfig
 
 # a block's modules: ours -> Starcoder2's
@@ -25,12 +32,17 @@ def target_class(config: Any) -> str:
     return "GPTBigCodeForCausalLM" if config.attention_kind == "MQA" else "GPT2LMHeadModel"
 
 
-def to_hf(model: GPT) -> Any:
-    """A transformers model (float32, eval mode) that computes what model computes."""
+def to_hf(model: GPT, all_biases: bool = False) -> Any:
+    """A transformers model (float32, eval mode) that computes what model computes. all_biases: a rotary model
+    without biases gets zero ones (llama.cpp's Starcoder2 requires them)."""
     import transformers
 
     c = model.config
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    if all_biases and c.pos_encoding == "rope" and not c.bias:
+        sd |= {k.replace(".weight", ".bias"): torch.zeros(v.shape[0]) for k, v in sd.items()
+               if k.startswith("transformer.h.") and k.endswith(".weight") and ".ln_" not in k}
+        c = dataclasses.replace(c, bias=True)
     cls_name, hf_config, state = (starcoder2 if c.pos_encoding == "rope" else gpt2)(c, sd)
     hf = getattr(transformers, cls_name)(hf_config)
     missing, unexpected = hf.load_state_dict(state, strict=False)
@@ -78,7 +90,9 @@ def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch
                   n_head=c.n_head, n_inner=c.mlp_hidden, activation_function="gelu" if c.gelu == "exact" else
                   "gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
-    config = transformers.GPTBigCodeConfig(multi_query=True, **common) if mqa else transformers.GPT2Config(**common)
+    # n_ctx: GPT-2's old name for n_positions, which llama.cpp's converter reads
+    config = transformers.GPTBigCodeConfig(multi_query=True, **common) if mqa else transformers.GPT2Config(
+        n_ctx=c.block_size, **common)
     group = c.n_head // c.n_kv_head
     conv = (lambda t: t) if mqa else (lambda t: t.t())  # GPT-2's Conv1D stores (in, out)
 
@@ -150,3 +164,65 @@ def from_transformers(folder: str) -> GPT:
     state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
     model.load_state_dict(state)  # strict: every weight of ours is given
     return model
+
+
+def tokenizer(meta: dict) -> Any:
+    """The dataset's tokenizer as a transformers fast tokenizer: char-level (one token per character of the
+    dataset's list), GPT-2's BPE (from tiktoken's ranks, offline from $GPT2_BPE_FILE), or the dataset's own BPE."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if meta.get("tokenizer") == "char":
+        chars = meta["chars"]
+        tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+        tok.decoder = decoders.Fuse()  # joined with nothing between
+        return PreTrainedTokenizerFast(tokenizer_object=tok)
+    if meta.get("tokenizer") == "gpt2":
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+
+        enc = gpt2_encoding()
+        specials = sorted(enc._special_tokens, key=enc._special_tokens.get)  # each numbered after the ranks
+        assert [enc._special_tokens[t] for t in specials] == list(range(len(enc._mergeable_ranks), enc.n_vocab))
+        converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=specials)
+        converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks tiktoken holds, from any file
+        eot = {"eos_token": EOT, "bos_token": EOT} if enc.eot_token is not None else {}
+        return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), **eot)
+    if meta.get("tokenizer") == "bpe":
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(meta["bpe"]), eos_token=EOT, bos_token=EOT)
+    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in the checkpoint's dataset meta")
+
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# Runs llama.cpp's converter (argv: converter, its arguments). The converter names a BPE pre-tokenizer by a hash of
+# the tokens one known model's tokenizer gives for a fixed text, so it knows GPT-2's vocabulary but no vocabulary
+# trained here; every byte-level BPE of this project pre-tokenizes as GPT-2 does, which llama.cpp calls 'gpt-2'.
+CONVERT = """
+import runpy, sys
+sys.path[:0] = [sys.argv[1].rpartition("/")[0], sys.argv[1].rpartition("/")[0] + "/gguf-py"]
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on the model exported with every bias (llama.cpp's Starcoder2 has no
+    bias-free variant), into file (written whole or not at all)."""
+    with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}-") as tmp:
+        folder, part = Path(tmp) / "hf", Path(tmp) / file.name
+        to_hf(model, all_biases=True).save_pretrained(folder)
+        tok.save_pretrained(folder)
+        r = subprocess.run([sys.executable, "-c", CONVERT, str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
+                            str(folder), "--outfile", str(part), "--outtype", outtype], capture_output=True, text=True)
+        if r.returncode or not part.is_file():
+            last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+            raise UserError(f"llama.cpp's convert_hf_to_gguf.py failed: {last}")
+        os.replace(part, file)

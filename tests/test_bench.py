@@ -58,6 +58,13 @@ def test_hf_bench_with_no_llama_cpp_build_is_one_line(tmp_path: Path) -> None:
     assert error.startswith(f"error: --llama_cpp={tmp_path}: no ") and "build/bin/llama-bench" in error
 
 
+def test_gguf_check_is_skipped_in_one_line_without_llama_cpp_and_refuses_a_folder_without_it(tmp_path: Path) -> None:
+    r = cli(["bench.py", "--mode=gguf", f"--out_dir={tmp_path}"])
+    assert r.returncode == 0 and r.stdout.startswith("# gguf check skipped: pass --llama_cpp=DIR"), r.stdout
+    r = cli(["bench.py", "--mode=gguf", f"--out_dir={tmp_path}", f"--llama_cpp={tmp_path}"])
+    assert r.returncode == 2 and "no convert_hf_to_gguf.py and build/bin/llama-simple there" in r.stderr, r.stderr
+
+
 def test_tokenizer_files_for_llama_cpp_encode_as_tiktoken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama.cpp's converter reads GPT-2's tokenizer from vocab.json and merges.txt through transformers: the files
     made from a tiktoken BPE must encode text as tiktoken does."""

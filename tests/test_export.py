@@ -96,3 +96,22 @@ def test_export_refuses_what_it_cannot_do_in_one_line(pycode_small: Path, tmp_pa
     run(["export.py", f"--out_dir={out}", f"--to={tmp_path / 'taken'}", "--overwrite=True"])
     assert (tmp_path / "taken" / "config.json").is_file() and not (tmp_path / "taken" / "keep.txt").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    (tmp_path / "llama").mkdir()
+    for args, message in [([f"--gguf={tmp_path / 'm.gguf'}"], "--gguf=FILE and --llama_cpp=DIR go together"),
+                          ([f"--gguf={tmp_path / 'm.gguf'}", f"--llama_cpp={tmp_path / 'llama'}"],
+                           "no convert_hf_to_gguf.py in --llama_cpp="),
+                          (["--gguf_type=q4_0"], "gguf_type='q4_0' must be one of f32, f16, bf16, q8_0")]:
+        r = cli(["export.py", f"--out_dir={out}", f"--to={tmp_path / 'g'}", *args])
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    (tmp_path / "llama" / "convert_hf_to_gguf.py").write_text("raise SystemExit('not to be run')\n")
+    r = cli(["export.py", f"--out_dir={out}", f"--to={tmp_path / 'g'}", f"--gguf={tmp_path / 'm.gguf'}",
+             f"--llama_cpp={tmp_path / 'llama'}"])
+    assert r.returncode == 2 and "GGUF needs a byte-level BPE vocabulary" in r.stderr, r.stderr
+    assert not (tmp_path / "g").exists() and not (tmp_path / "m.gguf").exists()
+    # an old checkpoint without the dataset's meta, whose dataset is gone: the tokenizer is unknown
+    ckpt = torch.load(out / "ckpt.pt", weights_only=False)
+    del ckpt["data_meta"]
+    torch.save(ckpt | {"config": ckpt["config"] | {"dataset": str(tmp_path / "gone")}}, out / "ckpt.pt")
+    r = cli(["export.py", f"--out_dir={out}", f"--to={tmp_path / 'g'}"])
+    assert r.returncode == 2 and r.stderr.startswith(f"error: no dataset at {tmp_path / 'gone'}"), r.stderr
+    assert not (tmp_path / "g").exists()

@@ -91,6 +91,12 @@ def test_the_gathered_checkpoint_samples_and_converts(pycode_small: Path, tmp_pa
     start = torch.tensor([chars.index(c) for c in "def "])[None]
     expected = "".join(chars[i] for i in model.generate(start, 20, temperature=0.0)[0].tolist())
     assert expected in r.stdout
+    run(["export.py", f"--out_dir={tmp_path / 'fsdp'}"])  # export reads the gathered ckpt.pt too
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(start).logits[:, -1:], model(start)[0], rtol=0, atol=1e-4)
     train(pycode_small, tmp_path / "mqa", "--max_iters=2", f"--init_from=convert:{tmp_path / 'fsdp'}",
           "--n_kv_head=1", "--pos_encoding=rope", "--parallel=fsdp", procs=2)
     assert load_checkpoint(tmp_path / "mqa" / "ckpt.pt")["model_config"]["n_kv_head"] == 1
