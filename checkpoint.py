@@ -21,6 +21,7 @@ import torch
 import hf as hf_formats
 from atomic import atomic_open
 from configurator import UserError, first_line
+from dataset import data_dir, folder_tokenizer, load_tokenizer, open_tokens
 from model import GPT, GPTConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
@@ -48,6 +49,28 @@ def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, datas
     if vocab_size < meta["vocab_size"]:
         raise UserError(f"the model's vocab_size={vocab_size} is smaller than dataset {dataset}'s "
                         f"{meta['vocab_size']} tokens: drop vocab_size (the dataset's is the default) or raise it")
+
+
+def check_pretrained_tokenizer(init_from: str, meta: dict, dataset: str) -> None:
+    """Pretrained weights (GPT-2's, or a Hugging Face folder's) must be fine-tuned on text their own tokenizer
+    numbers: GPT-2's on a GPT-2 BPE dataset; a folder's tokenizer (its tokenizer.json, else GPT-2's) must give the
+    dataset's own ids for the start of its val split."""
+    if init_from in GPT2_NAMES or init_from.startswith("hf:") and not (Path(init_from[3:]) / "tokenizer.json").exists():
+        if meta.get("tokenizer") != "gpt2":
+            raise UserError(f"{init_from} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
+                            f"-level: fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)")
+        return
+    if not init_from.startswith("hf:"):
+        return
+    ids = open_tokens(data_dir(dataset), "val", meta)[:2000].tolist()
+    text = load_tokenizer(meta).decode(ids)
+    try:
+        same = folder_tokenizer(init_from[3:]).encode(text) == ids
+    except UserError:  # characters its vocabulary lacks
+        same = False
+    if not same:
+        raise UserError(f"the tokenizer of {init_from[3:]} numbers dataset {dataset}'s text otherwise than the dataset "
+                        f"does: fine-tune on a dataset made with that tokenizer")
 
 
 def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, model_state: dict | None = None,
@@ -126,6 +149,7 @@ def from_hf(name_or_path: str) -> GPT:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    logging.disable_progress_bar()
     if name_or_path not in GPT2_NAMES:  # a local folder: from_pretrained would take a wrong one for a hub id
         folder = Path(name_or_path)
         if not (folder / "config.json").is_file():
@@ -169,7 +193,12 @@ def hf_for_finetuning(name_or_path: str, vocab_size: int, dropout: float, block_
     if vocab_size > model.config.vocab_size:
         raise UserError(f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
                         f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)")
-    config = replace(model.config, dropout=dropout, block_size=min(block_size, model.config.block_size))
+    learned = model.config.pos_encoding == "learned"
+    if learned and block_size > model.config.block_size:
+        raise UserError(f"block_size={block_size} is beyond the {model.config.block_size} positions {name_or_path}'s "
+                        f"weights learned: give block_size <= {model.config.block_size}")
+    config = replace(model.config, dropout=dropout, block_size=min(block_size, model.config.block_size) if learned
+                     else block_size)  # rotary positions are computed, not learned: any block_size
     state = model.state_dict()
     if "transformer.wpe.weight" in state:
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]

@@ -24,7 +24,7 @@ import torch
 
 import report
 import sweep
-from atomic import atomic_open
+from atomic import atomic_open, folder_lock
 from checkpoint import CONVERT_METHODS
 from configurator import UserError, given_values, parse_config, run_cli, split_args
 from dataset import data_dir, load_meta, vocab_size_of
@@ -182,8 +182,9 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
         if cfg.mode == "plan":
             show_plan(runs, times, base)
             return
-        sweep.launch_all(runs, times, base.eval_iters)
-        measure_speeds(cfg, runs, root)
+        with folder_lock(root, "compare.py"):  # one sweep in a folder at a time (each run locks its own too)
+            sweep.launch_all(runs, times, base.eval_iters)
+            measure_speeds(cfg, runs, root)
     if cfg.mode in ("report", "all"):
         text = report.write(root, cfg, base)
         print(f"{text}\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Callable
@@ -89,6 +90,8 @@ def _name(hint: Any) -> str:
 def _unknown(key: str, known: list[str], source: str) -> UserError:
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; see the defaults at the top of the script"
+    if source.startswith("config file"):
+        hint += f" (a helper variable in a config file starts with _, e.g. _{key} = ...)"
     return UserError(f"unknown config key '{key}' (from {source}){hint}")
 
 
@@ -105,7 +108,11 @@ def _read_file(path: str) -> dict[str, Any]:
     except SyntaxError as e:
         raise UserError(f"config file {path} line {e.lineno}: {e.msg}") from e
     namespace: dict[str, Any] = {"__file__": str(file)}
-    exec(code, namespace)
+    try:
+        exec(code, namespace)
+    except Exception as e:  # the file's own code failed: say where, as a syntax error does
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == str(file)), "?")
+        raise UserError(f"config file {path} line {line}: {type(e).__name__}: {first_line(e)}") from e
     return {k: v for k, v in namespace.items() if not k.startswith("_")
             and not isinstance(v, types.ModuleType | types.FunctionType | type)}
 
@@ -131,6 +138,10 @@ def given_values(cls: type, argv: list[str]) -> dict[str, Any]:
             if "=" not in arg:
                 raise UserError(f"override {arg} needs a value: --key=value")
             key, raw = arg[2:].split("=", 1)
+            default = next((f.default for f in dataclasses.fields(cls) if f.name == key), None)
+            if raw == "" and isinstance(default, str) and default:  # e.g. --out_dir=$UNSET: not "the current folder"
+                raise UserError(f"{arg} gives {key} an empty value (an unset shell variable?): give one, or leave the "
+                                f"flag out for the default {default!r}")
             try:
                 value = ast.literal_eval(raw)
             except (ValueError, SyntaxError):
@@ -203,6 +214,9 @@ def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T]
         return
     try:
         main(parse_config(config, argv) if dataclasses.is_dataclass(config) else config(argv))
+    except KeyboardInterrupt:  # Ctrl-C: files are written atomically, so nothing is left half-written
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     except USER_ERRORS as e:
         if os.environ.get("SMALLGPT_DEBUG") == "1":
             raise

@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import re
+import unicodedata
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
     """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json (last: a folder with meta.json is
     complete), each atomically."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"out_dir {out_dir} is a file, not a folder: choose another --out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # a folder prepared again is not complete until the end
     dtype = token_dtype(meta["vocab_size"])
@@ -157,10 +160,14 @@ class CharTokenizer:
         return cls(sorted(set(text)))
 
     def encode(self, text: str) -> list[int]:
-        unknown = sorted(set(text) - self.stoi.keys())
-        if unknown:
-            raise UserError(f"characters not in the dataset's vocabulary: {''.join(unknown)!r}")
-        return [self.stoi[c] for c in text]
+        """The ids of text's characters; text written in the other Unicode normal form (a composed é against the
+        dataset's e and accent, or the reverse) is taken in the one the dataset has."""
+        forms = [text, *(unicodedata.normalize(f, text) for f in ("NFC", "NFD"))]
+        if not (known := [t for t in forms if set(t) <= self.stoi.keys()]):
+            unknown = sorted(set(text) - self.stoi.keys())
+            raise UserError(f"characters not in the dataset's vocabulary: "
+                            f"{', '.join(f'{c!r} (U+{ord(c):04X})' for c in unknown)}")
+        return [self.stoi[c] for c in known[0]]
 
     def encode_array(self, text: str) -> np.ndarray:
         """encode() for long texts: a lookup table over code points instead of a Python loop."""
@@ -293,6 +300,13 @@ def load_tokenizer(meta: dict) -> "CharTokenizer | object":
     if meta.get("tokenizer") == "bpe":
         return HFTokenizer(meta["bpe"])
     raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char', 'gpt2' or 'bpe')")
+
+
+def encode_prompt(tok: "CharTokenizer | HFTokenizer | object", text: str) -> list[int]:
+    """A prompt's ids: <|endoftext|> written in it is the end-of-text token, as nanoGPT's sample.py reads it (a
+    dataset's text takes it as plain characters)."""
+    special = getattr(tok, "special_tokens_set", None)  # tiktoken refuses special tokens unless allowed
+    return tok.encode(text, allowed_special=special) if special is not None else tok.encode(text)
 
 
 def folder_tokenizer(name_or_path: str) -> "HFTokenizer | object":

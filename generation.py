@@ -18,7 +18,8 @@ def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | N
     candidates to the k most likely, and to the fewest whose probability sums to at least top_p."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # the top one 0: no inf/inf at a tiny one
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, [-1]]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

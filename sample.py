@@ -14,7 +14,7 @@ import torch
 
 from checkpoint import GPT2_NAMES, from_hf, load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError, run_cli
-from dataset import data_dir, folder_tokenizer, load_meta, load_tokenizer, read_text
+from dataset import data_dir, encode_prompt, folder_tokenizer, load_meta, load_tokenizer, read_text
 from generation import check_sampling, left_pad, stream_text
 from model import GPT
 from quantize import QUANTIZE, quantize
@@ -51,14 +51,22 @@ class SampleConfig:
         problems += ["stop='' would end every sample at once: give a string, or leave stop out"] * (self.stop == "")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        problems += ["compile=True compiles the cached one-token step: not with kv_cache=False"] * (
+            self.compile and not self.kv_cache)
+        problems += [f"seed={self.seed} must not be negative"] * (self.seed < 0)
         if problems:
             raise ValueError("; ".join(problems))
 
 
 def read_prompts(start: str) -> list[str]:
+    """The prompts --start gives: the text itself, FILE:path (one prompt) or LINES:path (one a line); the prefixes in
+    any case."""
     kind, _, path = start.partition(":")
-    if kind not in ("FILE", "LINES") or not path:
+    kind = kind.upper()
+    if kind not in ("FILE", "LINES"):
         return [start]
+    if not path:
+        raise UserError(f"--start={start} names no file: {kind}:path")
     text = read_text(path, "prompt file")
     prompts = [line for line in text.splitlines() if line] if kind == "LINES" else [text]
     if not prompts:
@@ -98,7 +106,7 @@ def main(cfg: SampleConfig) -> None:
                         f"dataset this checkpoint was trained on")
     model = quantize(model.to(device=device, dtype=getattr(torch, cfg.dtype)), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
-    ids, bs, B = [tok.encode(p) for p in prompts], model.config.block_size, len(prompts)
+    ids, bs, B = [encode_prompt(tok, p) for p in prompts], model.config.block_size, len(prompts)
     if not all(ids):
         raise UserError("the prompt is empty: give it at least one character (--start=..., nanoGPT's default is a "
                         "newline)")

@@ -7,7 +7,7 @@ Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
 import math
 import signal
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import checkpoint
 import runtime
 import sharding
+from atomic import folder_lock
 from configurator import UserError, build, checked_values, given_values, print_config, run_cli, with_fields_of
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
@@ -100,9 +101,18 @@ class TrainConfig:
             problems.append(f"convert_method={self.convert_method!r} must be one of {', '.join(methods)}")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
-        if self.optimizer not in ("adamw", "muon") or (self.optimizer, self.parallel) == ("muon", "fsdp"):
-            problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon' (muon orthogonalises whole "
-                            f"matrices: not with parallel='fsdp')")
+        if self.optimizer not in ("adamw", "muon"):
+            problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon'")
+        elif (self.optimizer, self.parallel) == ("muon", "fsdp"):
+            problems.append("optimizer='muon' does not go with parallel='fsdp' (Muon orthogonalises whole matrices, "
+                            "FSDP shards them): use optimizer='adamw', or parallel='ddp'")
+        problems += [f"seed={self.seed} must not be negative"] * (self.seed < 0)
+        if self.decay_lr and self.min_lr > self.learning_rate:
+            problems.append(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: the rate would rise "
+                            f"as it decays")
+        if self.decay_lr and self.lr_decay_iters < self.warmup_iters:
+            problems.append(f"lr_decay_iters={self.lr_decay_iters} is below warmup_iters={self.warmup_iters}: the "
+                            f"decay would end before the warm-up does")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
@@ -220,10 +230,13 @@ class Trainer:
         self.amp = runtime.autocast(d.device_type, self.dtype)
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
+        # pretrained weights (GPT-2's, a folder's) are fine-tuned on their own tokens only
+        checkpoint.check_pretrained_tokenizer(cfg.init_from, self.batches.meta, cfg.dataset)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
         self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype)
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta,
                                     ckpt and ckpt.get("data_meta"), cfg.dataset)
+
         self.optimizer = make_optimizer(self.raw_model, cfg.optimizer, cfg.weight_decay, cfg.learning_rate,
                                         (cfg.beta1, cfg.beta2), d.device, cfg.muon_lr)
         self.scaler = torch.amp.GradScaler(d.device_type, enabled=self.dtype == torch.float16)
@@ -401,7 +414,8 @@ def parse(argv: list[str]) -> TrainConfig:
 def main(cfg: TrainConfig) -> None:
     d = runtime.setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
     try:
-        Trainer(cfg, d).run()
+        with folder_lock(cfg.out_dir, "train.py") if d.rank == 0 else nullcontext():  # one run in out_dir at a time
+            Trainer(cfg, d).run()
         if d.world_size > 1:
             dist.barrier()
     finally:

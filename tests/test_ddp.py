@@ -35,7 +35,7 @@ def test_two_gloo_processes_match_one_process_with_twice_the_accumulation(pycode
     assert diffs.max() < 1e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
     # only rank 0 logs and writes: each line once, and nothing but its files in out_dir
     assert r.stdout.count("iter 20: loss") == 1 and r.stdout.count("step 20:") == 1
-    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == ["ckpt.pt", "config.json", "log.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "ddp").iterdir()) == [".lock", "ckpt.pt", "config.json", "log.jsonl"]
     assert ddp[0]["event"] == "config" and sum(x["event"] == "config" for x in ddp) == 1
     # MFU is each process's FLOP/s over its device's peak: the tokens of both processes count against 2 peaks
     per_token = GPT(GPTConfig(**ddp[0]["model_config"])).flops_per_token(ddp[0]["config"]["block_size"])

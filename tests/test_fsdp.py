@@ -58,7 +58,8 @@ def test_fsdp_matches_one_process(pycode_small: Path, plain: Path, tmp_path: Pat
     assert stdout.count("step 20:") == 1 and stdout.count("saved checkpoint") == 2
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
     assert ckpt["sharded"] == "sharded-0000020" and "optimizer" not in ckpt
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "config.json", "log.jsonl", "sharded-0000020"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "ckpt.pt", "config.json", "log.jsonl",
+                                                         "sharded-0000020"]
     assert len(list((tmp_path / "sharded-0000020").glob("*.distcp"))) == 2
 
 

@@ -98,7 +98,7 @@ def test_prompt_from_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--start=héllo ü"], "characters not in the dataset's vocabulary: 'éü'"),
+    (["--start=héllo ü"], "characters not in the dataset's vocabulary: 'é' (U+00E9), 'ü' (U+00FC)"),
     (["--start=FILE:/no/such/prompt.txt"], "prompt file /no/such/prompt.txt not found"),
     (["--start=" + "x" * 65], "a prompt has 65 tokens; it needs 1 to block_size=64"),
     (["--max_new_tokens=-1"], "max_new_tokens=-1 must not be negative"),
@@ -106,7 +106,7 @@ def test_prompt_from_file(tmp_path: Path) -> None:
     (["--temperature=-1"], "temperature=-1.0 must be >= 0 (0 is greedy)"),
     (["--top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
     (["--top_k=0"], "top_k=0 must be >= 1"),
-    (["--start="], "the prompt is empty"),
+    (["--start="], "--start= gives start an empty value"),
     (["--stop="], "stop='' would end every sample at once"),
     (["--init_from=scratch"], "init_from='scratch' must be 'resume' (out_dir/ckpt.pt), gpt2,"),
     (["--init_from=hf:{tmp}"], "is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained"),
