@@ -179,7 +179,7 @@ def stream_text(model: nn.Module, tok: object, idx: torch.Tensor, max_new_tokens
     tokenizer's end-of-text token (tok.eot_token) or just after the stop string (kept); its tokens decode as one UTF-8
     stream (tok.decode_bytes), as a BPE token can end inside a character."""
     B = idx.size(0)
-    texts, done = [""] * B, [False] * B
+    tails, done = [""] * B, [False] * B  # each row's last len(stop) - 1 characters: memory does not grow
     utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(B)]
     for step in stream(model, idx, max_new_tokens, eos=tok.eot_token, **options):
         pieces: list[str | None] = [None] * B
@@ -188,10 +188,11 @@ def stream_text(model: nn.Module, tok: object, idx: torch.Tensor, max_new_tokens
             if done[b]:
                 continue
             piece = utf8[b].decode(tok.decode_bytes([t]))
-            texts[b] += piece
-            if stop is not None and stop in texts[b][-len(piece) - len(stop):]:
-                end = texts[b].index(stop) + len(stop)
-                piece, texts[b], done[b] = piece[: len(piece) - (len(texts[b]) - end)], texts[b][:end], True
+            if stop is not None:
+                window = tails[b] + piece
+                if stop in window:
+                    piece, done[b] = piece[: window.index(stop) + len(stop) - len(tails[b])], True
+                tails[b] = window[len(window) - len(stop) + 1:] if len(stop) > 1 else ""
             pieces[b] = piece
         yield pieces
         if all(done):

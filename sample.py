@@ -4,6 +4,7 @@
 left-padded batch. A single sample streams to the terminal; timings go to stderr.
 """
 
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ class SampleConfig:
     temperature: float = 0.8  # 0: greedy
     top_k: int | None = 200
     top_p: float | None = None
-    stop: str | None = None  # end a sample at this string (kept in the output)
+    stop: str | None = None  # end a sample at this string (kept); \n and \t in it are a newline and a tab
     seed: int = 1337
     device: str = "auto"
     dtype: str = "float32"  # 'float32' or 'bfloat16' (on CPU, float32 decodes faster)
@@ -49,6 +50,8 @@ class SampleConfig:
             problems.append(f"init_from={self.init_from!r} must be 'resume' (out_dir/ckpt.pt), "
                             f"{', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
         problems += ["stop='' would end every sample at once: give a string, or leave stop out"] * (self.stop == "")
+        if self.stop:  # typed on a command line, --stop='\n' is a backslash and an n: take it as the newline meant
+            self.stop = re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m[1]], self.stop)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
         problems += ["compile=True compiles the cached one-token step: not with kv_cache=False"] * (
@@ -76,18 +79,20 @@ def read_prompts(start: str) -> list[str]:
 
 def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig
            ) -> tuple[list[str], int, list[tuple[float, int]]]:
-    """Each row's new text (generation.stream_text), the number of tokens decoded, and after each step the seconds
-    since the start and the tokens so far. A batch of one row streams to stdout."""
+    """Each row's new text (generation.stream_text; a batch of one row streams to stdout instead and keeps none),
+    the number of tokens decoded, and the seconds since the start and the tokens so far after the first step, the
+    second and the last (memory does not grow with max_new_tokens)."""
     B, texts, n_tokens, t0, times = idx.size(0), [""] * idx.size(0), 0, time.perf_counter(), []
     gen = torch.Generator(idx.device).manual_seed(cfg.seed)
     for pieces in stream_text(model, tok, idx, cfg.max_new_tokens, cfg.stop, temperature=cfg.temperature,
                               top_k=cfg.top_k, top_p=cfg.top_p, use_cache=cfg.kv_cache, pad=pad, generator=gen,
                               cuda_graph=cfg.cuda_graph, compile_step=cfg.compile):
         n_tokens += sum(p is not None for p in pieces)
-        texts = [text + (p or "") for text, p in zip(texts, pieces, strict=True)]
         if B == 1:
             print(pieces[0] or "", end="", flush=True)
-        times.append((time.perf_counter() - t0, n_tokens))
+        else:
+            texts = [text + (p or "") for text, p in zip(texts, pieces, strict=True)]
+        times[min(len(times), 2):] = [(time.perf_counter() - t0, n_tokens)]
     return texts, n_tokens, times
 
 
@@ -125,7 +130,7 @@ def main(cfg: SampleConfig) -> None:
     kv = mc.kv_cache_bytes(B, min(bs, idx.size(1) + cfg.max_new_tokens - 1), model.transformer.wte.weight.dtype)
     elapsed, prefill_s = (times[-1][0], times[0][0]) if times else (0.0, 0.0)
     speed = f"{n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill {prefill_s * 1000:.1f} ms"
-    if cfg.compile and device == "cpu" and cfg.kv_cache and not pad.any() and len(times) > 3:  # step 2 compiles
+    if cfg.compile and device == "cpu" and cfg.kv_cache and not pad.any() and n_new >= 4:  # step 2 compiles
         ready_s, ready_n = times[1]
         rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
         speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"

@@ -399,7 +399,8 @@ class Trainer:
 
 def parse(argv: list[str]) -> TrainConfig:
     """TrainConfig from config files and flags; a resumed run (init_from 'resume', or 'auto' with out_dir/ckpt.pt) takes
-    each key not given from its checkpoint's run, out_dir and init_from aside (README "Training": Resume)."""
+    each key not given from its checkpoint's run, out_dir and init_from aside (README "Training": Resume), and a
+    conversion (init_from 'convert:<checkpoint>') each model key not given but n_kv_head from its source."""
     given = given_values(TrainConfig, argv)
     default = {f.name: f.default for f in fields(TrainConfig)}
     path = Path(given.get("out_dir", default["out_dir"])) / "ckpt.pt"
@@ -408,6 +409,13 @@ def parse(argv: list[str]) -> TrainConfig:
         stored = {k: v for k, v in (checkpoint.run_config(ckpt) | ckpt["model_config"]).items()  # the model keys
                   if k in default and k not in ("out_dir", "init_from")}  # as the model is (a fine-tuned GPT-2's)
         given = checked_values(TrainConfig, stored, f"the run config in {path}") | given
+    init_from = given.get("init_from", default["init_from"])
+    source = Path(init_from.removeprefix("convert:"))
+    source = source if source.suffix == ".pt" else source / "ckpt.pt"
+    if init_from.startswith("convert:") and source.is_file():
+        ckpt = checkpoint.load_checkpoint(source, "cpu", mmap=True)  # the model keys not given are the source's
+        stored = {k: v for k, v in ckpt["model_config"].items() if k in default and k != "n_kv_head"}
+        given = checked_values(TrainConfig, stored, f"the model in {source}") | given
     return build(TrainConfig, given)
 
 

@@ -125,3 +125,49 @@ def test_one_out_dir_holds_one_run_at_a_time_and_a_killed_holder_leaves_no_lock(
     holder.wait(timeout=30)
     run([*args, "--max_iters=2", "--eval_interval=2", "--init_from=auto"])
     assert (out / "ckpt.pt").is_file()
+
+
+def test_stop_takes_a_typed_backslash_n_as_the_newline_meant(tiny_run: Path) -> None:
+    base = ["sample.py", f"--out_dir={tiny_run}", "--max_new_tokens=300", "--temperature=1.0", "--start=def "]
+    full = run(base).stdout
+    assert "\n" in full.rstrip("\n")[4:]  # the sample (seed 1337) has a newline to stop at
+    stopped = run([*base, r"--stop=\n"]).stdout
+    assert stopped == full[:full.index("\n", 4) + 1] + "\n"  # kept, then sample.py's own end of line
+
+
+def test_a_long_sample_does_not_grow_memory(tiny_run: Path) -> None:
+    import tracemalloc
+
+    peaks = []
+    for n in (1_000, 10_000):
+        tracemalloc.start()
+        run(["sample.py", f"--out_dir={tiny_run}", f"--max_new_tokens={n}", "--device=cpu"])
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] - peaks[0] < 200_000, peaks  # was about 100 bytes a token
+
+
+def test_convert_takes_the_source_model_keys(pycode_small: Path, tiny_run: Path, tmp_path: Path) -> None:
+    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'mqa'}", f"--init_from=convert:{tiny_run}",
+         "--n_kv_head=1", "--max_iters=2", "--eval_interval=2", "--eval_iters=2", "--batch_size=4", "--device=cpu"])
+    from checkpoint import load_checkpoint
+
+    config = load_checkpoint(tmp_path / "mqa" / "ckpt.pt")["model_config"]
+    assert config["n_kv_head"] == 1 and (config["n_layer"], config["n_embd"], config["block_size"]) == (2, 32, 32)
+
+
+def test_ctrl_c_in_dataset_py_writes_nothing(tmp_path: Path) -> None:
+    text = "".join(p.read_text() for p in sorted(ROOT.glob("*.py")))
+    (tmp_path / "in.txt").write_text(text * (9_000_000 // len(text) + 1))  # long enough for the progress bar
+    with open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([sys.executable, "dataset.py", f"--input={tmp_path / 'in.txt'}",
+                              f"--out_dir={tmp_path / 'data'}", "--tokenizer=bpe", "--vocab_size=1000"], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.time() + 120
+        while "encoding" not in (tmp_path / "err").read_text() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    lines = (tmp_path / "err").read_text().splitlines()
+    assert p.returncode == 130 and lines[-1] == "interrupted" and "Traceback" not in "".join(lines)
+    assert not (tmp_path / "data" / "meta.json").exists() and not list(tmp_path.glob("data/*.tmp"))
