@@ -5,6 +5,7 @@
     python bench.py --mode=memory
     python bench.py --mode=nanogpt --nanogpt_dir=../nanoGPT config/speedrun_gpu.py   (on a GPU; CPU: train_cpu_fast.py)
     python bench.py --mode=gguf --out_dir=RUN --llama_cpp=../llama.cpp   (RUN's greedy text in llama.cpp and here)
+    python bench.py --mode=recipes --configs='[A.py,B.py]' [train.py flags for both]   (val loss and wall time)
 
 The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig steer the bench.
 """
@@ -37,7 +38,7 @@ from train import TrainConfig, train_step
 class BenchConfig:
     # 'train', 'decode', 'memory' (DDP vs FSDP), 'int8' (a checkpoint in out_dir with int8 weights: val loss,
     # greedy agreement, speed), or against peers (bench_peers.py): 'hf', 'nanogpt', 'gguf' (out_dir's checkpoint as
-    # GGUF in llama.cpp: the same greedy text)
+    # GGUF in llama.cpp: the same greedy text), 'recipes' (train.py config files one after another)
     mode: str = "decode"
     # train: every combination of these, on random tokens (speed does not depend on the data)
     compiles: list[bool] = field(default_factory=lambda: [False, True])
@@ -54,14 +55,15 @@ class BenchConfig:
     nanogpt_dir: str = ""  # nanogpt: a karpathy/nanoGPT checkout, outside this repository
     llama_cpp: str = ""  # hf, gguf: a llama.cpp source folder with build/bin/llama-bench (hf), llama-simple (gguf)
     prompt: str = "def "  # gguf: the prompt both decode from (new_tokens[0] tokens, within block_size)
+    configs: list[str] = field(default_factory=list)  # recipes: config files, each trained from scratch in turn
     linear_split: bool = True  # False: few-row products through nn.Linear's own path (fast_paths.Linear unsplit)
     # memory: per-process bytes of weights, gradients and AdamW state of GPT-2's shapes with DDP and with FSDP
     world_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
 
     def __post_init__(self) -> None:
-        if self.mode not in ("train", "decode", "memory", "int8", "hf", "nanogpt", "gguf"):
-            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'memory', 'int8', 'hf', 'nanogpt' or "
-                             f"'gguf'")
+        if self.mode not in ("train", "decode", "memory", "int8", "hf", "nanogpt", "gguf", "recipes"):
+            raise ValueError(f"mode={self.mode!r} must be 'train', 'decode', 'memory', 'int8', 'hf', 'nanogpt', "
+                             f"'gguf' or 'recipes'")
         allowed = ("float32", "bfloat16", "float16") + ("int8",) * (self.mode == "hf")
         if bad := [d for d in self.dtypes if d not in allowed]:
             raise ValueError(f"dtypes={self.dtypes!r}: {bad[0]!r} is not one of {', '.join(allowed)} (int8: --mode=hf "
@@ -74,6 +76,8 @@ class BenchConfig:
         problems += [f"{k}={getattr(self, k)} must be positive" for k in ("iters", "repeats") if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("warmup", "recompute_max_batch")
                      if getattr(self, k) < 0]
+        if self.mode == "recipes" and not self.configs:
+            problems.append("--mode=recipes needs --configs='[config/a.py,config/b.py]', the config files to compare")
         if self.mode == "nanogpt" and not self.nanogpt_dir:
             problems.append("--mode=nanogpt needs --nanogpt_dir=<a karpathy/nanoGPT checkout outside this repository>")
         if problems:
@@ -235,9 +239,13 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     if cfg.mode == "hf" and max(cfg.new_tokens) >= mcfg.block_size:  # Hugging Face's GPT-2 cannot slide its window
         raise UserError(f"new_tokens={cfg.new_tokens}: --mode=hf decodes up to block_size={mcfg.block_size} "
                         f"positions (a 1-token prompt), so each must be below it")
-    if cfg.mode not in ("int8", "gguf"):  # which read their model from a checkpoint
+    if cfg.mode not in ("int8", "gguf", "recipes"):  # which read their model from a checkpoint or config files
         header(cfg.mode, device, mcfg)
-    if cfg.mode == "gguf":
+    if cfg.mode == "recipes":
+        rows = bench_peers.bench_recipes(cfg.configs, train_args)
+        print(table(rows, {"config": "config", "iters": "iterations", "val_loss": "final val loss",
+                           "eval_iters": "eval batches", "wall_s": "wall s (whole process)", "vs_first": "vs first"}))
+    elif cfg.mode == "gguf":
         rows = bench_peers.bench_gguf(base.out_dir, cfg.llama_cpp, cfg.prompt, cfg.new_tokens[0])
         if rows and not rows[0]["same_text"]:
             raise SystemExit(f"error: llama.cpp's greedy text differs from ours after {rows[0]['chars_agreeing']} "

@@ -277,3 +277,20 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     if ours != theirs:
         print(f"# ours:      {ours!r}\n# llama.cpp: {theirs!r}", flush=True)
     return [row]
+
+
+def bench_recipes(configs: list[str], train_args: list[str]) -> list[dict]:
+    """Each train.py config file (then train_args, for all alike) trained from scratch in a temporary out_dir, one
+    after another on this machine: its final val loss and the wall time of the whole process."""
+    if missing := [c for c in configs if not Path(c).is_file()]:
+        raise UserError(f"config file {missing[0]} not found")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, config in enumerate(configs):
+            seconds, _ = run_timed(["train.py", config, *train_args, f"--out_dir={tmp}/{i}"], Path(__file__).parent)
+            run = read_run(Path(tmp) / str(i))
+            rows.append({"mode": "recipes", "config": config, "iters": run["evals"][-1]["iter"],
+                         "val_loss": run["evals"][-1]["val_loss"], "eval_iters": run["config"]["eval_iters"],
+                         "wall_s": seconds, "vs_first": seconds / rows[0]["wall_s"] if rows else 1.0})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows

@@ -118,3 +118,20 @@ def test_memory_bench_reports_ddp_and_fsdp_bytes_per_process() -> None:
         assert x["ddp_gib"] / 2 <= x["fsdp_2_gib"] < x["ddp_gib"] / 2 * 1.01  # shards padded to whole rows
         assert x["ddp_gib"] / 8 <= x["fsdp_8_gib"] < x["ddp_gib"] / 8 * 1.01
     assert "| gpt2-xl | 1,556,840,000 |" in r.stdout
+
+
+def test_recipes_bench_trains_each_config_and_reports_its_final_val_loss(pycode_small: Path, tmp_path: Path) -> None:
+    for name, lr in (("a", 1e-4), ("b", 3e-3)):
+        (tmp_path / f"{name}.py").write_text(f"learning_rate = {lr}\nmax_iters = 30\nlr_decay_iters = 30\n"
+                                             f"warmup_iters = 3\neval_interval = 30\n")
+    from conftest import TINY_TRAIN
+
+    r = run(["bench.py", "--mode=recipes", f"--configs=[{tmp_path / 'a.py'},{tmp_path / 'b.py'}]",
+             f"--dataset={pycode_small}", *[a for a in TINY_TRAIN if not a.startswith("--learning_rate")]])
+    a, b = json_rows(r.stdout)
+    assert (a["config"], b["config"], a["iters"], b["eval_iters"]) == (str(tmp_path / "a.py"), str(tmp_path / "b.py"),
+                                                                        30, 4)
+    assert b["val_loss"] < a["val_loss"] - 0.1  # the learning rates differ 30x: the files were read, each its own
+    assert b["vs_first"] == pytest.approx(b["wall_s"] / a["wall_s"]) and a["vs_first"] == 1.0
+    r = cli(["bench.py", "--mode=recipes"])
+    assert r.returncode == 2 and "--mode=recipes needs --configs=" in r.stderr
