@@ -135,16 +135,27 @@ def test_stop_takes_a_typed_backslash_n_as_the_newline_meant(tiny_run: Path) -> 
     assert stopped == full[:full.index("\n", 4) + 1] + "\n"  # kept, then sample.py's own end of line
 
 
-def test_a_long_sample_does_not_grow_memory(tiny_run: Path) -> None:
+def test_a_long_sample_does_not_grow_memory(tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
+    """sample.py's decoding loop (its streamed text, its timings, the stop-string search) at 300 and 3,000 tokens:
+    the same peak of Python memory."""
     import tracemalloc
 
+    import torch
+
+    import sample as sample_script
+    from checkpoint import load_checkpoint, model_from_checkpoint
+    from dataset import load_tokenizer
+
+    ckpt = load_checkpoint(tiny_run / "ckpt.pt")
+    model, tok = model_from_checkpoint(ckpt).eval(), load_tokenizer(ckpt["data_meta"])
     peaks = []
-    for n in (1_000, 10_000):
+    for n in (300, 3_000):
+        cfg = sample_script.SampleConfig(max_new_tokens=n, stop="\x00", device="cpu")
         tracemalloc.start()
-        run(["sample.py", f"--out_dir={tiny_run}", f"--max_new_tokens={n}", "--device=cpu"])
+        sample_script.decode(model, tok, torch.tensor([tok.encode("def ")]), None, cfg)
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
-    assert peaks[1] - peaks[0] < 200_000, peaks  # was about 100 bytes a token
+    assert len(capsys.readouterr().out) > 3_000 and peaks[1] - peaks[0] < 50_000, peaks  # was ~80 bytes a token
 
 
 def test_convert_takes_the_source_model_keys(pycode_small: Path, tiny_run: Path, tmp_path: Path) -> None:
