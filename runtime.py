@@ -18,8 +18,10 @@ import torch.distributed as dist
 from configurator import UserError
 
 # Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
-# Longer names first: the first name found in torch.cuda.get_device_name() wins ("A100" before "A10").
-GPU_PEAK_FLOPS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "A100": (312e12, 19.5e12),
+# The longest name found in torch.cuda.get_device_name() wins (gpu_peak_flops): "A100" over "A10", "H100 PCIe"
+# over "H100" (the SXM).
+GPU_PEAK_FLOPS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "H100 PCIe": (756e12, 51e12),
+                  "H100 NVL": (835e12, 60e12), "A100": (312e12, 19.5e12),
                   "L40S": (362e12, 91.6e12), "L40": (181e12, 90.5e12), "L4": (121e12, 30.3e12),
                   "A10": (125e12, 31.2e12),
                   "4090": (165e12, 82.6e12), "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12),
@@ -112,9 +114,7 @@ def peak_flops(device: str, dtype: torch.dtype) -> float | None:
     """The device's dense peak FLOP/s in dtype: the datasheet for known GPUs, the best of five short matmul probes
     on CPU, else None (then MFU is not reported; TrainConfig.peak_flops overrides all of this)."""
     if device.startswith("cuda"):
-        name = torch.cuda.get_device_name(device)
-        peaks = next((v for k, v in GPU_PEAK_FLOPS.items() if k in name), None)
-        return None if peaks is None else peaks[dtype == torch.float32]
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
     if device != "cpu":
         return None
     a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)  # leaves the global RNG be
@@ -127,6 +127,13 @@ def peak_flops(device: str, dtype: torch.dtype) -> float | None:
             n += 1
         rates.append(2 * 1024**3 * n / (time.perf_counter() - t0))
     return max(rates)
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak of the GPU torch names `name` ('NVIDIA H100 PCIe'), by the longest known model in
+    it (an H100 PCIe is not an SXM), in dtype (tensor cores for bf16/fp16, plain fp32); None if unknown."""
+    key = max((k for k in GPU_PEAK_FLOPS if k in name), key=len, default=None)
+    return None if key is None else GPU_PEAK_FLOPS[key][dtype == torch.float32]
 
 
 def native_bf16() -> bool:

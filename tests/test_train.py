@@ -283,3 +283,19 @@ def test_bad_optimizer_and_muon_under_fsdp_are_one_line(pycode_small: Path, tmp_
         r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, *flags])
         assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
         assert r.stderr.startswith("error: invalid config: ") and flags[-1].split("=")[1] in r.stderr
+
+
+def test_gpu_peaks_are_found_by_the_most_specific_name() -> None:
+    """MFU's denominator: an H100 PCIe (756 TFLOP/s bf16) is not the SXM (989), an L40S not an L40, an A100 not an
+    A10; names as torch.cuda.get_device_name gives them."""
+    import runtime
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert runtime.gpu_peak_flops("NVIDIA H100 80GB HBM3", bf16) == 989e12
+    assert runtime.gpu_peak_flops("NVIDIA H100 PCIe", bf16) == 756e12
+    assert runtime.gpu_peak_flops("NVIDIA H100 PCIe", fp32) == 51e12
+    assert runtime.gpu_peak_flops("NVIDIA H100 NVL", bf16) == 835e12
+    assert runtime.gpu_peak_flops("NVIDIA L40S", bf16) == 362e12
+    assert runtime.gpu_peak_flops("NVIDIA L40", bf16) == 181e12
+    assert runtime.gpu_peak_flops("NVIDIA A100-SXM4-80GB", bf16) == 312e12
+    assert runtime.gpu_peak_flops("NVIDIA A10", bf16) == 125e12 and runtime.gpu_peak_flops("Tesla P4", bf16) is None
