@@ -146,13 +146,13 @@ def write_gpt2_tokenizer(folder: Path) -> None:
     (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
 
 
-def llama_cpp_tools(llama_cpp: str) -> tuple[Path, Path]:
-    """llama.cpp's convert_hf_to_gguf.py and its built llama-bench in the folder llama_cpp."""
+def llama_cpp_tools(llama_cpp: str, program: str = "llama-bench") -> tuple[Path, Path]:
+    """llama.cpp's convert_hf_to_gguf.py and its built program (llama-bench, llama-simple) in the folder llama_cpp."""
     root = Path(llama_cpp).resolve()
-    convert, binary = root / "convert_hf_to_gguf.py", root / "build" / "bin" / "llama-bench"
+    convert, binary = root / "convert_hf_to_gguf.py", root / "build" / "bin" / program
     if not (convert.is_file() and binary.is_file()):
-        raise UserError(f"--llama_cpp={llama_cpp}: no convert_hf_to_gguf.py and build/bin/llama-bench in {root}; "
-                        f"build llama-bench there (README, \"Against Hugging Face, llama.cpp and nanoGPT\")")
+        raise UserError(f"--llama_cpp={llama_cpp}: no convert_hf_to_gguf.py and build/bin/{program} there ({root}); "
+                        f"build it there with cmake --build build --target {program} (docs/export.md)")
     return convert, binary
 
 
@@ -166,7 +166,7 @@ def llama_cpp_runners(hf_dir: Path, convert: Path, binary: Path, dtypes: list[st
     out = {}
     for dtype in dtypes:
         gguf = hf_dir / f"model-{GGUF_TYPES[dtype]}.gguf"
-        run_timed([str(convert), str(hf_dir), "--outtype", GGUF_TYPES[dtype], "--outfile", str(gguf)], convert.parent)
+        hf.convert_folder(hf_dir, gguf, str(convert.parent), GGUF_TYPES[dtype])
         out[dtype] = functools.partial(llama_bench, binary, gguf)
     return out
 
@@ -249,10 +249,7 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     if not llama_cpp:
         print("# gguf check skipped: pass --llama_cpp=DIR, a llama.cpp source folder with build/bin/llama-simple")
         return []
-    binary = Path(llama_cpp).resolve() / "build" / "bin" / "llama-simple"
-    if not binary.is_file() or not (binary.parents[2] / "convert_hf_to_gguf.py").is_file():
-        raise UserError(f"--llama_cpp={llama_cpp}: no convert_hf_to_gguf.py and build/bin/llama-simple there; build "
-                        f"it with cmake --build build --target llama-simple (docs/export.md)")
+    _, binary = llama_cpp_tools(llama_cpp, "llama-simple")
     ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
     model = model_from_checkpoint(ckpt).float().eval()
     meta = ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?")))

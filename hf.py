@@ -214,15 +214,20 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on the model exported with every bias (llama.cpp's Starcoder2 has no
-    bias-free variant), into file (written whole or not at all)."""
+    """model, exported with every bias (llama.cpp's Starcoder2 has no bias-free variant) and tok, as the GGUF file
+    (written whole or not at all)."""
     with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}-") as tmp:
         folder, part = Path(tmp) / "hf", Path(tmp) / file.name
         to_hf(model, all_biases=True).save_pretrained(folder)
         tok.save_pretrained(folder)
-        r = subprocess.run([sys.executable, "-c", CONVERT, str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
-                            str(folder), "--outfile", str(part), "--outtype", outtype], capture_output=True, text=True)
-        if r.returncode or not part.is_file():
-            last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
-            raise UserError(f"llama.cpp's convert_hf_to_gguf.py failed: {last}")
+        convert_folder(folder, part, llama_cpp, outtype)
         os.replace(part, file)
+
+
+def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str) -> None:
+    """llama.cpp's convert_hf_to_gguf.py (in the source folder llama_cpp) on a transformers folder, into file."""
+    r = subprocess.run([sys.executable, "-c", CONVERT, str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
+                        str(folder), "--outfile", str(file), "--outtype", outtype], capture_output=True, text=True)
+    if r.returncode or not file.is_file():
+        last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+        raise UserError(f"llama.cpp's convert_hf_to_gguf.py failed: {last}")
