@@ -1,4 +1,4 @@
-"""Benchmarks (results go in the README, not in timed tests): one JSON line per measurement, then a table.
+"""Benchmarks (results go in docs/, not in timed tests): one JSON line per measurement, then a table.
 
     python bench.py --mode=train config/train_shakespeare_char.py --device=cpu --batch_size=8 --dropout=0.0
     python bench.py --mode=decode --block_size=1024 --vocab_size=256
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import bench_peers
+import runtime
 import sharding
 from checkpoint import load_checkpoint, model_from_checkpoint, run_config
 from configurator import UserError, parse_config, run_cli, split_args
@@ -101,11 +102,10 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
     d = Dist(0, 0, 1, device, True)
     batches = RandomBatches(base, mcfg.vocab_size, device)
     tokens_per_iter = base.gradient_accumulation_steps * base.batch_size * base.block_size
-    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
     if device_type == "cpu":
         keep_freed_memory()  # as train.py does
     for dtype_name in cfg.dtypes:
-        dtype = resolve_dtype(dtype_name, device_type)
+        dtype = resolve_dtype(dtype_name, device_type, mcfg.n_embd)[0]
         peak = base.peak_flops or peak_flops(device, dtype)
         for compiled in cfg.compiles:
             torch.manual_seed(base.seed)
@@ -119,7 +119,7 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
                 t0 = time.perf_counter()
                 loss = train_step(model, raw, opt, scaler, batches, it, d, base.gradient_accumulation_steps,
                                   autocast(device_type, dtype), base.grad_clip)[0].item()
-                sync()
+                runtime.synchronize(device)
                 times.append(time.perf_counter() - t0)
             dt = statistics.median(times[cfg.warmup:])
             if cfg.profile:
@@ -129,7 +129,7 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
                     for it in range(5):
                         train_step(model, raw, opt, scaler, batches, it, d, base.gradient_accumulation_steps,
                                    autocast(device_type, dtype), base.grad_clip)
-                    sync()
+                    runtime.synchronize(device)
                 sort = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
                 print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
             mfu = raw.estimate_mfu(tokens_per_iter, dt, peak, base.block_size) if peak else None
@@ -281,7 +281,7 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "peak_tflops": "peak TFLOP/s",
                            "loss": "loss"}))
     else:
-        dtype = torch.float16 if base.dtype == "float16" else resolve_dtype(base.dtype, device.split(":")[0])
+        dtype = torch.float16 if base.dtype == "float16" else resolve_dtype(base.dtype, device.split(":")[0])[0]
         rows = bench_decode(cfg, mcfg, device, dtype)  # float16 on any device: decoding needs no GradScaler
         print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
                            "new_tokens": "new tokens",

@@ -1,4 +1,4 @@
-"""Side-by-side benchmarks against what users would pick instead (called by bench.py; results go in the README).
+"""Side-by-side benchmarks against what users would pick instead (called by bench.py; results go in docs/peers.md).
 
     python bench.py --mode=hf --n_layer=6 --n_head=6 --n_embd=384 --block_size=1024 --vocab_size=50257
     python bench.py --mode=nanogpt --nanogpt_dir=/path/to/nanoGPT config/train_cpu_fast.py
@@ -33,6 +33,7 @@ from dataset import data_dir, gpt2_encoding, load_meta, load_tokenizer
 from model import GPTConfig
 from quantize import quantize
 from runlog import read_run
+from runtime import synchronize
 
 # nanoGPT's README: "I have a GPU" (its config as it is: bf16 where supported, compiled) and "I only have a macbook"
 NANOGPT_GPU_RECIPE = ["config/train_shakespeare_char.py"]
@@ -46,8 +47,8 @@ STEP_SHAPE = ["--n_layer=6", "--n_head=6", "--n_embd=384", "--block_size=256", "
 def timed(fn: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
-    if isinstance(out, torch.Tensor) and out.is_cuda:
-        torch.cuda.synchronize(out.device)
+    if isinstance(out, torch.Tensor):
+        synchronize(out.device)
     return time.perf_counter() - t0, out
 
 

@@ -126,6 +126,24 @@ def run_config(ckpt: dict[str, Any]) -> dict[str, Any]:
     return ckpt["config"] if isinstance(ckpt.get("config"), dict) else {}
 
 
+def start_from(init_from: str, out_dir: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any], str]:
+    """The checkpoint a run with init_from starts from, read here once (train.py passes it on), the config keys it
+    gives the run, and where they come from. To resume (init_from 'resume', or 'auto' with a checkpoint in out_dir):
+    the run's config and its model's (a fine-tuned GPT-2 keeps GPT-2's shape), out_dir and init_from aside; to
+    convert ('convert:<checkpoint or out_dir>'): the model's but n_kv_head. (None, {}, '') where there is none."""
+    path = Path(out_dir) / "ckpt.pt"
+    if init_from in ("resume", "auto") and path.is_file():
+        ckpt = load_checkpoint(path, "cpu", mmap=True)
+        keys = {k: v for k, v in (run_config(ckpt) | ckpt["model_config"]).items() if k not in ("out_dir", "init_from")}
+        return ckpt, keys, f"the run config in {path}"
+    source = Path(init_from.removeprefix("convert:"))
+    source = source if source.suffix == ".pt" else source / "ckpt.pt"
+    if init_from.startswith("convert:") and source.is_file():
+        ckpt = load_checkpoint(source, "cpu", mmap=True)
+        return ckpt, {k: v for k, v in ckpt["model_config"].items() if k != "n_kv_head"}, f"the model in {source}"
+    return None, {}, ""
+
+
 def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     """The GPT a checkpoint describes, with its weights."""
     try:

@@ -1,7 +1,7 @@
 """The compiled one-token decoding step on CPU (generation.stream's compile_step=True): GPT.decode_static exported
 (torch.export) and compiled ahead of time by AOTInductor, holding no weights of its own. The model lends it its
 tensors at each stream; the layer products run inductor's CPU GEMM template, which reads each weight in a blocked
-layout, so those weights are lent as blocked copies made from the model's own (README "Decoding (CPU)").
+layout, so those weights are lent as blocked copies made from the model's own (docs/performance-cpu.md "Decoding").
 """
 
 import hashlib
@@ -29,7 +29,7 @@ from quantize import Int8Linear
 
 # Products of weights up to this size run inductor's CPU GEMM template inside the compiled step, faster than MKL's
 # for these small products; larger ones (GPT-2's lm_head) keep Linear's split product, which streams them faster
-# (README "Decoding (CPU)").
+# (docs/performance-cpu.md "Decoding").
 TEMPLATE_MAX_BYTES = SPLIT_COPY_BYTES
 # The template is picked per product shape by timing it against ATen's product (inductor's autotuning). The package
 # first holds the weights it was compiled with in a side folder: that is where the blocked layouts are read from.
@@ -212,8 +212,8 @@ class CompiledStep:
     between. Attention reads the filled cache positions only; their count and the cache's length are the dynamic
     sizes, so one compiled step serves every length and cache of a model at one batch size and thread count. It
     holds no weights: each CompiledStep lends it the model's tensors (no copies) and blocked copies of the layer
-    weights (made again when a weight changes), so it reads them as they are at each stream (README "Decoding
-    (CPU)")."""
+    weights (made again when a weight changes), so it reads them as they are at each stream
+    (docs/performance-cpu.md "Decoding")."""
 
     def __init__(self, model: nn.Module, kv_cache: object) -> None:
         self.model, self.cache = model, kv_cache

@@ -4,17 +4,15 @@ layout) without holding the corpus in memory.
 """
 
 import glob
-import json
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from atomic import atomic_open
 from configurator import UserError, first_line
-from dataset import gpt2_encoding
+from dataset import gpt2_encoding, writing_dataset
 
 
 @contextmanager
@@ -54,8 +52,8 @@ def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: boo
 def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int = 2000, max_docs: int | None = None,
                    text_field: str = "text", source: str = "the corpus", local: bool = True) -> None:
     """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every val_every-th document
-    into val.bin and the others into train.bin (uint16). Writes go to temp files renamed at the end, so an
-    interrupted run leaves the previous dataset intact; a re-run starts over."""
+    into val.bin and the others into train.bin (uint16), through dataset.writing_dataset: an interrupted or failed run
+    leaves the previous dataset intact; a re-run starts over."""
     from tqdm import tqdm
 
     enc = gpt2_encoding()
@@ -72,24 +70,20 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
         raise UserError("the corpus has no documents")
     ds = ds.take(max_docs) if streaming and max_docs else ds.select(range(min(max_docs, len(ds)))) if max_docs else ds
     ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
-    out_dir.mkdir(parents=True, exist_ok=True)
     counts, i = {"train": 0, "val": 0}, -1
-    with ExitStack() as stack, reading(source, local):  # both files are renamed into place only after the last document
-        files = {split: stack.enter_context(atomic_open(out_dir / f"{split}.bin")) for split in counts}
+    # the files are renamed into place only after the last document: an error leaves a dataset in out_dir as it was
+    with writing_dataset(out_dir) as (files, meta), reading(source, local):
         for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
             split = "val" if i % val_every == 0 else "train"
-            files[split].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
+            files[f"{split}.bin"].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
             counts[split] += len(example["ids"])
-        if i < 0:  # an error up to here leaves a dataset already in out_dir as it was
+        if i < 0:
             raise UserError(f"{source} has no documents")
         if not all(counts.values()):
             raise UserError(f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
                             f"smaller val_every")
-        (out_dir / "meta.json").unlink(missing_ok=True)  # complete again only once the new token files are in place
-    meta = {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "dtype": "uint16", "train_tokens": counts["train"],
-            "val_tokens": counts["val"]}
-    with atomic_open(out_dir / "meta.json", "w") as f:
-        json.dump(meta, f, indent=1)
+        meta.update(tokenizer="gpt2", vocab_size=enc.n_vocab, dtype="uint16", train_tokens=counts["train"],
+                    val_tokens=counts["val"])
     print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
 
 

@@ -14,6 +14,8 @@ import os
 import re
 import unicodedata
 import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,23 +40,32 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
-    """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json (last: a folder with meta.json is
-    complete), each atomically."""
+@contextmanager
+def writing_dataset(out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.bin")) -> Iterator[tuple[dict, dict]]:
+    """Write a dataset folder: the block writes the named files ({name: binary temp file}) and fills the meta dict;
+    then meta.json is removed, the files are renamed into place and meta.json is written, last. A failure in the block
+    leaves a dataset in out_dir as it was; a folder without meta.json is never taken as complete (load_meta)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder: choose another --out_dir")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # a folder prepared again is not complete until the end
-    dtype = token_dtype(meta["vocab_size"])
-    if "bpe" in meta:
-        with atomic_open(out_dir / BPE_FILE, "w") as f:
-            f.write(meta.pop("bpe"))
-    for split, ids in (("train", train_ids), ("val", val_ids)):
-        with atomic_open(out_dir / f"{split}.bin") as f:
-            f.write(np.asarray(ids, dtype=dtype).tobytes())
-    meta = meta | {"dtype": dtype.name, "train_tokens": int(len(train_ids)), "val_tokens": int(len(val_ids))}
+    meta: dict = {}
+    with ExitStack() as stack:  # the temp files are renamed when it closes, after meta.json is gone
+        yield {name: stack.enter_context(atomic_open(out_dir / name)) for name in names}, meta
+        (out_dir / "meta.json").unlink(missing_ok=True)
     with atomic_open(out_dir / "meta.json", "w") as f:
         json.dump(meta, f, indent=1)
+
+
+def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
+    """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json (writing_dataset)."""
+    dtype, bpe = token_dtype(meta["vocab_size"]), meta.get("bpe")
+    with writing_dataset(out_dir, ("train.bin", "val.bin") + (BPE_FILE,) * (bpe is not None)) as (files, written):
+        if bpe is not None:
+            files[BPE_FILE].write(bpe.encode())
+        for split, ids in (("train", train_ids), ("val", val_ids)):
+            files[f"{split}.bin"].write(np.asarray(ids, dtype=dtype).tobytes())
+        written.update({k: v for k, v in meta.items() if k != "bpe"}, dtype=dtype.name,
+                       train_tokens=int(len(train_ids)), val_tokens=int(len(val_ids)))
     print(f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size {meta['vocab_size']}")
 
 
@@ -74,7 +85,7 @@ def load_meta(path: Path) -> dict:
     if meta.get("tokenizer") == "bpe":  # the tokenizer travels with the meta (into checkpoints, to export.py)
         if not (path / BPE_FILE).is_file():
             raise UserError(f"{path / BPE_FILE} is missing (the dataset's BPE tokenizer); prepare the dataset again")
-        meta["bpe"] = (path / BPE_FILE).read_text()
+        meta["bpe"] = (path / BPE_FILE).read_text(encoding="utf-8")
     return meta
 
 

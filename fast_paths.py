@@ -1,6 +1,6 @@
 """Device-specific fast paths, each behind one name the model calls: `attention` (which kernel computes attention)
-and `Linear` (few-row products split across CPU threads). Each choice was measured; the figures are in the README's
-Performance section, not here.
+and `Linear` (few-row products split across CPU threads). Each choice was measured; the figures are in
+docs/performance-cpu.md and docs/gpu.md, not here.
 """
 
 from contextlib import nullcontext
@@ -12,15 +12,15 @@ from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # cuDNN attention (SDPA's first choice on recent GPUs) builds a graph for each new K/V length, which a growing KV
-# cache hits every step (README "On a GPU"), so attention over a cache on CUDA chooses among these.
+# cache hits every step (docs/gpu.md), so attention over a cache on CUDA chooses among these.
 CACHE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Linear splits products of up to this many rows; larger ones (training, prefill) run faster unsplit (README
-# "Decoding (CPU)").
+# Linear splits products of up to this many rows; larger ones (training, prefill) run faster unsplit
+# (docs/performance-cpu.md "Decoding").
 SPLIT_MAX_ROWS = 64
 # A weight larger than this (GPT-2's lm_head) streams faster from memory in the (in, out) layout, so Linear keeps
-# such a copy for its split products: more memory for a faster batch-1 decode (README "Decoding (CPU)").
+# such a copy for its split products: more memory for a faster batch-1 decode (docs/performance-cpu.md "Decoding").
 SPLIT_COPY_BYTES = 32 * 2**20
-# So does a weight with more output than input features (an MLP's first layer) at any size (README "Decoding (CPU)").
+# So does a weight with more output than input features (an MLP's first layer) at any size (docs/performance-cpu.md).
 SPLIT_COPY_WIDE = True
 
 
@@ -39,9 +39,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
         if G != H and T == 1 and (mask is not None or q.is_cpu):
             # One query per head (decoding): each K/V head's queries as that head's query rows, a plain multi-head
-            # call. Under a mask enable_gqa falls back to CUDA's math kernel (README "On a GPU"); on CPU the flash
+            # call. Under a mask enable_gqa falls back to CUDA's math kernel (docs/gpu.md); on CPU the flash
             # kernel reads each K/V head once per query head, so GQA/MQA would not gain their smaller cache's
-            # speed (README "Compare attention variants").
+            # speed (docs/compare.md).
             y = F.scaled_dot_product_attention(q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p)
             return y.reshape(B, H, 1, hd)  # CUDA's kernels return (B, G, H // G, hd) strided as (B, H // G, G, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
@@ -52,7 +52,7 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     """attention() of one query per head, q (B, n_head, 1, hd), over every key of k, v: two matmuls and a softmax in
     fp32, each K/V head's queries as its rows (no copies for GQA/MQA). For bf16 on CPU, where SDPA's kernel takes
     3-5x longer at a long context: eager in fp32 (torch's one-row bf16 products are slow), compiled with bf16
-    products, which inductor makes fast (README "Decoding (CPU)")."""
+    products, which inductor makes fast (docs/performance-cpu.md "Decoding")."""
     B, H, _, hd = q.shape
     G = k.size(1)
     dtype = q.dtype if torch.compiler.is_compiling() else torch.float32
@@ -63,7 +63,7 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      dropout_p: float) -> torch.Tensor:
     """attention() as two batched matmuls and a softmax, the mask added to the scores inside the first (baddbmm):
-    faster than SDPA's flash kernel for bf16 training on CPU, not in fp32 (README "Training (CPU)"). Each K/V head's
+    faster than SDPA's flash kernel for bf16 training on CPU, not in fp32 (docs/performance-cpu.md). Each K/V head's
     queries are stacked as one batch entry, so GQA/MQA need no copies of K/V."""
     B, H, T, hd = q.shape
     G, Tk = k.size(1), k.size(2)
@@ -96,7 +96,7 @@ class SplitWeight(NamedTuple):
 class Linear(nn.Linear):
     """nn.Linear whose products with few rows (decoding) in fp32 on CPU without autograd split the output features
     into one slice per thread, computed as one batched matmul: MKL runs such a thin product on one core, which
-    cannot stream the weights from memory at full speed (README "Decoding (CPU)"). split_max_rows = 0 turns it off."""
+    cannot stream the weights from memory at full speed (docs/performance-cpu.md). split_max_rows = 0 turns it off."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

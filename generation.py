@@ -43,7 +43,7 @@ def left_pad(prompts: list[list[int]], pad_token: int = 0, device: torch.device 
 
 class CUDAGraphStep:
     """GPT.decode_static captured once as a CUDA graph and replayed for each token, which removes the step's kernel
-    launches from Python (README "On a GPU"). Bound to one KVCache (its tensors' addresses); the inputs are copied
+    launches from Python (docs/gpu.md). Bound to one KVCache (its tensors' addresses); the inputs are copied
     into the graph's own."""
 
     def __init__(self, model: nn.Module, kv_cache: object, batch_size: int) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from model import GPT, GPTConfig
 from optim import make_optimizer
-from runtime import autocast
+from runtime import autocast, synchronize
 
 
 def default_kv_heads(n_head: int) -> list[int]:
@@ -25,11 +25,10 @@ def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: 
                  compile_step: bool = False) -> list[float]:
     """Seconds at which each new token was ready, from the start (prefill of a 1-token prompt included)."""
     idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(model.transformer.wte.weight.device)
-    sync = torch.cuda.synchronize if idx.is_cuda else (lambda: None)
-    sync()
+    synchronize(idx.device)
     t0, stamps = time.perf_counter(), []
     for _ in model.stream(idx, new_tokens, temperature=0, use_cache=use_cache, compile_step=compile_step):
-        sync()
+        synchronize(idx.device)
         stamps.append(time.perf_counter() - t0)
     return stamps
 
@@ -40,17 +39,16 @@ def cached_step_throughput(config: GPTConfig, batch: int, context: int, steps: i
     with random weights (speed does not depend on their values), float32, its block_size stretched to fit."""
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, block_size=context + steps, dropout=0.0)).to(device).eval()
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     idx = torch.randint(0, config.vocab_size, (batch, context + steps), device=device)
     times = []
     with torch.inference_mode():
         cache = model.make_kv_cache(batch)
         model(idx[:, :context], kv_cache=cache)
         for t in range(context, context + steps):
-            sync()
+            synchronize(device)
             t0 = time.perf_counter()
             model(idx[:, t:t + 1], kv_cache=cache)
-            sync()
+            synchronize(device)
             times.append(time.perf_counter() - t0)
     return batch / statistics.median(times)
 
@@ -62,17 +60,16 @@ def training_seconds(config: GPTConfig, batch_size: int, optimizer: str, device:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, dropout=0.0)).to(device)
     opt = make_optimizer(model, optimizer, 0.1, 1e-4, (0.9, 0.99), device, 1e-3)
-    amp, device_type = autocast(device.split(":")[0], dtype), device.split(":")[0]
+    amp = autocast(device.split(":")[0], dtype)
     x = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), device=device)
-    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
 
     def timed(fn: Callable[[], None], n: int) -> float:
         times = []
         for _ in range(n + 1):  # the first one warms up
-            sync()
+            synchronize(device)
             t0 = time.perf_counter()
             fn()
-            sync()
+            synchronize(device)
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 

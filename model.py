@@ -344,7 +344,7 @@ class GPT(nn.Module):
                              device_type: str, params: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
         """AdamW over params (default: all) with weight decay on matrices (embeddings included) only, fused on CUDA.
         CPU keeps the foreach kernels: the fused one is faster but moved 2 gloo ranks' weights apart from one
-        process's past test_ddp's bound (README "Training (CPU)")."""
+        process's past test_ddp's bound (docs/performance-cpu.md "Training")."""
         params = [p for p in (self.parameters() if params is None else params) if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

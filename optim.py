@@ -4,7 +4,7 @@ one optimizer.
 
 Muon (https://kellerjordan.github.io/posts/muon/) follows torch.optim.Muon's update, but computes the Newton-Schulz
 orthogonalisation in a dtype the device is fast in: torch's always uses bf16, which on a CPU without native bf16
-made a 600-step run take over 9 minutes instead of 100 s (README "Training (CPU)").
+made a 600-step run take over 9 minutes instead of 100 s (docs/training.md "Config files and flags").
 """
 
 import math

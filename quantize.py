@@ -2,7 +2,7 @@
 int8 with one scale per output feature (symmetric, the row's largest magnitude maps to 127); activations, the
 embeddings and the norms stay in the model's dtype (on CPU an fp32 model's products take bf16 activations: torch's
 int8 kernel is fast for those only). A quarter of fp32's weight bytes, which is what a one-token
-step streams (README "Decoding (CPU)").
+step streams (docs/performance-cpu.md "int8 weights").
 """
 
 import torch

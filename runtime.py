@@ -1,5 +1,6 @@
 """Where a script runs and how: device, dtype and autocast, the torchrun process group, the device's peak FLOP/s,
-and the CPU allocator setting. train.py, sample.py, bench.py and compare.py share these.
+the CPU allocator setting, each rank's random generators, and waiting for a device before reading a clock.
+train.py, sample.py, bench.py and compare.py share these.
 """
 
 import ctypes
@@ -95,14 +96,31 @@ def teardown_distributed() -> None:
     gc.collect()  # the model's DTensors and the mesh they name, in reference cycles
 
 
-def resolve_dtype(name: str, device_type: str) -> torch.dtype:
-    """'auto' (bf16 on CUDA GPUs that have it, else fp32), 'float32', 'bfloat16' or 'float16' (CUDA only)."""
-    if name == "auto":
-        return torch.bfloat16 if device_type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+BF16_MIN_WIDTH = 128  # the narrowest width measured faster in bf16 on a native-bf16 CPU (docs/performance-cpu.md)
+
+
+def resolve_dtype(name: str, device_type: str, n_embd: int | None = None, compiled_decode: bool = False
+                  ) -> tuple[torch.dtype, str]:
+    """The dtype to run in and why. 'float32', 'bfloat16', 'float16' (CUDA only) as named; 'auto': bf16 on CUDA
+    GPUs that have it; on a CPU that multiplies bf16 natively, bf16 for training a model at least BF16_MIN_WIDTH
+    wide (n_embd given) or for the compiled decode step (compiled_decode), float32 for everything else there
+    (eager bf16 decoding is slower than fp32 on CPU); float32 elsewhere."""
     if name == "float16" and device_type != "cuda":
         raise UserError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {device_type}); "
                         f"use bfloat16 or float32")
-    return getattr(torch, name)
+    if name != "auto":
+        return getattr(torch, name), "as asked"
+    if device_type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+        return (torch.bfloat16, "a CUDA GPU with bf16") if bf16 else (torch.float32, "a CUDA GPU without bf16")
+    if device_type != "cpu" or not native_bf16():
+        return torch.float32, f"{device_type}{' without native bf16' * (device_type == 'cpu')}"
+    if compiled_decode:
+        return torch.bfloat16, "CPU with native bf16, compiled decode step"
+    if n_embd is not None and n_embd >= BF16_MIN_WIDTH:
+        return torch.bfloat16, f"CPU with native bf16, n_embd {n_embd} >= {BF16_MIN_WIDTH}"
+    width = "decoding without the compiled step" if n_embd is None else f"n_embd {n_embd} < {BF16_MIN_WIDTH}"
+    return torch.float32, f"CPU with native bf16, {width}"
 
 
 def autocast(device_type: str, dtype: torch.dtype) -> AbstractContextManager:
@@ -145,7 +163,7 @@ def native_bf16() -> bool:
 def keep_freed_memory() -> None:
     """With glibc, keep freed memory in the process instead of returning it to the system: a CPU training step frees
     its activations and allocates them again the next step, and returned memory comes back as fresh pages, one fault
-    per 4 KiB (README "Training (CPU)"). The cost: the process keeps its peak memory. A no-op without glibc."""
+    per 4 KiB (docs/performance-cpu.md). The cost: the process keeps its peak memory. A no-op without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -155,17 +173,46 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 2**30)  # ... and the heap is not shrunk until 1 GiB of it is free
 
 
-def rng_states(device_type: str) -> dict:
-    """The random generators' states (dropout), for an exact resume; batches need none (seeded per iteration)."""
-    cuda = {"cuda": torch.cuda.get_rng_state_all()} if device_type == "cuda" else {}
-    return {"torch": torch.get_rng_state()} | cuda
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the work queued on device (CUDA, MPS) before reading a clock; nothing to wait for on CPU."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
 
 
-def set_rng_states(states: dict, device_type: str) -> None:
-    """rng_states() again, as a checkpoint keeps them (CUDA's only on CUDA)."""
-    torch.set_rng_state(states["torch"].cpu())
-    if "cuda" in states and device_type == "cuda":
-        torch.cuda.set_rng_state_all([s.cpu() for s in states["cuda"]])
+def seed_rank(seed: int, rank: int) -> None:
+    """Seed torch's generators (dropout's) for a rank: each rank draws masks of its own, as one process draws new
+    ones for each micro-batch. Weights (GPT.init_weights) and batches (Batches) have generators of their own."""
+    torch.manual_seed(seed + rank)
+
+
+def rng_states(d: Dist) -> list[dict]:
+    """Every rank's random generator states (dropout), by rank, for an exact resume: a collective under torchrun
+    (every rank calls it, rank 0 saves the list); batches need none (seeded per iteration)."""
+    own = {"torch": torch.get_rng_state()}
+    if d.device_type == "cuda":
+        own["cuda"] = torch.cuda.get_rng_state_all()
+    if d.world_size == 1:
+        return [own]
+    states: list = [None] * d.world_size
+    dist.all_gather_object(states, own)
+    return states
+
+
+def set_rng_states(states: list[dict] | dict, d: Dist, seed: int) -> None:
+    """This rank's generators as rng_states() left them in a checkpoint (CUDA's only on CUDA). Resumed on more
+    processes, a rank the checkpoint has no states for starts as in a new run (seed_rank); a checkpoint from before
+    per-rank states holds one dict, rank 0's."""
+    states = [states] if isinstance(states, dict) else states
+    if d.rank >= len(states):
+        seed_rank(seed, d.rank)
+        return
+    own = states[d.rank]
+    torch.set_rng_state(own["torch"].cpu())
+    if "cuda" in own and d.device_type == "cuda":
+        torch.cuda.set_rng_state_all([s.cpu() for s in own["cuda"]])
 
 
 def stop_requested(signals: list[int], d: Dist, at_log: bool) -> bool:

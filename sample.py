@@ -19,7 +19,7 @@ from dataset import data_dir, encode_prompt, folder_tokenizer, load_meta, load_t
 from generation import check_sampling, left_pad, stream_text
 from model import GPT
 from quantize import QUANTIZE, quantize
-from runtime import resolve_device
+from runtime import resolve_device, resolve_dtype
 
 
 @dataclass(slots=True)
@@ -35,11 +35,11 @@ class SampleConfig:
     stop: str | None = None  # end a sample at this string (kept); \n and \t in it are a newline and a tab
     seed: int = 1337
     device: str = "auto"
-    dtype: str = "float32"  # 'float32' or 'bfloat16' (on CPU, float32 decodes faster)
+    dtype: str = "auto"  # float32, bfloat16, float16 or auto: bf16 where it decodes faster (runtime.resolve_dtype)
     kv_cache: bool = True  # False recomputes the whole context every token, for comparison
-    cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (README Performance)
+    cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (docs/gpu.md)
     compile: bool = False  # on CPU, torch.compile the one-token step (faster decoding after ~10-60 s of compiling)
-    quantize: str = ""  # 'int8': int8 weights, one scale per output feature (quantize.py; README "Decoding (CPU)")
+    quantize: str = ""  # 'int8': int8 weights, one scale per output feature (quantize.py; docs/performance-cpu.md)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)  # a ValueError, one line through parse_config
@@ -52,8 +52,8 @@ class SampleConfig:
         problems += ["stop='' would end every sample at once: give a string, or leave stop out"] * (self.stop == "")
         if self.stop:  # typed on a command line, --stop='\n' is a backslash and an n: take it as the newline meant
             self.stop = re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m[1]], self.stop)
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            problems.append(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"dtype={self.dtype!r} must be auto, float32, bfloat16 or float16")
         problems += ["compile=True compiles the cached one-token step: not with kv_cache=False"] * (
             self.compile and not self.kv_cache)
         problems += [f"seed={self.seed} must not be negative"] * (self.seed < 0)
@@ -109,7 +109,10 @@ def main(cfg: SampleConfig) -> None:
     if tok.n_vocab > model.config.vocab_size:  # e.g. a checkpoint without data_meta, its dataset prepared again
         raise UserError(f"the tokenizer has {tok.n_vocab} tokens, the model only {model.config.vocab_size}: not the "
                         f"dataset this checkpoint was trained on")
-    model = quantize(model.to(device=device, dtype=getattr(torch, cfg.dtype)), cfg.quantize).eval()
+    compiled = cfg.compile and not cfg.quantize  # on a CPU with native bf16, 'auto' decodes these in bf16
+    dtype = torch.float16 if cfg.dtype == "float16" else resolve_dtype(cfg.dtype, device.split(":")[0],
+                                                                       compiled_decode=compiled)[0]
+    model = quantize(model.to(device=device, dtype=dtype), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
     ids, bs, B = [encode_prompt(tok, p) for p in prompts], model.config.block_size, len(prompts)
     if not all(ids):
@@ -135,7 +138,7 @@ def main(cfg: SampleConfig) -> None:
         rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
         speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"
     print(f"{n_new} tokens in {elapsed:.2f} s ({speed}), batch {B}, {mc.attention_kind} (n_kv_head={mc.n_kv_head}), "
-          f"KV cache {kv * cfg.kv_cache:,} bytes", file=sys.stderr)
+          f"KV cache {kv * cfg.kv_cache:,} bytes, {dtype}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # 0 disables clipping
-    # 'adamw', or 'muon': Muon at muon_lr for the blocks' matrices, AdamW for the rest (README "Training (CPU)")
+    # 'adamw', or 'muon': Muon at muon_lr for the blocks' matrices, AdamW for the rest (docs/peers.md)
     optimizer: str = "adamw"
     muon_lr: float = 0.02
     # a NaN/inf loss: 'stop' (seen at log steps, no extra host sync; the last good checkpoint stays) or 'skip' (drop
@@ -76,10 +76,10 @@ class TrainConfig:
     min_lr: float = 1e-4
     # system
     device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'
-    dtype: str = "auto"  # 'auto' (bfloat16 on CUDA when supported, else float32), 'float32', 'bfloat16', 'float16'
+    dtype: str = "auto"  # 'float32', 'bfloat16', 'float16' or 'auto': bf16 where it is faster (runtime.resolve_dtype)
     compile: bool = False
     # under torchrun, 'ddp' (each process holds all weights, gradients and AdamW moments) or 'fsdp' (each holds its
-    # shard of them; a large model is built shard by shard: README "FSDP")
+    # shard of them; a large model is built shard by shard: docs/training.md "FSDP")
     parallel: str = "ddp"
     seed: int = 1337
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: a GPU table or a CPU probe
@@ -142,20 +142,21 @@ def evaluate(model: torch.nn.Module, batches: Batches, eval_iters: int, amp: Abs
     return out
 
 
-def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtype) -> tuple[GPT, dict | None]:
+def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtype, ckpt: dict | None = None
+               ) -> tuple[GPT, dict | None]:
     """The model to train, on device and sharded under FSDP: new, resumed from out_dir (the checkpoint is returned
     too), converted to n_kv_head, or GPT-2's."""
     fsdp = cfg.parallel == "fsdp"
-    model, ckpt = load_model(cfg, vocab_size)
+    model, ckpt = load_model(cfg, vocab_size, ckpt)
     if model is None:  # new, or resumed under FSDP from a sharded checkpoint (its weights come with the optimizer's)
         mcfg = cfg.model_config(vocab_size) if ckpt is None else GPTConfig(**ckpt["model_config"])
         return sharding.build(mcfg, device, dtype, None if ckpt else cfg.seed, fsdp), ckpt
     return sharding.shard(model.to(device), device, dtype) if fsdp else model.to(device), ckpt
 
 
-def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | None]:
+def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None) -> tuple[GPT | None, dict | None]:
     """init_model's model from weights (GPT-2's, or a checkpoint's), with the checkpoint when resuming; None for a
-    new model, or one resumed under FSDP from a sharded checkpoint."""
+    new model, or one resumed under FSDP from a sharded checkpoint. ckpt: the checkpoint parse read, else read here."""
     init_from = cfg.init_from
     existing = Path(cfg.out_dir) / "ckpt.pt"
     if init_from == "auto":
@@ -170,7 +171,8 @@ def load_model(cfg: TrainConfig, vocab_size: int) -> tuple[GPT | None, dict | No
         return None, None
     resume = init_from == "resume"
     path = Path(cfg.out_dir if resume else init_from.removeprefix("convert:"))
-    ckpt = checkpoint.load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
+    if ckpt is None:
+        ckpt = checkpoint.load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
     # resume: a model key given (parse took the others from the checkpoint) must be the model's or the run's (GPT-2
     # fine-tuned has GPT-2's shape whatever its config said); convert: all but n_kv_head must be the source's
     now = cfg if resume else cfg.model_config(vocab_size)
@@ -217,7 +219,7 @@ class Trainer:
     """One run, in the phases run() reads: set up (data, model, optimizer), restore a checkpoint, then steps with
     evaluation and checkpoints, progress logs, and a clean stop on a signal."""
 
-    def __init__(self, cfg: TrainConfig, d: runtime.Dist) -> None:
+    def __init__(self, cfg: TrainConfig, d: runtime.Dist, ckpt: dict | None = None) -> None:
         if cfg.gradient_accumulation_steps % d.world_size:
             up = -(-cfg.gradient_accumulation_steps // d.world_size) * d.world_size
             raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
@@ -226,14 +228,13 @@ class Trainer:
         self.sharded = cfg.parallel == "fsdp"  # then every rank evaluates and saves (collectives), rank 0 writes
         if d.device_type == "cpu":
             runtime.keep_freed_memory()
-        self.dtype = runtime.resolve_dtype(cfg.dtype, d.device_type)
+        self.dtype, self.dtype_why = runtime.resolve_dtype(cfg.dtype, d.device_type, cfg.n_embd)
         self.amp = runtime.autocast(d.device_type, self.dtype)
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank; data draws depend on (seed, step) only
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
         # pretrained weights (GPT-2's, a folder's) are fine-tuned on their own tokens only
         checkpoint.check_pretrained_tokenizer(cfg.init_from, self.batches.meta, cfg.dataset)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
-        self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype)
+        self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype, ckpt)
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta,
                                     ckpt and ckpt.get("data_meta"), cfg.dataset)
 
@@ -242,6 +243,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(d.device_type, enabled=self.dtype == torch.float16)
         self.iter_num, self.best_val = 0, math.inf
         self.saved = None  # the iteration of the last good checkpoint
+        runtime.seed_rank(cfg.seed, d.rank)  # dropout; weights and data draws have generators of their own
         if ckpt is not None:
             self.restore(ckpt)
         self.finished = ckpt is not None and self.iter_num >= cfg.max_iters and not cfg.eval_only  # resumed, done
@@ -271,7 +273,7 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num, self.best_val, self.saved = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["iter_num"]
         if "rng" in ckpt:
-            runtime.set_rng_states(ckpt["rng"], self.d.device_type)
+            runtime.set_rng_states(ckpt["rng"], self.d, self.cfg.seed)
 
     def start_log(self) -> RunLog:
         """Check out_dir, print the config and the model, and open the run log (rank 0 only)."""
@@ -279,7 +281,8 @@ class Trainer:
         # a checkpoint holds the weights and AdamW's two moments (and a few small things)
         checkpoint.check_out_dir(Path(cfg.out_dir), 3 * sum(p.nbytes for p in self.raw_model.parameters()) + 2**20)
         resumed = "; keys not given: the resumed run's" if self.iter_num else ""
-        print(f"config ({d.world_size} process{'es' if d.world_size > 1 else ''}, {d.device}, {self.dtype}{resumed}):")
+        procs = f"{d.world_size} process{'es' if d.world_size > 1 else ''}"
+        print(f"config ({procs}, {d.device}, {self.dtype}: {self.dtype_why}{resumed}):")
         print_config(cfg)
         log = RunLog(cfg, model_cfg, self.iter_num)  # iter_num > 0: resumed
         print(f"model: {self.raw_model.num_params() / 1e6:.2f}M parameters, {model_cfg.attention_kind} "
@@ -303,8 +306,10 @@ class Trainer:
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr * group.get("lr_scale", 1.0)  # a checkpoint from before lr_scale has none
                 at_eval = self.iter_num % cfg.eval_interval == 0 and (self.iter_num > 0 or cfg.eval_at_start)
-                if (self.d.is_master or self.sharded) and (at_eval or self.iter_num == cfg.max_iters or cfg.eval_only):
-                    self.evaluate_and_save(lr)
+                if at_eval or self.iter_num == cfg.max_iters or cfg.eval_only:
+                    rng = runtime.rng_states(self.d)  # every rank's, as a resumed run starts here (a collective)
+                    if self.d.is_master or self.sharded:
+                        self.evaluate_and_save(lr, rng)
                 if cfg.eval_only or self.iter_num >= cfg.max_iters:
                     break
                 self.step()
@@ -312,11 +317,12 @@ class Trainer:
                 if at_log:
                     self.log_progress(lr)
                 if runtime.stop_requested(signals, self.d, at_log):
+                    rng = runtime.rng_states(self.d)
                     if self.d.is_master:
                         why = signal.Signals(signals[0]).name if signals else "a signal to another rank"
                         print(f"stopping on {why} at iteration {self.iter_num}")
                     if self.d.is_master or self.sharded:
-                        self.save()
+                        self.save(rng)
                     break
         finally:
             for sig, handler in previous.items():
@@ -335,7 +341,7 @@ class Trainer:
         else:
             self.skipped += 1
 
-    def evaluate_and_save(self, lr: float) -> None:
+    def evaluate_and_save(self, lr: float, rng: list[dict]) -> None:
         """Evaluate, log, and save a checkpoint if val loss improved (or always_save_checkpoint)."""
         cfg = self.cfg
         losses = evaluate(self.model, self.batches, cfg.eval_iters, self.amp)
@@ -350,7 +356,7 @@ class Trainer:
         improved = losses["val"] < self.best_val or cfg.always_save_checkpoint
         if self.iter_num not in (0, self.saved) and not cfg.eval_only and improved:  # saved: the resumed iteration
             self.best_val = min(self.best_val, losses["val"])
-            self.save()
+            self.save(rng)
         self.t_last = time.perf_counter()  # ms/iter leaves evaluation out
 
     def log_progress(self, lr: float) -> None:
@@ -380,9 +386,10 @@ class Trainer:
         self.log.write(event="train", iter=self.iter_num, loss=train_loss, lr=lr, ms_per_iter=dt * 1000,
                        tokens_per_s=tok_s, mfu=mfu, skipped=self.skipped, elapsed_s=now - self.t_start)
 
-    def save(self) -> None:
-        """Write out_dir/ckpt.pt (never with non-finite weights: the last good checkpoint stays); under FSDP first
-        the sharded checkpoint it names (weights and optimizer), and ckpt.pt holds the whole model gathered."""
+    def save(self, rng: list[dict]) -> None:
+        """Write out_dir/ckpt.pt (never with non-finite weights: the last good checkpoint stays) with every rank's
+        generators (rng); under FSDP first the sharded checkpoint it names (weights and optimizer), and ckpt.pt holds
+        the whole model gathered."""
         cfg, out, model = self.cfg, Path(self.cfg.out_dir), self.raw_model
         if not sharding.all_finite(model):
             raise self.diverged("a weight", math.nan)
@@ -390,40 +397,30 @@ class Trainer:
         if self.d.is_master:
             checkpoint.save_checkpoint(out / "ckpt.pt", model, keep_last=cfg.keep_last, scaler=self.scaler.state_dict(),
                                        iter_num=self.iter_num, best_val_loss=self.best_val, config=asdict(cfg),
-                                       data_meta=self.batches.meta, rng=runtime.rng_states(self.d.device_type),
-                                       **state)
+                                       data_meta=self.batches.meta, rng=rng, **state)
             sharding.prune_sharded(out, self.iter_num)  # also those of an FSDP run resumed without FSDP
             print(f"saved checkpoint to {out / 'ckpt.pt'}")
         self.saved = self.iter_num
 
 
-def parse(argv: list[str]) -> TrainConfig:
+def parse(argv: list[str]) -> tuple[TrainConfig, dict | None]:
     """TrainConfig from config files and flags; a resumed run (init_from 'resume', or 'auto' with out_dir/ckpt.pt) takes
-    each key not given from its checkpoint's run, out_dir and init_from aside (README "Training": Resume), and a
-    conversion (init_from 'convert:<checkpoint>') each model key not given but n_kv_head from its source."""
+    each key not given from its checkpoint's run, out_dir and init_from aside (docs/reliability.md "Resume"), and a
+    conversion (init_from 'convert:<checkpoint>') each model key not given but n_kv_head from its source. Returns
+    that checkpoint too (None if none), for load_model: it is read once."""
     given = given_values(TrainConfig, argv)
     default = {f.name: f.default for f in fields(TrainConfig)}
-    path = Path(given.get("out_dir", default["out_dir"])) / "ckpt.pt"
-    if given.get("init_from", default["init_from"]) in ("resume", "auto") and path.is_file():
-        ckpt = checkpoint.load_checkpoint(path, "cpu", mmap=True)  # (load_model loads it again: mmap, cheap)
-        stored = {k: v for k, v in (checkpoint.run_config(ckpt) | ckpt["model_config"]).items()  # the model keys
-                  if k in default and k not in ("out_dir", "init_from")}  # as the model is (a fine-tuned GPT-2's)
-        given = checked_values(TrainConfig, stored, f"the run config in {path}") | given
-    init_from = given.get("init_from", default["init_from"])
-    source = Path(init_from.removeprefix("convert:"))
-    source = source if source.suffix == ".pt" else source / "ckpt.pt"
-    if init_from.startswith("convert:") and source.is_file():
-        ckpt = checkpoint.load_checkpoint(source, "cpu", mmap=True)  # the model keys not given are the source's
-        stored = {k: v for k, v in ckpt["model_config"].items() if k in default and k != "n_kv_head"}
-        given = checked_values(TrainConfig, stored, f"the model in {source}") | given
-    return build(TrainConfig, given)
+    ckpt, stored, source = checkpoint.start_from(given.get("init_from", default["init_from"]),
+                                                 given.get("out_dir", default["out_dir"]))
+    given = checked_values(TrainConfig, {k: v for k, v in stored.items() if k in default}, source) | given
+    return build(TrainConfig, given), ckpt
 
 
-def main(cfg: TrainConfig) -> None:
+def main(cfg: TrainConfig, ckpt: dict | None = None) -> None:
     d = runtime.setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
     try:
         with folder_lock(cfg.out_dir, "train.py") if d.rank == 0 else nullcontext():  # one run in out_dir at a time
-            Trainer(cfg, d).run()
+            Trainer(cfg, d, ckpt).run()
         if d.world_size > 1:
             dist.barrier()
     finally:
@@ -431,4 +428,4 @@ def main(cfg: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main, parse, keys=(TrainConfig,))
+    run_cli(lambda parsed: main(*parsed), parse, keys=(TrainConfig,))

@@ -1,6 +1,6 @@
 # karpathy/nanoGPT's CPU recipe from its README (4 layers, 4 heads, 128 wide, block 64, batch 12, 2000 iterations,
 # lr 1e-3, a 20-batch evaluation every 250 iterations) reaches its val loss in under half the time with this on a
-# 2-core CPU (README "Training (CPU)"). Same model size, with rotary positions, Muon for the blocks' matrices
+# 2-core CPU (docs/peers.md). Same model size, with rotary positions, Muon for the blocks' matrices
 # (AdamW for the rest), twice the batch over 300 iterations, and one evaluation at the end (100 batches of 24).
 #   python train.py config/train_cpu_fast.py
 #   python bench.py --mode=nanogpt --nanogpt_dir=../nanoGPT config/train_cpu_fast.py   (both, side by side)

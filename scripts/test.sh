@@ -7,6 +7,6 @@ venv_setup requirements.txt requirements-dev.txt
 ruff check .
 # Two pytest-xdist workers: the suite's processes leave a core idle about a third of the time (g++, imports, one-
 # thread ranks). OpenMP threads that sleep instead of spinning while they wait keep the workers' torch threads from
-# taking each other's cores (README "Tests").
+# taking each other's cores (docs/testing.md).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 python -m pytest -n 2 --dist loadgroup "$@"

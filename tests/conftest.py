@@ -19,11 +19,23 @@ from model import GPT, GPTConfig  # noqa: E402
 VARIANTS = {"MHA": 4, "GQA": 2, "MQA": 1}  # n_kv_head for n_head=4
 # The GPT-2-shaped model (as bench.py --mode=hf builds it) that the tests compiling a decode step use where they can
 # (sample.py --compile, bench.py --mode=hf and --mode=int8 at batch 1; test_generate's MHA case at batch 2):
-# inductor's cache folder keeps one package per exported step, so the suite compiles each once (README "Tests").
+# inductor's cache folder keeps one package per exported step, so the suite compiles each once (docs/testing.md).
 DECODE = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=96, bias=True, gelu="tanh")
-# The tests that compile a decode step run one after another in one pytest-xdist worker (scripts/test.sh runs two):
-# the first to need a step compiles it, the others load it from inductor's cache.
+# The tests that compile a decode step (the suite's largest cost) run in two pytest-xdist groups, each one test after
+# another in one worker (scripts/test.sh runs two), so that both workers compile from the start: in a group, the first
+# test to need a step compiles it, the later ones load it from inductor's cache. COMPILES: the batch-1 DECODE step
+# (bench.py --mode=hf compiles it first, sample.py --compile loads it), the int8 one, GQA's without the template.
+# COMPILES_2: the batch-2 MHA and MQA steps, the bf16 one, then (last in test_generate.py, a minute or more after the
+# other group compiled it) the tests that load the batch-1 DECODE step; were it not there yet, they would compile it.
 COMPILES = pytest.mark.xdist_group("compiled_steps")
+COMPILES_2 = pytest.mark.xdist_group("compiled_steps_2")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked slow (several processes each) first: pytest-xdist hands out the groups above first (the
+    largest first), then the other tests in this order, so the longest start early rather than leave one worker
+    alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(autouse=True)
@@ -39,6 +51,22 @@ def sharpened(m: torch.nn.Module) -> torch.nn.Module:
             if p.dim() == 2:
                 p.mul_(3.0)
     return m
+
+
+def lively(m: torch.nn.Module) -> torch.nn.Module:
+    """The model with sharp attention (queries and keys scaled 20x) and the blocks' other matrices 5x, embeddings
+    as they are: its greedy tokens depend on the context, so that a window off by one, or a stale or hidden cache
+    slot, changes them (sharpened's 3x of everything missed such bugs in most tiny models)."""
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 2 and not name.startswith(("transformer.wte", "transformer.wpe")):
+                p.mul_(20.0 if name.endswith(("c_q.weight", "c_k.weight")) else 5.0)
+    return m
+
+
+def distinct(tokens: torch.Tensor | list | str) -> int:
+    """How many different tokens (or characters) greedy continuations hold: 1 or 2 for a degenerate one."""
+    return len(set(tokens if isinstance(tokens, str) else torch.as_tensor(tokens).flatten().tolist()))
 
 
 def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dict[int, float]:

@@ -284,7 +284,24 @@ def test_bad_sweep_settings_are_one_line_before_any_training(pycode_small: Path,
     assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "cmp").exists()
 
 
-def test_costs_table_lists_every_divisor() -> None:
-    r = run(["compare.py", "--mode=costs", "--n_head=6", "--n_embd=48", "--n_layer=2", "--block_size=64"])
-    kinds = [line.split("|")[2].strip() for line in r.stdout.splitlines()[2:] if line.startswith("|")]
-    assert kinds == ["MHA", "GQA", "GQA", "MQA"]  # n_kv_head 6, 3, 2, 1
+@pytest.mark.parametrize(("kv_dtype", "nbytes"), [(None, 2), ("float32", 4)])  # the default: bfloat16
+def test_costs_table_lists_every_divisor(kv_dtype: str | None, nbytes: int) -> None:
+    """Every column of every n_kv_head that divides n_head, against closed forms written out here (no bias, learned
+    positions, the MLP 4 wide, lm_head tied to the token embedding)."""
+    D, H, L, V, T = 384, 6, 2, 1000, 1024
+    r = run(["compare.py", "--mode=costs", f"--n_head={H}", f"--n_embd={D}", f"--n_layer={L}", f"--block_size={T}",
+             f"--vocab_size={V}", *([f"--kv_dtype={kv_dtype}"] * bool(kv_dtype))])
+    lines = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("|")]
+    header, rows = lines[0], [dict(zip(lines[0], cells, strict=True)) for cells in lines[2:]]
+    kv_column = f"KV cache/sequence @ {T} ({kv_dtype or 'bfloat16'}, MiB)"
+    assert header == ["n_kv_head", "kind", "params (M)", "attention params/layer", kv_column]
+    assert [(row["n_kv_head"], row["kind"]) for row in rows] == [("6", "MHA"), ("3", "GQA"), ("2", "GQA"), ("1", "MQA")]
+    hd = D // H
+    for row in rows:
+        G = int(row["n_kv_head"])
+        attn = 2 * D * D + 2 * D * G * hd  # c_q and c_proj, then c_k and c_v over G heads
+        params = V * D + T * D + L * (2 * D + attn + 2 * D * 4 * D) + D  # wte, wpe, blocks (2 LayerNorms), ln_f
+        kv = 2 * L * 1 * G * T * hd * nbytes  # K and V, every layer, one sequence of T positions
+        assert int(row["attention params/layer"].replace(",", "")) == attn
+        assert float(row["params (M)"]) == round(params / 1e6, 2)
+        assert float(row[kv_column]) == round(kv / 2**20, 2)

@@ -1,12 +1,17 @@
+import contextlib
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from conftest import ROOT, SEED, TINY_TRAIN, read_log, run
+from conftest import ROOT, SEED, TINY_TRAIN, read_log, run, worker_ranks
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -48,6 +53,72 @@ def test_accumulation_not_divisible_by_world_size_is_one_clear_error(pycode_smal
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN,
                         "--gradient_accumulation_steps=3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0
-    assert "error: gradient_accumulation_steps=3 is not divisible by the 2 processes" in r.stderr
+    # a worker prints its one line and exits 2 (torchrun's report gives each worker's status); torchrun stops the
+    # other with SIGTERM (-15) if it is still running, and exits 1 itself (its ChildFailedError)
+    line = ("error: gradient_accumulation_steps=3 is not divisible by the 2 processes (it is the total over them), "
+            "e.g. 4")
+    errors = [x for x in r.stderr.splitlines() if "error:" in x]
+    assert errors and len(set(errors)) == len(errors) <= 2, r.stderr[-3000:]
+    assert set(errors) <= {f"[rank {i}] {line}" for i in (0, 1)}, errors
+    statuses = re.findall(r"exitcode\s*:\s*(-?\d+)", r.stderr)
+    assert "2" in statuses and set(statuses) <= {"2", "-15"}, r.stderr[-3000:]
+    assert r.returncode == 1
     assert "train.py\", line" not in r.stderr  # no traceback from our code (torchrun's launcher adds its own report)
+
+
+def test_each_rank_resumes_its_own_dropout_generators(pycode_small: Path, tmp_path: Path) -> None:
+    """Each rank draws dropout masks of its own and the checkpoint keeps every rank's generator states: 2 gloo
+    processes stopped at iteration 10 and resumed to 20 give an uninterrupted run's losses and weights exactly (rank
+    1 given rank 0's states on resume would draw rank 0's masks)."""
+    common = [f"--dataset={pycode_small}", *TINY_TRAIN, "--dropout=0.2", "--log_interval=1", "--eval_interval=10",
+              "--always_save_checkpoint=True", "--gradient_accumulation_steps=2", f"--seed={SEED}"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *common]
+    run([*torchrun, f"--out_dir={tmp_path / 'once'}", "--max_iters=20"])
+    run([*torchrun, f"--out_dir={tmp_path / 'twice'}", "--max_iters=10"])
+    states = load_checkpoint(tmp_path / "twice" / "ckpt.pt")["rng"]
+    assert len(states) == 2 and not torch.equal(states[0]["torch"], states[1]["torch"])
+    run([*torchrun, f"--out_dir={tmp_path / 'twice'}", "--max_iters=20", "--init_from=resume"])
+    once, twice = ([(x["iter"], x["loss"]) for x in read_log(tmp_path / name) if x["event"] == "train"]
+                   for name in ("once", "twice"))
+    assert [it for it, _ in once] == list(range(1, 21)) and twice == once
+    a, b = (load_checkpoint(tmp_path / name / "ckpt.pt")["model"] for name in ("once", "twice"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc (Linux)")
+def test_sigterm_to_one_rank_stops_both_and_rank_0_saves_once(pycode_small: Path, tmp_path: Path) -> None:
+    """SIGTERM to rank 1 only (a pre-emption notice reaching one worker): the ranks agree at the next log step,
+    rank 0 writes one checkpoint at the iteration both stopped at, torchrun exits 0, and the run resumes from it."""
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN,
+                          "--log_interval=1", "--max_iters=100000", "--eval_interval=100000",
+                          "--gradient_accumulation_steps=2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not any(r["event"] == "train" for r in log_so_far(tmp_path)):
+            time.sleep(0.1)
+        os.kill(worker_ranks(p.pid)[1], signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=60)
+    finally:  # torchrun and its workers (each in a session of its own) if they are still there
+        if p.poll() is None:
+            for pid in [*worker_ranks(p.pid).values(), p.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+    assert p.returncode == 0, stderr[-3000:]
+    assert stdout.count("stopping on a signal to another rank at iteration") == 1 and "Traceback" not in stderr
+    assert stdout.count("saved checkpoint to") == 1
+    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    logged = [r["iter"] for r in read_log(tmp_path) if r["event"] == "train"]
+    assert 1 <= ckpt["iter_num"] == logged[-1] < 100000
+    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, "--log_interval=1",
+         "--init_from=resume", f"--max_iters={ckpt['iter_num'] + 2}"])
+    assert [r["iter"] for r in read_log(tmp_path) if r["event"] == "train"][-2:] == [ckpt["iter_num"] + 1,
+                                                                                   ckpt["iter_num"] + 2]
+
+
+def log_so_far(out: Path) -> list[dict]:
+    try:
+        return read_log(out)
+    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
+        return []

@@ -12,18 +12,20 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from conftest import ROOT, SEED, TINY_TRAIN, read_log, run, worker_ranks
+from conftest import ROOT, SEED, TINY_TRAIN, cli, read_log, run, worker_ranks
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def train(data: Path, out: Path, *extra: str, procs: int = 1) -> str:
-    """train.py's stdout, under torchrun with 2 processes or in a process of its own (1 thread: as each rank)."""
+def train(data: Path, out: Path, *extra: str, procs: int = 1, fresh: bool = True) -> str:
+    """train.py's stdout, under torchrun with 2 processes or in a process of its own (1 thread: as each rank), or
+    for one process with fresh=False in this one (for a run whose numbers are compared with no other run's: no fresh
+    interpreter's 2-3 s of imports)."""
     args = ["train.py", f"--dataset={data}", f"--out_dir={out}", *TINY_TRAIN, "--gradient_accumulation_steps=2",
             "--eval_interval=10", "--always_save_checkpoint=True", "--log_interval=1", f"--seed={SEED}", *extra]
-    return run([*TORCHRUN, *args] if procs == 2 else args, env={"OMP_NUM_THREADS": "1"}, fresh=True).stdout
+    return run([*TORCHRUN, *args] if procs == 2 else args, env={"OMP_NUM_THREADS": "1"}, fresh=fresh).stdout
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -161,24 +163,25 @@ def test_per_rank_bytes_are_the_shards_of_fully_shard() -> None:
 
 
 def test_keep_last_keeps_the_sharded_folders_its_checkpoints_name(pycode_small: Path, tmp_path: Path) -> None:
-    train(pycode_small, tmp_path, "--max_iters=8", "--eval_interval=2", "--keep_last=2", "--parallel=fsdp")
+    train(pycode_small, tmp_path, "--max_iters=8", "--eval_interval=2", "--keep_last=2", "--parallel=fsdp",
+          fresh=False)
     assert sorted(p.name for p in tmp_path.glob("*-*")) == ["ckpt-0000006.pt", "ckpt-0000008.pt",
                                                            "sharded-0000006", "sharded-0000008"]
     assert load_checkpoint(tmp_path / "ckpt-0000006.pt")["sharded"] == "sharded-0000006"
 
 
 def test_a_missing_or_corrupt_sharded_checkpoint_is_one_line(pycode_small: Path, tmp_path: Path) -> None:
-    train(pycode_small, tmp_path, "--max_iters=2", "--eval_interval=2", "--parallel=fsdp")
+    train(pycode_small, tmp_path, "--max_iters=2", "--eval_interval=2", "--parallel=fsdp", fresh=False)
     folder = tmp_path / "sharded-0000002"
-    resume = [sys.executable, "train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN,
-              "--max_iters=4", "--init_from=resume"]
+    resume = ["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, "--max_iters=4",
+              "--init_from=resume"]
     next(folder.glob("*.distcp")).write_bytes(b"garbage")
-    r = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = cli(resume)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.splitlines()[-1].startswith(f"error: the sharded checkpoint {folder} is corrupt")
     for path in folder.iterdir():
         path.unlink()
-    r = subprocess.run([*resume, "--parallel=fsdp"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = cli([*resume, "--parallel=fsdp"])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.splitlines()[-1] == (f"error: the sharded checkpoint {folder}, which {tmp_path / 'ckpt.pt'} "
                                          f"names, is missing or incomplete: restore it, or start a new run")

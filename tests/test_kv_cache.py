@@ -3,7 +3,7 @@ import torch
 
 from conftest import VARIANTS, tiny_model
 from generation import left_pad
-from model import GPT
+from model import GPT, KVCache
 
 ATOL = 1e-5  # float32; the cached and recomputed paths differ only in summation order
 
@@ -77,6 +77,26 @@ def test_cache_overflow_is_a_clear_error() -> None:
     assert cache.pos == 6  # nothing written by the refused call
 
 
-def test_training_never_builds_a_cache_and_caches_are_not_state() -> None:
-    m = tiny_model(2, "rope")
-    assert not any("cache" in k or "rope" in k for k in m.state_dict())
+def test_training_never_builds_a_cache_and_caches_are_not_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every KVCache made is recorded (its __init__ wrapped): a training forward and backward makes none, a cached
+    generate makes one, and neither adds to the state_dict (same keys, none holding a cache's K/V)."""
+    made = []
+    init = KVCache.__init__
+
+    def recorded(self: KVCache, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(KVCache, "__init__", recorded)
+    m = tiny_model(2, "rope").train()
+    keys = set(m.state_dict())
+    idx = torch.randint(0, 61, (2, 17))
+    _, loss = m(idx[:, :-1], targets=idx[:, 1:])
+    loss.backward()
+    assert made == [] and m.transformer.h[0].attn.c_q.weight.grad is not None
+    m.eval().generate(idx[:, :3], 5, temperature=0)
+    assert len(made) == 1 and made[0].pos == 3 + 5 - 1  # the check sees the caches made
+    state = m.state_dict()
+    assert set(state) == keys and not any("cache" in k or "rope" in k for k in state)
+    cache_memory = {t.untyped_storage().data_ptr() for c in made for t in (c.k, c.v)}
+    assert not any(t.untyped_storage().data_ptr() in cache_memory for t in state.values())

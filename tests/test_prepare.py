@@ -10,7 +10,7 @@ import pytest
 
 from configurator import UserError
 from conftest import ROOT, cli, run
-from dataset import CharTokenizer, load_meta, load_tokenizer, open_tokens
+from dataset import CharTokenizer, load_meta, load_tokenizer, open_tokens, write_dataset
 
 
 def test_pycode_char_is_deterministic_and_round_trips(tmp_path: Path) -> None:
@@ -214,3 +214,28 @@ def test_an_empty_corpus_file_is_one_line(tmp_path: Path, tiny_bpe: dict, script
     assert r.stderr.splitlines()[-1].startswith(f"error: cannot load {path} (")
     assert r.stderr.splitlines()[-1].endswith("); are they empty, or not of the kind their names say?")
     assert not (tmp_path / "d" / "meta.json").exists()
+
+
+class CtrlC:
+    """Token ids whose reading is interrupted (Ctrl-C) when write_dataset gets to them."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        raise KeyboardInterrupt
+
+
+def test_a_prepare_failing_midway_leaves_the_dataset_there_as_it_was(tmp_path: Path) -> None:
+    """Preparing a folder again stops after train.bin's new tokens are written: the dataset already there keeps its
+    files as they were (meta.json too, and no temp file beside them) and loads, as after a corpus re-run that fails
+    (test_corpus_pipeline_on_local_parquet)."""
+    rng = np.random.default_rng(0)
+    meta = CharTokenizer([chr(32 + i) for i in range(96)]).meta()
+    write_dataset(tmp_path, rng.integers(0, 96, 4000), rng.integers(0, 96, 1000), meta)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(KeyboardInterrupt):
+        write_dataset(tmp_path, rng.integers(0, 96, 3000), CtrlC(), meta)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+    loaded = load_meta(tmp_path)
+    assert len(open_tokens(tmp_path, "train", loaded)) == 4000 and len(open_tokens(tmp_path, "val", loaded)) == 1000

@@ -285,6 +285,47 @@ def test_bad_optimizer_and_muon_under_fsdp_are_one_line(pycode_small: Path, tmp_
         assert r.stderr.startswith("error: invalid config: ") and flags[-1].split("=")[1] in r.stderr
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_dtype_auto_trains_in_bf16_only_on_a_native_bf16_cpu_and_a_wide_model(native: bool, pycode_small: Path,
+                                                                            tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype=auto on CPU: bf16 autocast where the CPU multiplies bf16 natively (/proc/cpuinfo's flags, here set
+    either way) and n_embd >= runtime.BF16_MIN_WIDTH, float32 otherwise; the choice and its reason are printed, and
+    the run trains exactly as with that dtype named."""
+    import runtime
+
+    monkeypatch.setattr(runtime, "native_bf16", lambda: native)
+
+    def losses(width: int, dtype: str) -> tuple[str, list[float]]:
+        out = tmp_path / f"{width}-{dtype}"
+        r = train(pycode_small, out, f"--dtype={dtype}", f"--n_embd={width}", "--max_iters=4", "--log_interval=1",
+                  "--eval_interval=4")
+        line = next(x for x in r.stdout.splitlines() if x.startswith("config ("))
+        return line, [x["loss"] for x in read_log(out) if x["event"] == "train"]
+
+    narrow, wide = 32, runtime.BF16_MIN_WIDTH
+    line, narrow_auto = losses(narrow, "auto")
+    assert "torch.float32" in line and ("n_embd 32 < 128" if native else "cpu without native bf16") in line, line
+    assert narrow_auto == losses(narrow, "float32")[1]
+    line, wide_auto = losses(wide, "auto")
+    want = "bfloat16" if native else "float32"
+    assert f"torch.{want}" in line and ("n_embd 128 >= 128" if native else "without native bf16") in line, line
+    assert wide_auto == losses(wide, want)[1]
+    assert wide_auto != losses(wide, "float32" if native else "bfloat16")[1]  # the two dtypes do differ here
+
+
+def test_dtype_auto_decodes_in_bf16_only_with_the_compiled_step_on_a_native_bf16_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import runtime
+
+    for native in (False, True):
+        monkeypatch.setattr(runtime, "native_bf16", lambda native=native: native)
+        assert runtime.resolve_dtype("auto", "cpu", compiled_decode=True)[0] == (
+            torch.bfloat16 if native else torch.float32)
+        assert runtime.resolve_dtype("auto", "cpu")[0] == torch.float32  # eager bf16 decoding is slower on CPU
+        assert runtime.resolve_dtype("float32", "cpu", compiled_decode=True) == (torch.float32, "as asked")
+
+
 def test_gpu_peaks_are_found_by_the_most_specific_name() -> None:
     """MFU's denominator: an H100 PCIe (756 TFLOP/s bf16) is not the SXM (989), an L40S not an L40, an A100 not an
     A10; names as torch.cuda.get_device_name gives them."""
@@ -299,3 +340,27 @@ def test_gpu_peaks_are_found_by_the_most_specific_name() -> None:
     assert runtime.gpu_peak_flops("NVIDIA L40", bf16) == 181e12
     assert runtime.gpu_peak_flops("NVIDIA A100-SXM4-80GB", bf16) == 312e12
     assert runtime.gpu_peak_flops("NVIDIA A10", bf16) == 125e12 and runtime.gpu_peak_flops("Tesla P4", bf16) is None
+
+
+def test_each_rank_restores_its_own_generators_and_an_older_checkpoint_still_loads() -> None:
+    """runtime.set_rng_states: a rank takes its own entry of the checkpoint's list; a rank it has none for (resumed
+    on more processes) starts as that rank of a new run (seed_rank); an older checkpoint's one dict is rank 0's."""
+    import runtime
+
+    ranks = [runtime.Dist(r, r, 3, "cpu", r == 0) for r in range(3)]
+    saved, draws = [], []
+    for r in range(2):  # the states of a 2-process run's ranks, and what each draws next
+        runtime.seed_rank(7, r)
+        torch.rand(5)
+        saved += runtime.rng_states(runtime.Dist(0, 0, 1, "cpu", True))
+        draws.append(torch.rand(4))
+    assert not torch.equal(draws[0], draws[1])
+    for r in range(2):
+        runtime.set_rng_states(saved, ranks[r], seed=7)
+        assert torch.equal(torch.rand(4), draws[r])
+    runtime.set_rng_states(saved, ranks[2], seed=7)
+    resumed = torch.rand(4)
+    runtime.seed_rank(7, 2)
+    assert torch.equal(resumed, torch.rand(4))
+    runtime.set_rng_states(saved[0], ranks[0], seed=7)  # an older checkpoint: rank 0's states alone, as a dict
+    assert torch.equal(torch.rand(4), draws[0])
