@@ -96,15 +96,15 @@ def teardown_distributed() -> None:
     gc.collect()  # the model's DTensors and the mesh they name, in reference cycles
 
 
-BF16_MIN_WIDTH = 128  # the narrowest width measured faster in bf16 on a native-bf16 CPU (docs/performance-cpu.md)
+BF16_MIN_SPEEDUP = 1.5  # bf16 products this much faster than fp32's: a whole step gains (docs/performance-cpu.md)
 
 
 def resolve_dtype(name: str, device_type: str, n_embd: int | None = None, compiled_decode: bool = False
                   ) -> tuple[torch.dtype, str]:
     """The dtype to run in and why. 'float32', 'bfloat16', 'float16' (CUDA only) as named; 'auto': bf16 on CUDA
-    GPUs that have it; on a CPU that multiplies bf16 natively, bf16 for training a model at least BF16_MIN_WIDTH
-    wide (n_embd given) or for the compiled decode step (compiled_decode), float32 for everything else there
-    (eager bf16 decoding is slower than fp32 on CPU); float32 elsewhere."""
+    GPUs that have it; on a CPU that has bf16 instructions, bf16 for the compiled decode step (compiled_decode) and
+    for training a model n_embd wide when this CPU's bf16 products of that width measure at least BF16_MIN_SPEEDUP
+    times faster than fp32's (some CPUs with the instructions are slower in bf16); float32 everywhere else."""
     if name == "float16" and device_type != "cuda":
         raise UserError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {device_type}); "
                         f"use bfloat16 or float32")
@@ -117,10 +117,31 @@ def resolve_dtype(name: str, device_type: str, n_embd: int | None = None, compil
         return torch.float32, f"{device_type}{' without native bf16' * (device_type == 'cpu')}"
     if compiled_decode:
         return torch.bfloat16, "CPU with native bf16, compiled decode step"
-    if n_embd is not None and n_embd >= BF16_MIN_WIDTH:
-        return torch.bfloat16, f"CPU with native bf16, n_embd {n_embd} >= {BF16_MIN_WIDTH}"
-    width = "decoding without the compiled step" if n_embd is None else f"n_embd {n_embd} < {BF16_MIN_WIDTH}"
-    return torch.float32, f"CPU with native bf16, {width}"
+    if n_embd is None:
+        return torch.float32, "CPU with native bf16, decoding without the compiled step"
+    speedup = bf16_speedup(n_embd)
+    why = f"CPU with native bf16, bf16 products {speedup:.2f}x fp32's at n_embd {n_embd}"
+    return (torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32), why
+
+
+def bf16_speedup(width: int, rows: int = 1024) -> float:
+    """fp32's time over bf16's for the product of a (rows x width) and a (width x 4 width) matrix on this CPU, the
+    best of three 20 ms probes each (a training step's products are of this kind)."""
+    gen = torch.Generator().manual_seed(0)  # leaves the global RNG be
+    x, w = torch.randn(rows, width, generator=gen), torch.randn(width, 4 * width, generator=gen)
+    best = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = x.to(dtype), w.to(dtype)
+        a @ b  # warm-up
+        times = []
+        for _ in range(3):
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < 0.02:
+                a @ b
+                n += 1
+            times.append((time.perf_counter() - t0) / n)
+        best[dtype] = min(times)
+    return best[torch.float32] / best[torch.bfloat16]
 
 
 def autocast(device_type: str, dtype: torch.dtype) -> AbstractContextManager:

@@ -31,11 +31,19 @@ COMPILES = pytest.mark.xdist_group("compiled_steps")
 COMPILES_2 = pytest.mark.xdist_group("compiled_steps_2")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests marked slow (several processes each) first: pytest-xdist hands out the groups above first (the
     largest first), then the other tests in this order, so the longest start early rather than leave one worker
-    alone at the end."""
+    alone at the end. And the groups themselves: --dist loadgroup tells a group by a suffix on its tests' node ids,
+    which pytest-xdist 3.8 sets on an attribute that pytest 9.2 no longer reads (its node ids are structured), so
+    that each test went to any worker (pytest-xdist issue 1386): the suffix is set on the structured id here."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker, under --dist loadgroup
+        for item in items:
+            group = item.get_closest_marker("xdist_group")
+            if group and "@" not in item.nodeid and hasattr(item, "_id"):
+                item._id = type(item._id).parse(f"{item.nodeid}@{group.args[0]}")
 
 
 @pytest.fixture(autouse=True)

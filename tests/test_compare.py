@@ -163,6 +163,7 @@ def final_val_loss(run_dir: Path) -> float:
     return [r for r in read_log(run_dir) if r["event"] == "eval"][-1]["val_loss"]
 
 
+@pytest.mark.slow  # 9 train.py processes
 def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4,1]", "--seeds=2",

@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -286,15 +287,18 @@ def test_bad_optimizer_and_muon_under_fsdp_are_one_line(pycode_small: Path, tmp_
 
 
 @pytest.mark.parametrize("native", [False, True])
-def test_dtype_auto_trains_in_bf16_only_on_a_native_bf16_cpu_and_a_wide_model(native: bool, pycode_small: Path,
-                                                                            tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """dtype=auto on CPU: bf16 autocast where the CPU multiplies bf16 natively (/proc/cpuinfo's flags, here set
-    either way) and n_embd >= runtime.BF16_MIN_WIDTH, float32 otherwise; the choice and its reason are printed, and
-    the run trains exactly as with that dtype named."""
+def test_dtype_auto_trains_in_bf16_only_where_its_products_measure_faster(native: bool, pycode_small: Path,
+                                                                        tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype=auto on CPU: bf16 autocast where the CPU has bf16 instructions (/proc/cpuinfo's flags) and its bf16
+    products at the model's width measure at least BF16_MIN_SPEEDUP times faster than fp32's, float32 otherwise; the
+    choice and its reason are printed, and the run trains exactly as with that dtype named. The CPU's flags and
+    speeds are set here (as on a CPU with AMX, and as on one whose bf16 is slow or missing); the probe is the real
+    one in test_bf16_speedup_probe_measures_both_dtypes."""
     import runtime
 
     monkeypatch.setattr(runtime, "native_bf16", lambda: native)
+    monkeypatch.setattr(runtime, "bf16_speedup", lambda width: 3.0 if width >= 64 else 0.8)
 
     def losses(width: int, dtype: str) -> tuple[str, list[float]]:
         out = tmp_path / f"{width}-{dtype}"
@@ -303,15 +307,21 @@ def test_dtype_auto_trains_in_bf16_only_on_a_native_bf16_cpu_and_a_wide_model(na
         line = next(x for x in r.stdout.splitlines() if x.startswith("config ("))
         return line, [x["loss"] for x in read_log(out) if x["event"] == "train"]
 
-    narrow, wide = 32, runtime.BF16_MIN_WIDTH
-    line, narrow_auto = losses(narrow, "auto")
-    assert "torch.float32" in line and ("n_embd 32 < 128" if native else "cpu without native bf16") in line, line
-    assert narrow_auto == losses(narrow, "float32")[1]
-    line, wide_auto = losses(wide, "auto")
+    line, narrow_auto = losses(32, "auto")
+    assert "torch.float32" in line and ("0.80x fp32's at n_embd 32" if native else "cpu without native bf16") in line
+    assert narrow_auto == losses(32, "float32")[1]
+    line, wide_auto = losses(64, "auto")
     want = "bfloat16" if native else "float32"
-    assert f"torch.{want}" in line and ("n_embd 128 >= 128" if native else "without native bf16") in line, line
-    assert wide_auto == losses(wide, want)[1]
-    assert wide_auto != losses(wide, "float32" if native else "bfloat16")[1]  # the two dtypes do differ here
+    assert f"torch.{want}" in line and ("3.00x fp32's at n_embd 64" if native else "without native bf16") in line
+    assert wide_auto == losses(64, want)[1]
+    assert wide_auto != losses(64, "float32" if native else "bfloat16")[1]  # the two dtypes do differ here
+
+
+def test_bf16_speedup_probe_measures_both_dtypes() -> None:
+    import runtime
+
+    speedup = runtime.bf16_speedup(32, rows=64)
+    assert math.isfinite(speedup) and 0.01 < speedup < 100  # a ratio of two measured times, whatever this CPU is
 
 
 def test_dtype_auto_decodes_in_bf16_only_with_the_compiled_step_on_a_native_bf16_cpu(
