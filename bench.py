@@ -31,7 +31,7 @@ from fast_paths import Linear
 from measure import default_kv_heads, step_ms, table, timed_decode
 from model import GPT, GPTConfig
 from quantize import quantize
-from runtime import Dist, autocast, keep_freed_memory, native_bf16, peak_flops, resolve_device, resolve_dtype
+from runtime import Dist, autocast, keep_freed_memory, peak_flops, resolve_device, resolve_dtype
 from train import TrainConfig, train_step
 
 
@@ -259,8 +259,8 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "speedup": "vs Hugging Face", "vs_llama_cpp": "vs llama.cpp",
                            "same_tokens": "same tokens", "agreement": "tokens as HF fp32"}))
     elif cfg.mode == "nanogpt":
-        dtype = "bfloat16" if device.startswith("cuda") or native_bf16() else "float32"
         step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, f"--device={device}", "--vocab_size=65"])
+        dtype = str(resolve_dtype("auto", device.split(":")[0], step.n_embd)[0]).removeprefix("torch.")
         rows = bench_peers.bench_nanogpt(cfg.nanogpt_dir, base.dataset, train_args, device, lambda: {
             r["compile"]: r["ms_per_iter"] for r in bench_train(dataclasses.replace(cfg, dtypes=[dtype]), step,
                                                                   step.model_config(65), device)})
