@@ -139,11 +139,12 @@ def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path: Path) -> None:
 
 
 @COMPILES
-def test_compiling_with_no_cpp_compiler_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiling_with_no_cpp_compiler_is_one_line(tmp_path: Path) -> None:
     out = make_checkpoint(tmp_path, 2)
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", (None, "no-such-compiler"))
-    r = cli(["sample.py", f"--out_dir={out}", "--compile=True", "--max_new_tokens=5"],
-            env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})  # no package to load: one to compile
+    # inductor's own patch: monkeypatch's undo deletes the key from inductor's config, breaking later compiles
+    with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-compiler")}):
+        r = cli(["sample.py", f"--out_dir={out}", "--compile=True", "--max_new_tokens=5"],
+                env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})  # no package to load: one to compile
     assert r.returncode == 2 and r.stderr.splitlines() == [
         "error: compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set CXX), or decode "
         "without compile"]
