@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,19 +130,23 @@ def bf16_speedup(width: int, rows: int = 1024) -> float:
     best of three 20 ms probes each (a training step's products are of this kind)."""
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG be
     x, w = torch.randn(rows, width, generator=gen), torch.randn(width, 4 * width, generator=gen)
-    best = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = x.to(dtype), w.to(dtype)
-        a @ b  # warm-up
-        times = []
-        for _ in range(3):
-            n, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < 0.02:
-                a @ b
-                n += 1
-            times.append((time.perf_counter() - t0) / n)
-        best[dtype] = min(times)
-    return best[torch.float32] / best[torch.bfloat16]
+    seconds = {dtype: seconds_per_call(lambda a=x.to(dtype), b=w.to(dtype): a @ b, probes=3, probe_s=0.02)
+               for dtype in (torch.float32, torch.bfloat16)}
+    return seconds[torch.float32] / seconds[torch.bfloat16]
+
+
+def seconds_per_call(fn: Callable[[], object], probes: int, probe_s: float) -> float:
+    """fn's time per call on this CPU: after one warm-up call, the fastest of `probes` probes, each calling it
+    for probe_s seconds."""
+    fn()
+    times = []
+    for _ in range(probes):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < probe_s:
+            fn()
+            n += 1
+        times.append((time.perf_counter() - t0) / n)
+    return min(times)
 
 
 def autocast(device_type: str, dtype: torch.dtype) -> AbstractContextManager:
@@ -157,15 +162,7 @@ def peak_flops(device: str, dtype: torch.dtype) -> float | None:
     if device != "cpu":
         return None
     a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)  # leaves the global RNG be
-    a @ a  # warm-up
-    rates = []
-    for _ in range(5):
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.05:
-            a @ a
-            n += 1
-        rates.append(2 * 1024**3 * n / (time.perf_counter() - t0))
-    return max(rates)
+    return 2 * 1024**3 / seconds_per_call(lambda: a @ a, probes=5, probe_s=0.05)
 
 
 def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
