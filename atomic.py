@@ -64,3 +64,38 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[None]:
             if created and [p.name for p in folder.iterdir()] == [".lock"]:
                 lock.unlink()
                 folder.rmdir()
+
+
+# What this project writes into a folder, by the file that marks each kind (a run's checkpoint or log, a dataset's
+# meta.json, an export's smallgpt.json): the rule for any command that writes into or replaces a folder.
+KIND_MARKERS = {"a run": ("ckpt.pt", "log.jsonl"), "a dataset": ("meta.json",), "an export": ("smallgpt.json",)}
+
+
+def folder_kind(folder: str | Path) -> str:
+    """What folder holds: 'nothing' (absent or empty), 'a run', 'a dataset', 'an export', or 'other files'."""
+    folder = Path(folder)
+    if not folder.is_dir() or not any(p.name != ".lock" for p in folder.iterdir()):
+        return "nothing"
+    for kind, markers in KIND_MARKERS.items():
+        if any((folder / m).exists() for m in markers):
+            return kind
+    return "other files"
+
+
+def check_replaceable(dest: str | Path, kind: str, keep: tuple[str | Path, ...] = ()) -> bool:
+    """Whether dest may be replaced by a new `kind` ('an export', ...): True when it holds one (written by this
+    project as that kind of thing), False when it is absent or empty. A UserError when it holds anything else, or is
+    (or contains) the working directory or one of the paths in keep: --overwrite never deletes those."""
+    dest = Path(dest).resolve()
+    for path in (Path.cwd(), *map(Path, keep)):
+        path = path.resolve()
+        if path == dest or dest in path.parents:
+            what = "the working directory" if path == Path.cwd().resolve() else str(path)
+            raise UserError(f"{dest} is or contains {what}: choose another destination (nothing was deleted)")
+    held = folder_kind(dest) if not dest.is_file() else "a file"
+    if held == "nothing":
+        return False
+    if held != kind:
+        raise UserError(f"{dest} holds {held}, not {kind} written by this project: --overwrite replaces only {kind}; "
+                        f"choose another destination (nothing was deleted)")
+    return True

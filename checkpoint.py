@@ -21,23 +21,33 @@ import torch
 import hf as hf_formats
 from atomic import atomic_open
 from configurator import UserError, first_line
-from dataset import data_dir, folder_tokenizer, load_tokenizer, open_tokens
+from dataset import data_dir, folder_tokenizer, gpt2_folder_vocab, load_tokenizer, open_tokens
 from model import GPT, GPTConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
 
 
-def check_out_dir(out_dir: Path, need_bytes: int) -> None:
-    """Fail before training, not at the first save, if out_dir is not writable or has too little free space."""
+def size_estimate(model: GPT, optimizer_bytes: int, data_meta: dict) -> int:
+    """The bytes of a checkpoint of model: its weights, the optimizer's state, the dataset's meta (a BPE's whole
+    tokenizer) and a few small things (config, RNG states)."""
+    return sum(p.nbytes for p in model.parameters()) + optimizer_bytes + len(json.dumps(data_meta)) + 2**16
+
+
+def check_out_dir(out_dir: Path, ckpt_bytes: int, keep_last: int = 0) -> None:
+    """Fail before training, not at a save, if out_dir is not writable or has too little free space: at a save the
+    new file is written beside the old one (and the keep_last kept ones), so the run needs room for
+    max(keep_last, 1) + 1 checkpoints, less the one already there."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryFile(dir=out_dir):
         pass
-    free = shutil.disk_usage(out_dir).free
-    if free < need_bytes:
-        raise UserError(f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but a checkpoint needs about "
-                        f"{need_bytes / 2**20:,.1f} MiB: free some space or choose another out_dir")
+    existing = (out_dir / "ckpt.pt").stat().st_size if (out_dir / "ckpt.pt").is_file() else 0
+    need, free = (max(keep_last, 1) + 1) * ckpt_bytes - existing, shutil.disk_usage(out_dir).free
+    if free < need:
+        raise UserError(f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but the run's checkpoints need about "
+                        f"{need / 2**20:,.1f} MiB ({ckpt_bytes / 2**20:,.1f} MiB each, keep_last={keep_last}): free "
+                        f"some space or choose another out_dir")
 
 
 def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, dataset: str) -> None:
@@ -56,6 +66,8 @@ def check_pretrained_tokenizer(init_from: str, meta: dict, dataset: str) -> None
     numbers: GPT-2's on a GPT-2 BPE dataset; a folder's tokenizer (its tokenizer.json, else GPT-2's) must give the
     dataset's own ids for the start of its val split."""
     if init_from in GPT2_NAMES or init_from.startswith("hf:") and not (Path(init_from[3:]) / "tokenizer.json").exists():
+        if init_from.startswith("hf:") and (Path(init_from[3:]) / "config.json").is_file():  # else from_hf says
+            gpt2_folder_vocab(Path(init_from[3:]))  # GPT-2's BPE reads a GPT-2 folder only; any other is refused
         if meta.get("tokenizer") != "gpt2":
             raise UserError(f"{init_from} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
                             f"-level: fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)")
@@ -79,9 +91,13 @@ def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, model_stat
     checkpoint intact. 'model' is model_state (default: model's state_dict); state holds plain data only.
     keep_last > 0 also keeps the file as ckpt-<state's iter_num>.pt beside it, and only the keep_last newest."""
     path = Path(path)
-    with atomic_open(path) as f:
-        torch.save({"model": model.state_dict() if model_state is None else model_state,
-                    "model_config": asdict(model.config), **state}, f)
+    try:
+        with atomic_open(path) as f:
+            torch.save({"model": model.state_dict() if model_state is None else model_state,
+                        "model_config": asdict(model.config), **state}, f)
+    except (OSError, RuntimeError) as e:  # torch's writer says a full disk as a RuntimeError
+        raise UserError(f"cannot write checkpoint {path} ({first_line(e)}): the disk may be full; any previous "
+                        f"checkpoint is kept: free some space and resume with --init_from=resume") from e
     if keep_last:
         kept = path.with_name(f"ckpt-{state['iter_num']:07d}.pt")
         kept.unlink(missing_ok=True)
@@ -173,6 +189,7 @@ def from_hf(name_or_path: str) -> GPT:
         if not (folder / "config.json").is_file():
             raise UserError(f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved by "
                             f"save_pretrained, or one of {', '.join(GPT2_NAMES)}")
+        hf_formats.check_weights(folder)  # a truncated copy: one line naming the file
         try:
             kind = json.loads((folder / "config.json").read_text()).get("model_type")
         except (ValueError, AttributeError):

@@ -8,7 +8,9 @@ UserError is what every module raises for a mistake the user fixes; run_cli prin
 import ast
 import dataclasses
 import difflib
+import math
 import os
+import re
 import sys
 import traceback
 import types
@@ -24,6 +26,22 @@ class UserError(Exception):
     """A mistake the user can fix (a config value, a missing file, no network), said in one line: what happened,
     why, and what to do. Scripts print it as `error: ...` and exit 2; any other exception keeps its traceback."""
 
+
+def _quiet_interrupt(hook: Callable) -> Callable:
+    """sys.excepthook that says a Ctrl-C in one line (what run_cli says) and leaves other exceptions to hook."""
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: types.TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr)
+        else:
+            hook(kind, value, tb)
+
+    return excepthook
+
+
+# Every script imports this module before torch, so a Ctrl-C while the libraries import (a second or two) ends in
+# one line, not a traceback through them; run_cli handles the rest. It changes nothing that catches the interrupt.
+sys.excepthook = _quiet_interrupt(sys.excepthook)
 
 # What run_cli reports in one line: the project's UserError, and OSError, the operating system refusing a path the
 # user gave (missing, unreadable, unwritable, full).
@@ -52,12 +70,19 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
                 pass
     elif origin in (list, tuple) and args:
         items = value
+        quoted = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        if raw is not None and args[0] is str and not quoted:  # a list of text, as typed: --tags=[1,2e3]
+            value = raw
         if isinstance(value, str):  # --tags=a,b or --methods=[a,b]
             items = [v.strip() for v in value.removeprefix("[").removesuffix("]").split(",") if v.strip()]
         elif not isinstance(value, list | tuple):
             items = [value]  # --kv_heads=3: a list of one
         try:
-            return [_coerce(key, v, args[0], source, None) for v in items]
+            if origin is tuple and Ellipsis not in args:  # a fixed-size tuple, e.g. (n_layer, n_embd)
+                if len(items) == len(args):
+                    return [_coerce(key, v, hint, source, None) for v, hint in zip(items, args, strict=True)]
+            else:
+                return [_coerce(key, v, args[0], source, None) for v in items]
         except UserError:
             pass
     elif hint is bool:
@@ -67,10 +92,10 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
             return value.lower() == "true"
     elif hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _in_range(key, value, source)
     elif hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            return _in_range(key, float(value), source)
     elif hint is str:
         if raw is not None:  # from the command line: the text as typed, unless it was a quoted literal
             return value if isinstance(value, str) else raw
@@ -79,6 +104,28 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
     name = expected or _name(hint)
     raise UserError(f"{key}={raw if raw is not None else repr(value)} (from {source}) has the wrong type: "
                     f"expected {name}, got {type(value).__name__}")
+
+
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX, FLOAT32_ZERO = 3.4028234663852886e38, 2.0**-150  # the largest float32; what rounds to its zero
+NON_DECIMAL = re.compile(r"(?<![\w.])[-+]?0[xob]", re.IGNORECASE)
+
+
+def _in_range(key: str, value: int | float, source: str) -> int | float:
+    """value if the type it ends up in holds it: ints are int64 in torch and numpy, floats at least float32 (model
+    tensors, learning rates in fp32 optimizer state); else a UserError."""
+    if isinstance(value, int):
+        if abs(value) > INT64_MAX:
+            raise UserError(f"{key}={value} (from {source}) does not fit a 64-bit integer (at most {INT64_MAX:,})")
+        return value
+    if not math.isfinite(value):
+        raise UserError(f"{key}={value} (from {source}) must be a finite number")
+    if abs(value) > FLOAT32_MAX or 0 < abs(value) <= FLOAT32_ZERO:
+        large = abs(value) > 1
+        raise UserError(f"{key}={value} (from {source}) is too {'large' if large else 'small'} for float32, the "
+                        f"precision it is used in (it would become {'infinity' if large else 'zero'}): give a size "
+                        f"between 1.5e-45 and 3.4e38, or 0")
+    return value
 
 
 def _name(hint: Any) -> str:
@@ -145,6 +192,8 @@ def given_values(cls: type, argv: list[str]) -> dict[str, Any]:
             try:
                 value = ast.literal_eval(raw)
             except (ValueError, SyntaxError):
+                value = raw
+            if NON_DECIMAL.search(raw):  # 0x64 is 100 to Python; here a number is decimal, 0x64 is text
                 value = raw
             items, source, raws = {key: value}, f"flag {arg}", {key: raw}
         else:

@@ -8,10 +8,15 @@ dataset: `python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=c
 --vocab_size=N).
 """
 
+# configurator first: a Ctrl-C while torch imports is then one line, not a traceback
+from configurator import UserError, run_cli
+
+# isort: split
 import base64
 import json
 import os
 import re
+import sys
 import unicodedata
 import urllib.request
 from collections.abc import Iterator
@@ -23,7 +28,6 @@ import numpy as np
 import torch
 
 from atomic import atomic_open
-from configurator import UserError, run_cli
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
 GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
@@ -79,14 +83,31 @@ def load_meta(path: Path) -> dict:
         meta = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
-    if not isinstance(meta, dict) or not isinstance(meta.get("vocab_size"), int) or meta.get("dtype") not in (
-            "uint16", "uint32"):
-        raise UserError(f"{file} lacks an int vocab_size and a dtype uint16 or uint32; prepare the dataset again")
+    if problems := meta_problems(meta):
+        raise UserError(f"{file} is damaged or not a dataset's meta ({'; '.join(problems)}): prepare the dataset again")
     if meta.get("tokenizer") == "bpe":  # the tokenizer travels with the meta (into checkpoints, to export.py)
         if not (path / BPE_FILE).is_file():
             raise UserError(f"{path / BPE_FILE} is missing (the dataset's BPE tokenizer); prepare the dataset again")
         meta["bpe"] = (path / BPE_FILE).read_text(encoding="utf-8")
     return meta
+
+
+def meta_problems(meta: object) -> list[str]:
+    """What is missing or wrong in a dataset's meta.json: the fields that reading its tokens relies on."""
+    if not isinstance(meta, dict):
+        return ["not a JSON object"]
+    counts = ("vocab_size", "train_tokens", "val_tokens")
+    problems = [f"{k} is {meta.get(k)!r}, not a whole number" for k in counts
+                if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool) or meta[k] < 0]
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        problems.append(f"dtype is {meta.get('dtype')!r}, not uint16 or uint32")
+    elif isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
+        problems.append(f"vocab_size {meta['vocab_size']} does not fit {meta['dtype']}")
+    if meta.get("tokenizer") not in ("char", "gpt2", "bpe"):
+        problems.append(f"tokenizer is {meta.get('tokenizer')!r}, not char, gpt2 or bpe")
+    elif meta["tokenizer"] == "char" and not isinstance(meta.get("chars"), list):
+        problems.append("a char dataset without its list of chars")
+    return problems
 
 
 def vocab_size_of(dataset: str) -> int | None:
@@ -101,10 +122,11 @@ def open_tokens(path: Path, split: str, meta: dict) -> np.memmap:
         raise UserError(f"{file} is missing; prepare the dataset again")
     dtype = np.dtype(meta["dtype"])
     size = file.stat().st_size
-    expected = meta.get(f"{split}_tokens")
-    if size % dtype.itemsize or (expected is not None and size != expected * dtype.itemsize):
-        raise UserError(f"{file} has {size} bytes, expected {expected} tokens of {dtype.name}: the file is truncated "
-                        f"or of another dtype; prepare the dataset again")
+    expected = meta[f"{split}_tokens"]
+    if size != expected * dtype.itemsize:
+        raise UserError(f"{file} has {size:,} bytes, but meta.json says {expected:,} tokens of {dtype.name} "
+                        f"({expected * dtype.itemsize:,} bytes): the file is truncated or from another preparation; "
+                        f"prepare the dataset again")
     return np.memmap(file, dtype=dtype, mode="r")
 
 
@@ -116,18 +138,29 @@ class Batches:
     def __init__(self, path: Path, block_size: int, batch_size: int, seed: int, device: str) -> None:
         self.path, self.block_size, self.batch_size, self.seed, self.device = path, block_size, batch_size, seed, device
         self.meta = load_meta(path)
+        self.stamps = {}  # each split's file as this run first read it: another preparation replaces the file
         for split in ("train", "val"):
             n = len(open_tokens(path, split, self.meta))
             if n <= block_size:
                 raise UserError(f"the {split} split of {path} has {n} tokens, fewer than block_size+1="
                                 f"{block_size + 1}; lower block_size or use more data")
+            self.stamps[split] = stamp(path / f"{split}.bin")
 
     def get(self, split: str, *key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        file = self.path / f"{split}.bin"
+        if stamp(file) != self.stamps[split]:
+            raise UserError(f"{file} was replaced while this run read it (the dataset was prepared again): its "
+                            f"tokens are no longer the ones the run started on; resume it on the new data "
+                            f"(--init_from=resume) or restart it")
         data = open_tokens(self.path, split, self.meta)  # a fresh memmap each time avoids a slow memory build-up
         rng = np.random.default_rng([self.seed, *key])
         T = self.block_size
         ix = rng.integers(0, len(data) - T, size=self.batch_size)
-        buf = torch.from_numpy(np.stack([data[i:i + T + 1] for i in ix]).astype(np.int64))  # (B, T + 1)
+        ids = np.stack([data[i:i + T + 1] for i in ix])  # (B, T + 1)
+        if (top := int(ids.max())) >= self.meta["vocab_size"]:  # an embedding lookup would fail with no file named
+            raise UserError(f"{file} holds token id {top}, beyond the vocab_size {self.meta['vocab_size']} of its "
+                            f"meta.json: the file is damaged or from another tokenizer; prepare the dataset again")
+        buf = torch.from_numpy(ids.astype(np.int64))
         if self.device.startswith("cuda"):
             buf = buf.pin_memory().to(self.device, non_blocking=True)
         return buf[:, :-1], buf[:, 1:]
@@ -137,6 +170,12 @@ class Batches:
 
     def eval(self, split: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # the same batches at every eval
         return self.get(split, 1, ("train", "val").index(split), k)
+
+
+def stamp(file: Path) -> tuple[int, int, int]:
+    """What tells one version of a file from the next: its inode, size and modification time."""
+    st = file.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
@@ -217,8 +256,12 @@ class HFTokenizer:
             self.char_byte = {c: b for b, c in bytes_to_unicode().items()}
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        if (back := self.decode(ids)) != text:  # a word-level (char) tokenizer maps what it lacks to its unk token
+        try:
+            ids = self.tok.encode(text, add_special_tokens=False).ids
+            back = self.decode(ids)
+        except Exception:  # tokenizers raises a plain Exception: export.py's char-level one for a character it lacks
+            ids, back = [], "".join(c for c in text if self.tok.token_to_id(c) is not None)
+        if back != text:  # older exports mapped what they lack to a real token
             raise UserError(f"characters not in the tokenizer's vocabulary: {''.join(sorted(set(text) - set(back)))!r}")
         return ids
 
@@ -321,9 +364,35 @@ def encode_prompt(tok: "CharTokenizer | HFTokenizer | object", text: str) -> lis
 
 
 def folder_tokenizer(name_or_path: str) -> "HFTokenizer | object":
-    """The tokenizer of a Hugging Face model folder (its tokenizer.json, as export.py writes), else GPT-2's."""
-    file = Path(name_or_path) / BPE_FILE
-    return HFTokenizer(file.read_text()) if file.is_file() else gpt2_encoding()
+    """The tokenizer of a Hugging Face model folder (its tokenizer.json, as export.py writes); GPT-2's BPE for a hub
+    name, or for a GPT-2 folder without one whose embeddings hold GPT-2's tokens (said on stderr)."""
+    folder = Path(name_or_path)
+    if (folder / BPE_FILE).is_file():
+        return HFTokenizer((folder / BPE_FILE).read_text())
+    if not folder.is_dir():  # a hub name ('gpt2', ...)
+        return gpt2_encoding()
+    vocab_size, enc = gpt2_folder_vocab(folder), gpt2_encoding()
+    if vocab_size < enc.n_vocab:
+        raise UserError(f"{folder} has no {BPE_FILE}, and its GPT-2 model's vocab_size={vocab_size} is below GPT-2's "
+                        f"{enc.n_vocab} tokens: save the model's tokenizer there (tokenizer.save_pretrained)")
+    print(f"note: {folder} has no {BPE_FILE}: its text is read as GPT-2's BPE, as its config.json is a GPT-2 "
+          f"model's (model_type gpt2, vocab_size {vocab_size})", file=sys.stderr)
+    return enc
+
+
+def gpt2_folder_vocab(folder: Path) -> int:
+    """The vocab_size of a folder without tokenizer.json whose config.json is a GPT-2 model's (GPT-2's BPE then reads
+    its text); any other such folder is refused in one line, never read as GPT-2's BPE."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    config = config if isinstance(config, dict) else {}
+    if config.get("model_type") != "gpt2" or not isinstance(config.get("vocab_size"), int):
+        raise UserError(f"{folder} has no {BPE_FILE} (the tokenizer), and its config.json is not a GPT-2 model's "
+                        f"(model_type {config.get('model_type')!r}), which GPT-2's BPE would read: save the model's "
+                        f"tokenizer there (tokenizer.save_pretrained), or export the run again with export.py")
+    return config["vocab_size"]
 
 
 def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction: float = 0.1,
@@ -345,6 +414,9 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
         if vocab_size is None:
             raise UserError("tokenizer='bpe' needs --vocab_size=N, the number of tokens to train")
         tok = train_bpe(text, vocab_size)
+        if tok.n_vocab < vocab_size:  # BPE stops when no pair of tokens is left to merge
+            print(f"note: the text allows only {tok.n_vocab:,} BPE tokens, not the {vocab_size:,} asked for: the "
+                  f"dataset's vocab_size is {tok.n_vocab:,} (more text makes more merges possible)")
         ids, meta = tok.encode_array(text), {"tokenizer": "bpe", "vocab_size": tok.n_vocab, "bpe": tok.tok.to_str()}
     else:
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char', 'gpt2' or 'bpe'")

@@ -93,6 +93,15 @@ class Chain(torch.optim.Optimizer):
         self.param_groups = [g for o in self.optimizers for g in o.param_groups]  # loading made new group dicts
 
 
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the state the optimizer will hold once it has stepped: AdamW two moments a parameter, Muon one
+    momentum (for the checkpoint's size, before the first step)."""
+    if isinstance(optimizer, Chain):
+        return sum(state_bytes(o) for o in optimizer.optimizers)
+    slots = 1 if isinstance(optimizer, Muon) else 2
+    return sum(slots * p.nbytes for group in optimizer.param_groups for p in group["params"])
+
+
 def make_optimizer(model: GPT, kind: str, weight_decay: float, learning_rate: float, betas: tuple[float, float],
                    device: str, muon_lr: float) -> torch.optim.Optimizer:
     """'adamw': GPT.configure_optimizers; 'muon': Muon (at muon_lr, no weight decay; orthogonalising in bf16 where

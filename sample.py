@@ -4,6 +4,10 @@
 left-padded batch. A single sample streams to the terminal; timings go to stderr.
 """
 
+# configurator first: a Ctrl-C while torch imports is then one line, not a traceback
+from configurator import UserError, run_cli
+
+# isort: split
 import re
 import sys
 import time
@@ -14,7 +18,6 @@ from typing import Any
 import torch
 
 from checkpoint import GPT2_NAMES, from_hf, load_checkpoint, model_from_checkpoint, run_config
-from configurator import UserError, run_cli
 from dataset import data_dir, encode_prompt, folder_tokenizer, load_meta, load_tokenizer, read_text
 from generation import check_sampling, left_pad, stream_text
 from model import GPT

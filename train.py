@@ -4,11 +4,15 @@ Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
 """
 
+# configurator first: a Ctrl-C while torch imports is then one line, not a traceback
+from configurator import UserError, build, checked_values, given_values, print_config, run_cli, with_fields_of
+
+# isort: split
 import math
 import signal
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -18,11 +22,12 @@ import checkpoint
 import runtime
 import sharding
 from atomic import folder_lock
-from configurator import UserError, build, checked_values, given_values, print_config, run_cli, with_fields_of
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
-from optim import lr_at, make_optimizer
+from optim import lr_at, make_optimizer, state_bytes
 from runlog import RunLog
+
+PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # the model keys a run gives GPT-2's or a folder's weights
 
 
 @with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False, vocab_size=None)
@@ -44,7 +49,7 @@ class TrainConfig:
     # restarts, e.g. torchrun --max-restarts), 'convert:<ckpt or out_dir>' (another run's model with its K/V
     # heads made n_kv_head by convert_method: MHA -> GQA/MQA uptraining), OpenAI's GPT-2: 'gpt2', 'gpt2-medium',
     # 'gpt2-large', 'gpt2-xl', or 'hf:<local folder>' (GPT-2, or export.py's Starcoder2/GPTBigCode) (model keys other
-    # than dropout, block_size, n_kv_head ignored)
+    # than PRETRAINED_KEYS refused: the weights decide the model)
     init_from: str = "scratch"
     convert_method: str = "mean"  # each group's K/V head: the 'mean' of its heads, the 'first' of them, or 'random'
     # logging: wandb honours WANDB_MODE (online, offline, disabled); out_dir/log.jsonl is always written
@@ -97,6 +102,8 @@ class TrainConfig:
         if not named and not self.init_from.startswith(("convert:", "hf:")):
             problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'auto', 'convert:<checkpoint>',"
                             f" {', '.join(checkpoint.GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
+        elif self.init_from in ("convert:", "hf:"):
+            problems.append(f"init_from={self.init_from!r} names no folder: give {self.init_from}<folder>")
         if self.convert_method not in (methods := checkpoint.CONVERT_METHODS):
             problems.append(f"convert_method={self.convert_method!r} must be one of {', '.join(methods)}")
         if self.parallel not in ("ddp", "fsdp"):
@@ -235,6 +242,8 @@ class Trainer:
         checkpoint.check_pretrained_tokenizer(cfg.init_from, self.batches.meta, cfg.dataset)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
         self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype, ckpt)
+        if cfg.init_from in checkpoint.GPT2_NAMES or cfg.init_from.startswith("hf:"):  # recorded as trained
+            self.cfg = cfg = replace(cfg, **asdict(self.raw_model.config))
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta,
                                     ckpt and ckpt.get("data_meta"), cfg.dataset)
 
@@ -278,8 +287,8 @@ class Trainer:
     def start_log(self) -> RunLog:
         """Check out_dir, print the config and the model, and open the run log (rank 0 only)."""
         cfg, d, model_cfg = self.cfg, self.d, self.raw_model.config
-        # a checkpoint holds the weights and AdamW's two moments (and a few small things)
-        checkpoint.check_out_dir(Path(cfg.out_dir), 3 * sum(p.nbytes for p in self.raw_model.parameters()) + 2**20)
+        size = checkpoint.size_estimate(self.raw_model, state_bytes(self.optimizer), self.batches.meta)
+        checkpoint.check_out_dir(Path(cfg.out_dir), size, cfg.keep_last)
         resumed = "; keys not given: the resumed run's" if self.iter_num else ""
         procs = f"{d.world_size} process{'es' if d.world_size > 1 else ''}"
         print(f"config ({procs}, {d.device}, {self.dtype}: {self.dtype_why}{resumed}):")
@@ -410,8 +419,13 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict | None]:
     that checkpoint too (None if none), for load_model: it is read once."""
     given = given_values(TrainConfig, argv)
     default = {f.name: f.default for f in fields(TrainConfig)}
-    ckpt, stored, source = checkpoint.start_from(given.get("init_from", default["init_from"]),
-                                                 given.get("out_dir", default["out_dir"]))
+    init_from = given.get("init_from", default["init_from"])
+    if init_from in checkpoint.GPT2_NAMES or init_from.startswith("hf:"):
+        fixed = [f"--{k}" for k in given if k in GPTConfig.__dataclass_fields__ and k not in PRETRAINED_KEYS]
+        if fixed:  # the model is the weights' own: a shape key would be recorded but not trained
+            raise UserError(f"init_from={init_from} trains its weights' own model: drop {', '.join(fixed)} (of the "
+                            f"model keys only {', '.join(PRETRAINED_KEYS)} apply to pretrained weights)")
+    ckpt, stored, source = checkpoint.start_from(init_from, given.get("out_dir", default["out_dir"]))
     given = checked_values(TrainConfig, {k: v for k, v in stored.items() if k in default}, source) | given
     return build(TrainConfig, given), ckpt
 

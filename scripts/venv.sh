@@ -1,9 +1,9 @@
-# Sourced by the other scripts: create or reuse .venv, (re)install the given requirement files when they change,
-# and put the venv first on PATH.
+# Sourced by the other scripts: create or reuse .venv, (re)install the given requirement files (at the versions of
+# constraints.txt) when they or the constraints change, and put the venv first on PATH.
 venv_setup() {
     [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
     local want stamp=.venv/.requirements.sha1
-    want=$(cat "$@" | sha1sum)
+    want=$(cat "$@" constraints.txt | sha1sum)
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         echo "installing $* into .venv ..."
         # A bare 'torch' may resolve to a multi-GB CUDA build; pin the tested release unless torch is already there.
@@ -11,7 +11,8 @@ venv_setup() {
             .venv/bin/pip install -q --no-compile "${TORCH_SPEC:-torch==2.13.0}"
         local reqs=()
         for f in "$@"; do reqs+=(-r "$f"); done
-        .venv/bin/pip install -q --no-compile "${reqs[@]}"
+        # constraints.txt: the versions the suite passed with (a new release is a tested change, not a surprise)
+        .venv/bin/pip install -q --no-compile -c constraints.txt "${reqs[@]}"
         # pip byte-compiles on one core; compileall on all of them (~30 s less on 2 cores), leaving out the
         # packages' own test folders (~12 s more). It fails on the few files written for a newer Python (as pip's
         # own pass does, which ignores them).

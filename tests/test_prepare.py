@@ -1,6 +1,7 @@
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,7 +95,7 @@ def test_truncated_or_wrong_dtype_token_file_is_detected(tmp_path: Path, damage:
     f = tmp_path / "d" / "train.bin"
     ids = open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))
     f.write_bytes(ids.tobytes()[:-3] if damage == "truncated" else ids.astype(np.int32).tobytes())
-    with pytest.raises(UserError, match="truncated or of another dtype"):
+    with pytest.raises(UserError, match="truncated or from another preparation"):
         open_tokens(tmp_path / "d", "train", load_meta(tmp_path / "d"))
 
 
@@ -167,11 +168,18 @@ def test_unusable_text_is_one_line_and_writes_nothing(tmp_path: Path, content: b
     assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "d" / "meta.json").exists()
 
 
-@pytest.mark.parametrize(("meta", "message"), [([1, 2], "lacks an int vocab_size"),
-                                               ({"tokenizer": "char", "vocab_size": 3}, "a dtype uint16 or uint32")])
+@pytest.mark.parametrize(("meta", "message"), [
+    ([1, 2], "not a JSON object"),
+    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"], "train_tokens": 9, "val_tokens": 1},
+     "dtype is None, not uint16 or uint32"),
+    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"], "dtype": "uint16"},  # no counts
+     "train_tokens is None, not a whole number; val_tokens is None"),
+    ({"tokenizer": "bpe?", "vocab_size": 70000, "dtype": "uint16", "train_tokens": 9, "val_tokens": 1},
+     "vocab_size 70000 does not fit uint16; tokenizer is 'bpe?'"),
+])
 def test_malformed_meta_json_is_one_line(tmp_path: Path, meta: object, message: str) -> None:
     (tmp_path / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=re.escape(message)):
         load_meta(tmp_path)
 
 

@@ -177,7 +177,8 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(pycode_sma
 
 def test_out_dir_without_room_for_a_checkpoint_fails_up_front(tmp_path: Path) -> None:
     check_out_dir(tmp_path / "ok", 1)
-    with pytest.raises(UserError, match=r"MiB free, but a checkpoint needs about .* MiB: free some space"):
+    with pytest.raises(UserError, match=r"MiB free, but the run's checkpoints need about .* MiB \(.* MiB each, "
+                                        r"keep_last=0\): free some space"):
         check_out_dir(tmp_path / "ok", 2**62)
 
 

@@ -12,9 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
 
+from configurator import run_cli  # noqa: E402  (first: a Ctrl-C while the libraries import is then one line)
+
+# isort: split
 from tqdm import tqdm  # noqa: E402
 
-from configurator import run_cli  # noqa: E402
 from dataset import CharTokenizer, split_ids, write_dataset  # noqa: E402
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
