@@ -99,3 +99,13 @@ def check_replaceable(dest: str | Path, kind: str, keep: tuple[str | Path, ...] 
         raise UserError(f"{dest} holds {held}, not {kind} written by this project: --overwrite replaces only {kind}; "
                         f"choose another destination (nothing was deleted)")
     return True
+
+
+def check_writes_into(folder: str | Path, kind: str, writes: tuple[str, ...]) -> None:
+    """A command that writes `kind` (its files `writes`) into folder goes on only where the folder holds nothing, the
+    same kind, or other files none of which it would replace; else a UserError (nothing was written)."""
+    held = folder_kind(folder)
+    clobbered = [name for name in writes if (Path(folder) / name).exists()]
+    if held not in ("nothing", kind) and (held != "other files" or clobbered):
+        what = f"; its {', '.join(clobbered)} would be replaced" if clobbered else ""
+        raise UserError(f"{folder} holds {held}, not {kind}{what}: choose another folder (nothing was written)")

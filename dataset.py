@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from atomic import atomic_open
+from atomic import atomic_open, check_writes_into
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
 GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
@@ -51,6 +51,7 @@ def writing_dataset(out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.b
     leaves a dataset in out_dir as it was; a folder without meta.json is never taken as complete (load_meta)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder: choose another --out_dir")
+    check_writes_into(out_dir, "a dataset", (*names, "meta.json"))  # e.g. not into a run or an export
     out_dir.mkdir(parents=True, exist_ok=True)
     meta: dict = {}
     with ExitStack() as stack:  # the temp files are renamed when it closes, after meta.json is gone

@@ -84,8 +84,10 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
            ) -> tuple[list[str], int, list[tuple[float, int]]]:
     """Each row's new text (generation.stream_text; a batch of one row streams to stdout instead and keeps none),
     the number of tokens decoded, and the seconds since the start and the tokens so far after the first step, the
-    second and the last (memory does not grow with max_new_tokens)."""
-    B, texts, n_tokens, t0, times = idx.size(0), [""] * idx.size(0), 0, time.perf_counter(), []
+    longest step after it (where a step compiles) and the last (memory does not grow with max_new_tokens)."""
+    B, texts, n_tokens, t0 = idx.size(0), [""] * idx.size(0), 0, time.perf_counter()
+    first = ready = last = None  # (seconds, tokens so far) after the first step, the longest after it, the last
+    longest = 0.0
     gen = torch.Generator(idx.device).manual_seed(cfg.seed)
     for pieces in stream_text(model, tok, idx, cfg.max_new_tokens, cfg.stop, temperature=cfg.temperature,
                               top_k=cfg.top_k, top_p=cfg.top_p, use_cache=cfg.kv_cache, pad=pad, generator=gen,
@@ -95,8 +97,11 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
             print(pieces[0] or "", end="", flush=True)
         else:
             texts = [text + (p or "") for text, p in zip(texts, pieces, strict=True)]
-        times[min(len(times), 2):] = [(time.perf_counter() - t0, n_tokens)]
-    return texts, n_tokens, times
+        now = (time.perf_counter() - t0, n_tokens)
+        if last is not None and now[0] - last[0] > longest:
+            longest, ready = now[0] - last[0], now
+        first, last = first or now, now
+    return texts, n_tokens, [t for t in (first, ready, last) if t is not None]
 
 
 def main(cfg: SampleConfig) -> None:
@@ -137,9 +142,10 @@ def main(cfg: SampleConfig) -> None:
     elapsed, prefill_s = (times[-1][0], times[0][0]) if times else (0.0, 0.0)
     speed = f"{n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill {prefill_s * 1000:.1f} ms"
     if cfg.compile and device == "cpu" and cfg.kv_cache and not pad.any() and n_new >= 4:  # step 2 compiles
-        ready_s, ready_n = times[1]
-        rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
-        speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"
+        ready_s, ready_n = times[1]  # the end of the longest step: the compile
+        if n_new > ready_n:
+            rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
+            speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"
     print(f"{n_new} tokens in {elapsed:.2f} s ({speed}), batch {B}, {mc.attention_kind} (n_kv_head={mc.n_kv_head}), "
           f"KV cache {kv * cfg.kv_cache:,} bytes, {dtype}", file=sys.stderr)
 

@@ -21,12 +21,13 @@ import torch.distributed as dist
 import checkpoint
 import runtime
 import sharding
-from atomic import folder_lock
+from atomic import check_writes_into, folder_lock
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
 from optim import lr_at, make_optimizer, state_bytes
 from runlog import RunLog
 
+RUN_FILES = ("ckpt.pt", "log.jsonl", "config.json")  # what a run writes into out_dir (and wandb/, ckpt-*.pt)
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # the model keys a run gives GPT-2's or a folder's weights
 
 
@@ -431,6 +432,7 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict | None]:
 
 
 def main(cfg: TrainConfig, ckpt: dict | None = None) -> None:
+    check_writes_into(cfg.out_dir, "a run", RUN_FILES)  # e.g. not into a dataset or an export
     d = runtime.setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
     try:
         with folder_lock(cfg.out_dir, "train.py") if d.rank == 0 else nullcontext():  # one run in out_dir at a time

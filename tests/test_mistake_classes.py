@@ -205,3 +205,35 @@ def test_a_bpe_vocabulary_the_text_cannot_fill_is_said(tmp_path: Path) -> None:
     vocab = json.loads((tmp_path / "d" / "meta.json").read_text())["vocab_size"]
     assert vocab < 5000 and f"the text allows only {vocab:,} BPE tokens, not the 5,000 asked for" in r.stdout
     assert os.path.getsize(tmp_path / "d" / "train.bin") > 0
+
+
+def test_the_decode_summary_finds_the_step_that_compiled_wherever_it_falls() -> None:
+    """The compiled step's 'ready after' is the end of the longest step, not the second (a compile that ran at a later
+    step was reported as 'ready after 0.46 s, then 0 tok/s')."""
+    from dataset import CharTokenizer
+    from sample import SampleConfig, decode
+
+    model, calls = tiny_model(), []
+    model.register_forward_pre_hook(lambda *_: calls.append(1) or time.sleep(0.4 if len(calls) == 6 else 0))
+    tok = CharTokenizer([chr(33 + i) for i in range(61)])
+    cfg = SampleConfig(max_new_tokens=20, temperature=0, device="cpu")
+    _, n_new, times = decode(model, tok, torch.tensor([[1, 2, 3]]), None, cfg)
+    (first_s, first_n), (ready_s, ready_n), (last_s, last_n) = times
+    assert (first_n, ready_n, last_n, n_new) == (1, 6, 20, 20) and ready_s - first_s >= 0.4 and last_s >= ready_s
+
+
+def test_no_command_writes_into_a_folder_of_another_kind(pycode_small: Path, tmp_path: Path) -> None:
+    """train.py into a dataset, or over a folder's own config.json; dataset.py into a run: refused, nothing written."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}')
+    train = ["train.py", f"--dataset={pycode_small}", *TINY_TRAIN, "--max_iters=2", "--eval_interval=2"]
+    one_line(cli([*train, f"--out_dir={pycode_small}"]), f"{pycode_small} holds a dataset, not a run: choose another")
+    one_line(cli([*train, f"--out_dir={mine}"]), f"{mine} holds other files, not a run; its config.json would be "
+                                                 f"replaced")
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json"] and "ckpt.pt" not in os.listdir(pycode_small)
+    run([*train, f"--out_dir={tmp_path / 'run'}", "--eval_iters=1"])
+    (tmp_path / "in.txt").write_text("hello world " * 100)
+    one_line(cli(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={tmp_path / 'run'}"]),
+             f"{tmp_path / 'run'} holds a run, not a dataset")
+    assert not (tmp_path / "run" / "meta.json").exists()
