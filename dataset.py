@@ -9,7 +9,7 @@ dataset: `python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=c
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
-from configurator import UserError, run_cli
+from configurator import UserError, first_line, run_cli
 
 # isort: split
 import base64
@@ -106,8 +106,13 @@ def meta_problems(meta: object) -> list[str]:
         problems.append(f"vocab_size {meta['vocab_size']} does not fit {meta['dtype']}")
     if meta.get("tokenizer") not in ("char", "gpt2", "bpe"):
         problems.append(f"tokenizer is {meta.get('tokenizer')!r}, not char, gpt2 or bpe")
-    elif meta["tokenizer"] == "char" and not isinstance(meta.get("chars"), list):
-        problems.append("a char dataset without its list of chars")
+    elif meta["tokenizer"] == "char":
+        chars = meta.get("chars")
+        if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+            problems.append("a char dataset without its list of characters")
+        elif len(set(chars)) != len(chars) or len(chars) != meta.get("vocab_size"):
+            problems.append(f"{len(chars)} characters ({len(set(chars))} distinct) for vocab_size "
+                            f"{meta.get('vocab_size')}")
     return problems
 
 
@@ -244,10 +249,14 @@ class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer (a 'bpe' dataset's, or an exported folder's tokenizer.json) with the
     interface sample.py uses of tiktoken's: encode, decode, decode_bytes, eot_token, n_vocab."""
 
-    def __init__(self, tokenizer_json: str) -> None:
+    def __init__(self, tokenizer_json: str, source: str = "the dataset's tokenizer.json") -> None:
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_str(tokenizer_json)
+        try:
+            self.tok = Tokenizer.from_str(tokenizer_json)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
+            raise UserError(f"{source} is damaged or not a tokenizers file ({first_line(e)}): prepare the dataset "
+                            f"again, or export the model again") from e
         self.eot_token = self.tok.token_to_id(EOT)
         self.n_vocab = self.tok.get_vocab_size()
         self.byte_level = type(self.tok.decoder).__name__ == "ByteLevel"

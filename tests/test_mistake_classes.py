@@ -237,3 +237,15 @@ def test_no_command_writes_into_a_folder_of_another_kind(pycode_small: Path, tmp
     one_line(cli(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={tmp_path / 'run'}"]),
              f"{tmp_path / 'run'} holds a run, not a dataset")
     assert not (tmp_path / "run" / "meta.json").exists()
+
+
+def test_a_damaged_bpe_tokenizer_file_is_one_line_naming_it(tmp_path: Path) -> None:
+    from dataset import load_tokenizer
+
+    (tmp_path / "in.txt").write_text("abc abd abe " * 50)
+    run(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={tmp_path / 'd'}", "--tokenizer=bpe",
+         "--vocab_size=270"])
+    text = (tmp_path / "d" / "tokenizer.json").read_text()
+    (tmp_path / "d" / "tokenizer.json").write_text(text[: len(text) // 2])  # cut short
+    with pytest.raises(UserError, match=r"the dataset's tokenizer.json is damaged or not a tokenizers file \("):
+        load_tokenizer(load_meta(tmp_path / "d"))

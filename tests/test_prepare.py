@@ -174,6 +174,10 @@ def test_unusable_text_is_one_line_and_writes_nothing(tmp_path: Path, content: b
      "dtype is None, not uint16 or uint32"),
     ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"], "dtype": "uint16"},  # no counts
      "train_tokens is None, not a whole number; val_tokens is None"),
+    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "a", "bc"], "dtype": "uint16", "train_tokens": 9,
+      "val_tokens": 1}, "a char dataset without its list of characters"),
+    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "a", "b"], "dtype": "uint16", "train_tokens": 9,
+      "val_tokens": 1}, "3 characters (2 distinct) for vocab_size 3"),
     ({"tokenizer": "bpe?", "vocab_size": 70000, "dtype": "uint16", "train_tokens": 9, "val_tokens": 1},
      "vocab_size 70000 does not fit uint16; tokenizer is 'bpe?'"),
 ])
