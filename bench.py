@@ -10,6 +10,10 @@
 The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig steer the bench.
 """
 
+# configurator first: a Ctrl-C while torch imports is then one line, not a traceback
+from configurator import UserError, parse_config, run_cli, split_args
+
+# isort: split
 import copy
 import dataclasses
 import json
@@ -25,7 +29,6 @@ import bench_peers
 import runtime
 import sharding
 from checkpoint import load_checkpoint, model_from_checkpoint, run_config
-from configurator import UserError, parse_config, run_cli, split_args
 from dataset import Batches, data_dir, vocab_size_of
 from fast_paths import Linear
 from measure import default_kv_heads, step_ms, table, timed_decode

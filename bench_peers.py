@@ -254,6 +254,8 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
     model = model_from_checkpoint(ckpt).float().eval()
     meta = ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
+    hf_tok = hf.tokenizer(meta)
+    hf.check_gguf_vocabulary(hf_tok)  # before any decoding: a char-level run has no GGUF
     tok, c = load_tokenizer(meta), model.config
     ids = tok.encode(prompt)
     n = min(new_tokens, c.block_size - len(ids))  # llama.cpp slides no window: stay within the positions
@@ -262,7 +264,7 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     ours = tok.decode(ids + new)
     with tempfile.TemporaryDirectory() as tmp:
         gguf = Path(tmp) / "model.gguf"
-        hf.to_gguf(model, hf.tokenizer(meta), gguf, llama_cpp, "f32")
+        hf.to_gguf(model, hf_tok, gguf, llama_cpp, "f32")
         r = subprocess.run([str(binary), "-m", str(gguf), "-n", str(n), prompt], capture_output=True, text=True)
     if r.returncode:
         raise UserError(f"llama-simple failed: {(r.stderr.strip() or 'no output').splitlines()[-1]}")

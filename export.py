@@ -3,37 +3,48 @@
     python export.py --out_dir=out-pycode-char [--to=DIR] [--overwrite=True]
     python export.py --out_dir=OUT --gguf=model.gguf --llama_cpp=../llama.cpp [--gguf_type=f32]
 
-DIR (default <out_dir>/hf) then loads with transformers' own classes, no code of ours:
+DIR (default <out_dir>/hf; none with --gguf alone) then loads with transformers' own classes, no code of ours:
 AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR). It holds config.json,
-model.safetensors, generation_config.json, the dataset's tokenizer (char-level, GPT-2's BPE or its own) and a
-README.md model card. Which class holds which model: hf.py. The GGUF file is written by llama.cpp's own
-convert_hf_to_gguf.py from such a folder (byte-level BPE tokenizers only: llama.cpp has no char-level vocabulary).
-Each is written whole or not at all.
+model.safetensors, generation_config.json, the dataset's tokenizer (char-level, GPT-2's BPE or its own), a README.md
+model card and smallgpt.json, the marker of an export. Which class holds which model: hf.py. The GGUF file is
+written by llama.cpp's own convert_hf_to_gguf.py from such a folder (byte-level BPE tokenizers only: llama.cpp has
+no char-level vocabulary). Each is written whole or not at all, under a lock on the folder it goes in.
+--overwrite=True replaces only an earlier export (a folder holding smallgpt.json, a file starting as a GGUF does),
+never a run, a dataset or other files.
 """
 
+# configurator first: a Ctrl-C while torch imports is then one line, not a traceback
+from configurator import UserError, run_cli
+
+# isort: split
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hf
+from atomic import KIND_MARKERS, check_replaceable
 from checkpoint import load_checkpoint, model_from_checkpoint, run_config
-from configurator import UserError, run_cli
 from dataset import data_dir, load_meta
 from model import GPT
 from runlog import read_run
+
+MARKER = KIND_MARKERS["an export"][0]  # smallgpt.json: what folder_kind recognises an export by
 
 
 @dataclass(slots=True)
 class ExportConfig:
     out_dir: str = "out"  # the run to export: its ckpt.pt, and its dataset's tokenizer
     to: str = ""  # the folder to write; '': <out_dir>/hf
-    overwrite: bool = False  # replace a folder (or GGUF file) that is there and not empty
-    gguf: str = ""  # also write this GGUF file, converted from the folder by llama.cpp's converter
+    overwrite: bool = False  # replace an earlier export (a folder holding smallgpt.json; a GGUF file): nothing else
+    gguf: str = ""  # also write this GGUF file, by llama.cpp's converter (without --to, no folder is kept)
     llama_cpp: str = ""  # gguf: a llama.cpp source folder (its convert_hf_to_gguf.py and gguf-py)
     gguf_type: str = "f32"  # gguf: the converter's --outtype: f32, f16, bf16 or q8_0
 
@@ -63,11 +74,22 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
     if c.pos_encoding == "learned" and c.attention_kind == "GQA":
         lines += ["", f"GPT-2 has no GQA: each of the {c.n_kv_head} K/V heads is repeated for its group of "
                       f"{c.n_head // c.n_kv_head} query heads. The logits are exact, but the cache is MHA's size."]
-    lines += ["", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    lines += ["", past_block_size(c), "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(DIR)", "tok = AutoTokenizer.from_pretrained(DIR)",
               "ids = model.generate(**tok(\"def \", return_tensors=\"pt\"), max_new_tokens=50, do_sample=False)",
               "print(tok.decode(ids[0]))", "```"]
     return "\n".join(lines) + "\n"
+
+
+def past_block_size(c: Any) -> str:
+    """What the model does past the block_size tokens it was trained on, in transformers and in llama.cpp."""
+    if c.pos_encoding == "learned":
+        return (f"Context: at most {c.block_size} tokens (block_size). Its positions are learned, one per place: "
+                f"transformers cannot go past n_positions={c.block_size}, nor llama.cpp past n_ctx={c.block_size}; "
+                f"for longer text, keep the last {c.block_size} tokens yourself.")
+    return (f"Context: trained on {c.block_size} tokens (block_size). Its positions are rotary (computed): "
+            f"transformers and llama.cpp both run past {c.block_size} tokens, but the model never saw such positions "
+            f"in training, so what it does there is unknown.")
 
 
 def hf_kv_bytes(c: Any) -> int:
@@ -76,45 +98,102 @@ def hf_kv_bytes(c: Any) -> int:
     return dataclasses.replace(c, n_kv_head=c.n_head).kv_cache_bytes(1, 1) if repeated else c.kv_cache_bytes(1, 1)
 
 
-def export(cfg: ExportConfig) -> Path:
+def export(cfg: ExportConfig) -> None:
     out = Path(cfg.out_dir)
-    dest = Path(cfg.to) if cfg.to else out / "hf"
-    if dest.is_file() or dest.is_dir() and any(dest.iterdir()) and not cfg.overwrite:
-        raise UserError(f"{dest} is there and not empty: choose another --to, or --overwrite=True to replace it")
+    # --gguf alone writes no folder: the GGUF is converted from one of its own, in a temporary folder
+    dest = Path(cfg.to) if cfg.to else None if cfg.gguf else out / "hf"
     if cfg.gguf and not (Path(cfg.llama_cpp) / "convert_hf_to_gguf.py").is_file():
         raise UserError(f"no convert_hf_to_gguf.py in --llama_cpp={cfg.llama_cpp}: pass a llama.cpp source folder "
                         f"(e.g. the one vendored in the llama-cpp-python sdist)")
-    if cfg.gguf and (Path(cfg.gguf).is_dir() or Path(cfg.gguf).exists() and not cfg.overwrite):
-        raise UserError(f"{cfg.gguf} is there: choose another --gguf, or --overwrite=True to replace it")
+    check_destinations(cfg, dest)  # before the checkpoint is read; again under the lock, before anything is replaced
     ckpt = load_checkpoint(out / "ckpt.pt")
     model = model_from_checkpoint(ckpt).float().eval()
     meta = ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
-    if cfg.gguf and meta.get("tokenizer") == "char":
-        raise UserError("GGUF needs a byte-level BPE vocabulary (llama.cpp has no char-level one): train on a "
-                        "dataset prepared with --tokenizer=bpe or gpt2")
     tok, hf_model = hf.tokenizer(meta), hf.to_hf(model)
+    if cfg.gguf:
+        hf.check_gguf_vocabulary(tok)
     try:
         run = read_run(out) | {"dir": str(out)}
     except (UserError, OSError):
         run = {"dir": str(out)}
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    gguf = Path(cfg.gguf) if cfg.gguf else None
+    with export_lock([p.parent for p in (dest, gguf) if p]):
+        replace = check_destinations(cfg, dest)
+        if dest:
+            write_folder(dest, replace, model, hf_model, tok, run, ckpt)
+            print(f"wrote {dest}: {type(hf_model).__name__} ({model.config.attention_kind}), "
+                  f"{model.num_params():,} parameters, {meta.get('tokenizer')} tokenizer")
+        if gguf:
+            hf.to_gguf(model, tok, gguf, cfg.llama_cpp, cfg.gguf_type, name=out.resolve().name)
+            print(f"wrote {gguf}: {cfg.gguf_type}, by llama.cpp's convert_hf_to_gguf.py")
+
+
+def check_destinations(cfg: ExportConfig, dest: Path | None) -> bool:
+    """Whether dest holds an earlier export that --overwrite=True replaces; anything else there (a run, a dataset,
+    other files, the working directory or the run itself, an export with folders put in it, or a GGUF file's place
+    holding another file) is refused."""
+    replace = dest is not None and check_replaceable(dest, "an export", keep=(cfg.out_dir,))
+    if replace and (folders := sorted(p.name for p in dest.iterdir() if p.is_dir())):  # an export writes none
+        raise UserError(f"{dest} holds an earlier export and folders no export writes ({', '.join(folders)}): move "
+                        f"them out or choose another --to (nothing was deleted)")
+    if replace and not cfg.overwrite:
+        raise UserError(f"{dest} holds an earlier export: choose another --to, or --overwrite=True to replace it")
+    gguf = Path(cfg.gguf)
+    if cfg.gguf and (gguf.is_dir() or gguf.exists() and not is_gguf(gguf)):
+        raise UserError(f"{gguf} is there and is not a GGUF file: choose another --gguf (--overwrite replaces only a "
+                        f"GGUF file; nothing was deleted)")
+    if cfg.gguf and gguf.exists() and not cfg.overwrite:
+        raise UserError(f"{gguf} is there: choose another --gguf, or --overwrite=True to replace it")
+    return replace
+
+
+def is_gguf(file: Path) -> bool:
+    """Whether file starts as every GGUF file does (its magic, b'GGUF')."""
+    with open(file, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def write_folder(dest: Path, replace: bool, model: GPT, hf_model: Any, tok: Any, run: dict, ckpt: dict) -> None:
+    """The transformers folder, its model card and its marker (smallgpt.json), written beside dest and renamed
+    over it: dest is replaced only once the new folder is whole."""
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
         folder = Path(tmp) / "hf"
-        hf_model.save_pretrained(folder)
-        tok.save_pretrained(folder)
+        hf.save(hf_model, tok, folder)
         (folder / "README.md").write_text(model_card(model, hf_model, run, ckpt))
-        with open(folder / "smallgpt.json", "w") as f:  # where it came from
+        with open(folder / MARKER, "w") as f:  # where it came from; marks the folder as an export (atomic.py)
             json.dump({"model_config": ckpt["model_config"], "iter_num": ckpt.get("iter_num")}, f, indent=1)
-        if dest.exists():
+        if replace:
             shutil.rmtree(dest)
         os.replace(folder, dest)
-    print(f"wrote {dest}: {type(hf_model).__name__} ({model.config.attention_kind}), {model.num_params():,} "
-          f"parameters, {meta.get('tokenizer')} tokenizer")
-    if cfg.gguf:
-        Path(cfg.gguf).parent.mkdir(parents=True, exist_ok=True)
-        hf.to_gguf(model, tok, Path(cfg.gguf), cfg.llama_cpp, cfg.gguf_type)
-        print(f"wrote {cfg.gguf}: {cfg.gguf_type}, by llama.cpp's convert_hf_to_gguf.py")
-    return dest
+
+
+@contextmanager
+def export_lock(folders: list[Path]) -> Iterator[None]:
+    """Hold an OS lock on each folder (made if need be) for the block, so that two exports never write into one
+    folder at once: the second is refused, told who holds it. The lock is on the folder itself, opened read-only, so
+    it leaves no file behind; the OS releases it when the holder exits, even by kill -9."""
+    with ExitStack() as stack:
+        for folder in dict.fromkeys(p.resolve() for p in folders):
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(folder, os.O_RDONLY)
+            stack.callback(os.close, fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserError(f"{folder} is being written by another export ({lock_holder(fd)}): wait for it to end, "
+                                f"or choose another destination") from None
+        yield
+
+
+def lock_holder(fd: int) -> str:
+    """'pid N' of the process holding the flock on fd's file, from /proc/locks (Linux), else 'pid unknown'."""
+    st = os.fstat(fd)
+    file = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        holders = [line.split() for line in Path("/proc/locks").read_text().splitlines()]
+    except OSError:
+        holders = []
+    return next((f"pid {h[4]}" for h in holders if h[1] == "FLOCK" and h[5] == file), "pid unknown")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ export.py writes the folder with a model card. Dropout is training's only: the e
 """
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -166,6 +167,9 @@ def from_transformers(folder: str) -> GPT:
     return model
 
 
+UNKNOWN = "<unk>"  # a char-level tokenizer's unknown token: more than one character, so never in its vocabulary
+
+
 def tokenizer(meta: dict) -> Any:
     """The dataset's tokenizer as a transformers fast tokenizer: char-level (one token per character of the
     dataset's list), GPT-2's BPE (from tiktoken's ranks, offline from $GPT2_BPE_FILE), or the dataset's own BPE."""
@@ -174,7 +178,9 @@ def tokenizer(meta: dict) -> Any:
 
     if meta.get("tokenizer") == "char":
         chars = meta["chars"]
-        tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=chars[0]))
+        # the unknown token is in no vocabulary of single characters: a character outside the dataset's is refused
+        # (tokenizers raises), never read as one of its characters
+        tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=UNKNOWN))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
         tok.decoder = decoders.Fuse()  # joined with nothing between
         return PreTrainedTokenizerFast(tokenizer_object=tok)
@@ -213,21 +219,62 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str) -> None:
+def save(hf_model: Any, tok: Any, folder: Path) -> None:
+    """hf_model and tok into folder (save_pretrained), loadable by transformers 5 and by 4.57 (the version llama.cpp's
+    converter pins): 4.57 knows no TokenizersBackend class and reads the rotary base only from a top-level rope_theta,
+    5 only from rope_parameters, so both are written (docs/export.md)."""
+    hf_model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    update_json(folder / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"})
+    rope = json.loads((folder / "config.json").read_text()).get("rope_parameters")
+    if rope:
+        update_json(folder / "config.json", {"rope_theta": rope["rope_theta"]})
+
+
+def update_json(file: Path, fields: dict) -> None:
+    """The JSON object in file with fields set."""
+    file.write_text(json.dumps(json.loads(file.read_text()) | fields, indent=2, sort_keys=True) + "\n")
+
+
+def check_weights(folder: Path) -> None:
+    """Each *.safetensors file in folder whole (its header read, its tensors' bytes all there), else one line naming
+    it: a truncated copy would otherwise fail inside safetensors with a traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{file} is damaged or truncated ({e}): copy or save the folder again") from e
+
+
+def check_gguf_vocabulary(tok: Any) -> None:
+    """llama.cpp reads byte-level BPE vocabularies only: anything else (char-level) is refused before its converter
+    runs, not inside it."""
+    if type(tok.backend_tokenizer.model).__name__ != "BPE":
+        raise UserError("GGUF needs a byte-level BPE vocabulary (llama.cpp has no char-level one): train on a "
+                        "dataset prepared with --tokenizer=bpe or gpt2")
+
+
+def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
     """model, exported with every bias (llama.cpp's Starcoder2 has no bias-free variant) and tok, as the GGUF file
-    (written whole or not at all)."""
+    named name (default: the file's stem), written whole or not at all."""
+    check_gguf_vocabulary(tok)
     with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}-") as tmp:
         folder, part = Path(tmp) / "hf", Path(tmp) / file.name
-        to_hf(model, all_biases=True).save_pretrained(folder)
-        tok.save_pretrained(folder)
-        convert_folder(folder, part, llama_cpp, outtype)
+        save(to_hf(model, all_biases=True), tok, folder)
+        convert_folder(folder, part, llama_cpp, outtype, name or file.stem)
         os.replace(part, file)
 
 
-def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str) -> None:
-    """llama.cpp's convert_hf_to_gguf.py (in the source folder llama_cpp) on a transformers folder, into file."""
+def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
+    """llama.cpp's convert_hf_to_gguf.py (in the source folder llama_cpp) on a transformers folder, into file; name:
+    the model's name in the GGUF (general.name), which the converter otherwise takes from the folder's name."""
+    named = ["--model-name", name] if name else []
     r = subprocess.run([sys.executable, "-c", CONVERT, str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
-                        str(folder), "--outfile", str(file), "--outtype", outtype], capture_output=True, text=True)
+                        str(folder), "--outfile", str(file), "--outtype", outtype, *named],
+                       capture_output=True, text=True)
     if r.returncode or not file.is_file():
         last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
         raise UserError(f"llama.cpp's convert_hf_to_gguf.py failed: {last}")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMPILES, DECODE, cli, run
+from conftest import COMPILES, DECODE, TINY_TRAIN, cli, run
 
 HF_SIZES = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # the rest as GPT-2
 TINY = ["--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=16", "--device=cpu"]
@@ -63,6 +63,18 @@ def test_gguf_check_is_skipped_in_one_line_without_llama_cpp_and_refuses_a_folde
     assert r.returncode == 0 and r.stdout.startswith("# gguf check skipped: pass --llama_cpp=DIR"), r.stdout
     r = cli(["bench.py", "--mode=gguf", f"--out_dir={tmp_path}", f"--llama_cpp={tmp_path}"])
     assert r.returncode == 2 and "no convert_hf_to_gguf.py and build/bin/llama-simple there" in r.stderr, r.stderr
+
+
+def test_gguf_check_refuses_a_char_level_run_before_llama_cpp_runs(pycode_small: Path, tmp_path: Path) -> None:
+    from test_export import fake_llama_cpp
+
+    calls = fake_llama_cpp(tmp_path / "llama")
+    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'run'}", *TINY_TRAIN, "--max_iters=1",
+         "--eval_interval=1"])
+    r = cli(["bench.py", "--mode=gguf", f"--out_dir={tmp_path / 'run'}", f"--llama_cpp={tmp_path / 'llama'}",
+             "--new_tokens=[4]"])
+    assert r.returncode == 2 and r.stderr.startswith("error: GGUF needs a byte-level BPE vocabulary"), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and not calls.exists()  # neither the converter nor llama-simple ran
 
 
 def test_tokenizer_files_for_llama_cpp_encode_as_tiktoken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpoint import from_hf, load_checkpoint
-from conftest import ROOT, run
+from conftest import ROOT, cli, run
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def test_no_weights_offline_is_one_clear_line(tmp_path: Path) -> None:
 
 def test_finetune_gpt2_into_gqa_then_sample(tmp_path: Path) -> None:
     """GPT-2 (a local folder) fine-tuned on a GPT-2-BPE dataset, converted to 2 K/V groups on the way. The model's
-    shape comes from the weights: a config's n_head (5 here) does not count."""
+    shape comes from the weights: a shape key beside them (n_head=5 here) is refused, not silently ignored, and the
+    run records the shape it trained (issue 42)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -66,15 +67,19 @@ def test_finetune_gpt2_into_gqa_then_sample(tmp_path: Path) -> None:
     run(["data/shakespeare/prepare.py", f"--input={tmp_path / 'input.txt'}", f"--out_dir={tmp_path / 'data'}"],
         env=env)
     out = tmp_path / "out"
-    run(["train.py", f"--init_from=hf:{tmp_path / 'hf'}", f"--dataset={tmp_path / 'data'}", f"--out_dir={out}",
-         "--n_kv_head=2", "--n_head=5", "--block_size=32", "--batch_size=4", "--max_iters=20", "--eval_interval=10",
-         "--eval_iters=2", "--learning_rate=1e-3", "--device=cpu"], env=env)
+    args = ["train.py", f"--init_from=hf:{tmp_path / 'hf'}", f"--dataset={tmp_path / 'data'}", f"--out_dir={out}",
+            "--n_kv_head=2", "--block_size=32", "--batch_size=4", "--max_iters=20", "--eval_interval=10",
+            "--eval_iters=2", "--learning_rate=1e-3", "--device=cpu"]
+    refused = cli([*args, "--n_head=5"], env=env)
+    assert refused.returncode == 2 and "drop --n_head" in refused.stderr and not out.exists()
+    run(args, env=env)
     ckpt = load_checkpoint(out / "ckpt.pt")
     assert ckpt["model_config"]["n_kv_head"] == 2 and ckpt["model_config"]["n_layer"] == 2
+    assert ckpt["config"]["n_head"] == ckpt["model_config"]["n_head"] == 4
     assert ckpt["model_config"]["gelu"] == "tanh" and ckpt["model_config"]["block_size"] == 32
     assert ckpt["model"]["transformer.wpe.weight"].shape == (32, 32)
     run(["train.py", "--init_from=resume", f"--dataset={tmp_path / 'data'}", f"--out_dir={out}", "--n_kv_head=2",
-         "--n_head=5", "--block_size=32", "--batch_size=4", "--max_iters=30", "--eval_interval=10", "--eval_iters=2",
+         "--n_head=4", "--block_size=32", "--batch_size=4", "--max_iters=30", "--eval_interval=10", "--eval_iters=2",
          "--learning_rate=1e-3", "--device=cpu", "--always_save_checkpoint=True"], env=env)
     assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 30  # a fine-tuned GPT-2 resumes with its own shape
     r = run(["sample.py", f"--out_dir={out}", "--start=To be", "--max_new_tokens=10", "--device=cpu"], env=env)
