@@ -66,6 +66,8 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
         for one in (a for a in args if a is not type(None)):  # the first type that takes the value
             try:
                 return _coerce(key, value, one, source, raw)
+            except OutOfRange:  # the right type, a value it cannot hold: say that, not "wrong type"
+                raise
             except UserError:
                 pass
     elif origin in (list, tuple) and args:
@@ -83,6 +85,8 @@ def _coerce(key: str, value: Any, hint: Any, source: str, raw: str | None, expec
                     return [_coerce(key, v, hint, source, None) for v, hint in zip(items, args, strict=True)]
             else:
                 return [_coerce(key, v, args[0], source, None) for v in items]
+        except OutOfRange:
+            raise
         except UserError:
             pass
     elif hint is bool:
@@ -111,18 +115,22 @@ FLOAT32_MAX, FLOAT32_ZERO = 3.4028234663852886e38, 2.0**-150  # the largest floa
 NON_DECIMAL = re.compile(r"(?<![\w.])[-+]?0[xob]", re.IGNORECASE)
 
 
+class OutOfRange(UserError):
+    """A value of the right type that the type it ends up in cannot hold."""
+
+
 def _in_range(key: str, value: int | float, source: str) -> int | float:
     """value if the type it ends up in holds it: ints are int64 in torch and numpy, floats at least float32 (model
     tensors, learning rates in fp32 optimizer state); else a UserError."""
     if isinstance(value, int):
         if abs(value) > INT64_MAX:
-            raise UserError(f"{key}={value} (from {source}) does not fit a 64-bit integer (at most {INT64_MAX:,})")
+            raise OutOfRange(f"{key}={value} (from {source}) does not fit a 64-bit integer (at most {INT64_MAX:,})")
         return value
     if not math.isfinite(value):
-        raise UserError(f"{key}={value} (from {source}) must be a finite number")
+        raise OutOfRange(f"{key}={value} (from {source}) must be a finite number")
     if abs(value) > FLOAT32_MAX or 0 < abs(value) <= FLOAT32_ZERO:
         large = abs(value) > 1
-        raise UserError(f"{key}={value} (from {source}) is too {'large' if large else 'small'} for float32, the "
+        raise OutOfRange(f"{key}={value} (from {source}) is too {'large' if large else 'small'} for float32, the "
                         f"precision it is used in (it would become {'infinity' if large else 'zero'}): give a size "
                         f"between 1.5e-45 and 3.4e38, or 0")
     return value

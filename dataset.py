@@ -378,7 +378,7 @@ def folder_tokenizer(name_or_path: str) -> "HFTokenizer | object":
     name, or for a GPT-2 folder without one whose embeddings hold GPT-2's tokens (said on stderr)."""
     folder = Path(name_or_path)
     if (folder / BPE_FILE).is_file():
-        return HFTokenizer((folder / BPE_FILE).read_text())
+        return HFTokenizer((folder / BPE_FILE).read_text(), str(folder / BPE_FILE))
     if not folder.is_dir():  # a hub name ('gpt2', ...)
         return gpt2_encoding()
     vocab_size, enc = gpt2_folder_vocab(folder), gpt2_encoding()

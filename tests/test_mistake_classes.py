@@ -35,6 +35,8 @@ class Keys:
     lr: float = 1.0
     sizes: list[tuple[int, int] | str] = field(default_factory=list)
     tags: list[str] = field(default_factory=list)
+    top_p: float | None = None
+    fractions: list[float] = field(default_factory=list)
 
 
 @pytest.mark.parametrize(("flag", "message"), [
@@ -45,6 +47,8 @@ class Keys:
     ("--lr=7e-46", "too small for float32"),  # below half the smallest float32 (1.4e-45): rounds to 0
     ("--n=0x10", "n=0x10 (from flag --n=0x10) has the wrong type: expected int, got str"),  # not read as 16
     ("--sizes=[(1,2,3)]", "expected list[tuple[int, int] | str]"),  # a pair is two numbers
+    ("--top_p=1e39", "top_p=1e+39 (from flag --top_p=1e39) is too large for float32"),  # not "the wrong type"
+    ("--fractions=[0.5,1e-50]", "fractions=1e-50 (from flag --fractions=[0.5,1e-50]) is too small for float32"),
 ])
 def test_numbers_the_types_cannot_hold_are_refused(flag: str, message: str) -> None:
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
