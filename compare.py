@@ -14,8 +14,13 @@ the comparison. Each run trains in <out_dir>/<variant>-s<seed> (sizes: <n_layer>
 wandb group <out_dir name> and tags naming its variant, seed and size.
 """
 
+# configurator first: a Ctrl-C while torch imports is then one line, not a traceback
+from configurator import UserError, given_values, parse_config, run_cli, split_args
+
+# isort: split
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +31,6 @@ import report
 import sweep
 from atomic import atomic_open, folder_lock
 from checkpoint import CONVERT_METHODS
-from configurator import UserError, given_values, parse_config, run_cli, split_args
 from dataset import data_dir, load_meta, vocab_size_of
 from measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from model import GPT, GPTConfig
@@ -78,8 +82,31 @@ class CompareConfig:
             problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
         if not self.uptrain_lr_scale > 0:
             problems.append(f"uptrain_lr_scale={self.uptrain_lr_scale} must be positive")
+        problems += self.repeats()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def repeats(self) -> list[str]:
+        """A problem for each list key whose items are not distinct (a repeat would train the same runs again, into
+        the same folders) and for each item of sizes that is not a size."""
+        sizes, problems = [], []
+        for size in self.sizes:
+            try:
+                sizes.append("{}x{}".format(*sweep.size_of(size)))
+            except ValueError as e:
+                problems.append(str(e))
+        named = {"kv_heads": self.kv_heads, "match": self.match, "sizes": sizes, "uptrain_fractions":
+                 [f"{f:g}" for f in self.uptrain_fractions], "convert_methods": self.convert_methods}  # as in folders
+        for key, items in named.items():
+            if (again := repeated(items)) is not None:
+                problems.append(f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "
+                                f"a repeat would train the same runs again; list it once")
+        return problems
+
+
+def repeated(items: list) -> object | None:
+    """The first item listed again in items, None if they are distinct."""
+    return next((item for i, item in enumerate(items) if item in items[:i]), None)
 
 
 def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig:
@@ -157,6 +184,10 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         raise UserError(f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them")
     if cfg.convert and base.n_head not in cfg.kv_heads:
         raise UserError(f"convert=True converts the MHA runs: kv_heads={cfg.kv_heads} must hold n_head={base.n_head}")
+    same = repeated([round(f * base.max_iters) for f in cfg.uptrain_fractions])
+    if cfg.convert and same is not None:
+        raise UserError(f"uptrain_fractions={cfg.uptrain_fractions} give {same} of max_iters={base.max_iters} "
+                        f"iterations twice: the same uptraining twice; give fractions 1/{base.max_iters} apart or more")
     for _, sbase in sweep.sizes(cfg.sizes, base):
         for g in cfg.kv_heads:  # each variant must be a valid model at each size before anything trains
             try:
@@ -166,6 +197,41 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     return cfg, base
 
 
+def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
+    """The sweep (or, with mode 'plan', what it would run). SIGTERM or SIGINT stops it cleanly: its train.py saves
+    and ends, one line says where the sweep stopped, and it exits 143 or 130; run the same command to resume."""
+    vocab = vocab_size_of(base.dataset)
+    if vocab is None and cfg.mode != "plan":
+        load_meta(data_dir(base.dataset))  # a sweep stops here: the missing dataset's one-line error
+    runs = sweep.plan(cfg, base, vocab or 50304, root)  # a plan needs no data: GPT-2's padded vocabulary stands in
+    if base.n_head not in cfg.kv_heads:
+        print(f"no MHA in kv_heads={cfg.kv_heads} (n_head={base.n_head}): the report compares these variants but "
+              f"shows no difference to MHA; add {base.n_head} to kv_heads for that", flush=True)
+    with sweep.Stop() as stop:
+        try:
+            times = timings(runs, base)
+            if cfg.mode == "plan":
+                show_plan(runs, times, base)
+                return
+            with folder_lock(root, "compare.py"):  # one sweep in a folder at a time (each run locks its own too)
+                sweep.launch_all(runs, times, base.eval_iters, stop)
+                stop.where = "while measuring the decode speeds"
+                measure_speeds(cfg, runs, root)
+        except sweep.Stopped as e:
+            print(f"{e}: {sum(map(sweep.finished, runs))} of {len(runs)} runs finished; run the same command again "
+                  f"to resume (a run cut short goes on from its checkpoint)", file=sys.stderr, flush=True)
+            sys.exit(128 + e.signum)
+
+
+def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | None:
+    """A line saying the sweep into root is still running (a compare.py holds its lock), or None."""
+    if (holder := sweep.lock_holder(root)) is None:
+        return None
+    runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
+    return (f"The sweep is still running ({holder}): {sum(map(sweep.finished, runs))} of {len(runs)} runs "
+            f"finished. This report shows those finished so far; make it again when the sweep ends.")
+
+
 def main(config: tuple[CompareConfig, TrainConfig]) -> None:
     cfg, base = config
     if cfg.mode == "costs":
@@ -173,20 +239,9 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
         return
     root = Path(base.out_dir)
     if cfg.mode in ("train", "all", "plan"):
-        vocab = vocab_size_of(base.dataset)
-        if vocab is None and cfg.mode != "plan":
-            load_meta(data_dir(base.dataset))  # a sweep stops here: the missing dataset's one-line error
-        vocab = vocab or 50304  # a plan needs no data: GPT-2's padded vocabulary stands in
-        runs = sweep.plan(cfg, base, vocab, root)
-        times = timings(runs, base)
-        if cfg.mode == "plan":
-            show_plan(runs, times, base)
-            return
-        with folder_lock(root, "compare.py"):  # one sweep in a folder at a time (each run locks its own too)
-            sweep.launch_all(runs, times, base.eval_iters)
-            measure_speeds(cfg, runs, root)
+        train(cfg, base, root)
     if cfg.mode in ("report", "all"):
-        text = report.write(root, cfg, base)
+        text = report.write(root, cfg, base, sweep_status(cfg, base, root))
         print(f"{text}\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
 
 

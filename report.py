@@ -21,7 +21,7 @@ from checkpoint import CONVERT_METHODS
 from configurator import UserError
 from measure import table
 from model import GPT, GPTConfig
-from runlog import read_run, start_wandb
+from runlog import read_run, start_wandb, unfinished
 
 SPEED_FILE = "speed.json"
 MATCHES = {"width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters)",
@@ -34,17 +34,22 @@ def speed_key(config: GPTConfig, context: int, batch: int) -> str:
     return f"{c.n_layer}x{c.n_embd}-h{c.n_head}-kv{c.n_kv_head}-mlp{c.mlp_hidden}-{c.pos_encoding}@{context}x{batch}"
 
 
-def read_runs(root: Path) -> list[dict]:
-    """Every run under root with an evaluation, read_run's record plus what the sweep's tags say of it."""
+def read_runs(root: Path) -> tuple[list[dict], str | None]:
+    """Every finished run under root (runlog.unfinished: its final evaluation logged whole), read_run's record plus
+    what the sweep's tags say of it; and a sentence naming those left out as unfinished (None if none), also
+    printed on stderr: a run's final val loss is never an earlier evaluation's."""
     dirs = sorted(p.parent for p in root.glob("*/log.jsonl"))
     if not dirs:
         raise UserError(f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)")
     runs = [read_run(d) | {"dir": str(d)} for d in dirs]
-    if unevaluated := [r["dir"] for r in runs if not r["evals"]]:  # e.g. a run stopped before its first evaluation
-        print(f"left out of the report, no evaluation logged yet: {', '.join(unevaluated)}", file=sys.stderr)
-        runs = [r for r in runs if r["evals"]]
+    left_out = None
+    if why := {r["dir"]: reason for r in runs if (reason := unfinished(r))}:  # e.g. stopped, killed, still running
+        left_out = (f"Left out of the report, unfinished: {'; '.join(f'{d} ({w})' for d, w in why.items())}. Run "
+                    f"the sweep again (--mode=train) to finish them.")
+        print(left_out, file=sys.stderr)
+        runs = [r for r in runs if r["dir"] not in why]
     if not runs:
-        raise UserError(f"no run under {root} has logged an evaluation yet")
+        raise UserError(f"no run under {root} has finished yet ({len(why)} unfinished): run the sweep (--mode=train)")
     for r in runs:
         cfg, mc, tags = r["config"], r["model_config"], r["config"].get("wandb_tags") or []
         kv = dict(t.split("=", 1) for t in tags if "=" in t)
@@ -56,7 +61,7 @@ def read_runs(root: Path) -> list[dict]:
               "final": r["evals"][-1]["val_loss"], "iters": r["evals"][-1]["iter"],
               "tokens": r["evals"][-1]["iter"] * cfg["gradient_accumulation_steps"] * cfg["batch_size"]
               * cfg["block_size"]}
-    return runs
+    return runs, left_out
 
 
 def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dict]:
@@ -70,6 +75,8 @@ def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dic
         by_seed[(r["size"], r["variant"])][r["seed"]] = r
     groups = {k: list(g.values()) for k, g in by_seed.items()}
     finals = {k: {seed: r["final"] for seed, r in g.items()} for k, g in by_seed.items()}
+    speed_of = {k: speeds.get(speed_key(g[0]["model"], cfg.decode_context, cfg.decode_batch), [])
+                for k, g in groups.items()}
     kv_dtype = getattr(torch, cfg.kv_dtype)
     out = []
     for (size, name), group in groups.items():
@@ -79,7 +86,8 @@ def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dic
         est = stats.mean_interval([r["final"] for r in group])
         diff = stats.paired_difference(finals[(size, name)], finals[(size, "mha")]) \
             if (size, "mha") in finals and name != "mha" else None
-        speed = speeds.get(speed_key(m, cfg.decode_context, cfg.decode_batch), [])
+        speed = speed_of[(size, name)]
+        speed_vs = stats.speed_ratio(speed, speed_of.get((size, "mha"), [])) if name != "mha" else None
         trains = [statistics.median(t["tokens_per_s"] for t in r["trains"]) for r in group if r["trains"]]
         row = {"size": size, "variant": name, "n_head": m.n_head, "n_kv_head": m.n_kv_head, "match": first["match"],
                "method": first["method"], "uptrain_fraction": first["fraction"], "params": model.num_params(),
@@ -100,7 +108,10 @@ def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dic
                     "diff_vs_scratch_pairs": vs and vs.n}
         row |= {"decode_tok_s": statistics.median(speed) if speed else None,
                 "decode_tok_s_min": min(speed, default=None), "decode_tok_s_max": max(speed, default=None),
-                "decode_repeats": len(speed), "train_tok_s": statistics.median(trains) if trains else None,
+                "decode_repeats": len(speed), "decode_vs_mha": speed_vs and speed_vs.ratio,
+                "decode_vs_mha_low": speed_vs and speed_vs.low, "decode_vs_mha_high": speed_vs and speed_vs.high,
+                "decode_vs_mha_pairs": speed_vs and speed_vs.n,
+                "train_tok_s": statistics.median(trains) if trains else None,
                 "wall_s": statistics.fmean(max(e["wall_s"] for e in r["evals"] + r["trains"]) for r in group)}
         out.append(row)
     smallest = {size: min(r["params"] for r in out if r["size"] == size) for size in {r["size"] for r in out}}
@@ -123,16 +134,18 @@ def target(row: dict) -> str:
     return row["variant"].split("-")[2]
 
 
-def markdown(rows_: list[dict], cfg: Any, root: Path) -> str:
-    """report.md: per size, the variants table and its verdicts, then the conversion tables."""
+def markdown(rows_: list[dict], cfg: Any, root: Path, notes: list[str]) -> str:
+    """report.md: notes (the sweep still running, runs left out), then per size the variants table and its verdicts,
+    then the conversion tables."""
     long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes_per_token_{cfg.kv_dtype}"
-    parts = [f"# Attention variants: {root.name}", "",
+    parts = [f"# Attention variants: {root.name}", "", *(f"**{note}**\n" for note in notes),
              "final val loss: mean over seeds ± the half-width of its 95% Student t interval (n: seeds); vs MHA: "
              "the seed-paired difference (variant minus MHA at the same seed: the same data order, and the same "
              "initial weights where shapes allow) ± its own 95% interval; positive is worse. "
              f"decode tok/s @{long}: one-token steps with {cfg.decode_context} positions cached for each of "
              f"{cfg.decode_batch} rows (the variant's shape, float32, random weights), median of the repeats "
-             f"(min-max), measured once by the sweep and stored in {SPEED_FILE}.", "",
+             f"(min-max), measured once by the sweep and stored in {SPEED_FILE}; a variant's speed is called different "
+             f"from MHA's only where the 95% interval of their ratio over the paired repeats leaves out 1.", "",
              "Match: " + "; ".join(MATCHES[m] for m in sorted({r["match"] for r in rows_}, reverse=True)) + "."]
     for size in dict.fromkeys(r["size"] for r in rows_):
         mine = [r for r in rows_ if r["size"] == size]
@@ -162,13 +175,17 @@ def verdicts(scratch: list[dict], conv: list[dict], kv: str) -> list[str]:
     """A sentence per variant against MHA, and per conversion (at its longest uptraining) against the same shape
     trained from scratch, each from its seed-paired difference."""
     mha, lines = next((r for r in scratch if r["variant"] == "mha"), None), []
+    if mha is None and scratch:
+        lines.append("- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): no difference to MHA "
+                     "to show; add n_head to --kv_heads to compare against it.")
     for r in scratch if mha else []:
         if r is not mha:
             what = f"{r['variant']} ({r['params'] / mha['params']:.0%} of MHA's parameters, {mha[kv] / r[kv]:g}x " \
                    f"smaller KV cache)"
             line = stats.verdict(what, "MHA", estimate(r, "diff_vs_mha", "diff_pairs"))
-            if r["decode_tok_s"] and mha["decode_tok_s"]:
-                line += f" Its cached decode ran at {r['decode_tok_s'] / mha['decode_tok_s']:.2f}x MHA's speed."
+            if r["decode_vs_mha"] is not None:
+                columns = ("decode_vs_mha", "decode_vs_mha_low", "decode_vs_mha_high", "decode_vs_mha_pairs")
+                line += " " + stats.speed_verdict(stats.SpeedRatio(*(r[k] for k in columns)), "MHA")
             lines.append(f"- {line}")
     longest = max((r["uptrain_fraction"] for r in conv), default=None)
     for r in (r for r in conv if r["uptrain_fraction"] == longest):
@@ -224,7 +241,11 @@ def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
         axes[1].errorbar([size_params[r["size"]] for r in mine], [r["diff_vs_mha"] for r in mine], capsize=4,
                          marker="o", yerr=[r["diff_vs_mha_ci95"] or 0 for r in mine], label=name)
     axes[1].axhline(0, color="gray", lw=0.8)
-    axes[1].set(xscale="log", xlabel="size: MHA's parameters", ylabel="val loss minus MHA's (paired, 95% interval)")
+    axes[1].set(xlabel="size: MHA's parameters", ylabel="val loss minus MHA's (paired, 95% interval)")
+    if size_params:
+        axes[1].set_xscale("log")
+    else:  # a log axis with nothing on it fails to draw
+        axes[1].text(0.5, 0.5, "no MHA run: no gap to MHA", ha="center", transform=axes[1].transAxes)
     for (size, t, method) in dict.fromkeys((r["size"], target(r), r["method"]) for r in conv):
         mine = sorted((r for r in conv if (r["size"], target(r), r["method"]) == (size, t, method)),
                       key=lambda r: r["uptrain_fraction"])
@@ -236,21 +257,22 @@ def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
         axes[2].set(xlabel="uptraining fraction", ylabel="val loss (dashed: from scratch)")
     for ax in axes:
         ax.grid(alpha=0.3)
-        if ax.has_data():
+        if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write(root: Path, cfg: Any, base: Any) -> str:
+def write(root: Path, cfg: Any, base: Any, status: str | None = None) -> str:
     """report.md, report.csv and report.png under root from its runs' logs (and, with base.wandb_log, the rows as
-    a wandb Table in one more run of the sweep's group); returns report.md's text."""
-    runs = read_runs(root)
+    a wandb Table in one more run of the sweep's group); returns report.md's text, which starts with status (the
+    sweep still running) and the runs left out, if any."""
+    runs, left_out = read_runs(root)
     speed_file = root / SPEED_FILE
     speeds = json.loads(speed_file.read_text()) if speed_file.is_file() else {}
     rows_ = rows(runs, speeds, cfg)
-    text_ = markdown(rows_, cfg, root)
+    text_ = markdown(rows_, cfg, root, [note for note in (status, left_out) if note])
     with atomic_open(root / "report.md", "w") as f:
         f.write(text_)
     with atomic_open(root / "report.csv", "w", newline="") as f:

@@ -104,15 +104,18 @@ def versions() -> dict[str, str | None]:
 def read_run(run_dir: Path) -> dict:
     """The latest run in run_dir/log.jsonl: its config and eval/train records, one per iteration (a resume's records
     replace those a killed process logged after the checkpoint it resumed), wall-clock continued across resumes (a
-    record's wall_s: the time lost to a kill included)."""
-    path, records = run_dir / "log.jsonl", []
+    record's wall_s: the time lost to a kill included); torn: whether the log ends in a line cut short (a process
+    killed while writing it, whatever it held); final_iter: the iteration of the run's final evaluation (the latest
+    attempt's max_iters, or where an eval_only attempt started)."""
+    path, records, torn = run_dir / "log.jsonl", [], False
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for i, line in enumerate(lines, 1):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
             if i == len(lines) or '"event": "config"' in lines[i]:  # a process killed mid-write leaves its last
-                continue  # line cut short (then a resume may follow)
+                torn = i == len(lines)  # line cut short (then a resume may follow)
+                continue
             raise UserError(f"{path} line {i} is not a JSON record ({e.msg}): not a log written by train.py") from e
     starts = [i for i, r in enumerate(records) if r.get("event") == "config"  # a fresh start, not a resume
               and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0]
@@ -123,6 +126,7 @@ def read_run(run_dir: Path) -> dict:
     for r in records:
         if r["event"] == "config":
             offset, last = offset + last, 0.0
+            final_iter = r.get("start_iter", 0) if r["config"].get("eval_only") else r["config"]["max_iters"]
             for kept in (evals, trains):
                 for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
                     del kept[it]
@@ -131,4 +135,17 @@ def read_run(run_dir: Path) -> dict:
             (evals if r["event"] == "eval" else trains)[r["iter"]] = r | {"wall_s": offset + r["elapsed_s"]}
     return {"name": run_dir.name, "config": records[0]["config"], "model_config": records[0]["model_config"],
             "evals": sorted(evals.values(), key=lambda r: r["iter"]),
-            "trains": sorted(trains.values(), key=lambda r: r["iter"])}
+            "trains": sorted(trains.values(), key=lambda r: r["iter"]), "torn": torn, "final_iter": final_iter}
+
+
+def unfinished(run: dict, final_iter: int | None = None) -> str | None:
+    """Why a run read_run returned is not finished, or None when it is: finished means its final evaluation (at
+    final_iter; default, the run's own) is logged, and whole: the log does not end in a line cut short."""
+    final_iter = run["final_iter"] if final_iter is None else final_iter
+    if run["torn"]:
+        return "its log's last line is cut short (killed while writing it)"
+    if not run["evals"]:
+        return "no evaluation logged yet"
+    if not any(e["iter"] == final_iter for e in run["evals"]):
+        return f"its last evaluation is at iteration {run['evals'][-1]['iter']}, its final one at {final_iter}"
+    return None

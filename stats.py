@@ -1,5 +1,6 @@
 """Statistics over seeds for the comparison report: a mean with its Student t interval, the seed-paired difference
-of two variants with its own interval, and the sentence that says what they show.
+of two variants with its own interval, the ratio of two decode speeds over their repeats with its interval, and the
+sentences that say what they show.
 """
 
 import math
@@ -59,3 +60,40 @@ def verdict(name: str, reference: str, diff: Estimate | None) -> str:
         return f"{name} is {abs(diff.mean):.4f} ± {diff.half_width:.4f} nats {side} than {reference} ({seeds})."
     return (f"{name}: no difference from {reference} detected at {diff.n} seeds ({diff.mean:+.4f} ± "
             f"{diff.half_width:.4f} nats; the {seeds[len(f'{diff.n} seeds, '):]} includes 0).")
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedRatio:
+    ratio: float  # a's speed over b's: the geometric mean of the per-repeat ratios
+    low: float | None  # its 95% interval; None for fewer than 2 repeats
+    high: float | None
+    n: int
+
+    @property
+    def separated(self) -> bool:
+        """Whether the repeats tell the speeds apart: the interval leaves out 1."""
+        return self.low is not None and (self.low > 1 or self.high < 1)
+
+
+def speed_ratio(a: list[float], b: list[float], level: float = 0.95) -> SpeedRatio | None:
+    """a's speed over b's from their repeats, paired in order (compare.py measures repeat i of every shape in one
+    round, so that drift hits both; unpaired repeats only widen the interval): the t interval of the mean log ratio,
+    back on the ratio scale. None without a repeat of each."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return None
+    est = mean_interval([math.log(x / y) for x, y in zip(a[:n], b[:n], strict=True)], level)
+    if est.half_width is None:
+        return SpeedRatio(math.exp(est.mean), None, None, n)
+    return SpeedRatio(math.exp(est.mean), math.exp(est.mean - est.half_width), math.exp(est.mean + est.half_width), n)
+
+
+def speed_verdict(ratio: SpeedRatio, reference: str) -> str:
+    """One sentence on a decode speed against reference's: a ratio only where the repeats separate the two."""
+    if ratio.low is None:
+        return (f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed in 1 repeat, with no interval: "
+                f"measure with --speed_repeats=3 or more to tell a difference from noise.")
+    interval = f"95% interval {ratio.low:.2f}-{ratio.high:.2f}x over {ratio.n} paired repeats"
+    if ratio.separated:
+        return f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed ({interval})."
+    return f"Its cached decode speed is within noise of {reference}'s (the ratio's {interval} includes 1)."

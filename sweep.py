@@ -1,26 +1,35 @@
 """The runs of an attention-variant sweep (compare.py): every variant, size, seed and MHA -> GQA/MQA conversion as
 the train.py command that makes it, what each is estimated to cost, and launching them one after another with
-progress. A run's tags carry what the report needs to group it (variant, seed, size, match, conversion).
+progress, stopping cleanly on SIGTERM/SIGINT. A run's tags carry what the report needs to group it (variant, seed,
+size, match, conversion).
 """
 
+import ctypes
 import dataclasses
+import fcntl
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 
+from checkpoint import load_checkpoint
 from configurator import UserError
 from model import GPT, GPTConfig
-from runlog import read_run
+from runlog import read_run, unfinished
 
 # named --sizes: (n_layer, n_embd)
 SIZE_PRESETS = {"tiny": (2, 64), "mini": (4, 128), "small": (6, 256), "medium": (8, 384)}
 STARTUP_S = 6.0  # a train.py process's start (imports, data, model) and end, in the plan's estimate
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(slots=True)
@@ -47,26 +56,28 @@ def variant_name(config: GPTConfig) -> str:
     return f"gqa{config.n_kv_head}" if kind == "gqa" else kind
 
 
+def size_of(size: str | list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """(n_layer, n_embd) of one item of --sizes: 'LxD' (two positive decimal integers), a preset name or a pair; a
+    ValueError saying what a size is otherwise."""
+    pair = tuple(size) if not isinstance(size, str) else SIZE_PRESETS.get(size, ())
+    if match := isinstance(size, str) and re.fullmatch(r"([0-9]+)x([0-9]+)", size):
+        pair = int(match[1]), int(match[2])
+    if len(pair) != 2 or min(pair) < 1:
+        presets = ", ".join(f"{k}={L}x{D}" for k, (L, D) in SIZE_PRESETS.items())
+        raise ValueError(f"sizes: {size!r} is neither n_layer x n_embd (two positive decimal integers, e.g. 4x128, or "
+                         f"a pair (4, 128)) nor a preset ({presets})")
+    return pair
+
+
 def sizes(size_list: list, base: Any) -> list[tuple[str, Any]]:
-    """(label, the base run at that size) for each of --sizes ((n_layer, n_embd), 'LxD' or a preset name); none
-    given: the base run's own size."""
+    """(label, the base run at that size) for each of --sizes (checked by size_of); none given: the base run's own
+    size."""
     out = []
-    for s in size_list or [(base.n_layer, base.n_embd)]:
-        if isinstance(s, str):
-            match = re.fullmatch(r"(\d+)x(\d+)", s)
-            if not match and s not in SIZE_PRESETS:
-                raise UserError(f"sizes: {s!r} is neither n_layer x n_embd (e.g. 4x128) nor a preset "
-                                f"({', '.join(f'{k}={L}x{D}' for k, (L, D) in SIZE_PRESETS.items())})")
-            s = SIZE_PRESETS[s] if s in SIZE_PRESETS else tuple(map(int, match.groups()))
-        if len(s) != 2:
-            raise UserError(f"sizes: {s!r} must be (n_layer, n_embd)")
-        n_layer, n_embd = s
+    for n_layer, n_embd in map(size_of, size_list) if size_list else [(base.n_layer, base.n_embd)]:
         try:
             out.append((f"{n_layer}x{n_embd}", dataclasses.replace(base, n_layer=n_layer, n_embd=n_embd)))
         except ValueError as e:
             raise UserError(f"sizes: {n_layer}x{n_embd}: {e}") from e
-    if len({label for label, _ in out}) < len(out):
-        raise UserError(f"sizes={size_list}: a size is listed twice")
     return out
 
 
@@ -148,13 +159,26 @@ def uptraining(base: Any, iters: int, lr_scale: float) -> list[str]:
 
 
 def finished(run: Run) -> bool:
-    """Whether run's log holds its final evaluation (and, for a run that trains, a checkpoint)."""
+    """Whether run's log holds its final evaluation, whole (runlog.unfinished), and, for a run that trains, it has a
+    checkpoint."""
     if not (run.dir / "log.jsonl").is_file() or (run.iters and not (run.dir / "ckpt.pt").is_file()):
         return False
     try:
-        return any(e["iter"] == run.iters for e in read_run(run.dir)["evals"])
+        return unfinished(read_run(run.dir), run.iters) is None
     except (UserError, KeyError):
         return False
+
+
+def train_args(run: Run) -> list[str]:
+    """train.py's arguments for a run not finished: from the start, or resuming its checkpoint; one already at the
+    run's last iteration (its final evaluation lost to a kill mid-write) is evaluated again, as resuming it would
+    train, evaluate and log nothing."""
+    args = run.args + [f"--out_dir={run.dir}"]
+    ckpt = run.dir / "ckpt.pt"
+    if not ckpt.exists():
+        return args
+    done = run.iters and load_checkpoint(ckpt, "cpu", mmap=True)["iter_num"] >= run.iters
+    return args + ["--init_from=resume"] + ["--eval_only=True"] * bool(done)
 
 
 def estimate(run: Run, timings: dict[tuple, tuple[float, float]], eval_iters: int) -> float:
@@ -163,19 +187,21 @@ def estimate(run: Run, timings: dict[tuple, tuple[float, float]], eval_iters: in
     return STARTUP_S + run.iters * step_s + run.evals * 2 * eval_iters * eval_s
 
 
-def launch_all(runs: list[Run], timings: dict[tuple, tuple[float, float]], eval_iters: int) -> None:
+def launch_all(runs: list[Run], timings: dict[tuple, tuple[float, float]], eval_iters: int, stop: "Stop") -> None:
     """Train each run not finished yet, one after another (a run with a checkpoint resumes it), with a line per run
-    saying which of how many it was, the time so far and the estimated time left."""
+    saying which of how many it was, the time so far and the estimated time left; stop: the sweep's signal handling."""
     todo = [r for r in runs if not finished(r)]
     if len(todo) < len(runs):
         print(f"{len(runs) - len(todo)} of {len(runs)} runs already finished: not run again", flush=True)
     t0, spent, expected = time.perf_counter(), 0.0, 0.0
     for i, run in enumerate(todo, 1):
         start = time.perf_counter()
-        args = run.args + [f"--out_dir={run.dir}"] + ["--init_from=resume"] * (run.dir / "ckpt.pt").exists()
+        args = train_args(run)
         print(f"$ python train.py {' '.join(args)}", flush=True)
-        if subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args]).returncode:
+        stop.where = f"in {run.dir} (run {i} of the {len(todo)} left)"
+        if stop.wait([sys.executable, str(Path(__file__).with_name("train.py")), *args]):
             raise UserError(f"the training run into {run.dir} failed: see its output above")
+        stop.where = "between runs"
         spent, expected = spent + time.perf_counter() - start, expected + estimate(run, timings, eval_iters)
         left = spent / expected * sum(estimate(r, timings, eval_iters) for r in todo[i:])
         print(f"[{i}/{len(todo)}] {run.dir.name} done in {time.perf_counter() - start:.0f} s; "
@@ -184,3 +210,77 @@ def launch_all(runs: list[Run], timings: dict[tuple, tuple[float, float]], eval_
 
 def clock(seconds: float) -> str:
     return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+class Stopped(Exception):
+    """The sweep stopped on SIGTERM or SIGINT (its train.py child, if one ran, saved and ended first)."""
+
+    def __init__(self, signum: int, where: str) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} {where}")
+        self.signum = signum
+
+
+class Stop:
+    """A sweep's SIGTERM and SIGINT, for a with block: forwarded to the train.py child it waits for (which finishes
+    its step, saves and exits), then Stopped; with no child running, Stopped at once. where: what the sweep is doing,
+    for Stopped's message."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen | None = None
+        self.signum: int | None = None
+        self.where = "before the first run"
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "Stop":
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.signum = self.signum or signum
+        if self.child is None:
+            raise Stopped(signum, self.where)
+        self.child.send_signal(signum)
+
+    def wait(self, command: list[str]) -> int:
+        """Run command to its end and return its exit status; Stopped if a signal came meanwhile."""
+        self.child = subprocess.Popen(command, preexec_fn=die_with_parent())
+        try:
+            code = self.child.wait()
+        finally:
+            self.child = None
+        if self.signum is not None:
+            raise Stopped(self.signum, self.where)
+        return code
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn after which Linux sends the child SIGTERM (train.py then saves and exits) when this process dies,
+    kill -9 included (prctl PR_SET_PDEATHSIG); None on other systems."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent:  # the parent died before prctl took effect: no signal would come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def lock_holder(folder: Path) -> str | None:
+    """Who holds folder's lock (atomic.folder_lock; a sweep's root: compare.py still running), or None; tried
+    without waiting, and let go at once."""
+    lock = folder / ".lock"
+    if not lock.is_file():
+        return None
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+    return None

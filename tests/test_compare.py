@@ -3,15 +3,21 @@ import dataclasses
 import glob
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from checkpoint import convert_kv_heads, load_checkpoint
-from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
+from conftest import ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
 from model import GPT, GPTConfig
+from runlog import read_run
 from sweep import matched_mlp_hidden
 
 SWEEP = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
@@ -159,6 +165,34 @@ def test_student_t_interval_and_paired_difference_match_hand_computation() -> No
     assert stats.t_quantile(4) == pytest.approx(2.776445, rel=1e-6)
 
 
+def test_speed_ratio_is_stated_only_when_the_paired_repeats_separate_it() -> None:
+    import stats
+
+    same = stats.speed_ratio([10.0, 20.0, 30.0], [11.0, 22.0, 33.0])  # ranges overlap, every round 1/1.1: drift
+    assert same.separated and same.ratio == pytest.approx(1 / 1.1) and same.low == pytest.approx(1 / 1.1)
+    assert stats.speed_verdict(same, "MHA") == ("Its cached decode ran at 0.91x MHA's speed (95% interval "
+                                                "0.91-0.91x over 3 paired repeats).")
+    # the issue's loaded machine: 26 (24-837) against 67 (24-149) tok/s
+    noisy = stats.speed_ratio([26.0, 24.0, 837.0], [67.0, 149.0, 24.0])
+    logs = [math.log(26 / 67), math.log(24 / 149), math.log(837 / 24)]
+    mean = sum(logs) / 3
+    half = 4.302653 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)  # t(0.975, 2) from a table
+    assert noisy.n == 3 and not noisy.separated
+    assert (noisy.ratio, noisy.low, noisy.high) == pytest.approx((math.exp(mean), math.exp(mean - half),
+                                                                  math.exp(mean + half)), rel=1e-6)
+    assert stats.speed_verdict(noisy, "MHA") == (f"Its cached decode speed is within noise of MHA's (the ratio's 95% "
+                                                 f"interval {math.exp(mean - half):.2f}-{math.exp(mean + half):.2f}x "
+                                                 f"over 3 paired repeats includes 1).")
+    apart = stats.speed_ratio([50.0, 52.0], [100.0, 101.0])  # halved in both rounds: ln(0.5), ln(52/101)
+    half = 12.706205 * abs(math.log(0.5) - math.log(52 / 101)) / 2  # t(0.975, 1) * s / sqrt(2), s = |a - b| / sqrt(2)
+    assert apart.low == pytest.approx(math.sqrt(0.5 * 52 / 101) * math.exp(-half), rel=1e-6)
+    assert apart.separated and "ran at 0.51x MHA's speed" in stats.speed_verdict(apart, "MHA")
+    once = stats.speed_ratio([50.0], [100.0, 90.0])  # one pair: no interval
+    assert once.n == 1 and once.low is None and not once.separated
+    assert "in 1 repeat, with no interval: measure with --speed_repeats=3" in stats.speed_verdict(once, "MHA")
+    assert stats.speed_ratio([], [1.0]) is None
+
+
 def final_val_loss(run_dir: Path) -> float:
     return [r for r in read_log(run_dir) if r["event"] == "eval"][-1]["val_loss"]
 
@@ -232,22 +266,125 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
     assert r.stdout.count("$ python train.py") == 1 and f"--out_dir={out / 'mqa-params-s1338'}" in r.stdout
     assert all((out / name / "log.jsonl").read_text() == log for name, log in logs.items()
                if name != "mqa-params-s1338")
-    # a killed run's log (a last line cut short; no evaluation yet) is left out of the report with a line
+    # killed runs (a last line cut short, after the final evaluation; no evaluation yet) are left out of the report
+    # with a line
     with open(out / "mha-s1338" / "log.jsonl", "a") as f:
         f.write('{"event": "eval", "iter": 4')
     mqa_log = out / "mqa-params-s1338" / "log.jsonl"
     mqa_log.write_text(mqa_log.read_text().splitlines()[0] + "\n")
     shutil.copytree(out / "mha-s1337", out / "mha")  # the same run in an earlier sweep's folder: counted once
     r = run([*args, "--mode=report"])
-    assert f"left out of the report, no evaluation logged yet: {out / 'mqa-params-s1338'}" in r.stderr
+    assert (f"Left out of the report, unfinished: {out / 'mha-s1338'} (its log's last line is cut short (killed "
+            f"while writing it)); {out / 'mqa-params-s1338'} (no evaluation logged yet)") in r.stderr
     assert f"two runs of mha at seed 1337: {out / 'mha'} left out, {out / 'mha-s1337'} kept" in r.stderr
     again = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
     assert again["mqa-params"]["seeds"] == "1" and again["mqa-params"]["val_loss_ci95"] == ""
-    assert again["mha"]["seeds"] == "2"
+    assert again["mha"]["seeds"] == "1"
     mqa_log.write_text("")
     r = cli([*args, "--mode=report"])
     assert r.returncode == 2 and r.stderr == f"error: {mqa_log} holds no run's config record: not a log written by " \
                                              "train.py\n"
+
+
+@pytest.mark.slow  # 2 train.py processes
+def test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep(pycode_small: Path, tmp_path: Path) -> None:
+    """A kill while train.py wrote its final evaluation leaves the log's last line cut short and the checkpoint at
+    max_iters: the sweep counts the run unfinished and evaluates that checkpoint again (resuming alone would find
+    nothing to train), which gives the lost record back, the same number."""
+    out = tmp_path / "cmp"
+    args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]"]
+    run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
+    log = out / "mha-s1337" / "log.jsonl"
+    lines = log.read_text().splitlines()
+    final = json.loads(lines[-1])
+    assert (final["event"], final["iter"]) == ("eval", 30)
+    log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:len(lines[-1]) // 2])  # cut in half
+    assert "1 runs, 1 to run" in run([*args, "--mode=plan"]).stdout
+    r = run(args, env={"WANDB_MODE": "disabled"})
+    assert f"--out_dir={out / 'mha-s1337'} --init_from=resume --eval_only=True" in r.stdout
+    evals = read_run(out / "mha-s1337")["evals"]  # the same model's loss again (to float rounding: another process)
+    assert [e["iter"] for e in evals] == [0, 10, 20, 30] and evals[-1]["val_loss"] == pytest.approx(final["val_loss"],
+                                                                                                   abs=1e-4)
+    assert float(next(csv.DictReader(open(out / "report.csv")))["val_loss"]) == evals[-1]["val_loss"]
+    assert "1 of 1 runs already finished" in run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"}).stdout
+
+
+def alive(pid: int) -> bool:
+    """Whether process pid runs (a zombie, ended but not reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def start_sweep(args: list[str]) -> tuple[subprocess.Popen, int, str]:
+    """compare.py with args in a process of its own, once its train.py child has logged training progress; that
+    child's pid, and the output so far."""
+    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=os.environ | {"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"})
+    head = ""
+    for line in p.stdout:
+        head += line
+        if line.startswith("iter "):
+            break
+    children = [int(d.name) for d in Path("/proc").glob("[0-9]*") if alive(int(d.name))
+                and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == p.pid]
+    assert len(children) == 1, (children, p.poll(), head)
+    return p, children[0], head
+
+
+def stop_sweep(p: subprocess.Popen, child: int, sig: signal.Signals) -> tuple[str, str]:
+    """Send compare.py sig; its stdout and stderr once it ended (both processes killed, whatever happened)."""
+    try:
+        p.send_signal(sig)
+        return p.communicate(timeout=60)
+    finally:
+        for pid in (p.pid, child):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow  # 5 processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds compare.py's train.py through /proc")
+def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resumes(pycode_small: Path,
+                                                                                   tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]",
+            "--max_iters=200", "--eval_interval=100"]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        p, child, head = start_sweep(args)
+        stdout, stderr = stop_sweep(p, child, sig)
+        stdout = head + stdout
+        assert p.returncode == 128 + sig and f"stopping on {sig.name} at iteration" in stdout
+        assert [line for line in stderr.splitlines() if "stopped" in line] == [
+            f"stopped by {sig.name} in {out / 'mha-s1337'} (run 1 of the 1 left): 0 of 1 runs finished; run the "
+            f"same command again to resume (a run cut short goes on from its checkpoint)"]
+        assert not alive(child)
+        assert ("--init_from=resume" in stdout) == (sig == signal.SIGINT)  # the second sweep resumed the first's
+    r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
+    assert f"--out_dir={out / 'mha-s1337'} --init_from=resume" in r.stdout
+    assert [e["iter"] for e in read_run(out / "mha-s1337")["evals"]] == [0, 100, 200]
+
+
+@pytest.mark.slow  # 2 processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_killing_compare_ends_its_train_py_which_saves_first(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    p, child, _ = start_sweep(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]",
+                               "--max_iters=100000", "--eval_interval=100000"])  # minutes of training, unstopped
+    try:
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.time() + 10
+        while alive(child) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+        p.stdout.close()
+        p.stderr.close()
+    assert 0 < load_checkpoint(out / "mha-s1337" / "ckpt.pt")["iter_num"] < 100000  # SIGTERM: it saved and ended
 
 
 def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_path: Path) -> None:
@@ -262,6 +399,13 @@ def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_pat
     assert "| 1x16-mha-s1337 |" in r.stdout and "| 2x64-mha-s1337 |" in r.stdout
 
 
+def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_it(tmp_path: Path) -> None:
+    r = run(["compare.py", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[2,1]", "--mode=plan"])
+    assert r.stdout.startswith("no MHA in kv_heads=[2, 1] (n_head=4): the report compares these variants but shows no "
+                               "difference to MHA; add 4 to kv_heads for that\n")
+    assert "2 runs, 2 to run" in r.stdout
+
+
 @pytest.mark.parametrize(("arg", "message"), [
     ("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
     ("--decode_steps=0", "decode_steps=0: must be positive"),
@@ -274,6 +418,15 @@ def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_pat
     ("--convert=True --kv_heads=[2,1]", "kv_heads=[2, 1] must hold n_head=4"),
     ("--sizes=[2x30]", "sizes: 2x30: invalid GPTConfig: n_embd=30 must be divisible by n_head=4"),
     ("--sizes=[huge]", "sizes: 'huge' is neither n_layer x n_embd"),
+    ("--sizes=[0x64]", "sizes: '0x64' is neither n_layer x n_embd (two positive decimal integers"),  # not 100
+    ("--sizes=[(0,64)]", "sizes: [0, 64] is neither n_layer x n_embd (two positive decimal integers"),
+    ("--kv_heads=[2,2]", "kv_heads=[2, 2] lists 2 twice: each item names its own runs, so a repeat would train"),
+    ("--match=[width,width]", "match=['width', 'width'] lists width twice"),
+    ("--sizes=[mini,4x128]", "sizes=['mini', '4x128'] lists 4x128 twice"),
+    ("--convert=True --convert_methods=[mean,mean]", "convert_methods=['mean', 'mean'] lists mean twice"),
+    ("--convert=True --uptrain_fractions=[0.1,0.1]", "uptrain_fractions=[0.1, 0.1] lists 0.1 twice"),
+    ("--convert=True --uptrain_fractions=[0.1,0.11]", "uptrain_fractions=[0.1, 0.11] give 3 of max_iters=30 "
+                                                      "iterations twice"),
     ("--n_head=6 --n_embd=48 --kv_heads=[6,4]", "n_head=6 must be divisible by n_kv_head=4"),
     ("--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 --bias=True",
      "match=params: no MLP width gives mqa at 1x4 MHA's"),

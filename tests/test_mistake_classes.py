@@ -4,6 +4,7 @@ line or the real function, with one `error:` line and nothing lost."""
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -51,7 +52,7 @@ class Keys:
     ("--fractions=[0.5,1e-50]", "fractions=1e-50 (from flag --fractions=[0.5,1e-50]) is too small for float32"),
 ])
 def test_numbers_the_types_cannot_hold_are_refused(flag: str, message: str) -> None:
-    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(UserError, match=re.escape(message)):
         parse_config(Keys, [flag])
 
 
