@@ -21,16 +21,16 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 import bench_peers
 import runtime
 import sharding
-from checkpoint import load_checkpoint, model_from_checkpoint, run_config
+from checkpoint import Source, load_run
 from dataset import Batches, data_dir, vocab_size_of
 from fast_paths import Linear
+from generation import generate
 from measure import default_kv_heads, step_ms, table, timed_decode
 from model import GPT, GPTConfig
 from quantize import quantize
@@ -202,11 +202,11 @@ def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
     """The trained checkpoint in base.out_dir in fp32 and with int8 weights (quantize.py): val loss over eval_iters
     batches of its dataset, the share of positions where the two predict the same next token (on those batches),
     greedy continuations of 4 val prompts (the share of tokens equal to fp32's), and batch-1 decoding tokens/s."""
-    ckpt = load_checkpoint(Path(base.out_dir) / "ckpt.pt")
-    models = {"float32": model_from_checkpoint(ckpt).eval()}
+    loaded = load_run(Source("resume"), base.out_dir, tokenizer=False)
+    models = {"float32": loaded.model.eval()}
     models["int8"] = quantize(copy.deepcopy(models["float32"]), "int8")
     header("int8", "cpu", models["float32"].config)
-    batches = Batches(data_dir(run_config(ckpt).get("dataset", base.dataset)), models["int8"].config.block_size,
+    batches = Batches(data_dir(loaded.config.get("dataset", base.dataset)), models["int8"].config.block_size,
                       base.batch_size, base.seed, "cpu")
     n, gen, rows, greedy, picks = cfg.new_tokens[0], torch.Generator().manual_seed(0), [], {}, {}
     val = [batches.eval("val", k) for k in range(base.eval_iters)]  # read once, for both models
@@ -215,7 +215,7 @@ def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
             # one pass: each position's next token and the val loss (logits are not kept: vocab-sized)
             outs = [(logits.argmax(-1), loss.item()) for logits, loss in (m(x, y) for x, y in val)]
             picks[name] = torch.stack([pick for pick, _ in outs])
-            greedy[name] = m.generate(val[0][0][:4, :16], n, temperature=0)[:, 16:]
+            greedy[name] = generate(m, val[0][0][:4, :16], n, temperature=0)[:, 16:]
             timed_decode(m, 1, 16, True, gen, compile_step=True)  # compiles
             rows.append({"mode": "int8", "weights": name, "val_loss": sum(loss for _, loss in outs) / len(outs),
                          "weight_bytes": sum(t.nbytes for t in [*m.parameters(), *m.buffers()]),

@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 import hf
-from checkpoint import from_hf, load_checkpoint, model_from_checkpoint, run_config
+from checkpoint import Source, load_run
 from configurator import UserError
-from dataset import data_dir, gpt2_encoding, load_meta, load_tokenizer
+from dataset import data_dir, gpt2_encoding, load_meta
+from generation import generate
 from model import GPTConfig
 from quantize import quantize
 from runlog import read_run
@@ -54,7 +55,7 @@ def timed(fn: Any) -> tuple[float, Any]:
 
 def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats: int, device: str = "cpu",
              llama_cpp: str = "") -> list[dict]:
-    """tokens/s of GPT.generate and of GPT2LMHeadModel.generate(use_cache=True) on the same weights (and of
+    """tokens/s of GPT.generate and of generate(GPT2LMHeadModel, use_cache=True) on the same weights (and of
     llama.cpp's llama-bench on them, converted to GGUF, when llama_cpp names its folder)."""
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -70,7 +71,7 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     hf = GPT2LMHeadModel(hf_cfg).eval()
     with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
         hf.save_pretrained(d)
-        ours = from_hf(d).eval()
+        ours = load_run(Source("hf", d), tokenizer=False).model.eval()
         llama = llama_cpp_runners(Path(d), *tools, dtypes) if tools else {}
         if not tools:
             print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
@@ -100,7 +101,7 @@ def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new
                            do_sample=False, use_cache=True, pad_token_id=0)[0, 1:]
 
     def run_ours(n: int, compiled: bool = False) -> torch.Tensor:
-        return model.generate(idx, n, temperature=0.0, compile_step=compiled)[0, 1:]
+        return generate(model, idx, n, temperature=0.0, compile_step=compiled)[0, 1:]
 
     with torch.inference_mode():
         run_hf(8), run_ours(8), run_ours(8, True)  # warm-up (the compiled step compiles here)
@@ -251,15 +252,14 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
         print("# gguf check skipped: pass --llama_cpp=DIR, a llama.cpp source folder with build/bin/llama-simple")
         return []
     _, binary = llama_cpp_tools(llama_cpp, "llama-simple")
-    ckpt = load_checkpoint(Path(out_dir) / "ckpt.pt")
-    model = model_from_checkpoint(ckpt).float().eval()
-    meta = ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
+    loaded = load_run(Source("resume"), out_dir)
+    model, meta, tok = loaded.model.float().eval(), loaded.meta, loaded.tokenizer
     hf_tok = hf.tokenizer(meta)
     hf.check_gguf_vocabulary(hf_tok)  # before any decoding: a char-level run has no GGUF
-    tok, c = load_tokenizer(meta), model.config
+    c = model.config
     ids = tok.encode(prompt)
     n = min(new_tokens, c.block_size - len(ids))  # llama.cpp slides no window: stay within the positions
-    new = model.generate(torch.tensor([ids]), n, temperature=0)[0, len(ids):].tolist()
+    new = generate(model, torch.tensor([ids]), n, temperature=0)[0, len(ids):].tolist()
     new = new[:new.index(tok.eot_token)] if tok.eot_token in new else new  # llama.cpp stops there, silently
     ours = tok.decode(ids + new)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,5 +1,6 @@
-"""Checkpoints, the only code that knows their format, and the other ways to get a model's weights: OpenAI's GPT-2
-through Hugging Face, and the MHA -> GQA/MQA conversion of a model's K/V heads.
+"""Where a run's weights come from, read once: init_from parsed into a Source, and load_run, the one way in for every
+script (a checkpoint, OpenAI's GPT-2 through Hugging Face, or an exported folder). Checkpoints: the only code that
+knows their format. Conversions of the weights (K/V heads, fine-tuning fits) are convert.py's.
 
 A checkpoint is {'model': state_dict, 'model_config': asdict(GPTConfig), **state} with plain data only, written
 atomically and loaded with weights_only=True (it cannot run code).
@@ -12,7 +13,7 @@ import re
 import shutil
 import tempfile
 import zipfile
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,92 @@ import torch
 import hf as hf_formats
 from atomic import atomic_open
 from configurator import UserError, first_line
-from dataset import data_dir, folder_tokenizer, gpt2_folder_vocab, load_tokenizer, open_tokens
+from dataset import data_dir, folder_tokenizer, gpt2_folder_vocab, load_meta, load_tokenizer, open_tokens
 from model import GPT, GPTConfig
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
+SOURCES = f"'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', {', '.join(GPT2_NAMES)} or 'hf:<folder>'"
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a run's weights come from: init_from read once, here (no other module reads its prefixes)."""
+
+    kind: str  # 'scratch', 'resume', 'auto', 'convert', 'gpt2' (OpenAI's, by hub name) or 'hf' (a local folder)
+    where: str = ""  # convert: a checkpoint file or run folder; gpt2: the hub name; hf: the folder
+
+    @property
+    def pretrained(self) -> bool:
+        """GPT-2's or a Hugging Face folder's weights, which decide the model's shape."""
+        return self.kind in ("gpt2", "hf")
+
+    def resolved(self, out_dir: str | Path) -> "Source":
+        """'auto' as what it does: resume when out_dir holds a checkpoint, else scratch."""
+        if self.kind != "auto":
+            return self
+        return Source("resume" if (Path(out_dir) / "ckpt.pt").exists() else "scratch")
+
+    def checkpoint_path(self, out_dir: str | Path) -> Path:
+        """The checkpoint file a resume (out_dir's) or a conversion (a file, or a run folder's) reads."""
+        if self.kind in ("resume", "auto"):
+            return Path(out_dir) / "ckpt.pt"
+        path = Path(self.where)
+        return path if path.suffix == ".pt" else path / "ckpt.pt"
+
+    def __str__(self) -> str:
+        """The init_from text that gives this source."""
+        if self.kind in ("convert", "hf"):
+            return f"{self.kind}:{self.where}"
+        return self.where or self.kind
+
+
+def parse_source(init_from: str) -> Source:
+    """init_from as a Source; a ValueError saying what is wrong (the configs' checks turn it into their message)."""
+    if init_from in ("scratch", "resume", "auto"):
+        return Source(init_from)
+    if init_from in GPT2_NAMES:
+        return Source("gpt2", init_from)
+    for prefix in ("convert", "hf"):
+        if init_from.startswith(f"{prefix}:"):
+            if not init_from[len(prefix) + 1:]:
+                raise ValueError(f"init_from={init_from!r} names no folder: give {prefix}:<folder>")
+            return Source(prefix, init_from[len(prefix) + 1:])
+    raise ValueError(f"init_from={init_from!r} must be {SOURCES}")
+
+
+@dataclass(slots=True)
+class Run:
+    """What load_run gives back: the model with its weights, its tokenizer (None unless asked for), the dataset's
+    meta it was trained on and the checkpoint it came from (None for pretrained weights)."""
+
+    model: GPT
+    tokenizer: Any
+    meta: dict | None
+    ckpt: dict[str, Any] | None
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The config of the run that wrote the checkpoint ({} for pretrained weights)."""
+        return run_config(self.ckpt) if self.ckpt is not None else {}
+
+
+def load_run(source: Source, out_dir: str | Path = "", device: str = "cpu", tokenizer: bool = True,
+             ckpt: dict[str, Any] | None = None) -> Run:
+    """The one way in for a run's weights (train.py, sample.py, export.py, the benchmarks): a checkpoint (resume:
+    out_dir's; convert: the source's, as it is: train.py converts it), or GPT-2's or a Hugging Face folder's weights;
+    with the tokenizer its text was numbered by. ckpt: the checkpoint, where the caller has read it already."""
+    source = source.resolved(out_dir)
+    if source.kind == "scratch":
+        raise ValueError("a run from scratch has no weights to load")
+    if source.pretrained:
+        model = from_hf(source.where)
+        return Run(model, folder_tokenizer(source.where) if tokenizer else None, None, None)
+    if ckpt is None:
+        ckpt = load_checkpoint(source.checkpoint_path(out_dir), device, mmap=device == "cpu")
+    meta = ckpt.get("data_meta")
+    if tokenizer and not meta:  # an older checkpoint: its dataset's meta, if the dataset is still there
+        meta = load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
+    return Run(model_from_checkpoint(ckpt), load_tokenizer(meta) if tokenizer else None, meta, ckpt)
 
 
 def size_estimate(model: GPT, optimizer_bytes: int, data_meta: dict) -> int:
@@ -61,27 +144,28 @@ def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, datas
                         f"{meta['vocab_size']} tokens: drop vocab_size (the dataset's is the default) or raise it")
 
 
-def check_pretrained_tokenizer(init_from: str, meta: dict, dataset: str) -> None:
+def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str) -> None:
     """Pretrained weights (GPT-2's, or a Hugging Face folder's) must be fine-tuned on text their own tokenizer
     numbers: GPT-2's on a GPT-2 BPE dataset; a folder's tokenizer (its tokenizer.json, else GPT-2's) must give the
     dataset's own ids for the start of its val split."""
-    if init_from in GPT2_NAMES or init_from.startswith("hf:") and not (Path(init_from[3:]) / "tokenizer.json").exists():
-        if init_from.startswith("hf:") and (Path(init_from[3:]) / "config.json").is_file():  # else from_hf says
-            gpt2_folder_vocab(Path(init_from[3:]))  # GPT-2's BPE reads a GPT-2 folder only; any other is refused
-        if meta.get("tokenizer") != "gpt2":
-            raise UserError(f"{init_from} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
-                            f"-level: fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)")
+    if not source.pretrained:
         return
-    if not init_from.startswith("hf:"):
+    folder = Path(source.where)
+    if source.kind == "gpt2" or not (folder / "tokenizer.json").exists():
+        if source.kind == "hf" and (folder / "config.json").is_file():  # else from_hf says what is missing
+            gpt2_folder_vocab(folder)  # GPT-2's BPE reads a GPT-2 folder only; any other is refused
+        if meta.get("tokenizer") != "gpt2":
+            raise UserError(f"{source} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
+                            f"-level: fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)")
         return
     ids = open_tokens(data_dir(dataset), "val", meta)[:2000].tolist()
     text = load_tokenizer(meta).decode(ids)
     try:
-        same = folder_tokenizer(init_from[3:]).encode(text) == ids
+        same = folder_tokenizer(source.where).encode(text) == ids
     except UserError:  # characters its vocabulary lacks
         same = False
     if not same:
-        raise UserError(f"the tokenizer of {init_from[3:]} numbers dataset {dataset}'s text otherwise than the dataset "
+        raise UserError(f"the tokenizer of {folder} numbers dataset {dataset}'s text otherwise than the dataset "
                         f"does: fine-tune on a dataset made with that tokenizer")
 
 
@@ -142,21 +226,19 @@ def run_config(ckpt: dict[str, Any]) -> dict[str, Any]:
     return ckpt["config"] if isinstance(ckpt.get("config"), dict) else {}
 
 
-def start_from(init_from: str, out_dir: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any], str]:
-    """The checkpoint a run with init_from starts from, read here once (train.py passes it on), the config keys it
-    gives the run, and where they come from. To resume (init_from 'resume', or 'auto' with a checkpoint in out_dir):
-    the run's config and its model's (a fine-tuned GPT-2 keeps GPT-2's shape), out_dir and init_from aside; to
-    convert ('convert:<checkpoint or out_dir>'): the model's but n_kv_head. (None, {}, '') where there is none."""
-    path = Path(out_dir) / "ckpt.pt"
-    if init_from in ("resume", "auto") and path.is_file():
+def start_from(source: Source, out_dir: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any], str]:
+    """The checkpoint a run from source starts from, read here once (train.py passes it on), the config keys it
+    gives the run, and where they come from. To resume ('resume', or 'auto' with a checkpoint in out_dir): the run's
+    config and its model's (a fine-tuned GPT-2 keeps GPT-2's shape), out_dir and init_from aside; to convert: the
+    model's but n_kv_head. (None, {}, '') where there is none."""
+    source, path = source.resolved(out_dir), source.checkpoint_path(out_dir)
+    if source.kind == "resume" and path.is_file():
         ckpt = load_checkpoint(path, "cpu", mmap=True)
         keys = {k: v for k, v in (run_config(ckpt) | ckpt["model_config"]).items() if k not in ("out_dir", "init_from")}
         return ckpt, keys, f"the run config in {path}"
-    source = Path(init_from.removeprefix("convert:"))
-    source = source if source.suffix == ".pt" else source / "ckpt.pt"
-    if init_from.startswith("convert:") and source.is_file():
-        ckpt = load_checkpoint(source, "cpu", mmap=True)
-        return ckpt, {k: v for k, v in ckpt["model_config"].items() if k != "n_kv_head"}, f"the model in {source}"
+    if source.kind == "convert" and path.is_file():
+        ckpt = load_checkpoint(path, "cpu", mmap=True)
+        return ckpt, {k: v for k, v in ckpt["model_config"].items() if k != "n_kv_head"}, f"the model in {path}"
     return None, {}, ""
 
 
@@ -218,54 +300,3 @@ def from_hf(name_or_path: str) -> GPT:
             state[name] = t.t() if name.endswith(("c_proj.weight", "c_fc.weight")) else t
     model.load_state_dict(state)
     return model
-
-
-def hf_for_finetuning(name_or_path: str, vocab_size: int, dropout: float, block_size: int,
-                      n_kv_head: int | None) -> GPT:
-    """GPT-2's (or an exported model's) weights with a run's dropout, cropped to its block_size, and pooled to its
-    n_kv_head if given."""
-    model = from_hf(name_or_path)
-    if vocab_size > model.config.vocab_size:
-        raise UserError(f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
-                        f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)")
-    learned = model.config.pos_encoding == "learned"
-    if learned and block_size > model.config.block_size:
-        raise UserError(f"block_size={block_size} is beyond the {model.config.block_size} positions {name_or_path}'s "
-                        f"weights learned: give block_size <= {model.config.block_size}")
-    config = replace(model.config, dropout=dropout, block_size=min(block_size, model.config.block_size) if learned
-                     else block_size)  # rotary positions are computed, not learned: any block_size
-    state = model.state_dict()
-    if "transformer.wpe.weight" in state:
-        state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
-    model = GPT(config)
-    model.load_state_dict(state)
-    return convert_kv_heads(model, n_kv_head) if n_kv_head and n_kv_head != model.config.n_kv_head else model
-
-
-CONVERT_METHODS = ("mean", "first", "random")
-
-
-def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int = 0) -> GPT:
-    """A copy of model with n_kv_head K/V heads, query, output and every other weight unchanged; each new K (and V)
-    head is, by method (the GQA paper's ablation, https://arxiv.org/abs/2305.13245 s2.1 and fig. 5), the mean of
-    the heads of its group, the first head of its group, or drawn afresh as a new model made with seed would be."""
-    old = model.config.n_kv_head
-    try:
-        config = replace(model.config, n_kv_head=n_kv_head)  # checks that n_kv_head divides n_head
-    except ValueError as e:
-        raise UserError(f"cannot convert the model to n_kv_head={n_kv_head}: {e}") from e
-    if old % n_kv_head:
-        raise UserError(f"cannot pool the model's {old} K/V heads into n_kv_head={n_kv_head} groups: "
-                        f"n_kv_head must divide {old}")
-    converted = GPT(config).to(next(model.parameters()).device)
-    if method == "random":
-        converted.init_weights(seed)
-    fresh, state = converted.state_dict(), model.state_dict()
-    for name, t in state.items():
-        if name.endswith(("attn.c_k.weight", "attn.c_k.bias", "attn.c_v.weight", "attn.c_v.bias")):
-            # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...) -> one head per group
-            grouped = t.view(n_kv_head, old // n_kv_head, config.head_dim, *t.shape[1:])
-            pooled = {"mean": grouped.mean(dim=1), "first": grouped[:, 0], "random": None}[method]
-            state[name] = fresh[name] if pooled is None else pooled.reshape(n_kv_head * config.head_dim, *t.shape[1:])
-    converted.load_state_dict(state)
-    return converted

@@ -30,7 +30,7 @@ import torch
 import report
 import sweep
 from atomic import atomic_open, folder_lock
-from checkpoint import CONVERT_METHODS
+from convert import CONVERT_METHODS
 from dataset import data_dir, load_meta, vocab_size_of
 from measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from model import GPT, GPTConfig

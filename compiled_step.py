@@ -1,4 +1,4 @@
-"""The compiled one-token decoding step on CPU (generation.stream's compile_step=True): GPT.decode_static exported
+"""The compiled one-token decoding step on CPU (generation.stream's compile_step=True): decode_static exported
 (torch.export) and compiled ahead of time by AOTInductor, holding no weights of its own. The model lends it its
 tensors at each stream; the layer products run inductor's CPU GEMM template, which reads each weight in a blocked
 layout, so those weights are lent as blocked copies made from the model's own (docs/performance-cpu.md "Decoding").
@@ -26,6 +26,7 @@ from atomic import atomic_open
 from configurator import UserError
 from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
 from quantize import Int8Linear
+from static_step import decode_static
 
 # Products of weights up to this size run inductor's CPU GEMM template inside the compiled step, faster than MKL's
 # for these small products; larger ones (GPT-2's lm_head) keep Linear's split product, which streams them faster
@@ -40,7 +41,7 @@ TEMPLATE_CONFIGS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CP
 
 
 class SplitStep(nn.Module):
-    """GPT.decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
+    """decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
     tensors k and v. With template, every fast_paths.Linear of a weight up to TEMPLATE_MAX_BYTES multiplies unsplit
     (the GEMM template takes it), as does every quantize.Int8Linear (faster than torch's int8 kernel); the others use
     the split weights that Linear made for this thread count (prepare_splits first), buffers here, so that export
@@ -71,7 +72,7 @@ class SplitStep(nn.Module):
             for i, m in enumerate(self.linears):
                 w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
                 m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
-            logits = self.model.decode_static(idx, positions[-1:], SimpleNamespace(k=k, v=v), positions.size(0))
+            logits = decode_static(self.model, idx, positions[-1:], SimpleNamespace(k=k, v=v), positions.size(0))
             return logits, logits[:, -1].argmax(dim=-1)  # inside the graph: ~10x faster than ATen's CPU argmax
         finally:
             for m, split in made:
@@ -206,7 +207,7 @@ STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict, dict]]
 
 
 class CompiledStep:
-    """GPT.decode_static exported (torch.export) and compiled ahead of time by AOTInductor for the one-token steps on
+    """decode_static exported (torch.export) and compiled ahead of time by AOTInductor for the one-token steps on
     CPU: the step's ~300 small ops become a few fused C++ loops around the products (inductor's GEMM template for the
     layers', fast_paths.Linear's split for the larger lm_head), run from C++ with no Python or dynamo guards in
     between. Attention reads the filled cache positions only; their count and the cache's length are the dynamic

@@ -31,8 +31,7 @@ from typing import Any
 
 import hf
 from atomic import KIND_MARKERS, check_replaceable
-from checkpoint import load_checkpoint, model_from_checkpoint, run_config
-from dataset import data_dir, load_meta
+from checkpoint import Source, load_run, run_config
 from model import GPT
 from runlog import read_run
 
@@ -106,9 +105,8 @@ def export(cfg: ExportConfig) -> None:
         raise UserError(f"no convert_hf_to_gguf.py in --llama_cpp={cfg.llama_cpp}: pass a llama.cpp source folder "
                         f"(e.g. the one vendored in the llama-cpp-python sdist)")
     check_destinations(cfg, dest)  # before the checkpoint is read; again under the lock, before anything is replaced
-    ckpt = load_checkpoint(out / "ckpt.pt")
-    model = model_from_checkpoint(ckpt).float().eval()
-    meta = ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
+    loaded = load_run(Source("resume"), out)
+    ckpt, meta, model = loaded.ckpt, loaded.meta, loaded.model.float().eval()
     tok, hf_model = hf.tokenizer(meta), hf.to_hf(model)
     if cfg.gguf:
         hf.check_gguf_vocabulary(tok)

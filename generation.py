@@ -1,6 +1,6 @@
 """Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming decode loop with its
 sliding window, and the faster one-token step on CUDA, a CUDA graph replayed (the one on CPU, compiled ahead of time
-by AOTInductor, is compiled_step.py's). GPT.generate and GPT.stream call these.
+by AOTInductor, is compiled_step.py's). The engine imports the model, never the reverse: generate(model, idx, n).
 """
 
 import codecs
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from compiled_step import CompiledStep
+from static_step import decode_static
 
 
 def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -42,8 +42,8 @@ def left_pad(prompts: list[list[int]], pad_token: int = 0, device: torch.device 
 
 
 class CUDAGraphStep:
-    """GPT.decode_static captured once as a CUDA graph and replayed for each token, which removes the step's kernel
-    launches from Python (docs/gpu.md). Bound to one KVCache (its tensors' addresses); the inputs are copied
+    """static_step.decode_static captured once as a CUDA graph and replayed for each token, which removes the step's
+    kernel launches from Python (docs/gpu.md). Bound to one KVCache (its tensors' addresses); the inputs are copied
     into the graph's own."""
 
     def __init__(self, model: nn.Module, kv_cache: object, batch_size: int) -> None:
@@ -54,11 +54,11 @@ class CUDAGraphStep:
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # kernels are chosen and workspaces allocated outside the capture
-                model.decode_static(self.idx, self.pos, kv_cache)
+                decode_static(model, self.idx, self.pos, kv_cache)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = model.decode_static(self.idx, self.pos, kv_cache)
+            self.logits = decode_static(model, self.idx, self.pos, kv_cache)
 
     def __call__(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward."""
@@ -121,6 +121,8 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
            compile_step: bool = False) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), up to max_new_tokens times, from a GPT; see generate()."""
     check_sampling(temperature, top_k, top_p)
+    if compile_step:  # inductor's import (~1 s of CPU) only where the compiled step is asked for
+        import compiled_step
     B, T0 = idx.shape
     bs = model.config.block_size
     keep = max(1, bs // 2)
@@ -157,7 +159,7 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
                 graph = graph or CUDAGraphStep(model, kv_cache, B)
                 logits = graph(tokens[:, n - 1:n])
             elif compile_step and not idx.is_cuda and cache_pad is None:
-                graph = graph or CompiledStep(model, kv_cache)
+                graph = graph or compiled_step.CompiledStep(model, kv_cache)
                 logits, greedy = graph(tokens[:, n - 1:n])
             else:
                 logits, _ = model(tokens[:, n - 1:n], kv_cache=kv_cache, pad=cache_pad)

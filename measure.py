@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from generation import stream
 from model import GPT, GPTConfig
 from optim import make_optimizer
 from runtime import autocast, synchronize
@@ -27,7 +28,7 @@ def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: 
     idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(model.transformer.wte.weight.device)
     synchronize(idx.device)
     t0, stamps = time.perf_counter(), []
-    for _ in model.stream(idx, new_tokens, temperature=0, use_cache=use_cache, compile_step=compile_step):
+    for _ in stream(model, idx, new_tokens, temperature=0, use_cache=use_cache, compile_step=compile_step):
         synchronize(idx.device)
         stamps.append(time.perf_counter() - t0)
     return stamps

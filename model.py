@@ -1,11 +1,10 @@
-"""A GPT whose attention is MHA, GQA or MQA (set by n_kv_head), with a preallocated KV cache for decoding.
+"""A GPT whose attention is MHA, GQA or MQA (set by n_kv_head), with a preallocated KV cache.
 
-GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, RoPE: https://arxiv.org/abs/2104.09864
-"""
+GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150"""
 
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +13,6 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from fast_paths import Linear, attention
-from generation import generate, stream
 
 POS_ENCODINGS = ("learned", "rope")
 
@@ -39,21 +37,27 @@ class GPTConfig:
             self.n_kv_head = self.n_head
         if self.mlp_hidden is None and type(self.n_embd) is int:
             self.mlp_hidden = 4 * self.n_embd
-        sizes = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "mlp_hidden")
-        problems = [f"{k}={getattr(self, k)!r} must be a positive integer" for k in sizes
-                    if type(getattr(self, k)) is not int or getattr(self, k) < 1]
-        if not problems:
+        problems: list[str] = []
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                     "mlp_hidden"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if not problems:  # the sizes are integers, so their ratios can be checked
             if self.n_embd % self.n_head:
                 problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
             if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
-                problems.append(f"n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head} "
-                                f"(1 <= n_kv_head <= n_head; n_head: MHA, 1: MQA, a divisor in between: GQA)")
+                problems.append(f"n_head={self.n_head} must be divisible by "
+                                f"n_kv_head={self.n_kv_head} (1 <= n_kv_head <= n_head; "
+                                "n_head: MHA, 1: MQA, a divisor in between: GQA)")
         if not (isinstance(self.dropout, int | float) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be a number in [0, 1)")
         if self.pos_encoding not in POS_ENCODINGS:
-            problems.append(f"pos_encoding={self.pos_encoding!r} must be one of {', '.join(POS_ENCODINGS)}")
+            choices = ", ".join(POS_ENCODINGS)
+            problems.append(f"pos_encoding={self.pos_encoding!r} must be one of {choices}")
         elif self.pos_encoding == "rope" and not problems and self.head_dim % 2:
-            problems.append(f"pos_encoding='rope' needs an even head_dim = n_embd/n_head, got head_dim={self.head_dim}")
+            problems.append("pos_encoding='rope' needs an even head_dim = n_embd/n_head, "
+                            f"got head_dim={self.head_dim}")
         if self.gelu not in ("exact", "tanh"):
             problems.append(f"gelu={self.gelu!r} must be 'exact' or 'tanh'")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
@@ -72,19 +76,19 @@ class GPTConfig:
             return "MHA"
         return "MQA" if self.n_kv_head == 1 else "GQA"
 
-    def kv_cache_bytes(self, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of K and V for every layer: 2 * n_layer * batch * n_kv_head * seq_len * head_dim * element size."""
-        return 2 * self.n_layer * batch_size * self.n_kv_head * seq_len * self.head_dim * dtype.itemsize
+    def kv_cache_bytes(self, batch_size: int, seq_len: int,
+                       dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of K and V in every layer for batch_size sequences of seq_len positions."""
+        per_layer = 2 * batch_size * self.n_kv_head * seq_len * self.head_dim * dtype.itemsize
+        return self.n_layer * per_layer
 
 
 class KVCache:
-    """Preallocated K/V for every layer, (n_layer, B, n_kv_head, max_len, head_dim), K/V heads stored un-repeated.
+    """Preallocated K and V, (n_layer, B, n_kv_head, max_len, head_dim), K/V heads un-repeated.
+    `pos` counts positions written; GPT.forward advances it once per call, after the last layer."""
 
-    `pos` is the number of positions written; GPT.forward advances it once per call, after the last layer.
-    """
-
-    def __init__(self, config: GPTConfig, batch_size: int, max_len: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
         shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -95,72 +99,57 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, n_kv_head, T, head_dim) at pos; return all K, V so far, (B, n_kv_head, pos + T, head_dim)."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, n_kv_head, T, head_dim) at pos; return K and V from 0 to pos + T."""
         end = self.pos + k.size(2)
         self.k[layer, :, :, self.pos:end] = k
         self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-
-class StaticKVView:
-    """A KVCache as GPT.decode_static uses it: K/V written at a position held in a 1-element tensor, in place into
-    the cache tensors (not a view of them, which a compiled step would copy whole), and the first `length`
-    positions returned, or all max_len when length is None (the step masks the unwritten ones)."""
-
-    def __init__(self, cache: KVCache, pos: torch.Tensor, length: int | None) -> None:
-        B, G = cache.k.shape[1:3]
-        self.cache, self.length, dev = cache, length, pos.device
-        self.at = (torch.arange(B, device=dev)[:, None], torch.arange(G, device=dev)[None, :], pos)  # (B, G) slots
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        at = (torch.full((), layer, device=k.device), *self.at)
-        self.cache.k.index_put_(at, k[:, :, 0])
-        self.cache.v.index_put_(at, v[:, :, 0])
-        k, v = self.cache.k[layer], self.cache.v[layer]
-        return (k, v) if self.length is None else (k.narrow(2, 0, self.length), v.narrow(2, 0, self.length))
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, n_kv_head, end, head_dim)
 
 
 def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's rotation angles, each (block_size, head_dim // 2)."""
-    inv_freq = config.rope_theta ** (-torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim)
+    """RoPE's cos and sin (https://arxiv.org/abs/2104.09864), each (block_size, head_dim // 2)."""
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+    inv_freq = config.rope_theta ** -exponents  # (head_dim // 2,)
     angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate halves of x (B, heads, T, head_dim) by angles whose cos/sin are (B or 1, 1, T, head_dim // 2)."""
+    """Rotate x (B, heads, T, head_dim) half by half; cos, sin are (B or 1, 1, T, head_dim // 2)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
-def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """Boolean mask (B or 1, 1, T, start + T) for queries at positions start..start+T-1, or None when none is needed.
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand
+Mask = torch.Tensor | None  # bool (B or 1, 1, T, Tk), True where a query sees a key
+Cache = KVCache | None  # or any object with KVCache.update (static_step's StaticKVView)
 
-    None covers the two common cases: a full causal block from an empty cache and one decoded token with no padding
-    (it may see everything). Otherwise the mask is explicit, because SDPA's is_causal aligns top-left.
-    Left-padding slots (pad[b] per row) are hidden from every real query; a pad query sees itself only, so no row
-    is fully masked (which would make NaNs).
-    """
+
+def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device) -> Mask:
+    """The mask (B or 1, 1, T, start + T) of queries at start..start+T-1, or None where none is
+    needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal
+    aligns top-left). Left padding (pad[b] slots in row b) is hidden from real queries; a pad query
+    sees only itself, so no row is fully masked (which gives NaNs)."""
     if pad is None and (start == 0 or T == 1):
         return None
-    q = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    k = torch.arange(start + T, device=device)[None, :]  # (1, Tk)
-    mask = k <= q
-    if pad is not None:
-        mask = mask & ((k >= pad[:, None, None]) | (k == q))  # (B, T, Tk)
-        return mask[:, None]
-    return mask[None, None]
-
-
-Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin of the positions at hand, or None
-Cache = KVCache | StaticKVView | None
+    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
+    key_pos = torch.arange(start + T, device=device)[None, :]  # (1, Tk)
+    mask = key_pos <= query_pos  # (T, Tk)
+    if pad is None:
+        return mask[None, None]
+    mask = mask & ((key_pos >= pad[:, None, None]) | (key_pos == query_pos))  # (B, T, Tk)
+    return mask[:, None]
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.layer, self.n_head, self.n_kv_head, self.head_dim = layer, config.n_head, config.n_kv_head, config.head_dim
+        self.layer = layer
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.head_dim
         kv_dim = config.n_kv_head * config.head_dim
         self.c_q = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_k = Linear(config.n_embd, kv_dim, bias=config.bias)
@@ -169,16 +158,19 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv_cache: Cache) -> torch.Tensor:
-        B, T, C = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache) -> torch.Tensor:
+        B, T, C = x.shape  # C is n_embd
+        # q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim)
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
-        y = attention(q, k, v, mask, self.dropout if self.training else 0.0, cached=kv_cache is not None)
+        dropout_p = self.dropout if self.training else 0.0
+        y = attention(q, k, v, mask, dropout_p, cached=kv_cache is not None)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y))
 
@@ -203,7 +195,7 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv_cache: Cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
@@ -221,11 +213,11 @@ class GPT(nn.Module):
         if config.pos_encoding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # derived from the config, so kept out of the state_dict
-            half = (config.block_size, config.head_dim // 2)
-            self.register_buffer("rope_cos", torch.empty(half), persistent=False)
-            self.register_buffer("rope_sin", torch.empty(half), persistent=False)
+            table_shape = (config.block_size, config.head_dim // 2)
+            self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # weight tying, https://arxiv.org/abs/1608.05859
+        self.lm_head.weight = self.transformer.wte.weight  # tied, https://arxiv.org/abs/1608.05859
         self.init_buffers()
         self.init_weights()
 
@@ -239,12 +231,13 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None,
-                     assign: Callable[[torch.Tensor, torch.Tensor], Any] = torch.Tensor.copy_) -> None:
-        """GPT-2's initialisation: N(0, 0.02) weights, residual projections' (c_proj) std / sqrt(2 * n_layer), zero
-        biases, LayerNorm weights one. Each parameter is drawn whole on CPU, from torch's global generator or, given
-        a seed, from a generator seeded by (seed, its name): models of other shapes (n_kv_head, mlp_hidden) made
-        with one seed share every parameter of equal shape, and a larger one starts with the smaller one's rows.
-        assign(param, values) stores them; meta parameters are skipped."""
+                     assign: Callable[[torch.Tensor, torch.Tensor], Any] = torch.Tensor.copy_
+                     ) -> None:
+        """GPT-2's initialisation: weights N(0, 0.02) (c_proj's std / sqrt(2 * n_layer)), zero
+        biases, LayerNorm weights one, stored by assign(param, values); meta parameters skipped.
+        Given a seed, each is drawn whole on CPU from a generator seeded by (seed, its name): models
+        of other shapes share every equal-shaped one; a larger one starts with a smaller's rows."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -254,43 +247,48 @@ class GPT(nn.Module):
             elif kind == "bias":
                 values = torch.zeros(p.shape, device="cpu")
             else:
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if owner.endswith("c_proj") else 0.02
-                # (a CPU generator keeps 32 bits of its seed)
-                gen = None if seed is None else torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-                values = torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=gen)
+                std = residual_std if owner.endswith("c_proj") else 0.02
+                generator = None
+                if seed is not None:  # crc32: a CPU generator keeps 32 bits of its seed
+                    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                values = torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=generator)
             assign(p, values)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count; non_embedding leaves out the token (= tied lm_head) and position embeddings."""
-        n = sum(p.numel() for p in self.parameters())
+        """Parameter count; non_embedding leaves out token (= lm_head) and position embeddings."""
+        count = sum(p.numel() for p in self.parameters())
         if non_embedding:
-            n -= self.transformer.wte.weight.numel()
+            count -= self.transformer.wte.weight.numel()
             if "wpe" in self.transformer:
-                n -= self.transformer.wpe.weight.numel()
-        return n
+                count -= self.transformer.wpe.weight.numel()
+        return count
 
     def attention_params_per_layer(self) -> int:
         return sum(p.numel() for p in self.transformer.h[0].attn.parameters())
 
-    def make_kv_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        """An empty cache for up to max_len (default block_size) positions, on the model's device and dtype."""
-        w = self.transformer.wte.weight
-        return KVCache(self.config, batch_size, max_len or self.config.block_size, w.device, dtype or w.dtype)
+    def make_kv_cache(self, batch_size: int, max_len: int | None = None,
+                      dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache of max_len (default block_size) positions, on the weights' device."""
+        weight = self.transformer.wte.weight
+        length = max_len or self.config.block_size
+        return KVCache(self.config, batch_size, length, weight.device, dtype or weight.dtype)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                pad: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T, vocab) and the loss for targets; with no targets, logits of the last position only (B, 1, V).
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, pad: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab_size) and the loss, or without targets the last position's logits.
 
-        idx (B, T) continues what kv_cache holds (if any). pad (B,) counts left-padding tokens at the start of each
-        row's sequence (the cache's slots included): they are masked out and each row's positions start after them.
-        """
+        idx (B, T) continues kv_cache (if any). pad (B,) counts each row's left-padding tokens (the
+        cache's too): they are masked out and the row's positions start after them."""
         B, T = idx.shape
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
-        if kv_cache is not None and start + T > kv_cache.max_len:
-            raise ValueError(f"KV cache holds {kv_cache.max_len} positions, {start + T} needed")
-        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        start = 0 if kv_cache is None else kv_cache.pos
+        end = start + T
+        block_size = self.config.block_size
+        if end > block_size:
+            raise ValueError(f"sequence of {end} tokens is longer than block_size={block_size}")
+        if kv_cache is not None and end > kv_cache.max_len:
+            raise ValueError(f"KV cache holds {kv_cache.max_len} positions, {end} needed")
+        pos = torch.arange(start, end, device=idx.device)  # (T,)
         if pad is not None:
             pos = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
         x, rope = self.embed(idx, pos)
@@ -301,65 +299,49 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.pos += T
         x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x[:, -1:, :]), None
+        if targets is None:  # generation needs only the next token's logits
+            return self.lm_head(x[:, -1:, :]), None  # (B, 1, vocab_size)
         logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        flat_logits = logits.view(-1, logits.size(-1))  # (B * T, vocab_size)
+        loss = F.cross_entropy(flat_logits, targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    def embed(self, idx: torch.Tensor, pos: torch.Tensor
-              ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Embeddings (B, T, n_embd) of idx (B, T) at positions pos ((T,) or (B, T)): token plus learned position
-        embeddings, or the token embeddings and the rotary cos/sin for those positions, each (B or 1, 1, T, hd // 2)."""
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Rope]:
+        """Embeddings (B, T, n_embd) of idx (B, T) at positions pos, (T,) or (B, T), and the rotary
+        cos and sin there, each (B or 1, 1, T, head_dim // 2), or None for learned positions."""
         x = self.transformer.wte(idx)
         if self.config.pos_encoding == "learned":
             return x + self.transformer.wpe(pos), None
         T = idx.size(1)
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T or B, T, head_dim // 2)
-        return x, (cos.view(-1, 1, T, cos.size(-1)), sin.view(-1, 1, T, sin.size(-1)))
+        half_dim = self.config.head_dim // 2
+        cos = self.rope_cos[pos].view(-1, 1, T, half_dim)  # (B or 1, 1, T, head_dim // 2)
+        sin = self.rope_sin[pos].view(-1, 1, T, half_dim)
+        return x, (cos, sin)
 
-    def decode_static(self, idx: torch.Tensor, pos: torch.Tensor, kv_cache: KVCache, length: int | None = None
-                      ) -> torch.Tensor:
-        """Logits (B, 1, vocab) of one token per row, idx (B, 1), at position pos (a 1-element tensor), attending over
-        the whole cache under a mask (the same shapes every step and no host sync, for CUDAGraphStep), or over its
-        first `length` positions (the compiled CPU step's one dynamic size)."""
-        x, rope = self.embed(idx, pos)
-        mask = None if length else (torch.arange(kv_cache.max_len, device=idx.device) <= pos)[None, None, None, :]
-        view = StaticKVView(kv_cache, pos, length)
-        for block in self.transformer.h:
-            x = block(x, rope, mask, view)
-        return self.lm_head(self.transformer.ln_f(x))
-
-    def stream(self, idx: torch.Tensor, max_new_tokens: int, **options: Any) -> Iterator[torch.Tensor]:
-        """Yield the next token of every row, (B,), as it is decoded: generation.stream."""
-        return stream(self, idx, max_new_tokens, **options)
-
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 **options: Any) -> torch.Tensor:
-        """idx (B, T) continued by up to max_new_tokens tokens, (B, T + new): generation.generate (also top_p, eos,
-        use_cache, pad, generator, cuda_graph)."""
-        return generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k, **options)
-
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                             device_type: str, params: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
-        """AdamW over params (default: all) with weight decay on matrices (embeddings included) only, fused on CUDA.
-        CPU keeps the foreach kernels: the fused one is faster but moved 2 gloo ranks' weights apart from one
-        process's past test_ddp's bound (docs/performance-cpu.md "Training")."""
-        params = [p for p in (self.parameters() if params is None else params) if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    def configure_optimizers(self, weight_decay: float, learning_rate: float,
+                             betas: tuple[float, float], device_type: str,
+                             params: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
+        """AdamW over params (default: all), decaying matrices (embeddings included) only."""
+        if params is None:
+            params = list(self.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        # foreach on CPU: fused drifts gloo ranks apart (docs/performance-cpu.md "Training")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs (forward + backward) per token: 6 per weight of every matmul (the smaller K/V projections
-        of GQA/MQA included, lm_head included) plus 12 * n_layer * n_embd * seq_len for the attention scores and
-        weighted sum (causal masking not subtracted, as in the PaLM paper's appendix B)."""
-        cfg = self.config
-        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * (seq_len or cfg.block_size)
+        """Training FLOPs (forward + backward) per token, as in the PaLM paper's appendix B: 6 per
+        matmul weight (lm_head and K/V projections included) plus 12 * n_layer * n_embd * seq_len
+        for attention scores and weighted sums (causal masking not subtracted)."""
+        config = self.config
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        attention_flops = 12 * config.n_layer * config.n_embd * (seq_len or config.block_size)
+        return 6 * matmul_weights + attention_flops
 
-    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float, seq_len: int | None = None) -> float:
-        """Model FLOPs utilisation: achieved training FLOP/s over peak_flops (the device's dense peak)."""
+    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float,
+                     seq_len: int | None = None) -> float:
+        """Model FLOPs utilisation: achieved training FLOP/s over the device's dense peak_flops."""
         return self.flops_per_token(seq_len) * tokens_per_iter / dt / peak_flops
-
-

@@ -17,8 +17,9 @@ import torch
 
 import stats
 from atomic import atomic_open
-from checkpoint import CONVERT_METHODS
+from checkpoint import parse_source
 from configurator import UserError
+from convert import CONVERT_METHODS
 from measure import table
 from model import GPT, GPTConfig
 from runlog import read_run, start_wandb, unfinished
@@ -53,7 +54,7 @@ def read_runs(root: Path) -> tuple[list[dict], str | None]:
     for r in runs:
         cfg, mc, tags = r["config"], r["model_config"], r["config"].get("wandb_tags") or []
         kv = dict(t.split("=", 1) for t in tags if "=" in t)
-        converted = cfg["init_from"].startswith("convert:")
+        converted = parse_source(cfg["init_from"]).kind == "convert"
         r |= {"variant": tags[0] if tags and "=" not in tags[0] else r["name"], "seed": cfg["seed"],
               "size": kv.get("size", f"{mc['n_layer']}x{mc['n_embd']}"), "match": kv.get("match", "width"),
               "method": kv.get("convert", cfg.get("convert_method", "mean")) if converted else None,

@@ -12,13 +12,12 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from checkpoint import GPT2_NAMES, from_hf, load_checkpoint, model_from_checkpoint, run_config
-from dataset import data_dir, encode_prompt, folder_tokenizer, load_meta, load_tokenizer, read_text
+from checkpoint import GPT2_NAMES, load_run, parse_source
+from dataset import encode_prompt, read_text
 from generation import check_sampling, left_pad, stream_text
 from model import GPT
 from quantize import QUANTIZE, quantize
@@ -49,7 +48,12 @@ class SampleConfig:
         problems = [f"num_samples={self.num_samples} must be at least 1"] * (self.num_samples < 1)
         problems += [f"max_new_tokens={self.max_new_tokens} must not be negative"] * (self.max_new_tokens < 0)
         problems += [f"quantize={self.quantize!r} must be one of {QUANTIZE}"] * (self.quantize not in QUANTIZE)
-        if self.init_from not in ("resume", *GPT2_NAMES) and not self.init_from.startswith("hf:"):
+        try:
+            kind = parse_source(self.init_from).kind
+        except ValueError as e:
+            problems.append(str(e))
+            kind = "resume"
+        if kind not in ("resume", "gpt2", "hf"):
             problems.append(f"init_from={self.init_from!r} must be 'resume' (out_dir/ckpt.pt), "
                             f"{', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
         problems += ["stop='' would end every sample at once: give a string, or leave stop out"] * (self.stop == "")
@@ -106,14 +110,9 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
 
 def main(cfg: SampleConfig) -> None:
     device = resolve_device(cfg.device)
-    if cfg.init_from == "resume":
-        ckpt = load_checkpoint(Path(cfg.out_dir) / "ckpt.pt", map_location=device)
-        model = model_from_checkpoint(ckpt)
-        tok = load_tokenizer(ckpt.get("data_meta") or load_meta(data_dir(run_config(ckpt).get("dataset", "?"))))
-        del ckpt
-    else:
-        name = cfg.init_from.removeprefix("hf:")
-        model, tok = from_hf(name), folder_tokenizer(name)
+    run = load_run(parse_source(cfg.init_from), cfg.out_dir, device)
+    model, tok = run.model, run.tokenizer
+    del run  # the checkpoint's other tensors
     if tok.n_vocab > model.config.vocab_size:  # e.g. a checkpoint without data_meta, its dataset prepared again
         raise UserError(f"the tokenizer has {tok.n_vocab} tokens, the model only {model.config.vocab_size}: not the "
                         f"dataset this checkpoint was trained on")

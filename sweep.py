@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from checkpoint import load_checkpoint
+from checkpoint import Source, load_checkpoint
 from configurator import UserError
 from model import GPT, GPTConfig
 from runlog import read_run, unfinished
@@ -139,7 +139,7 @@ def seed_runs(cfg: Any, base: Any, label: str | None, seed: int, vocab_size: int
             for fraction in cfg.uptrain_fractions:
                 iters = round(fraction * base.max_iters)
                 runs.append(run(f"mha-to-{variant_name(target)}-{method}-u{fraction:g}", target,
-                                [f"--init_from=convert:{source.dir}", f"--convert_method={method}",
+                                [f"--init_from={Source('convert', str(source.dir))}", f"--convert_method={method}",
                                  *uptraining(base, iters, cfg.uptrain_lr_scale)],
                                 ["match=width", "converted", f"convert={method}", f"uptrain={fraction:g}"], iters,
                                 1 if iters == 0 else 2))

@@ -9,6 +9,7 @@ from configurator import UserError, build, checked_values, given_values, print_c
 
 # isort: split
 import math
+import os
 import signal
 import time
 from contextlib import AbstractContextManager, nullcontext
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import convert
 import runtime
 import sharding
 from atomic import check_writes_into, folder_lock
@@ -99,13 +101,12 @@ class TrainConfig:
                      if getattr(self, k) < 0]
         if self.nonfinite not in ("stop", "skip"):
             problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
-        named = self.init_from in ("scratch", "resume", "auto", *checkpoint.GPT2_NAMES)
-        if not named and not self.init_from.startswith(("convert:", "hf:")):
-            problems.append(f"init_from={self.init_from!r} must be 'scratch', 'resume', 'auto', 'convert:<checkpoint>',"
-                            f" {', '.join(checkpoint.GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
-        elif self.init_from in ("convert:", "hf:"):
-            problems.append(f"init_from={self.init_from!r} names no folder: give {self.init_from}<folder>")
-        if self.convert_method not in (methods := checkpoint.CONVERT_METHODS):
+        try:
+            source = checkpoint.parse_source(self.init_from)
+        except ValueError as e:
+            problems.append(str(e))
+            source = checkpoint.Source("scratch")
+        if self.convert_method not in (methods := convert.CONVERT_METHODS):
             problems.append(f"convert_method={self.convert_method!r} must be one of {', '.join(methods)}")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
@@ -125,7 +126,7 @@ class TrainConfig:
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
             raise ValueError("invalid config: " + "; ".join(problems))
-        if self.init_from in ("scratch", "auto") or self.init_from.startswith("convert:"):  # else from weights
+        if source.kind in ("scratch", "auto", "convert"):  # else the model is the weights'
             self.model_config(vocab_size=1)  # the model's own checks (n_head % n_kv_head, ...), before any work
 
     def model_config(self, vocab_size: int) -> GPTConfig:
@@ -165,22 +166,21 @@ def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtyp
 def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None) -> tuple[GPT | None, dict | None]:
     """init_model's model from weights (GPT-2's, or a checkpoint's), with the checkpoint when resuming; None for a
     new model, or one resumed under FSDP from a sharded checkpoint. ckpt: the checkpoint parse read, else read here."""
-    init_from = cfg.init_from
+    source = checkpoint.parse_source(cfg.init_from).resolved(cfg.out_dir)
     existing = Path(cfg.out_dir) / "ckpt.pt"
-    if init_from == "auto":
-        init_from = "resume" if existing.exists() else "scratch"
-    if init_from != "resume" and existing.exists():  # a run's checkpoint is never replaced, nor its log mixed up
+    if source.kind != "resume" and existing.exists():  # a run's checkpoint is never replaced, nor its log mixed up
         raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; to start a new "
                         f"run, choose another out_dir or delete that one first")
-    if init_from in checkpoint.GPT2_NAMES or init_from.startswith("hf:"):
-        return checkpoint.hf_for_finetuning(init_from.removeprefix("hf:"), vocab_size, cfg.dropout, cfg.block_size,
-                                              cfg.n_kv_head), None
-    if init_from == "scratch":
+    if source.kind == "scratch":
         return None, None
-    resume = init_from == "resume"
-    path = Path(cfg.out_dir if resume else init_from.removeprefix("convert:"))
+    if source.pretrained:
+        model = checkpoint.load_run(source, tokenizer=False).model
+        return convert.for_finetuning(model, str(source), vocab_size, cfg.dropout, cfg.block_size,
+                                         cfg.n_kv_head), None
+    resume = source.kind == "resume"
+    path = source.checkpoint_path(cfg.out_dir)
     if ckpt is None:
-        ckpt = checkpoint.load_checkpoint(path if path.suffix == ".pt" else path / "ckpt.pt", "cpu", mmap=True)
+        ckpt = checkpoint.load_checkpoint(path, "cpu", mmap=True)
     # resume: a model key given (parse took the others from the checkpoint) must be the model's or the run's (GPT-2
     # fine-tuned has GPT-2's shape whatever its config said); convert: all but n_kv_head must be the source's
     now = cfg if resume else cfg.model_config(vocab_size)
@@ -188,14 +188,15 @@ def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None) -> t
     differ = [f"{k}: checkpoint {v!r}, config {getattr(now, k)!r}" for k, v in ckpt["model_config"].items()
               if hasattr(now, k) and getattr(now, k) not in (v, run.get(k, v)) and (resume or k != "n_kv_head")]
     if differ:
-        raise UserError(f"cannot {'resume' if resume else 'convert'} {path}: the config asks for another model "
+        where = cfg.out_dir if resume else source.where
+        raise UserError(f"cannot {'resume' if resume else 'convert'} {where}: the config asks for another model "
                         f"({'; '.join(differ)}); drop those overrides{' or use a new out_dir' if resume else ''}")
     if resume and "sharded" in ckpt and cfg.parallel == "fsdp":
         return None, ckpt
-    model = checkpoint.model_from_checkpoint(ckpt)
+    model = checkpoint.load_run(source, cfg.out_dir, tokenizer=False, ckpt=ckpt).model
     if resume:
         return model, ckpt
-    return checkpoint.convert_kv_heads(model, now.n_kv_head, cfg.convert_method, cfg.seed), None
+    return convert.convert_kv_heads(model, now.n_kv_head, cfg.convert_method, cfg.seed), None
 
 
 def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
@@ -228,10 +229,6 @@ class Trainer:
     evaluation and checkpoints, progress logs, and a clean stop on a signal."""
 
     def __init__(self, cfg: TrainConfig, d: runtime.Dist, ckpt: dict | None = None) -> None:
-        if cfg.gradient_accumulation_steps % d.world_size:
-            up = -(-cfg.gradient_accumulation_steps // d.world_size) * d.world_size
-            raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
-                            f"{d.world_size} processes (it is the total over them), e.g. {up}")
         self.cfg, self.d, self.accum = cfg, d, cfg.gradient_accumulation_steps // d.world_size
         self.sharded = cfg.parallel == "fsdp"  # then every rank evaluates and saves (collectives), rank 0 writes
         if d.device_type == "cpu":
@@ -240,10 +237,11 @@ class Trainer:
         self.amp = runtime.autocast(d.device_type, self.dtype)
         self.batches = Batches(data_dir(cfg.dataset), cfg.block_size, cfg.batch_size, cfg.seed, d.device)
         # pretrained weights (GPT-2's, a folder's) are fine-tuned on their own tokens only
-        checkpoint.check_pretrained_tokenizer(cfg.init_from, self.batches.meta, cfg.dataset)
+        source = checkpoint.parse_source(cfg.init_from)
+        checkpoint.check_pretrained_tokenizer(source, self.batches.meta, cfg.dataset)
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards it in place)
         self.raw_model, ckpt = init_model(cfg, self.batches.meta["vocab_size"], d.device, self.dtype, ckpt)
-        if cfg.init_from in checkpoint.GPT2_NAMES or cfg.init_from.startswith("hf:"):  # recorded as trained
+        if source.pretrained:  # the run records the shape it trains
             self.cfg = cfg = replace(cfg, **asdict(self.raw_model.config))
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, self.batches.meta,
                                     ckpt and ckpt.get("data_meta"), cfg.dataset)
@@ -421,18 +419,27 @@ def parse(argv: list[str]) -> tuple[TrainConfig, dict | None]:
     given = given_values(TrainConfig, argv)
     default = {f.name: f.default for f in fields(TrainConfig)}
     init_from = given.get("init_from", default["init_from"])
-    if init_from in checkpoint.GPT2_NAMES or init_from.startswith("hf:"):
+    try:
+        source = checkpoint.parse_source(init_from)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    if source.pretrained:
         fixed = [f"--{k}" for k in given if k in GPTConfig.__dataclass_fields__ and k not in PRETRAINED_KEYS]
         if fixed:  # the model is the weights' own: a shape key would be recorded but not trained
             raise UserError(f"init_from={init_from} trains its weights' own model: drop {', '.join(fixed)} (of the "
                             f"model keys only {', '.join(PRETRAINED_KEYS)} apply to pretrained weights)")
-    ckpt, stored, source = checkpoint.start_from(init_from, given.get("out_dir", default["out_dir"]))
-    given = checked_values(TrainConfig, {k: v for k, v in stored.items() if k in default}, source) | given
+    ckpt, stored, where = checkpoint.start_from(source, given.get("out_dir", default["out_dir"]))
+    given = checked_values(TrainConfig, {k: v for k, v in stored.items() if k in default}, where) | given
     return build(TrainConfig, given), ckpt
 
 
 def main(cfg: TrainConfig, ckpt: dict | None = None) -> None:
     check_writes_into(cfg.out_dir, "a run", RUN_FILES)  # e.g. not into a dataset or an export
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before the ranks connect
+    if cfg.gradient_accumulation_steps % processes:
+        fits = math.ceil(cfg.gradient_accumulation_steps / processes) * processes
+        raise UserError(f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} is not divisible by the "
+                        f"{processes} processes (it is the total over them), e.g. {fits}")
     d = runtime.setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
     try:
         with folder_lock(cfg.out_dir, "train.py") if d.rank == 0 else nullcontext():  # one run in out_dir at a time

@@ -14,15 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import convert_kv_heads, load_checkpoint
+from checkpoint import load_checkpoint
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
+from convert import convert_kv_heads
 from model import GPT, GPTConfig
 from runlog import read_run
 from sweep import matched_mlp_hidden
 
 SWEEP = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
          "--log_interval=10", "--device=cpu", "--max_iters=30", "--eval_interval=10", "--learning_rate=3e-3",
-         "--warmup_iters=5", "--decode_batch=2", "--decode_context=40", "--decode_steps=3", "--speed_repeats=2"]
+         "--warmup_iters=5", "--decode_batch=2", "--decode_context=40", "--decode_steps=3", "--speed_repeats=2",
+         "--dtype=float32"]  # not auto: on a CPU with native bf16 its timing probe may pick either (runs compared)
 T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
 
 

@@ -13,6 +13,7 @@ import torch
 
 from checkpoint import load_checkpoint
 from conftest import ROOT, SEED, TINY_TRAIN, cli, read_log, run, worker_ranks
+from generation import generate
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.slow
@@ -92,7 +93,7 @@ def test_the_gathered_checkpoint_samples_and_converts(pycode_small: Path, tmp_pa
     model.load_state_dict(ckpt["model"])
     chars = ckpt["data_meta"]["chars"]
     start = torch.tensor([chars.index(c) for c in "def "])[None]
-    expected = "".join(chars[i] for i in model.generate(start, 20, temperature=0.0)[0].tolist())
+    expected = "".join(chars[i] for i in generate(model, start, 20, temperature=0.0)[0].tolist())
     assert expected in r.stdout
     run(["export.py", f"--out_dir={tmp_path / 'fsdp'}"])  # export reads the gathered ckpt.pt too
     from transformers import AutoModelForCausalLM

@@ -8,7 +8,7 @@ import compiled_step
 import fast_paths
 from compiled_step import STEPS, CompiledStep
 from conftest import COMPILES, COMPILES_2, DECODE, VARIANTS, allowed, distinct, lively, sharpened, tiny_model
-from generation import left_pad, sample_logits, stream
+from generation import generate, left_pad, sample_logits, stream
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -18,8 +18,8 @@ def test_greedy_with_and_without_cache_agree_past_block_size(variant: str, pos_e
     with the cache as by recomputing each window, through several slides."""
     m = lively(tiny_model(VARIANTS[variant], pos_encoding, block_size=16))
     idx = torch.randint(0, 61, (2, 5))
-    cached = m.generate(idx, 40, temperature=0)  # 45 tokens: the 16-token window slides several times
-    recomputed = m.generate(idx, 40, temperature=0, use_cache=False)
+    cached = generate(m, idx, 40, temperature=0)  # 45 tokens: the 16-token window slides several times
+    recomputed = generate(m, idx, 40, temperature=0, use_cache=False)
     assert cached.shape == (2, 45)
     assert torch.equal(cached, recomputed)
     assert torch.equal(cached[:, :5], idx)
@@ -29,9 +29,9 @@ def test_greedy_with_and_without_cache_agree_past_block_size(variant: str, pos_e
 def test_prompt_longer_than_block_size_is_cropped_to_its_last_block() -> None:
     m = tiny_model(2, block_size=16)
     idx = torch.randint(0, 61, (1, 40))
-    out = m.generate(idx, 3, temperature=0)
+    out = generate(m, idx, 3, temperature=0)
     assert torch.equal(out[:, :40], idx)
-    assert torch.equal(out[:, 40:], m.generate(idx[:, -16:], 3, temperature=0)[:, 16:])
+    assert torch.equal(out[:, 40:], generate(m, idx[:, -16:], 3, temperature=0)[:, 16:])
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -40,9 +40,9 @@ def test_padded_batch_generates_what_each_prompt_does_alone(pos_encoding: str) -
     m = lively(tiny_model(2, pos_encoding))
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (2, 7, 4)]
     idx, pad = left_pad(prompts)
-    batch = m.generate(idx, 12, temperature=0, pad=pad)
+    batch = generate(m, idx, 12, temperature=0, pad=pad)
     for row, p in enumerate(prompts):
-        alone = m.generate(torch.tensor([p]), 12, temperature=0)
+        alone = generate(m, torch.tensor([p]), 12, temperature=0)
         assert batch[row, -12:].tolist() == alone[0, -12:].tolist()
         assert distinct(alone[0, -12:]) >= 4
 
@@ -51,20 +51,20 @@ def test_eos_row_emits_only_eos_after_it_and_generation_stops_when_all_rows_have
     """eos is chosen as a token row 0 produces greedily (and row 1 never does), so the outcome is known in advance."""
     m = tiny_model(2)
     idx = torch.randint(0, 61, (2, 4))
-    free = m.generate(idx, 12, temperature=0)[:, 4:].tolist()
+    free = generate(m, idx, 12, temperature=0)[:, 4:].tolist()
     eos = next(t for t in free[0][2:] if t not in free[1])  # raises StopIteration (fails) if there is none
     first = free[0].index(eos)
-    out = m.generate(idx, 12, temperature=0, eos=eos)[:, 4:].tolist()
+    out = generate(m, idx, 12, temperature=0, eos=eos)[:, 4:].tolist()
     assert out[0] == free[0][:first] + [eos] * (12 - first)  # before eos: as without it; after: eos only
     assert out[1] == free[1]  # the other row is not affected and generation runs to max_new_tokens
-    alone = m.generate(idx[:1], 12, temperature=0, eos=eos)[0, 4:].tolist()
+    alone = generate(m, idx[:1], 12, temperature=0, eos=eos)[0, 4:].tolist()
     assert alone == free[0][:first + 1]  # every row (the only one) has emitted eos: generation stops there
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
     m = tiny_model(2)
     idx = torch.randint(0, 61, (1, 3))
-    runs = [m.generate(idx, 30, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
+    runs = [generate(m, idx, 30, temperature=1.0, generator=torch.Generator().manual_seed(s)) for s in (7, 7, 8)]
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
 
@@ -74,7 +74,7 @@ def test_top_k_1_is_greedy() -> None:
     assert torch.equal(sample_logits(logits, 1.0, top_k=1), logits.argmax(-1))
     m = tiny_model(2)
     idx = torch.randint(0, 61, (2, 3))
-    assert torch.equal(m.generate(idx, 10, top_k=1), m.generate(idx, 10, temperature=0))
+    assert torch.equal(generate(m, idx, 10, top_k=1), generate(m, idx, 10, temperature=0))
 
 
 def test_top_p_keeps_only_the_nucleus() -> None:
@@ -100,7 +100,7 @@ def test_stream_yields_each_token_before_computing_the_next() -> None:
     idx = torch.randint(0, 61, (2, 3))
     calls = []
     hook = m.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
-    tokens = m.stream(idx, 9, temperature=0)
+    tokens = stream(m, idx, 9, temperature=0)
     assert calls == []
     first = next(tokens)
     assert calls == [(2, 3)]  # the prefill of the prompt, no more
@@ -109,7 +109,7 @@ def test_stream_yields_each_token_before_computing_the_next() -> None:
     rest = list(tokens)
     hook.remove()
     assert len(calls) == 9 and len(rest) == 7
-    assert torch.equal(torch.stack([first, second, *rest], dim=1), m.generate(idx, 9, temperature=0)[:, 3:])
+    assert torch.equal(torch.stack([first, second, *rest], dim=1), generate(m, idx, 9, temperature=0)[:, 3:])
 
 
 def by_hand(m: torch.nn.Module, prompt: list[int], new: int, use_cache: bool = False) -> list[int]:
@@ -137,9 +137,9 @@ def test_each_row_of_a_padded_batch_equals_its_prompt_alone_far_past_block_size(
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (15, 3, 20, 9, 1, 12)]
     idx, pad = left_pad(prompts)
     new = 50
-    batch = m.generate(idx, new, temperature=0, pad=pad, use_cache=use_cache)[:, -new:].tolist()
+    batch = generate(m, idx, new, temperature=0, pad=pad, use_cache=use_cache)[:, -new:].tolist()
     for row, p in enumerate(prompts):
-        alone = m.generate(torch.tensor([p]), new, temperature=0, use_cache=use_cache)[0, -new:].tolist()
+        alone = generate(m, torch.tensor([p]), new, temperature=0, use_cache=use_cache)[0, -new:].tolist()
         assert batch[row] == alone, f"row {row} ({len(p)} tokens)"
         assert alone == by_hand(m, p, new), f"row {row} ({len(p)} tokens)"
     assert distinct(batch) >= 12  # not each row one token repeated (6 at most), which any window would give
@@ -151,7 +151,7 @@ def test_a_stream_asked_for_endless_tokens_keeps_bounded_memory() -> None:
     m = sharpened(tiny_model(2, "rope", block_size=16))
     idx, pad = left_pad([torch.randint(0, 61, (n,)).tolist() for n in (16, 3)])
     endless = torch.stack(list(itertools.islice(stream(m, idx, 10**12, temperature=0, pad=pad), 100)), dim=1)
-    assert torch.equal(endless, m.generate(idx, 100, temperature=0, pad=pad)[:, -100:])
+    assert torch.equal(endless, generate(m, idx, 100, temperature=0, pad=pad)[:, -100:])
 
 
 @pytest.mark.parametrize("block_size", [2, 3, 8])
@@ -160,7 +160,7 @@ def test_sliding_rule_at_tiny_block_sizes(block_size: int) -> None:
     m = sharpened(tiny_model(2, "rope", block_size=block_size))
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (1, block_size, block_size // 2 + 1)]
     idx, pad = left_pad(prompts)
-    batch = m.generate(idx, 4 * block_size + 1, temperature=0, pad=pad)[:, -(4 * block_size + 1):].tolist()
+    batch = generate(m, idx, 4 * block_size + 1, temperature=0, pad=pad)[:, -(4 * block_size + 1):].tolist()
     for row, p in enumerate(prompts):
         assert batch[row] == by_hand(m, p, 4 * block_size + 1)
 
@@ -174,7 +174,7 @@ def test_sliding_rule_at_tiny_block_sizes(block_size: int) -> None:
 def test_meaningless_sampling_settings_are_refused(options: dict, message: str) -> None:
     m = tiny_model(2)
     with pytest.raises(ValueError, match=re.escape(message)):
-        m.generate(torch.zeros(1, 2, dtype=torch.long), 3, **options)
+        generate(m, torch.zeros(1, 2, dtype=torch.long), 3, **options)
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(None, 0.5), (None, 0.9), (10, 0.8), (3, 0.99)])
@@ -187,7 +187,7 @@ def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(top_k:
         logits, _ = m(idx)
     expected = allowed(logits[0, -1] / 0.7, top_k, top_p)
     g = torch.Generator().manual_seed(0)
-    drawn = m.generate(idx.expand(400, -1), 1, temperature=0.7, top_k=top_k, top_p=top_p, generator=g)[:, -1]
+    drawn = generate(m, idx.expand(400, -1), 1, temperature=0.7, top_k=top_k, top_p=top_p, generator=g)[:, -1]
     counts = torch.bincount(drawn, minlength=61)
     assert set(drawn.tolist()) <= expected.keys() and len(expected) > 1
     for token, p in expected.items():  # 4 standard deviations of a binomial count
@@ -225,7 +225,7 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str
     idx = torch.randint(0, 96, (2, 3))
     with torch.inference_mode():
         for n in (80, 9):  # a second cache length reuses the graph
-            eager, compiled = (torch.stack(list(m.stream(idx, n, temperature=0, compile_step=c)), 1) for c in (0, 1))
+            eager, compiled = (torch.stack(list(stream(m, idx, n, temperature=0, compile_step=c)), 1) for c in (0, 1))
             assert torch.equal(compiled, eager)
         cache, ref = m.make_kv_cache(2, 16), m.make_kv_cache(2, 16)
         m(idx, kv_cache=cache), m(idx, kv_cache=ref)
@@ -235,9 +235,9 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str
                                        rtol=1e-5, atol=1e-5)
         prompts = [[5, 6, 7, 8], [9]]
         p_idx, pad = left_pad(prompts)
-        padded = m.generate(p_idx, 6, temperature=0, pad=pad, compile_step=True)
+        padded = generate(m, p_idx, 6, temperature=0, pad=pad, compile_step=True)
     assert [padded[b, -6:].tolist() for b in range(2)] == [
-        m.generate(torch.tensor([p]), 6, temperature=0)[0, -6:].tolist() for p in prompts]
+        generate(m, torch.tensor([p]), 6, temperature=0)[0, -6:].tolist() for p in prompts]
     split = m.lm_head.split  # what the step multiplied (None with one thread: no split)
     if variant == "MQA" and split is not None:  # views, and the rows past a multiple of the thread count apart
         assert split.rest is not None and split.weight.size(0) * split.weight.size(2) + split.rest[0].size(0) == 101
@@ -282,8 +282,8 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
     runs = [(models[0], torch.randint(0, 96, (1, 3))), (models[1], torch.randint(0, 96, (1, 3))),
             (models[0], torch.randint(0, 96, (2, 3)))]
     with torch.inference_mode():
-        want = [m.generate(p, 70, temperature=0) for m, p in runs]
-        streams = [m.stream(p, 70, temperature=0, compile_step=True) for m, p in runs]
+        want = [generate(m, p, 70, temperature=0) for m, p in runs]
+        streams = [stream(m, p, 70, temperature=0, compile_step=True) for m, p in runs]
         turns = [[] for _ in runs]
         for tokens in zip(*streams):
             for out, t in zip(turns, tokens):
@@ -311,7 +311,7 @@ def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> Non
                 layer = m.get_submodule(changed[1])
                 layer.weight = torch.nn.Parameter(torch.randn_like(layer.weight) / 4)
         with torch.inference_mode():
-            eager, compiled = (m.generate(idx, 40, temperature=0, compile_step=c) for c in (False, True))
+            eager, compiled = (generate(m, idx, 40, temperature=0, compile_step=c) for c in (False, True))
         assert torch.equal(compiled, eager)
         assert (change == "none") == (before is None or torch.equal(eager, before))
         before = eager

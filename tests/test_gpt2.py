@@ -9,6 +9,7 @@ import torch
 
 from checkpoint import from_hf, load_checkpoint
 from conftest import ROOT, cli, run
+from generation import generate
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,7 @@ def test_greedy_generation_matches_hugging_face(hf_gpt2: tuple) -> None:
     ours = from_hf(str(path)).eval()
     idx = torch.randint(0, 99, (2, 6))
     ref = hf.generate(idx, max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert ours.generate(idx, 40, temperature=0).tolist() == ref.tolist()
+    assert generate(ours, idx, 40, temperature=0).tolist() == ref.tolist()
 
 
 def test_no_weights_offline_is_one_clear_line(tmp_path: Path) -> None:

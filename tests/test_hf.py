@@ -11,6 +11,7 @@ import torch
 from checkpoint import from_hf
 from configurator import UserError
 from conftest import cli
+from generation import generate
 from hf import save, target_class, to_hf, tokenizer
 from model import GPT, GPTConfig
 
@@ -44,7 +45,7 @@ def test_stock_transformers_model_gives_the_same_logits_and_greedy_tokens(pos_en
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-4)
     prompt = idx[:, :8]
     with torch.no_grad():
-        mine = model.generate(prompt, 20, temperature=0)
+        mine = generate(model, prompt, 20, temperature=0)
         hf_tokens = hf.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
     assert len(set(mine[:, 8:].flatten().tolist())) > 5  # not one token repeated
     assert torch.equal(hf_tokens, mine)

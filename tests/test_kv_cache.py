@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from conftest import VARIANTS, tiny_model
-from generation import left_pad
+from generation import generate, left_pad
 from model import GPT, KVCache
 
 ATOL = 1e-5  # float32; the cached and recomputed paths differ only in summation order
@@ -94,7 +94,7 @@ def test_training_never_builds_a_cache_and_caches_are_not_state(monkeypatch: pyt
     _, loss = m(idx[:, :-1], targets=idx[:, 1:])
     loss.backward()
     assert made == [] and m.transformer.h[0].attn.c_q.weight.grad is not None
-    m.eval().generate(idx[:, :3], 5, temperature=0)
+    generate(m.eval(), idx[:, :3], 5, temperature=0)
     assert len(made) == 1 and made[0].pos == 3 + 5 - 1  # the check sees the caches made
     state = m.state_dict()
     assert set(state) == keys and not any("cache" in k or "rope" in k for k in state)

@@ -86,14 +86,21 @@ SCRIPTS = ["train.py", "sample.py", "compare.py", "export.py", "dataset.py", "be
            *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("data/*/prepare.py"))]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
 def test_ctrl_c_while_the_libraries_import_is_one_line() -> None:
-    """Every script, interrupted half a second in (torch, numpy or datasets still importing): 'interrupted', no
-    traceback, killed by the interrupt (status 130 in a shell)."""
+    """Every script, interrupted while torch imports (its library just mapped, a second of imports to go; configurator
+    came before it): 'interrupted', no traceback, killed by the interrupt (status 130 in a shell)."""
     procs = {s: subprocess.Popen([sys.executable, s, "--help"], cwd=ROOT, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True) for s in SCRIPTS}
-    time.sleep(0.5)
-    for p in procs.values():
-        p.send_signal(signal.SIGINT)
+    waiting, deadline = dict(procs), time.time() + 60
+    while waiting and time.time() < deadline:
+        for script, p in list(waiting.items()):
+            maps = Path(f"/proc/{p.pid}/maps")
+            if p.poll() is None and "libtorch" in maps.read_text(errors="replace"):
+                p.send_signal(signal.SIGINT)
+                del waiting[script]
+        time.sleep(0.01)
+    assert not waiting, f"never began to import torch: {sorted(waiting)}"
     for script, p in procs.items():
         err = p.communicate(timeout=60)[1]
         assert p.returncode in (130, -signal.SIGINT) and err.splitlines() == ["interrupted"], (script, err)
@@ -254,3 +261,8 @@ def test_a_damaged_bpe_tokenizer_file_is_one_line_naming_it(tmp_path: Path) -> N
     (tmp_path / "d" / "tokenizer.json").write_text(text[: len(text) // 2])  # cut short
     with pytest.raises(UserError, match=r"the dataset's tokenizer.json is damaged or not a tokenizers file \("):
         load_tokenizer(load_meta(tmp_path / "d"))
+
+
+def test_a_flag_without_a_key_is_an_unknown_key() -> None:
+    with pytest.raises(UserError, match=r"unknown config key '' \(from flag --=5\)"):
+        parse_config(Keys, ["--=5"])

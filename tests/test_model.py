@@ -6,7 +6,9 @@ import torch.nn.functional as F
 
 import fast_paths
 from conftest import VARIANTS, distinct, lively, tiny_model
+from generation import generate
 from model import GPT, GPTConfig
+from static_step import decode_static
 
 
 @pytest.mark.parametrize(("D", "H", "G"), [(64, 8, 8), (64, 8, 4), (64, 8, 2), (64, 8, 1), (96, 6, 3), (48, 4, 1)])
@@ -276,9 +278,9 @@ def test_static_decode_step_equals_the_cached_forward(variant: str, pos_encoding
             model(idx[:, :5], kv_cache=cache)
         for t in range(5, 7):
             want, _ = model(idx[:, t:t + 1], kv_cache=ref)
-            got = model.decode_static(idx[:, t:t + 1], torch.tensor([t]), static)
+            got = decode_static(model, idx[:, t:t + 1], torch.tensor([t]), static)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got = model.decode_static(idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
+            got = decode_static(model, idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for cache in (static, filled):
             torch.testing.assert_close(cache.k[..., :7, :], ref.k[..., :7, :])
@@ -291,6 +293,6 @@ def test_generate_slides_its_window_reusing_the_cache() -> None:
     model whose tokens follow its window (a random one repeats a token whatever it sees)."""
     model = lively(tiny_model(2, "rope", block_size=8))
     idx = torch.randint(0, 61, (4, 3))  # rows of equal length: every row slides at once, one prefill for all
-    cached = model.generate(idx, 20, temperature=0)
-    assert torch.equal(cached, model.generate(idx, 20, temperature=0, use_cache=False))
+    cached = generate(model, idx, 20, temperature=0)
+    assert torch.equal(cached, generate(model, idx, 20, temperature=0, use_cache=False))
     assert distinct(cached[:, 9:]) >= 8  # decoded from slid windows (from 9 tokens on), not a token a row repeated

@@ -10,6 +10,7 @@ from checkpoint import save_checkpoint
 from compiled_step import STEPS
 from conftest import COMPILES, DECODE, cli, distinct, lively, run, tiny_model
 from dataset import Batches, write_dataset
+from generation import generate
 from model import GPT, GPTConfig
 from quantize import Int8Linear, quantize
 
@@ -51,8 +52,8 @@ def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
     with torch.inference_mode():
         want, got = m(idx, idx)[0], q(idx, idx)[0]
         assert (got - want).norm() / want.norm() < 0.02
-        eager = d.generate(idx[:1, :3], 80, temperature=0)
-        assert torch.equal(d.generate(idx[:1, :3], 80, temperature=0, compile_step=True), eager)
+        eager = generate(d, idx[:1, :3], 80, temperature=0)
+        assert torch.equal(generate(d, idx[:1, :3], 80, temperature=0, compile_step=True), eager)
     (_, sources, lent), = STEPS[d].values()  # its int8 products through inductor's GEMM template: blocked int8 copies
     int8 = {f"model.{name}.weight" for name, mod in d.named_modules() if isinstance(mod, Int8Linear)}
     assert {source for source, *_ in sources.values()} <= int8 and sources
@@ -86,7 +87,7 @@ def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Pat
     q = quantize(copy.deepcopy(model), "int8")
     with torch.inference_mode():
         picks = [torch.stack([m(x, y)[0].argmax(-1) for x, y in val]) for m in (model, q)]
-        greedy = [m.generate(val[0][0][:4, :16], 12, temperature=0)[:, 16:] for m in (model, q)]
+        greedy = [generate(m, val[0][0][:4, :16], 12, temperature=0)[:, 16:] for m in (model, q)]
     assert distinct(greedy[0]) >= 12  # not 4 rows of one token each, as a random model's would be
     assert int8["top1_agreement"] == pytest.approx((picks[0] == picks[1]).float().mean().item(), abs=1e-9)
     assert int8["greedy_agreement"] == pytest.approx((greedy[0] == greedy[1]).float().mean().item(), abs=1e-9)

@@ -11,6 +11,7 @@ import torch
 from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from conftest import COMPILES, DECODE, VARIANTS, Result, allowed, cli, distinct, lively, run, sharpened
 from dataset import CharTokenizer
+from generation import generate
 from model import GPT, GPTConfig
 
 CHARS = CharTokenizer.from_text("".join(chr(c) for c in range(32, 127)) + "\n")
@@ -242,7 +243,7 @@ def test_bpe_sample_stops_at_the_end_of_text_token(tmp_path: Path) -> None:
         torch.manual_seed(seed)
         model = GPT(GPTConfig(block_size=64, vocab_size=257, n_layer=2, n_head=4, n_embd=32))
         sharpened(model)  # at initialisation greedy decoding repeats one token
-        free = model.generate(torch.tensor([prompt]), 20, temperature=0)[0, len(prompt):].tolist()
+        free = generate(model, torch.tensor([prompt]), 20, temperature=0)[0, len(prompt):].tolist()
         stop = next((i for i, x in enumerate(free) if i >= 2 and x not in prompt + free[:i] and eot not in free[:i]),
                     None)
         if stop is not None:
