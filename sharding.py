@@ -9,31 +9,35 @@ under 'sharded' and is written after it, so a crash at any point leaves a ckpt.p
 
 import inspect
 import shutil
+import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import UserError, first_line
 from model import GPT, GPTConfig
 
 
+def loaded_class(module: str, name: str) -> type | None:
+    """A class of torch's distributed packages if the package is imported, else None: only FSDP imports them (about
+    a second of start-up, so train.py does not), and a tensor or model made without them cannot be of their classes."""
+    package = sys.modules.get(module)
+    return getattr(package, name) if package is not None else None
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    dtensor = loaded_class("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def shard(model: GPT, device: str, dtype: torch.dtype) -> GPT:
     """model with each block, then the root (embeddings, final norm, lm_head), sharded over the default process
     group; on CUDA with a 16-bit dtype, computed in that dtype with gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) \
         if device.startswith("cuda") and dtype != torch.float32 else MixedPrecisionPolicy()
     for block in model.transformer.h:
@@ -62,13 +66,16 @@ def build(config: GPTConfig, device: str, dtype: torch.dtype, seed: int | None, 
 
 def assign_shard(param: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a parameter's full value (on CPU) into it: its own shard where it is sharded (no communication)."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
     local(param).copy_(value)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    fsdp_module = loaded_class("torch.distributed.fsdp", "FSDPModule")
+    return fsdp_module is not None and isinstance(model, fsdp_module)
 
 
 def ddp(model: torch.nn.Module, device: int | None) -> DDP:
@@ -89,17 +96,19 @@ def gradient_sync(model: torch.nn.Module, raw_model: torch.nn.Module, last: bool
 
 def full_model_state(model: GPT) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on CPU, gathered on rank 0 (empty on the others): a collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A tensor as a whole: a DTensor gathered (a collective), any other as it is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's shard, any other tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def all_finite(model: torch.nn.Module) -> bool:
@@ -127,6 +136,9 @@ def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer
     tmp, final = out_dir / (name + ".tmp"), out_dir / name
     if (final / ".metadata").is_file():
         return name
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,6 +157,10 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     if not (folder / ".metadata").is_file():
         raise UserError(f"the sharded checkpoint {folder}, which {folder.parent / 'ckpt.pt'} names, is missing or "
                         f"incomplete: restore it, or start a new run")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
@@ -170,6 +186,8 @@ def load_optimizer(ckpt: dict, out_dir: Path, model: torch.nn.Module, optimizer:
     if "sharded" in ckpt:
         load_sharded(out_dir / ckpt["sharded"], model, optimizer)
     elif is_sharded(model):  # written without FSDP: parameters by number, not by name
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         names = {id(p): n for n, p in model.named_parameters()}
         saved, by_name = ckpt["optimizer"], {}
         for group, ours in zip(saved["param_groups"], optimizer.param_groups, strict=True):
