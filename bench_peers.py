@@ -29,12 +29,13 @@ import torch
 import hf
 from checkpoint import Source, load_run
 from configurator import UserError
-from dataset import data_dir, gpt2_encoding, load_meta
+from dataset import data_dir, load_meta
 from generation import generate
 from model import GPTConfig
 from quantize import quantize
 from runlog import read_run
 from runtime import synchronize
+from tokenizer import gpt2_encoding
 
 # nanoGPT's README: "I have a GPU" (its config as it is: bf16 where supported, compiled) and "I only have a macbook"
 NANOGPT_GPU_RECIPE = ["config/train_shakespeare_char.py"]

@@ -22,8 +22,9 @@ import torch
 import hf as hf_formats
 from atomic import atomic_open
 from configurator import UserError, first_line
-from dataset import data_dir, folder_tokenizer, gpt2_folder_vocab, load_meta, load_tokenizer, open_tokens
+from dataset import data_dir, load_meta, open_tokens
 from model import GPT, GPTConfig
+from tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer
 
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
 SOURCES = f"'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', {', '.join(GPT2_NAMES)} or 'hf:<folder>'"

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from configurator import UserError, first_line
-from dataset import gpt2_encoding, writing_dataset
+from dataset import writing_dataset
+from tokenizer import gpt2_encoding
 
 
 @contextmanager

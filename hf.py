@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from configurator import UserError
-from dataset import EOT, gpt2_encoding
 from model import GPT, GPTConfig
+from tokenizer import EOT, gpt2_encoding
 
 # a block's modules: ours -> Starcoder2's
 STARCODER2_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from checkpoint import GPT2_NAMES, load_run, parse_source
-from dataset import encode_prompt, read_text
+from dataset import read_text
 from generation import check_sampling, left_pad, stream_text
 from model import GPT
 from quantize import QUANTIZE, quantize
 from runtime import resolve_device, resolve_dtype
+from tokenizer import encode_prompt
 
 
 @dataclass(slots=True)

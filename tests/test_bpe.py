@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_TRAIN, cli, run
-from dataset import load_meta, load_tokenizer
+from dataset import load_meta
+from tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -151,7 +151,7 @@ def test_gpt2_bpe_dataset_exports_its_bpe_tokenizer(tmp_path: Path) -> None:
     _, tok = load(tmp_path / "hf")
     import tiktoken  # noqa: F401  (the dataset's own encoding, through dataset.py)
 
-    from dataset import gpt2_encoding
+    from tokenizer import gpt2_encoding
     enc = gpt2_encoding(str(bpe))
     sample = "The rest is silence, the question. <|endoftext|>"
     assert tok(sample)["input_ids"] == enc.encode(sample, allowed_special="all")

@@ -222,8 +222,8 @@ def test_a_bpe_vocabulary_the_text_cannot_fill_is_said(tmp_path: Path) -> None:
 def test_the_decode_summary_finds_the_step_that_compiled_wherever_it_falls() -> None:
     """The compiled step's 'ready after' is the end of the longest step, not the second (a compile that ran at a later
     step was reported as 'ready after 0.46 s, then 0 tok/s')."""
-    from dataset import CharTokenizer
     from sample import SampleConfig, decode
+    from tokenizer import CharTokenizer
 
     model, calls = tiny_model(), []
     model.register_forward_pre_hook(lambda *_: calls.append(1) or time.sleep(0.4 if len(calls) == 6 else 0))
@@ -252,7 +252,7 @@ def test_no_command_writes_into_a_folder_of_another_kind(pycode_small: Path, tmp
 
 
 def test_a_damaged_bpe_tokenizer_file_is_one_line_naming_it(tmp_path: Path) -> None:
-    from dataset import load_tokenizer
+    from tokenizer import load_tokenizer
 
     (tmp_path / "in.txt").write_text("abc abd abe " * 50)
     run(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={tmp_path / 'd'}", "--tokenizer=bpe",

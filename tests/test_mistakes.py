@@ -144,7 +144,7 @@ def test_a_long_sample_does_not_grow_memory(tiny_run: Path, capsys: pytest.Captu
 
     import sample as sample_script
     from checkpoint import load_checkpoint, model_from_checkpoint
-    from dataset import load_tokenizer
+    from tokenizer import load_tokenizer
 
     ckpt = load_checkpoint(tiny_run / "ckpt.pt")
     model, tok = model_from_checkpoint(ckpt).eval(), load_tokenizer(ckpt["data_meta"])

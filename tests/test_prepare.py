@@ -11,7 +11,8 @@ import pytest
 
 from configurator import UserError
 from conftest import ROOT, cli, run
-from dataset import CharTokenizer, load_meta, load_tokenizer, open_tokens, write_dataset
+from dataset import load_meta, open_tokens, write_dataset
+from tokenizer import CharTokenizer, load_tokenizer
 
 
 def test_pycode_char_is_deterministic_and_round_trips(tmp_path: Path) -> None:

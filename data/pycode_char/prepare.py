@@ -17,7 +17,8 @@ from configurator import run_cli  # noqa: E402  (first: a Ctrl-C while the libra
 # isort: split
 from tqdm import tqdm  # noqa: E402
 
-from dataset import CharTokenizer, split_ids, write_dataset  # noqa: E402
+from dataset import split_ids, write_dataset  # noqa: E402
+from tokenizer import CharTokenizer  # noqa: E402
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
