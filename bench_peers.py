@@ -31,6 +31,7 @@ from checkpoint import Source, load_run
 from configurator import UserError
 from dataset import data_dir, load_meta
 from generation import generate
+from gguf import check_gguf_vocabulary, convert_folder, to_gguf
 from model import GPTConfig
 from quantize import quantize
 from runlog import read_run
@@ -169,7 +170,7 @@ def llama_cpp_runners(hf_dir: Path, convert: Path, binary: Path, dtypes: list[st
     out = {}
     for dtype in dtypes:
         gguf = hf_dir / f"model-{GGUF_TYPES[dtype]}.gguf"
-        hf.convert_folder(hf_dir, gguf, str(convert.parent), GGUF_TYPES[dtype])
+        convert_folder(hf_dir, gguf, str(convert.parent), GGUF_TYPES[dtype])
         out[dtype] = functools.partial(llama_bench, binary, gguf)
     return out
 
@@ -247,7 +248,7 @@ def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], device: s
 
 
 def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> list[dict]:
-    """The checkpoint in out_dir through export's GGUF path (hf.to_gguf, f32) into llama.cpp's llama-simple, greedy,
+    """The checkpoint in out_dir through export's GGUF path (to_gguf, f32) into llama.cpp's llama-simple, greedy,
     against this project's greedy decoding of the same prompt: the same tokens give the same text."""
     if not llama_cpp:
         print("# gguf check skipped: pass --llama_cpp=DIR, a llama.cpp source folder with build/bin/llama-simple")
@@ -256,7 +257,7 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     loaded = load_run(Source("resume"), out_dir)
     model, meta, tok = loaded.model.float().eval(), loaded.meta, loaded.tokenizer
     hf_tok = hf.tokenizer(meta)
-    hf.check_gguf_vocabulary(hf_tok)  # before any decoding: a char-level run has no GGUF
+    check_gguf_vocabulary(hf_tok)  # before any decoding: a char-level run has no GGUF
     c = model.config
     ids = tok.encode(prompt)
     n = min(new_tokens, c.block_size - len(ids))  # llama.cpp slides no window: stay within the positions
@@ -265,7 +266,7 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     ours = tok.decode(ids + new)
     with tempfile.TemporaryDirectory() as tmp:
         gguf = Path(tmp) / "model.gguf"
-        hf.to_gguf(model, hf_tok, gguf, llama_cpp, "f32")
+        to_gguf(model, hf_tok, gguf, llama_cpp, "f32")
         r = subprocess.run([str(binary), "-m", str(gguf), "-n", str(n), prompt], capture_output=True, text=True)
     if r.returncode:
         raise UserError(f"llama-simple failed: {(r.stderr.strip() or 'no output').splitlines()[-1]}")

@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
-import hf as hf_formats
 from atomic import atomic_open
 from configurator import UserError, first_line
 from dataset import data_dir, load_meta, open_tokens
+from hf import GPT2_NAMES, from_hf
 from model import GPT, GPTConfig
 from tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer
 
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
 SOURCES = f"'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', {', '.join(GPT2_NAMES)} or 'hf:<folder>'"
 
 
@@ -254,50 +253,4 @@ def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     except RuntimeError as e:
         reason = first_line(e, skip="Error(s) in loading")
         raise UserError(f"checkpoint weights do not match its model_config ({reason})") from e
-    return model
-
-
-def from_hf(name_or_path: str) -> GPT:
-    """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium', 'gpt2-large',
-    'gpt2-xl') or a local folder written by save_pretrained. Its fused c_attn is split into c_q, c_k, c_v and its
-    Conv1D weights, stored (in, out), are transposed to Linear's (out, in). A Starcoder2 or GPTBigCode folder (as
-    export.py writes) goes through hf.from_transformers."""
-    from transformers import GPT2LMHeadModel
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    if name_or_path not in GPT2_NAMES:  # a local folder: from_pretrained would take a wrong one for a hub id
-        folder = Path(name_or_path)
-        if not (folder / "config.json").is_file():
-            raise UserError(f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved by "
-                            f"save_pretrained, or one of {', '.join(GPT2_NAMES)}")
-        hf_formats.check_weights(folder)  # a truncated copy: one line naming the file
-        try:
-            kind = json.loads((folder / "config.json").read_text()).get("model_type")
-        except (ValueError, AttributeError):
-            kind = None
-        if kind in ("starcoder2", "gpt_bigcode"):  # what export.py writes for rotary and MQA models
-            return hf_formats.from_transformers(name_or_path)
-        if kind != "gpt2":
-            raise UserError(f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained "
-                            f"(config.json's model_type is {kind!r}); a checkpoint of this project loads with "
-                            f"init_from=resume and out_dir")
-    try:
-        hf = GPT2LMHeadModel.from_pretrained(name_or_path)
-    except OSError as e:  # what transformers raises for no network, no cache or a bad folder
-        raise UserError(f"cannot load GPT-2 weights {name_or_path!r} ({first_line(e)}): with no network, "
-                        f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained") from e
-    c = hf.config
-    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                          n_embd=c.n_embd, bias=True, gelu="tanh" if c.activation_function == "gelu_new" else "exact",
-                          mlp_hidden=c.n_inner))  # None: 4 * n_embd, as GPT-2's own
-    state = {}
-    for name, t in hf.state_dict().items():
-        if ".attn.c_attn." in name:
-            for part, piece in zip(("c_q", "c_k", "c_v"), t.split(c.n_embd, dim=-1), strict=True):
-                state[name.replace("c_attn", part)] = piece.t() if name.endswith("weight") else piece
-        else:
-            state[name] = t.t() if name.endswith(("c_proj.weight", "c_fc.weight")) else t
-    model.load_state_dict(state)
     return model

@@ -32,6 +32,7 @@ from typing import Any
 import hf
 from atomic import KIND_MARKERS, check_replaceable
 from checkpoint import Source, load_run, run_config
+from gguf import GGUF_TYPES, check_gguf_vocabulary, to_gguf
 from model import GPT
 from runlog import read_run
 
@@ -48,8 +49,8 @@ class ExportConfig:
     gguf_type: str = "f32"  # gguf: the converter's --outtype: f32, f16, bf16 or q8_0
 
     def __post_init__(self) -> None:
-        if self.gguf_type not in hf.GGUF_TYPES:
-            raise ValueError(f"gguf_type={self.gguf_type!r} must be one of {', '.join(hf.GGUF_TYPES)}")
+        if self.gguf_type not in GGUF_TYPES:
+            raise ValueError(f"gguf_type={self.gguf_type!r} must be one of {', '.join(GGUF_TYPES)}")
         if bool(self.gguf) != bool(self.llama_cpp):
             raise ValueError("--gguf=FILE and --llama_cpp=DIR go together: the file is made by llama.cpp's converter")
 
@@ -109,7 +110,7 @@ def export(cfg: ExportConfig) -> None:
     ckpt, meta, model = loaded.ckpt, loaded.meta, loaded.model.float().eval()
     tok, hf_model = hf.tokenizer(meta), hf.to_hf(model)
     if cfg.gguf:
-        hf.check_gguf_vocabulary(tok)
+        check_gguf_vocabulary(tok)
     try:
         run = read_run(out) | {"dir": str(out)}
     except (UserError, OSError):
@@ -122,7 +123,7 @@ def export(cfg: ExportConfig) -> None:
             print(f"wrote {dest}: {type(hf_model).__name__} ({model.config.attention_kind}), "
                   f"{model.num_params():,} parameters, {meta.get('tokenizer')} tokenizer")
         if gguf:
-            hf.to_gguf(model, tok, gguf, cfg.llama_cpp, cfg.gguf_type, name=out.resolve().name)
+            to_gguf(model, tok, gguf, cfg.llama_cpp, cfg.gguf_type, name=out.resolve().name)
             print(f"wrote {gguf}: {cfg.gguf_type}, by llama.cpp's convert_hf_to_gguf.py")
 
 

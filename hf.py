@@ -7,16 +7,12 @@ export.py writes the folder with a model card. Dropout is training's only: the e
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from configurator import UserError
+from configurator import UserError, first_line
 from model import GPT, GPTConfig
 from tokenizer import EOT, gpt2_encoding
 
@@ -25,6 +21,8 @@ STARCODER2_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_pro
                     "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj",
                     "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
 
+
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
 
 def target_class(config: Any) -> str:
     """The transformers class that holds a model of config (a GPTConfig)."""
@@ -120,7 +118,7 @@ def from_transformers(folder: str) -> GPT:
     """This project's model from a Starcoder2 or multi-query GPTBigCode folder (what export.py writes for rotary
     and MQA models); what this model cannot hold (untied embeddings, a sliding window shorter than the positions,
     another norm epsilon, activation or rope type, LayerNorm biases without the others) is refused in one line.
-    GPT-2 folders: checkpoint.from_hf."""
+    GPT-2 folders: from_hf."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -199,26 +197,6 @@ def tokenizer(meta: dict) -> Any:
     raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in the checkpoint's dataset meta")
 
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
-# Runs llama.cpp's converter (argv: converter, its arguments). The converter names a BPE pre-tokenizer by a hash of
-# the tokens one known model's tokenizer gives for a fixed text, so it knows GPT-2's vocabulary but no vocabulary
-# trained here; every byte-level BPE of this project pre-tokenizes as GPT-2 does, which llama.cpp calls 'gpt-2'.
-CONVERT = """
-import runpy, sys
-sys.path[:0] = [sys.argv[1].rpartition("/")[0], sys.argv[1].rpartition("/")[0] + "/gguf-py"]
-from conversion import base
-known = base.TextModel.get_vocab_base_pre
-def pre(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:
-        return "gpt-2"
-base.TextModel.get_vocab_base_pre = pre
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
 def save(hf_model: Any, tok: Any, folder: Path) -> None:
     """hf_model and tok into folder (save_pretrained), loadable by transformers 5 and by 4.57 (the version llama.cpp's
     converter pins): 4.57 knows no TokenizersBackend class and reads the rotary base only from a top-level rope_theta,
@@ -249,32 +227,47 @@ def check_weights(folder: Path) -> None:
             raise UserError(f"{file} is damaged or truncated ({e}): copy or save the folder again") from e
 
 
-def check_gguf_vocabulary(tok: Any) -> None:
-    """llama.cpp reads byte-level BPE vocabularies only: anything else (char-level) is refused before its converter
-    runs, not inside it."""
-    if type(tok.backend_tokenizer.model).__name__ != "BPE":
-        raise UserError("GGUF needs a byte-level BPE vocabulary (llama.cpp has no char-level one): train on a "
-                        "dataset prepared with --tokenizer=bpe or gpt2")
+def from_hf(name_or_path: str) -> GPT:
+    """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium', 'gpt2-large',
+    'gpt2-xl') or a local folder written by save_pretrained. Its fused c_attn is split into c_q, c_k, c_v and its
+    Conv1D weights, stored (in, out), are transposed to Linear's (out, in). A Starcoder2 or GPTBigCode folder (as
+    export.py writes) goes through hf.from_transformers."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging
 
-
-def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
-    """model, exported with every bias (llama.cpp's Starcoder2 has no bias-free variant) and tok, as the GGUF file
-    named name (default: the file's stem), written whole or not at all."""
-    check_gguf_vocabulary(tok)
-    with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}-") as tmp:
-        folder, part = Path(tmp) / "hf", Path(tmp) / file.name
-        save(to_hf(model, all_biases=True), tok, folder)
-        convert_folder(folder, part, llama_cpp, outtype, name or file.stem)
-        os.replace(part, file)
-
-
-def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
-    """llama.cpp's convert_hf_to_gguf.py (in the source folder llama_cpp) on a transformers folder, into file; name:
-    the model's name in the GGUF (general.name), which the converter otherwise takes from the folder's name."""
-    named = ["--model-name", name] if name else []
-    r = subprocess.run([sys.executable, "-c", CONVERT, str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
-                        str(folder), "--outfile", str(file), "--outtype", outtype, *named],
-                       capture_output=True, text=True)
-    if r.returncode or not file.is_file():
-        last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
-        raise UserError(f"llama.cpp's convert_hf_to_gguf.py failed: {last}")
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    if name_or_path not in GPT2_NAMES:  # a local folder: from_pretrained would take a wrong one for a hub id
+        folder = Path(name_or_path)
+        if not (folder / "config.json").is_file():
+            raise UserError(f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved by "
+                            f"save_pretrained, or one of {', '.join(GPT2_NAMES)}")
+        check_weights(folder)  # a truncated copy: one line naming the file
+        try:
+            kind = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            kind = None
+        if kind in ("starcoder2", "gpt_bigcode"):  # what export.py writes for rotary and MQA models
+            return from_transformers(name_or_path)
+        if kind != "gpt2":
+            raise UserError(f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained "
+                            f"(config.json's model_type is {kind!r}); a checkpoint of this project loads with "
+                            f"init_from=resume and out_dir")
+    try:
+        hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+    except OSError as e:  # what transformers raises for no network, no cache or a bad folder
+        raise UserError(f"cannot load GPT-2 weights {name_or_path!r} ({first_line(e)}): with no network, "
+                        f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained") from e
+    c = hf.config
+    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
+                          n_embd=c.n_embd, bias=True, gelu="tanh" if c.activation_function == "gelu_new" else "exact",
+                          mlp_hidden=c.n_inner))  # None: 4 * n_embd, as GPT-2's own
+    state = {}
+    for name, t in hf.state_dict().items():
+        if ".attn.c_attn." in name:
+            for part, piece in zip(("c_q", "c_k", "c_v"), t.split(c.n_embd, dim=-1), strict=True):
+                state[name.replace("c_attn", part)] = piece.t() if name.endswith("weight") else piece
+        else:
+            state[name] = t.t() if name.endswith(("c_proj.weight", "c_fc.weight")) else t
+    model.load_state_dict(state)
+    return model

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from checkpoint import GPT2_NAMES, load_run, parse_source
+from checkpoint import load_run, parse_source
 from dataset import read_text
 from generation import check_sampling, left_pad, stream_text
+from hf import GPT2_NAMES
 from model import GPT
 from quantize import QUANTIZE, quantize
 from runtime import resolve_device, resolve_dtype

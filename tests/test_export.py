@@ -30,7 +30,7 @@ open(args[args.index("--outfile") + 1], "wb").write(b"GGUF" + bytes(12))
 
 
 def fake_llama_cpp(folder: Path) -> Path:
-    """A llama.cpp source folder (the converter above, the module hf.CONVERT patches, a llama-simple that records its
+    """A llama.cpp source folder (the converter above, the module gguf.CONVERT patches, a llama-simple that records its
     runs too): the file each call is recorded in."""
     (folder / "conversion").mkdir(parents=True)
     (folder / "conversion" / "__init__.py").write_text("")

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import from_hf, load_checkpoint
+from checkpoint import load_checkpoint
 from conftest import ROOT, cli, run
 from generation import generate
+from hf import from_hf
 
 
 @pytest.fixture(scope="module")

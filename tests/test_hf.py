@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import from_hf
 from configurator import UserError
 from conftest import cli
 from generation import generate
-from hf import save, target_class, to_hf, tokenizer
+from hf import from_hf, save, target_class, to_hf, tokenizer
 from model import GPT, GPTConfig
 
 

@@ -1,0 +1,64 @@
+"""GGUF files for llama.cpp, made by llama.cpp's own convert_hf_to_gguf.py from the transformers folder hf.py
+writes (byte-level BPE vocabularies only: llama.cpp has no char-level one).
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from configurator import UserError
+from hf import save, to_hf
+from model import GPT
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+# Runs llama.cpp's converter (argv: converter, its arguments). The converter names a BPE pre-tokenizer by a hash of
+# the tokens one known model's tokenizer gives for a fixed text, so it knows GPT-2's vocabulary but no vocabulary
+# trained here; every byte-level BPE of this project pre-tokenizes as GPT-2 does, which llama.cpp calls 'gpt-2'.
+CONVERT = """
+import runpy, sys
+sys.path[:0] = [sys.argv[1].rpartition("/")[0], sys.argv[1].rpartition("/")[0] + "/gguf-py"]
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def check_gguf_vocabulary(tok: Any) -> None:
+    """llama.cpp reads byte-level BPE vocabularies only: anything else (char-level) is refused before its converter
+    runs, not inside it."""
+    if type(tok.backend_tokenizer.model).__name__ != "BPE":
+        raise UserError("GGUF needs a byte-level BPE vocabulary (llama.cpp has no char-level one): train on a "
+                        "dataset prepared with --tokenizer=bpe or gpt2")
+
+
+def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
+    """model, exported with every bias (llama.cpp's Starcoder2 has no bias-free variant) and tok, as the GGUF file
+    named name (default: the file's stem), written whole or not at all."""
+    check_gguf_vocabulary(tok)
+    with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}-") as tmp:
+        folder, part = Path(tmp) / "hf", Path(tmp) / file.name
+        save(to_hf(model, all_biases=True), tok, folder)
+        convert_folder(folder, part, llama_cpp, outtype, name or file.stem)
+        os.replace(part, file)
+
+
+def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
+    """llama.cpp's convert_hf_to_gguf.py (in the source folder llama_cpp) on a transformers folder, into file; name:
+    the model's name in the GGUF (general.name), which the converter otherwise takes from the folder's name."""
+    named = ["--model-name", name] if name else []
+    r = subprocess.run([sys.executable, "-c", CONVERT, str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
+                        str(folder), "--outfile", str(file), "--outtype", outtype, *named],
+                       capture_output=True, text=True)
+    if r.returncode or not file.is_file():
+        last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
+        raise UserError(f"llama.cpp's convert_hf_to_gguf.py failed: {last}")
