@@ -101,7 +101,7 @@ class RandomBatches:
 
 
 def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: str) -> list[dict]:
-    rows, device_type = [], device.split(":")[0]
+    rows, device_type = [], runtime.device_type(device)
     d = Dist(0, 0, 1, device, True)
     batches = RandomBatches(base, mcfg.vocab_size, device)
     tokens_per_iter = base.gradient_accumulation_steps * base.batch_size * base.block_size
@@ -263,7 +263,7 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "same_tokens": "same tokens", "agreement": "tokens as HF fp32"}))
     elif cfg.mode == "nanogpt":
         step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, f"--device={device}", "--vocab_size=65"])
-        dtype = str(resolve_dtype("auto", device.split(":")[0], step.n_embd)[0]).removeprefix("torch.")
+        dtype = str(resolve_dtype("auto", device, step.n_embd)[0]).removeprefix("torch.")
         rows = bench_peers.bench_nanogpt(cfg.nanogpt_dir, base.dataset, train_args, device, lambda: {
             r["compile"]: r["ms_per_iter"] for r in bench_train(dataclasses.replace(cfg, dtypes=[dtype]), step,
                                                                   step.model_config(65), device)})
@@ -284,7 +284,7 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "peak_tflops": "peak TFLOP/s",
                            "loss": "loss"}))
     else:
-        dtype = torch.float16 if base.dtype == "float16" else resolve_dtype(base.dtype, device.split(":")[0])[0]
+        dtype = torch.float16 if base.dtype == "float16" else resolve_dtype(base.dtype, device)[0]
         rows = bench_decode(cfg, mcfg, device, dtype)  # float16 on any device: decoding needs no GradScaler
         print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
                            "new_tokens": "new tokens",

@@ -117,7 +117,7 @@ def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig
 def timings(runs: list[sweep.Run], base: TrainConfig) -> dict[tuple, tuple[float, float]]:
     """Each shape's seconds per training step and per evaluation batch (measure.training_seconds: 5 timed steps)."""
     device = resolve_device(base.device)
-    dtype = resolve_dtype(base.dtype, device.split(":")[0], base.n_embd)[0]
+    dtype = resolve_dtype(base.dtype, device, base.n_embd)[0]
     shapes = {r.shape: r.model for r in runs}
     return {k: training_seconds(m, base.batch_size, base.optimizer, device, dtype) for k, m in shapes.items()}
 

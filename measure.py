@@ -61,7 +61,7 @@ def training_seconds(config: GPTConfig, batch_size: int, optimizer: str, device:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, dropout=0.0)).to(device)
     opt = make_optimizer(model, optimizer, 0.1, 1e-4, (0.9, 0.99), device, 1e-3)
-    amp = autocast(device.split(":")[0], dtype)
+    amp = autocast(device, dtype)
     x = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), device=device)
 
     def timed(fn: Callable[[], None], n: int) -> float:

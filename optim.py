@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from model import GPT
-from runtime import native_bf16
+from runtime import device_type, native_bf16
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (and Keller Jordan's) quintic iteration
 
@@ -107,14 +107,13 @@ def make_optimizer(model: GPT, kind: str, weight_decay: float, learning_rate: fl
     """'adamw': GPT.configure_optimizers; 'muon': Muon (at muon_lr, no weight decay; orthogonalising in bf16 where
     that is fast, else fp32) for the 2-D weights inside the blocks and that AdamW for every other parameter. Each
     group has an lr_scale: its peak lr over learning_rate."""
-    device_type = device.split(":")[0]
     if kind == "adamw":
-        opt = model.configure_optimizers(weight_decay, learning_rate, betas, device_type)
+        opt = model.configure_optimizers(weight_decay, learning_rate, betas, device_type(device))
     else:
         inner, rest = [], []
         for name, p in model.named_parameters():
             (inner if p.dim() == 2 and name.startswith("transformer.h.") else rest).append(p)
-        adamw = model.configure_optimizers(weight_decay, learning_rate, betas, device_type, params=rest)
+        adamw = model.configure_optimizers(weight_decay, learning_rate, betas, device_type(device), params=rest)
         fast_bf16 = device.startswith("cuda") or (device == "cpu" and native_bf16())
         opt = Chain(Muon(inner, lr=muon_lr, ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32), adamw)
     for group in opt.param_groups:

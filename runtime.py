@@ -42,7 +42,12 @@ class Dist:
 
     @property
     def device_type(self) -> str:
-        return self.device.split(":")[0]
+        return device_type(self.device)
+
+
+def device_type(device: str) -> str:
+    """'cuda' for 'cuda:1', 'cpu' for 'cpu': what autocast and the dtype choice go by."""
+    return torch.device(device).type
 
 
 def resolve_device(name: str, local_rank: int = 0) -> str:
@@ -100,22 +105,24 @@ def teardown_distributed() -> None:
 BF16_MIN_SPEEDUP = 1.5  # bf16 products this much faster than fp32's: a whole step gains (docs/performance-cpu.md)
 
 
-def resolve_dtype(name: str, device_type: str, n_embd: int | None = None, compiled_decode: bool = False
+def resolve_dtype(name: str, device: str, n_embd: int | None = None, compiled_decode: bool = False
                   ) -> tuple[torch.dtype, str]:
-    """The dtype to run in and why. 'float32', 'bfloat16', 'float16' (CUDA only) as named; 'auto': bf16 on CUDA
-    GPUs that have it; on a CPU that has bf16 instructions, bf16 for the compiled decode step (compiled_decode) and
-    for training a model n_embd wide when this CPU's bf16 products of that width measure at least BF16_MIN_SPEEDUP
-    times faster than fp32's (some CPUs with the instructions are slower in bf16); float32 everywhere else."""
-    if name == "float16" and device_type != "cuda":
-        raise UserError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {device_type}); "
+    """The dtype to run in on device ('cpu', 'cuda:1', or its type) and why. 'float32', 'bfloat16', 'float16'
+    (CUDA only) as named; 'auto': bf16 on CUDA GPUs that have it; on a CPU that has bf16 instructions, bf16 for the
+    compiled decode step (compiled_decode) and for training a model n_embd wide when this CPU's bf16 products of that
+    width measure at least BF16_MIN_SPEEDUP times faster than fp32's (some CPUs with the instructions are slower in
+    bf16); float32 everywhere else."""
+    kind = device_type(device)
+    if name == "float16" and kind != "cuda":
+        raise UserError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {kind}); "
                         f"use bfloat16 or float32")
     if name != "auto":
         return getattr(torch, name), "as asked"
-    if device_type == "cuda":
+    if kind == "cuda":
         bf16 = torch.cuda.is_bf16_supported()
         return (torch.bfloat16, "a CUDA GPU with bf16") if bf16 else (torch.float32, "a CUDA GPU without bf16")
-    if device_type != "cpu" or not native_bf16():
-        return torch.float32, f"{device_type}{' without native bf16' * (device_type == 'cpu')}"
+    if kind != "cpu" or not native_bf16():
+        return torch.float32, f"{kind}{' without native bf16' * (kind == 'cpu')}"
     if compiled_decode:
         return torch.bfloat16, "CPU with native bf16, compiled decode step"
     if n_embd is None:
@@ -149,9 +156,9 @@ def seconds_per_call(fn: Callable[[], object], probes: int, probe_s: float) -> f
     return min(times)
 
 
-def autocast(device_type: str, dtype: torch.dtype) -> AbstractContextManager:
-    """Mixed precision in dtype, or nothing for float32."""
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type, dtype=dtype)
+def autocast(device: str, dtype: torch.dtype) -> AbstractContextManager:
+    """Mixed precision in dtype on device (or its type), or nothing for float32."""
+    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type(device), dtype=dtype)
 
 
 def peak_flops(device: str, dtype: torch.dtype) -> float | None:

@@ -119,7 +119,7 @@ def main(cfg: SampleConfig) -> None:
         raise UserError(f"the tokenizer has {tok.n_vocab} tokens, the model only {model.config.vocab_size}: not the "
                         f"dataset this checkpoint was trained on")
     compiled = cfg.compile and not cfg.quantize  # on a CPU with native bf16, 'auto' decodes these in bf16
-    dtype = torch.float16 if cfg.dtype == "float16" else resolve_dtype(cfg.dtype, device.split(":")[0],
+    dtype = torch.float16 if cfg.dtype == "float16" else resolve_dtype(cfg.dtype, device,
                                                                        compiled_decode=compiled)[0]
     model = quantize(model.to(device=device, dtype=dtype), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
