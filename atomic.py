@@ -66,6 +66,20 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[None]:
                 folder.rmdir()
 
 
+def lock_holder(folder: Path) -> str | None:
+    """Who holds folder's lock (folder_lock's: e.g. a sweep's root while compare.py runs), or None; tried
+    without waiting, and let go at once."""
+    lock = folder / ".lock"
+    if not lock.is_file():
+        return None
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+    return None
+
+
 # What this project writes into a folder, by the file that marks each kind (a run's checkpoint or log, a dataset's
 # meta.json, an export's smallgpt.json): the rule for any command that writes into or replaces a folder.
 KIND_MARKERS = {"a run": ("ckpt.pt", "log.jsonl"), "a dataset": ("meta.json",), "an export": ("smallgpt.json",)}

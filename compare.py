@@ -29,7 +29,7 @@ import torch
 
 import report
 import sweep
-from atomic import atomic_open, folder_lock
+from atomic import atomic_open, folder_lock, lock_holder
 from convert import CONVERT_METHODS
 from dataset import data_dir, load_meta, vocab_size_of
 from measure import cached_step_throughput, default_kv_heads, table, training_seconds
@@ -225,7 +225,7 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
 
 def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | None:
     """A line saying the sweep into root is still running (a compare.py holds its lock), or None."""
-    if (holder := sweep.lock_holder(root)) is None:
+    if (holder := lock_holder(root)) is None:
         return None
     runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
     return (f"The sweep is still running ({holder}): {sum(map(sweep.finished, runs))} of {len(runs)} runs "

@@ -6,7 +6,6 @@ size, match, conversion).
 
 import ctypes
 import dataclasses
-import fcntl
 import os
 import re
 import signal
@@ -270,17 +269,3 @@ def die_with_parent() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
-
-
-def lock_holder(folder: Path) -> str | None:
-    """Who holds folder's lock (atomic.folder_lock; a sweep's root: compare.py still running), or None; tried
-    without waiting, and let go at once."""
-    lock = folder / ".lock"
-    if not lock.is_file():
-        return None
-    with open(lock) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return f.read().strip() or "another process"
-    return None
