@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from configurator import UserError
+from errors import UserError
 
 
 @contextmanager

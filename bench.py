@@ -11,7 +11,8 @@ The model, device and dtype come from train.py's config files and flags; the key
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
-from configurator import UserError, parse_config, run_cli, split_args
+from configurator import parse_config, run_cli, split_args
+from errors import UserError
 
 # isort: split
 import copy
@@ -28,6 +29,7 @@ import bench_peers
 import runtime
 import sharding
 from checkpoint import Source, load_run
+from configs import TrainConfig
 from dataset import Batches, data_dir, vocab_size_of
 from fast_paths import Linear
 from generation import generate
@@ -35,7 +37,7 @@ from measure import default_kv_heads, step_ms, table, timed_decode
 from model import GPT, GPTConfig
 from quantize import quantize
 from runtime import Dist, autocast, keep_freed_memory, peak_flops, resolve_device, resolve_dtype
-from train import TrainConfig, train_step
+from train import train_step
 
 
 @dataclass(slots=True)
@@ -284,8 +286,8 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
                            "tokens_per_s": "tokens/s", "mfu_pct": "MFU %", "peak_tflops": "peak TFLOP/s",
                            "loss": "loss"}))
     else:
-        dtype = torch.float16 if base.dtype == "float16" else resolve_dtype(base.dtype, device)[0]
-        rows = bench_decode(cfg, mcfg, device, dtype)  # float16 on any device: decoding needs no GradScaler
+        dtype = resolve_dtype(base.dtype, device, training=False)[0]
+        rows = bench_decode(cfg, mcfg, device, dtype)
         print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
                            "new_tokens": "new tokens",
                            "kv_cache_bytes": "KV cache bytes", "cache_tok_s": "cache tok/s",

@@ -28,8 +28,8 @@ import torch
 
 import hf
 from checkpoint import Source, load_run
-from configurator import UserError
 from dataset import data_dir, load_meta
+from errors import UserError
 from generation import generate
 from gguf import check_gguf_vocabulary, convert_folder, to_gguf
 from model import GPTConfig

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from atomic import atomic_open
-from configurator import UserError, first_line
 from dataset import data_dir, load_meta, open_tokens
+from errors import UserError, first_line
 from hf import GPT2_NAMES, from_hf
 from model import GPT, GPTConfig
 from tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer

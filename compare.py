@@ -15,98 +15,27 @@ wandb group <out_dir name> and tags naming its variant, seed and size.
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
-from configurator import UserError, given_values, parse_config, run_cli, split_args
+from configurator import given_values, parse_config, run_cli, split_args
+from errors import UserError
 
 # isort: split
 import dataclasses
 import json
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 import report
+import runtime
 import sweep
 from atomic import atomic_open, folder_lock, lock_holder
-from convert import CONVERT_METHODS
+from configs import CompareConfig, TrainConfig, repeated
 from dataset import data_dir, load_meta, vocab_size_of
 from measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from model import GPT, GPTConfig
-from runtime import resolve_device, resolve_dtype
-from train import TrainConfig
-
-
-@dataclass(slots=True)
-class CompareConfig:
-    mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
-    kv_heads: list[int] = field(default_factory=list)  # the variants; empty: n_head, a middle divisor, 1
-    seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
-    # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters); 'params': the
-    # GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both: each variant twice
-    match: list[str] = field(default_factory=lambda: ["width"])
-    sizes: list[tuple[int, int] | str] = field(default_factory=list)  # (n_layer, n_embd), 'LxD' or a preset name
-    convert: bool = False  # also convert each seed's trained MHA model to each GQA/MQA variant and uptrain it
-    convert_methods: list[str] = field(default_factory=lambda: ["mean"])  # K/V heads: mean, first or random
-    uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])  # of the base run's max_iters (0: none)
-    uptrain_lr_scale: float = 1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
-    kv_seq_len: int = 8192  # the KV-cache column for a sequence length and batch of your choice
-    kv_batch: int = 8
-    kv_dtype: str = "bfloat16"
-    # decode speed where the KV cache dominates what a step reads: this batch, this many positions cached (each
-    # variant's shape with random weights, float32; the median of decode_steps one-token steps), measured
-    # speed_repeats times per shape, interleaved, after the runs, and stored in <out_dir>/speed.json
-    decode_batch: int = 8
-    decode_context: int = 4096
-    decode_steps: int = 16
-    speed_repeats: int = 3
-    train_args: list[str] = field(default_factory=list)  # filled from the command line: files and train.py flags
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.mode not in ("train", "report", "all", "plan", "costs"):
-            problems.append(f"mode={self.mode!r} must be one of train, report, all, plan, costs")
-        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
-            problems.append(f"kv_dtype={self.kv_dtype!r} must be float32, bfloat16 or float16")
-        sizes = ("seeds", "kv_seq_len", "kv_batch", "decode_batch", "decode_context", "decode_steps", "speed_repeats")
-        if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
-            problems.append(f"{', '.join(bad)}: must be positive")
-        if min(self.kv_heads, default=1) < 1:
-            problems.append(f"kv_heads={self.kv_heads} must be positive")
-        if not self.match or any(m not in ("width", "params") for m in self.match):
-            problems.append(f"match={self.match} must be width, params or [width,params]")
-        if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):
-            problems.append(f"convert_methods={self.convert_methods}: each must be one of {', '.join(CONVERT_METHODS)}")
-        if not self.uptrain_fractions or any(not 0 <= f <= 1 for f in self.uptrain_fractions):
-            problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
-        if not self.uptrain_lr_scale > 0:
-            problems.append(f"uptrain_lr_scale={self.uptrain_lr_scale} must be positive")
-        problems += self.repeats()
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    def repeats(self) -> list[str]:
-        """A problem for each list key whose items are not distinct (a repeat would train the same runs again, into
-        the same folders) and for each item of sizes that is not a size."""
-        sizes, problems = [], []
-        for size in self.sizes:
-            try:
-                sizes.append("{}x{}".format(*sweep.size_of(size)))
-            except ValueError as e:
-                problems.append(str(e))
-        named = {"kv_heads": self.kv_heads, "match": self.match, "sizes": sizes, "uptrain_fractions":
-                 [f"{f:g}" for f in self.uptrain_fractions], "convert_methods": self.convert_methods}  # as in folders
-        for key, items in named.items():
-            if (again := repeated(items)) is not None:
-                problems.append(f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "
-                                f"a repeat would train the same runs again; list it once")
-        return problems
-
-
-def repeated(items: list) -> object | None:
-    """The first item listed again in items, None if they are distinct."""
-    return next((item for i, item in enumerate(items) if item in items[:i]), None)
+from runtime import Placement
 
 
 def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig:
@@ -114,31 +43,30 @@ def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig
     return dataclasses.replace(base.model_config(vocab_size), n_kv_head=n_kv_head)
 
 
-def timings(runs: list[sweep.Run], base: TrainConfig) -> dict[tuple, tuple[float, float]]:
+def timings(runs: list[sweep.Run], base: TrainConfig, place: Placement) -> dict[tuple, tuple[float, float]]:
     """Each shape's seconds per training step and per evaluation batch (measure.training_seconds: 5 timed steps)."""
-    device = resolve_device(base.device)
-    dtype = resolve_dtype(base.dtype, device, base.n_embd)[0]
     shapes = {r.shape: r.model for r in runs}
-    return {k: training_seconds(m, base.batch_size, base.optimizer, device, dtype) for k, m in shapes.items()}
+    return {k: training_seconds(m, base.batch_size, base.optimizer, place) for k, m in shapes.items()}
 
 
-def show_plan(runs: list[sweep.Run], times: dict[tuple, tuple[float, float]], base: TrainConfig) -> str:
+def show_plan(runs: list[sweep.Run], times: dict[tuple, tuple[float, float]], base: TrainConfig,
+              device: str) -> str:
     """The runs a sweep makes, their tokens and estimated times, and the total."""
     waiting = [r for r in runs if not sweep.finished(r)]
     rows = [{"run": r.dir.name, "iters": r.iters, "tokens": r.iters * r.tokens_per_iter,
-             "estimated s": round(sweep.estimate(r, times, base.eval_iters)),
+             "estimated s": round(sweep.estimated_seconds(r, times, base.eval_iters)),
              "state": "to run" if r in waiting else "finished"} for r in runs]
-    todo = sum(sweep.estimate(r, times, base.eval_iters) for r in waiting)
+    todo = sum(sweep.estimated_seconds(r, times, base.eval_iters) for r in waiting)
     text = (f"{table(rows)}\n\n{len(runs)} runs, {len(waiting)} to run: about {sweep.clock(todo)} on "
-            f"{resolve_device(base.device)} (5 timed training steps and 3 evaluation batches per shape, plus "
+            f"{device} (5 timed training steps and 3 evaluation batches per shape, plus "
             f"{sweep.STARTUP_S:.0f} s per run to start train.py), plus the decode-speed measurement")
     print(text)
     return text
 
 
-def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path) -> None:
-    """The cached-step decode speed of each shape not measured yet, speed_repeats times interleaved over the shapes
-    (so drift on a shared machine spreads over all of them), into root/speed.json."""
+def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device: str) -> None:
+    """The cached-step decode speed on device of each shape not measured yet, speed_repeats times interleaved over
+    the shapes (so drift on a shared machine spreads over all of them), into root/speed.json."""
     path = root / report.SPEED_FILE
     stored = json.loads(path.read_text()) if path.is_file() else {}
     shapes = {report.speed_key(r.model, cfg.decode_context, cfg.decode_batch): r.model for r in runs}
@@ -147,7 +75,7 @@ def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path) -> Non
         return
     print(f"decode speed of {len(todo)} shapes, batch {cfg.decode_batch} at {cfg.decode_context} positions, "
           f"{cfg.speed_repeats} repeats ...", flush=True)
-    t0, device, fresh = time.perf_counter(), resolve_device("auto"), {k: [] for k in todo}
+    t0, fresh = time.perf_counter(), {k: [] for k in todo}
     for _ in range(cfg.speed_repeats):
         for k, m in todo.items():
             fresh[k].append(cached_step_throughput(m, cfg.decode_batch, cfg.decode_context, cfg.decode_steps, device))
@@ -209,14 +137,15 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
               f"shows no difference to MHA; add {base.n_head} to kv_heads for that", flush=True)
     with sweep.Stop() as stop:
         try:
-            times = timings(runs, base)
+            place = runtime.place(base.device, base.dtype, base.n_embd)  # as each run's train.py decides
+            times = timings(runs, base, place)
             if cfg.mode == "plan":
-                show_plan(runs, times, base)
+                show_plan(runs, times, base, place.device)
                 return
             with folder_lock(root, "compare.py"):  # one sweep in a folder at a time (each run locks its own too)
                 sweep.launch_all(runs, times, base.eval_iters, stop)
                 stop.where = "while measuring the decode speeds"
-                measure_speeds(cfg, runs, root)
+                measure_speeds(cfg, runs, root, place.device)
         except sweep.Stopped as e:
             print(f"{e}: {sum(map(sweep.finished, runs))} of {len(runs)} runs finished; run the same command again "
                   f"to resume (a run cut short goes on from its checkpoint)", file=sys.stderr, flush=True)
@@ -241,7 +170,7 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
     if cfg.mode in ("train", "all", "plan"):
         train(cfg, base, root)
     if cfg.mode in ("report", "all"):
-        text = report.write(root, cfg, base, sweep_status(cfg, base, root))
+        text = report.write_report(root, cfg, base, sweep_status(cfg, base, root))
         print(f"{text}\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
 
 

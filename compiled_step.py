@@ -23,7 +23,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn import functional as F
 
 from atomic import atomic_open
-from configurator import UserError
+from errors import UserError
 from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
 from quantize import Int8Linear
 from static_step import decode_static

@@ -4,7 +4,7 @@ ablations), and pretrained weights fitted to the run that fine-tunes them.
 
 from dataclasses import replace
 
-from configurator import UserError
+from errors import UserError
 from model import GPT
 
 

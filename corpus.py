@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from configurator import UserError, first_line
 from dataset import writing_dataset
+from errors import UserError, first_line
 from tokenizer import gpt2_encoding
 
 

@@ -9,7 +9,8 @@ dataset: `python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=c
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
-from configurator import UserError, run_cli
+from configurator import run_cli
+from errors import UserError
 
 # isort: split
 import json

@@ -14,7 +14,8 @@ never a run, a dataset or other files.
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
-from configurator import UserError, run_cli
+from configurator import run_cli
+from errors import UserError
 
 # isort: split
 import dataclasses
@@ -33,7 +34,7 @@ import hf
 from atomic import KIND_MARKERS, check_replaceable
 from checkpoint import Source, load_run, run_config
 from gguf import GGUF_TYPES, check_gguf_vocabulary, to_gguf
-from model import GPT
+from model import GPT, GPTConfig
 from runlog import read_run
 
 MARKER = KIND_MARKERS["an export"][0]  # smallgpt.json: what folder_kind recognises an export by
@@ -81,7 +82,7 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def past_block_size(c: Any) -> str:
+def past_block_size(c: GPTConfig) -> str:
     """What the model does past the block_size tokens it was trained on, in transformers and in llama.cpp."""
     if c.pos_encoding == "learned":
         return (f"Context: at most {c.block_size} tokens (block_size). Its positions are learned, one per place: "
@@ -92,7 +93,7 @@ def past_block_size(c: Any) -> str:
             f"in training, so what it does there is unknown.")
 
 
-def hf_kv_bytes(c: Any) -> int:
+def hf_kv_bytes(c: GPTConfig) -> int:
     """KV-cache bytes per token of the exported model (GPT-2 holds a GQA model's K/V heads repeated)."""
     repeated = c.pos_encoding == "learned" and c.attention_kind == "GQA"
     return dataclasses.replace(c, n_kv_head=c.n_head).kv_cache_bytes(1, 1) if repeated else c.kv_cache_bytes(1, 1)

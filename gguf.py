@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from configurator import UserError
+from errors import UserError
 from hf import save, to_hf
 from model import GPT
 

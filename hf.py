@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from configurator import UserError, first_line
+from errors import UserError, first_line
 from model import GPT, GPTConfig
 from tokenizer import EOT, gpt2_encoding
 

@@ -13,7 +13,7 @@ import torch
 from generation import stream
 from model import GPT, GPTConfig
 from optim import make_optimizer
-from runtime import autocast, synchronize
+from runtime import Placement, synchronize
 
 
 def default_kv_heads(n_head: int) -> list[int]:
@@ -54,14 +54,15 @@ def cached_step_throughput(config: GPTConfig, batch: int, context: int, steps: i
     return batch / statistics.median(times)
 
 
-def training_seconds(config: GPTConfig, batch_size: int, optimizer: str, device: str, dtype: torch.dtype,
-                     steps: int = 5) -> tuple[float, float]:
+def training_seconds(config: GPTConfig, batch_size: int, optimizer: str, place: Placement, steps: int = 5
+                     ) -> tuple[float, float]:
     """Seconds of a training step (forward, backward, optimizer step; the median of steps after a warm-up) and of
     an evaluation forward, on a (batch_size, block_size) batch of random tokens, for a model of config's shape."""
+    device = place.device
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, dropout=0.0)).to(device)
     opt = make_optimizer(model, optimizer, 0.1, 1e-4, (0.9, 0.99), device, 1e-3)
-    amp = autocast(device, dtype)
+    amp = place.autocast()
     x = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), device=device)
 
     def timed(fn: Callable[[], None], n: int) -> float:

@@ -11,15 +11,15 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import stats
 from atomic import atomic_open
 from checkpoint import parse_source
-from configurator import UserError
+from configs import CompareConfig, TrainConfig
 from convert import CONVERT_METHODS
+from errors import UserError
 from measure import table
 from model import GPT, GPTConfig
 from runlog import read_run, start_wandb, unfinished
@@ -65,7 +65,7 @@ def read_runs(root: Path) -> tuple[list[dict], str | None]:
     return runs, left_out
 
 
-def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dict]:
+def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareConfig) -> list[dict]:
     """One row per size x variant (conversions: x method x fraction), over its seeds. cfg: compare.py's
     CompareConfig (the KV-cache and decode-speed settings)."""
     by_seed = defaultdict(dict)  # (size, variant) -> {seed: run}
@@ -100,7 +100,7 @@ def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dic
                "diff_vs_mha": diff and diff.mean, "diff_vs_mha_ci95": diff and diff.half_width,
                "diff_pairs": diff and diff.n}
         if first["method"]:
-            scratch = finals.get((size, target({"variant": name})))
+            scratch = finals.get((size, conversion_target({"variant": name})))
             after = stats.mean_interval([r["evals"][0]["val_loss"] for r in group])
             vs = stats.paired_difference(finals[(size, name)], scratch) if scratch else None
             row |= {"val_loss_after_conversion": after.mean,
@@ -121,21 +121,23 @@ def rows(runs: list[dict], speeds: dict[str, list[float]], cfg: Any) -> list[dic
                                       r["match"] == "params", methods.get(r["method"], -1), r["uptrain_fraction"] or 0))
 
 
-def estimate(row: dict, key: str, n: str = "seeds") -> stats.Estimate | None:
+def column_interval(row: dict, key: str, n: str = "seeds") -> stats.Estimate | None:
     """A row's column as an Estimate (its _ci95 column the half-width), None when missing."""
     return None if row.get(key) is None else stats.Estimate(row[key], row.get(f"{key}_ci95"), row[n] or 0)
 
 
-def text(est: stats.Estimate | None, signed: bool = False) -> str:
-    return "-" if est is None else est.text(signed)
+def interval_text(row: dict, key: str, n: str = "seeds", signed: bool = False) -> str:
+    """A row's column as its interval's text, '-' when missing."""
+    interval = column_interval(row, key, n)
+    return "-" if interval is None else interval.text(signed)
 
 
-def target(row: dict) -> str:
+def conversion_target(row: dict) -> str:
     """The variant a conversion makes: 'mha-to-mqa-first-u0.1' -> 'mqa'."""
     return row["variant"].split("-")[2]
 
 
-def markdown(rows_: list[dict], cfg: Any, root: Path, notes: list[str]) -> str:
+def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str]) -> str:
     """report.md: notes (the sweep still running, runs left out), then per size the variants table and its verdicts,
     then the conversion tables."""
     long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes_per_token_{cfg.kv_dtype}"
@@ -147,14 +149,14 @@ def markdown(rows_: list[dict], cfg: Any, root: Path, notes: list[str]) -> str:
              f"{cfg.decode_batch} rows (the variant's shape, float32, random weights), median of the repeats "
              f"(min-max), measured once by the sweep and stored in {SPEED_FILE}; a variant's speed is called different "
              f"from MHA's only where the 95% interval of their ratio over the paired repeats leaves out 1.", "",
-             "Match: " + "; ".join(MATCHES[m] for m in sorted({r["match"] for r in rows_}, reverse=True)) + "."]
-    for size in dict.fromkeys(r["size"] for r in rows_):
-        mine = [r for r in rows_ if r["size"] == size]
+             "Match: " + "; ".join(MATCHES[m] for m in sorted({r["match"] for r in rows}, reverse=True)) + "."]
+    for size in dict.fromkeys(r["size"] for r in rows):
+        mine = [r for r in rows if r["size"] == size]
         scratch, conv = [r for r in mine if not r["method"]], [r for r in mine if r["method"]]
         shown = [{"variant": r["variant"], "params": r["params"], "kv": r[kv],
                   "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok",
-                  "loss": f"{text(estimate(r, 'val_loss'))} (n={r['seeds']})",
-                  "diff": text(estimate(r, "diff_vs_mha", "diff_pairs"), signed=True), "speed": speed_text(r)}
+                  "loss": f"{interval_text(r, 'val_loss')} (n={r['seeds']})",
+                  "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True), "speed": speed_text(r)}
                  for r in scratch]
         columns = {"variant": "variant", "params": "params", "kv": f"KV bytes/token ({cfg.kv_dtype})",
                    "trained": "trained", "loss": "final val loss", "diff": "vs MHA (paired)",
@@ -183,16 +185,16 @@ def verdicts(scratch: list[dict], conv: list[dict], kv: str) -> list[str]:
         if r is not mha:
             what = f"{r['variant']} ({r['params'] / mha['params']:.0%} of MHA's parameters, {mha[kv] / r[kv]:g}x " \
                    f"smaller KV cache)"
-            line = stats.verdict(what, "MHA", estimate(r, "diff_vs_mha", "diff_pairs"))
+            line = stats.verdict(what, "MHA", column_interval(r, "diff_vs_mha", "diff_pairs"))
             if r["decode_vs_mha"] is not None:
                 columns = ("decode_vs_mha", "decode_vs_mha_low", "decode_vs_mha_high", "decode_vs_mha_pairs")
                 line += " " + stats.speed_verdict(stats.SpeedRatio(*(r[k] for k in columns)), "MHA")
             lines.append(f"- {line}")
     longest = max((r["uptrain_fraction"] for r in conv), default=None)
     for r in (r for r in conv if r["uptrain_fraction"] == longest):
-        what = f"{target(r)} converted by {r['method']} and uptrained {longest:g}"
-        diff = estimate(r, "diff_vs_scratch", "diff_vs_scratch_pairs")
-        lines.append(f"- {stats.verdict(what, f'{target(r)} from scratch', diff)}")
+        what = f"{conversion_target(r)} converted by {r['method']} and uptrained {longest:g}"
+        diff = column_interval(r, "diff_vs_scratch", "diff_vs_scratch_pairs")
+        lines.append(f"- {stats.verdict(what, f'{conversion_target(r)} from scratch', diff)}")
     return lines
 
 
@@ -201,9 +203,9 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
     uptraining fraction (0: right after conversion), each beside the same shape trained from scratch."""
     fractions = sorted({r["uptrain_fraction"] for r in conv})
     methods = list(dict.fromkeys(r["method"] for r in conv))
-    targets = list(dict.fromkeys(target(r) for r in conv))
-    cell = {(target(r), r["method"], r["uptrain_fraction"]): text(estimate(r, "val_loss")) for r in conv}
-    own = {r["variant"]: text(estimate(r, "val_loss")) for r in scratch}
+    targets = list(dict.fromkeys(conversion_target(r) for r in conv))
+    cell = {(conversion_target(r), r["method"], r["uptrain_fraction"]): interval_text(r, "val_loss") for r in conv}
+    own = {r["variant"]: interval_text(r, "val_loss") for r in scratch}
     by_method = [{"target": t, "scratch": own.get(t, "-"), **{m: cell.get((t, m, fractions[-1]), "-")
                                                              for m in methods}} for t in targets]
     by_fraction = [{"target": t, "method": m, **{f"{f:g}": cell.get((t, m, f), "-") for f in fractions},
@@ -214,7 +216,7 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
             "", table(by_fraction)]
 
 
-def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
+def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
     """Mean val loss by iteration of each scratch variant; each variant's paired gap to MHA (95% interval) against
     its parameters, one point per size; with conversions, val loss by uptraining fraction per method."""
     import matplotlib
@@ -222,7 +224,7 @@ def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    conv = [r for r in rows_ if r["method"]]
+    conv = [r for r in rows if r["method"]]
     fig, axes = plt.subplots(1, 3 if conv else 2, figsize=(17 if conv else 11, 4.2))
     curves = defaultdict(lambda: defaultdict(list))
     for run in (r for r in runs if not r["method"]):
@@ -236,9 +238,9 @@ def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
     if shown:
         axes[0].set_ylim(min(shown) * 0.98, min(max(shown), min(shown) * 1.6))
     axes[0].set(xlabel="iteration", ylabel="val loss (mean over seeds)")
-    size_params = {r["size"]: r["params"] for r in rows_ if r["variant"] == "mha"}
-    for name in dict.fromkeys(r["variant"] for r in rows_ if not r["method"] and r["variant"] != "mha"):
-        mine = [r for r in rows_ if r["variant"] == name and r["diff_vs_mha"] is not None]
+    size_params = {r["size"]: r["params"] for r in rows if r["variant"] == "mha"}
+    for name in dict.fromkeys(r["variant"] for r in rows if not r["method"] and r["variant"] != "mha"):
+        mine = [r for r in rows if r["variant"] == name and r["diff_vs_mha"] is not None]
         axes[1].errorbar([size_params[r["size"]] for r in mine], [r["diff_vs_mha"] for r in mine], capsize=4,
                          marker="o", yerr=[r["diff_vs_mha_ci95"] or 0 for r in mine], label=name)
     axes[1].axhline(0, color="gray", lw=0.8)
@@ -247,8 +249,8 @@ def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
         axes[1].set_xscale("log")
     else:  # a log axis with nothing on it fails to draw
         axes[1].text(0.5, 0.5, "no MHA run: no gap to MHA", ha="center", transform=axes[1].transAxes)
-    for (size, t, method) in dict.fromkeys((r["size"], target(r), r["method"]) for r in conv):
-        mine = sorted((r for r in conv if (r["size"], target(r), r["method"]) == (size, t, method)),
+    for (size, t, method) in dict.fromkeys((r["size"], conversion_target(r), r["method"]) for r in conv):
+        mine = sorted((r for r in conv if (r["size"], conversion_target(r), r["method"]) == (size, t, method)),
                       key=lambda r: r["uptrain_fraction"])
         axes[2].errorbar([r["uptrain_fraction"] for r in mine], [r["val_loss"] for r in mine], capsize=3,
                          marker="o", yerr=[r["val_loss_ci95"] or 0 for r in mine], label=f"{size} {t} {method}")
@@ -265,35 +267,34 @@ def plot(runs: list[dict], rows_: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write(root: Path, cfg: Any, base: Any, status: str | None = None) -> str:
+def write_report(root: Path, cfg: CompareConfig, base: TrainConfig, status: str | None = None) -> str:
     """report.md, report.csv and report.png under root from its runs' logs (and, with base.wandb_log, the rows as
     a wandb Table in one more run of the sweep's group); returns report.md's text, which starts with status (the
     sweep still running) and the runs left out, if any."""
     runs, left_out = read_runs(root)
     speed_file = root / SPEED_FILE
     speeds = json.loads(speed_file.read_text()) if speed_file.is_file() else {}
-    rows_ = rows(runs, speeds, cfg)
-    text_ = markdown(rows_, cfg, root, [note for note in (status, left_out) if note])
+    rows = summary_rows(runs, speeds, cfg)
+    text = markdown(rows, cfg, root, [note for note in (status, left_out) if note])
     with atomic_open(root / "report.md", "w") as f:
-        f.write(text_)
+        f.write(text)
     with atomic_open(root / "report.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows_ for k in r)))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
-        writer.writerows(rows_)
-    plot(runs, rows_, root / "report.png")
+        writer.writerows(rows)
+    plot(runs, rows, root / "report.png")
     if base.wandb_log:
-        log_table(rows_, base, root)
-    return text_
+        log_table(rows, base, root)
+    return text
 
 
-def log_table(rows_: list[dict], base: Any, root: Path) -> None:
+def log_table(rows: list[dict], base: TrainConfig, root: Path) -> None:
     """The report's rows as one wandb Table, in a run named '<group>-summary' of the sweep's group."""
     import wandb
-
     group = base.wandb_group or root.name
     cfg = dataclasses.replace(base, out_dir=str(root), wandb_group=group, wandb_run_name=f"{group}-summary",
                               wandb_tags=["summary"])
     run = start_wandb(cfg, f"{group}-summary")
-    columns = list(dict.fromkeys(k for r in rows_ for k in r))
-    run.log({"comparison": wandb.Table(columns=columns, data=[[r.get(k) for k in columns] for r in rows_])})
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    run.log({"comparison": wandb.Table(columns=columns, data=[[r.get(k) for k in columns] for r in rows])})
     run.finish()

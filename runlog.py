@@ -19,13 +19,15 @@ import numpy as np
 import torch
 
 from atomic import atomic_open
-from configurator import UserError, first_line
+from configs import TrainConfig
+from errors import UserError, first_line
+from model import GPTConfig
 
 
 class RunLog:
     """Metrics to out_dir/log.jsonl (appended) and, if cfg.wandb_log, to wandb; the config also to config.json."""
 
-    def __init__(self, cfg: Any, model_config: Any, start_iter: int) -> None:
+    def __init__(self, cfg: TrainConfig, model_config: GPTConfig, start_iter: int) -> None:
         out = Path(cfg.out_dir)
         self.path, self.wandb = out / "log.jsonl", None
         if self.path.is_file() and self.path.stat().st_size:  # a line cut short by a kill stays a line of its own
@@ -60,7 +62,7 @@ class RunLog:
             self.wandb.finish()
 
 
-def start_wandb(cfg: Any, default_name: str, run_id: str | None = None) -> Any:
+def start_wandb(cfg: TrainConfig, default_name: str, run_id: str | None = None) -> Any:
     """A wandb run (the run run_id again, if given), honouring WANDB_MODE; online without a reachable server it logs
     offline instead of waiting."""
     if os.environ.get("WANDB_MODE") == "":  # an empty WANDB_MODE crashes wandb.init

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from configurator import UserError
+from errors import UserError
 
 # Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
 # The longest name found in torch.cuda.get_device_name() wins (gpu_peak_flops): "A100" over "A10", "H100 PCIe"
@@ -105,15 +105,38 @@ def teardown_distributed() -> None:
 BF16_MIN_SPEEDUP = 1.5  # bf16 products this much faster than fp32's: a whole step gains (docs/performance-cpu.md)
 
 
-def resolve_dtype(name: str, device: str, n_embd: int | None = None, compiled_decode: bool = False
-                  ) -> tuple[torch.dtype, str]:
-    """The dtype to run in on device ('cpu', 'cuda:1', or its type) and why. 'float32', 'bfloat16', 'float16'
-    (CUDA only) as named; 'auto': bf16 on CUDA GPUs that have it; on a CPU that has bf16 instructions, bf16 for the
-    compiled decode step (compiled_decode) and for training a model n_embd wide when this CPU's bf16 products of that
-    width measure at least BF16_MIN_SPEEDUP times faster than fp32's (some CPUs with the instructions are slower in
-    bf16); float32 everywhere else."""
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a process computes and in what precision, decided once (place) and read by the rest."""
+
+    device: str  # 'cpu', 'cuda:0', 'mps'
+    dtype: torch.dtype
+    why: str  # why this dtype, for the run's header
+
+    @property
+    def device_type(self) -> str:
+        return device_type(self.device)
+
+    def autocast(self) -> AbstractContextManager:
+        return autocast(self.device, self.dtype)
+
+
+def place(device: str, dtype: str, n_embd: int | None = None, compiled_decode: bool = False,
+          training: bool = True) -> Placement:
+    """The device ('auto' or a name, resolve_device) and the dtype ('auto' or a name, resolve_dtype) to run in."""
+    resolved = resolve_device(device)
+    return Placement(resolved, *resolve_dtype(dtype, resolved, n_embd, compiled_decode, training))
+
+
+def resolve_dtype(name: str, device: str, n_embd: int | None = None, compiled_decode: bool = False,
+                  training: bool = True) -> tuple[torch.dtype, str]:
+    """The dtype to run in on device ('cpu', 'cuda:1', or its type) and why. 'float32', 'bfloat16', 'float16' as
+    named (float16 trains on CUDA only, where a GradScaler runs; decoding needs none); 'auto': bf16 on CUDA GPUs that
+    have it; on a CPU that has bf16 instructions, bf16 for the compiled decode step (compiled_decode) and for
+    training a model n_embd wide when this CPU's bf16 products of that width measure at least BF16_MIN_SPEEDUP times
+    faster than fp32's (some CPUs with the instructions are slower in bf16); float32 everywhere else."""
     kind = device_type(device)
-    if name == "float16" and kind != "cuda":
+    if name == "float16" and kind != "cuda" and training:
         raise UserError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {kind}); "
                         f"use bfloat16 or float32")
     if name != "auto":

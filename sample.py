@@ -6,112 +6,23 @@ decoded as one left-padded batch. A single sample streams to the terminal; timin
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
-from configurator import UserError, run_cli
+from configurator import run_cli
+from errors import UserError
 
 # isort: split
-import re
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+import runtime
 from checkpoint import load_run, parse_source
-from dataset import read_text
-from generation import check_sampling, left_pad, stream_text
-from hf import GPT2_NAMES
+from configs import SampleConfig
+from generation import left_pad, stream_text
 from model import GPT
-from quantize import QUANTIZE, quantize
-from runtime import resolve_device, resolve_dtype
-from tokenizer import encode_prompt
-
-
-@dataclass(slots=True)
-class SampleConfig:
-    init_from: str = "resume"  # 'resume' (out_dir/ckpt.pt), 'gpt2' ... 'gpt2-xl', or 'hf:<folder>'
-    out_dir: str = "out"
-    start: str = "\n"  # the prompt, or FILE:path, or LINES:path (one prompt per line)
-    num_samples: int = 1  # samples per prompt, all decoded in one batch
-    max_new_tokens: int = 500
-    temperature: float = 0.8  # 0: greedy
-    top_k: int | None = 200
-    top_p: float | None = None
-    stop: str | None = None  # end a sample at this string (kept); \n and \t are a newline and a tab
-    seed: int = 1337
-    device: str = "auto"
-    dtype: str = "auto"  # float32, bfloat16, float16 or auto: bf16 where it decodes faster
-    kv_cache: bool = True  # False recomputes the whole context every token, for comparison
-    cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (docs/gpu.md)
-    compile: bool = False  # on CPU, compile the one-token step (faster after a compile)
-    quantize: str = ""  # 'int8': int8 weights, one scale per output feature (quantize.py)
-
-    def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_k, self.top_p)  # a ValueError: one line
-        problems = []
-        if self.num_samples < 1:
-            problems.append(f"num_samples={self.num_samples} must be at least 1")
-        if self.max_new_tokens < 0:
-            problems.append(f"max_new_tokens={self.max_new_tokens} must not be negative")
-        if self.quantize not in QUANTIZE:
-            problems.append(f"quantize={self.quantize!r} must be one of {QUANTIZE}")
-        try:
-            kind = parse_source(self.init_from).kind
-        except ValueError as e:
-            problems.append(str(e))
-            kind = "resume"
-        if kind not in ("resume", "gpt2", "hf"):
-            problems.append(f"init_from={self.init_from!r} must be 'resume' (out_dir/ckpt.pt), "
-                            f"{', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
-        if self.stop == "":
-            problems.append("stop='' would end every sample at once: give a string, or leave stop "
-                            "out")
-        if self.stop:  # typed in a shell, --stop='\n' is a backslash and an n: the newline meant
-            self.stop = re.sub(r"\\([nt\\])", lambda match: ESCAPES[match[1]], self.stop)
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"dtype={self.dtype!r} must be auto, float32, bfloat16 or float16")
-        if self.compile and not self.kv_cache:
-            problems.append("compile=True compiles the cached one-token step: not with "
-                            "kv_cache=False")
-        if self.seed < 0:
-            problems.append(f"seed={self.seed} must not be negative")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-
-ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
-
-
-def read_prompts(start: str) -> list[str]:
-    """The prompts --start gives: the text itself, FILE:path (one prompt) or LINES:path (one a
-    line); the prefixes in any case."""
-    kind, _, path = start.partition(":")
-    kind = kind.upper()
-    if kind not in ("FILE", "LINES"):
-        return [start]
-    if not path:
-        raise UserError(f"--start={start} names no file: {kind}:path")
-    text = read_text(path, "prompt file")
-    if kind == "FILE":
-        return [text]
-    prompts = [line for line in text.splitlines() if line]
-    if not prompts:
-        raise UserError(f"prompt file {path} has no non-empty line: LINES: makes one prompt of "
-                        f"each")
-    return prompts
-
-
-def encode_prompts(tok: Any, prompts: list[str], block_size: int) -> list[list[int]]:
-    """Each prompt's token ids, 1 to block_size of them, else a UserError."""
-    ids = [encode_prompt(tok, p) for p in prompts]
-    if not all(ids):
-        raise UserError("the prompt is empty: give it at least one character (--start=..., "
-                        "nanoGPT's default is a newline)")
-    too_long = [len(p) for p in ids if len(p) > block_size]
-    if too_long:
-        raise UserError(f"a prompt has {too_long[0]} tokens; it needs 1 to block_size={block_size} "
-                        f"(shorten it, or train with a larger block_size)")
-    return ids
+from prompts import encode_prompts, read_prompts
+from quantize import quantize
 
 
 def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig
@@ -145,7 +56,9 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
 
 
 def main(cfg: SampleConfig) -> None:
-    device = resolve_device(cfg.device)
+    compiled = cfg.compile and not cfg.quantize  # on a CPU with native bf16, auto: bf16
+    place = runtime.place(cfg.device, cfg.dtype, compiled_decode=compiled, training=False)
+    device, dtype = place.device, place.dtype
     run = load_run(parse_source(cfg.init_from), cfg.out_dir, device)
     model, tok = run.model, run.tokenizer
     del run  # the checkpoint's other tensors
@@ -153,11 +66,6 @@ def main(cfg: SampleConfig) -> None:
         raise UserError(f"the tokenizer has {tok.n_vocab} tokens, the model only "
                         f"{model.config.vocab_size}: not the dataset this checkpoint was trained "
                         f"on")
-    compiled = cfg.compile and not cfg.quantize  # on a CPU with native bf16, auto: bf16
-    if cfg.dtype == "float16":
-        dtype = torch.float16
-    else:
-        dtype = resolve_dtype(cfg.dtype, device, compiled_decode=compiled)[0]
     model = quantize(model.to(device=device, dtype=dtype), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
     idx, pad = left_pad(encode_prompts(tok, prompts, model.config.block_size), device=device)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import UserError, first_line
+from errors import UserError, first_line
 from model import GPT, GPTConfig
 
 

@@ -7,7 +7,6 @@ size, match, conversion).
 import ctypes
 import dataclasses
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,12 +20,11 @@ from typing import Any
 import torch
 
 from checkpoint import Source, load_checkpoint
-from configurator import UserError
+from configs import CompareConfig, TrainConfig, size_of
+from errors import UserError
 from model import GPT, GPTConfig
 from runlog import read_run, unfinished
 
-# named --sizes: (n_layer, n_embd)
-SIZE_PRESETS = {"tiny": (2, 64), "mini": (4, 128), "small": (6, 256), "medium": (8, 384)}
 STARTUP_S = 6.0  # a train.py process's start (imports, data, model) and end, in the plan's estimate
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -55,20 +53,7 @@ def variant_name(config: GPTConfig) -> str:
     return f"gqa{config.n_kv_head}" if kind == "gqa" else kind
 
 
-def size_of(size: str | list[int] | tuple[int, ...]) -> tuple[int, int]:
-    """(n_layer, n_embd) of one item of --sizes: 'LxD' (two positive decimal integers), a preset name or a pair; a
-    ValueError saying what a size is otherwise."""
-    pair = tuple(size) if not isinstance(size, str) else SIZE_PRESETS.get(size, ())
-    if match := isinstance(size, str) and re.fullmatch(r"([0-9]+)x([0-9]+)", size):
-        pair = int(match[1]), int(match[2])
-    if len(pair) != 2 or min(pair) < 1:
-        presets = ", ".join(f"{k}={L}x{D}" for k, (L, D) in SIZE_PRESETS.items())
-        raise ValueError(f"sizes: {size!r} is neither n_layer x n_embd (two positive decimal integers, e.g. 4x128, or "
-                         f"a pair (4, 128)) nor a preset ({presets})")
-    return pair
-
-
-def sizes(size_list: list, base: Any) -> list[tuple[str, Any]]:
+def sizes(size_list: list, base: TrainConfig) -> list[tuple[str, TrainConfig]]:
     """(label, the base run at that size) for each of --sizes (checked by size_of); none given: the base run's own
     size."""
     out = []
@@ -103,14 +88,15 @@ def evaluations(iters: int, interval: int, at_start: bool) -> int:
     return len(set(range(0 if at_start else interval, iters + 1, interval)) | {iters})
 
 
-def plan(cfg: Any, base: Any, vocab_size: int, root: Path) -> list[Run]:
+def plan(cfg: CompareConfig, base: TrainConfig, vocab_size: int, root: Path) -> list[Run]:
     """Every run of the sweep, in the order it trains: per size and seed, the scratch variants (MHA first), then
     the conversions of that seed's MHA model. cfg: compare.py's CompareConfig; base: train.py's TrainConfig."""
     return [run for label, sbase in sizes(cfg.sizes, base) for seed in range(base.seed, base.seed + cfg.seeds)
             for run in seed_runs(cfg, sbase, label if cfg.sizes else None, seed, vocab_size, root)]
 
 
-def seed_runs(cfg: Any, base: Any, label: str | None, seed: int, vocab_size: int, root: Path) -> list[Run]:
+def seed_runs(cfg: CompareConfig, base: TrainConfig, label: str | None, seed: int, vocab_size: int,
+              root: Path) -> list[Run]:
     """One seed's runs of base (at a size of --sizes named label, or at its own)."""
     mha = dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head)
     size = f"{base.n_layer}x{base.n_embd}"
@@ -145,7 +131,7 @@ def seed_runs(cfg: Any, base: Any, label: str | None, seed: int, vocab_size: int
     return runs
 
 
-def uptraining(base: Any, iters: int, lr_scale: float) -> list[str]:
+def uptraining(base: TrainConfig, iters: int, lr_scale: float) -> list[str]:
     """train.py's schedule for uptraining a converted model for iters iterations (0: evaluate it only): its own
     linear warm-up over a tenth of them (at the peak learning rate at once, the converted model's loss first rises),
     peak learning rates lr_scale times the base run's, cosine decay; evaluated at the start and the end."""
@@ -180,7 +166,7 @@ def train_args(run: Run) -> list[str]:
     return args + ["--init_from=resume"] + ["--eval_only=True"] * bool(done)
 
 
-def estimate(run: Run, timings: dict[tuple, tuple[float, float]], eval_iters: int) -> float:
+def estimated_seconds(run: Run, timings: dict[tuple, tuple[float, float]], eval_iters: int) -> float:
     """Seconds run is expected to take, from its shape's timed training step and evaluation batch."""
     step_s, eval_s = timings[run.shape]
     return STARTUP_S + run.iters * step_s + run.evals * 2 * eval_iters * eval_s
@@ -201,8 +187,8 @@ def launch_all(runs: list[Run], timings: dict[tuple, tuple[float, float]], eval_
         if stop.wait([sys.executable, str(Path(__file__).with_name("train.py")), *args]):
             raise UserError(f"the training run into {run.dir} failed: see its output above")
         stop.where = "between runs"
-        spent, expected = spent + time.perf_counter() - start, expected + estimate(run, timings, eval_iters)
-        left = spent / expected * sum(estimate(r, timings, eval_iters) for r in todo[i:])
+        spent, expected = spent + time.perf_counter() - start, expected + estimated_seconds(run, timings, eval_iters)
+        left = spent / expected * sum(estimated_seconds(r, timings, eval_iters) for r in todo[i:])
         print(f"[{i}/{len(todo)}] {run.dir.name} done in {time.perf_counter() - start:.0f} s; "
               f"{clock(time.perf_counter() - t0)} so far, about {clock(left)} left", flush=True)
 

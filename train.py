@@ -2,11 +2,15 @@
 
 Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
+
+The keys are TrainConfig's (configs.py; `python train.py --help` lists them). From the command line to the first
+step: parse_train (the keys, and a resumed run's checkpoint), main (the process group, out_dir's lock),
+Trainer.__init__ (device and dtype, data, model, optimizer, a checkpoint restored), Trainer.run (the loop).
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
 import configurator
-from configurator import UserError
+from errors import UserError
 
 # isort: split
 import math
@@ -14,7 +18,7 @@ import os
 import signal
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -25,119 +29,13 @@ import convert
 import runtime
 import sharding
 from atomic import check_writes_into, folder_lock
+from configs import TrainConfig, parse_train
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
 from optim import lr_at, make_optimizer, state_bytes
 from runlog import RunLog
 
 RUN_FILES = ("ckpt.pt", "log.jsonl", "config.json")  # in out_dir (also wandb/, ckpt-*.pt)
-PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
-
-
-@configurator.with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384,
-                             bias=False, vocab_size=None)
-@dataclass(slots=True)
-class TrainConfig:
-    """train.py's keys: these, then GPTConfig's (the model), its defaults but for those above."""
-
-    # I/O
-    out_dir: str = "out"
-    eval_interval: int = 250
-    log_interval: int = 10
-    eval_iters: int = 50
-    eval_only: bool = False
-    eval_at_start: bool = True  # also evaluate before the first step (False: faster timed runs)
-    always_save_checkpoint: bool = False  # False: save only when val loss improves
-    keep_last: int = 0  # also keep the last K checkpoints, ckpt-<iteration>.pt (hard links)
-    # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one: for restarts),
-    # 'convert:<ckpt or out_dir>' (its K/V heads made n_kv_head: MHA -> GQA/MQA uptraining), GPT-2
-    # ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or 'hf:<local folder>' (GPT-2, or export.py's
-    # Starcoder2/GPTBigCode): pretrained weights decide the model but for PRETRAINED_KEYS
-    init_from: str = "scratch"
-    convert_method: str = "mean"  # each group's K/V head: its heads' 'mean', 'first', or 'random'
-    # logging: wandb honours WANDB_MODE (online, offline, disabled); log.jsonl is always written
-    wandb_log: bool = False
-    wandb_project: str = "smallgpt"
-    wandb_run_name: str | None = None  # None: '<dataset>-<attention kind>'
-    wandb_group: str | None = None
-    wandb_tags: list[str] = field(default_factory=list)
-    # data
-    dataset: str = "pycode_char"  # a folder under data/, or a path to one
-    gradient_accumulation_steps: int = 1  # in total over all DDP ranks
-    batch_size: int = 12
-    # AdamW and the learning-rate schedule (linear warm-up, cosine decay to min_lr)
-    learning_rate: float = 1e-3
-    max_iters: int = 5000
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.99
-    grad_clip: float = 1.0  # 0 disables clipping
-    optimizer: str = "adamw"  # or 'muon': Muon for the blocks' matrices, AdamW for the rest
-    muon_lr: float = 0.02  # docs/peers.md
-    # a NaN/inf loss: 'stop' (seen at log steps, no extra host sync; the last good checkpoint stays)
-    # or 'skip' (drop each step whose gradient is not finite: one host sync a step)
-    nonfinite: str = "stop"
-    decay_lr: bool = True
-    warmup_iters: int = 100
-    lr_decay_iters: int = 5000
-    min_lr: float = 1e-4
-    # system
-    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'
-    dtype: str = "auto"  # 'float32', 'bfloat16', 'float16', or 'auto': bf16 where it is faster
-    compile: bool = False
-    # under torchrun: 'ddp' (each process holds all weights, gradients and AdamW moments) or 'fsdp'
-    # (each holds its shard of them: docs/training.md "FSDP")
-    parallel: str = "ddp"
-    seed: int = 1337
-    peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: a table or a probe
-
-    def __post_init__(self) -> None:
-        problems = []
-        for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps",
-                    "batch_size", "block_size"):
-            if getattr(self, key) < 1:
-                problems.append(f"{key}={getattr(self, key)} must be positive")
-        for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr",
-                    "weight_decay", "grad_clip", "keep_last"):
-            if getattr(self, key) < 0:
-                problems.append(f"{key}={getattr(self, key)} must not be negative")
-        if self.nonfinite not in ("stop", "skip"):
-            problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
-        try:
-            source = checkpoint.parse_source(self.init_from)
-        except ValueError as e:
-            problems.append(str(e))
-            source = checkpoint.Source("scratch")
-        if self.convert_method not in convert.CONVERT_METHODS:
-            methods = ", ".join(convert.CONVERT_METHODS)
-            problems.append(f"convert_method={self.convert_method!r} must be one of {methods}")
-        if self.parallel not in ("ddp", "fsdp"):
-            problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
-        if self.optimizer not in ("adamw", "muon"):
-            problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon'")
-        elif self.optimizer == "muon" and self.parallel == "fsdp":
-            problems.append("optimizer='muon' does not go with parallel='fsdp' (Muon "
-                            "orthogonalises whole matrices, FSDP shards them): use "
-                            "optimizer='adamw', or parallel='ddp'")
-        if self.seed < 0:
-            problems.append(f"seed={self.seed} must not be negative")
-        if self.decay_lr and self.min_lr > self.learning_rate:
-            problems.append(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: "
-                            f"the rate would rise as it decays")
-        if self.decay_lr and self.lr_decay_iters < self.warmup_iters:
-            problems.append(f"lr_decay_iters={self.lr_decay_iters} is below warmup_iters="
-                            f"{self.warmup_iters}: the decay would end before the warm-up does")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
-        if problems:
-            raise ValueError("invalid config: " + "; ".join(problems))
-        if source.kind in ("scratch", "auto", "convert"):  # else the model is the weights'
-            self.model_config(vocab_size=1)  # the model's own checks, before any work
-
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        """The model these keys describe; vocab_size is the dataset's unless the config sets one."""
-        keys = {f.name: getattr(self, f.name) for f in fields(GPTConfig)}
-        return GPTConfig(**keys | {"vocab_size": self.vocab_size or vocab_size})
 
 
 @torch.no_grad()
@@ -250,15 +148,16 @@ class Trainer:
         self.sharded = cfg.parallel == "fsdp"  # then every rank evaluates and saves (collectives)
         if proc.device_type == "cpu":
             runtime.keep_freed_memory()
-        self.dtype, self.dtype_why = runtime.resolve_dtype(cfg.dtype, proc.device_type, cfg.n_embd)
-        self.amp = runtime.autocast(proc.device_type, self.dtype)
+        self.place = runtime.place(proc.device, cfg.dtype, cfg.n_embd)  # decided once
+        self.amp = self.place.autocast()
+        dtype = self.place.dtype
         data = data_dir(cfg.dataset)
         self.batches = Batches(data, cfg.block_size, cfg.batch_size, cfg.seed, proc.device)
         meta = self.batches.meta
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards in place)
-        self.raw_model, ckpt = init_model(cfg, meta["vocab_size"], proc.device, self.dtype, ckpt)
+        self.raw_model, ckpt = init_model(cfg, meta["vocab_size"], proc.device, dtype, ckpt)
         if source.pretrained:  # the run records the shape it trains
             self.cfg = cfg = replace(cfg, **asdict(self.raw_model.config))
         ckpt_meta = ckpt.get("data_meta") if ckpt is not None else None
@@ -266,7 +165,7 @@ class Trainer:
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(self.raw_model, cfg.optimizer, cfg.weight_decay,
                                         cfg.learning_rate, betas, proc.device, cfg.muon_lr)
-        self.scaler = torch.amp.GradScaler(proc.device_type, enabled=self.dtype == torch.float16)
+        self.scaler = torch.amp.GradScaler(proc.device_type, enabled=dtype == torch.float16)
         self.iter_num = 0
         self.best_val = math.inf
         self.saved = None  # the iteration of the last good checkpoint
@@ -285,7 +184,7 @@ class Trainer:
         self.tokens_per_iter = cfg.gradient_accumulation_steps * cfg.batch_size * cfg.block_size
         self.peak = None  # the device's peak FLOP/s, for MFU (rank 0 logs it)
         if proc.is_master:
-            self.peak = cfg.peak_flops or runtime.peak_flops(proc.device, self.dtype)
+            self.peak = cfg.peak_flops or runtime.peak_flops(proc.device, dtype)
         self.loss_sum = torch.zeros((), device=proc.device)  # of the steps since the last log
         self.taken_steps = 0
         self.skipped = 0
@@ -323,7 +222,8 @@ class Trainer:
         world = self.proc.world_size
         processes = f"{world} processes" if world > 1 else "1 process"
         resumed = "; keys not given: the resumed run's" if self.iter_num else ""
-        print(f"config ({processes}, {self.proc.device}, {self.dtype}: {self.dtype_why}{resumed}):")
+        place = self.place
+        print(f"config ({processes}, {place.device}, {place.dtype}: {place.why}{resumed}):")
         configurator.print_config(cfg)
         log = RunLog(cfg, model_cfg, self.iter_num)  # iter_num > 0: resumed
         params = self.raw_model.num_params() / 1e6
@@ -435,7 +335,7 @@ class Trainer:
         flops = self.raw_model.flops_per_token(self.cfg.block_size) * tok_s / proc.world_size
         probed = proc.device_type == "cpu" and not self.cfg.peak_flops
         if self.peak and flops > self.peak and probed:  # MFU over 100%: the probe shared the cores
-            self.peak = max(self.peak, runtime.peak_flops(proc.device, self.dtype))
+            self.peak = max(self.peak, runtime.peak_flops(proc.device, self.place.dtype))
         mfu = flops / self.peak if self.peak else None
         progress = f"iter {self.iter_num}: loss {train_loss:.4f}, lr {lr:.2e}, "
         progress += f"{dt * 1000:.1f} ms/iter, {tok_s:,.0f} tok/s"
@@ -465,28 +365,6 @@ class Trainer:
         self.saved = self.iter_num
 
 
-def parse(argv: list[str]) -> tuple[TrainConfig, dict | None]:
-    """TrainConfig from files and flags, and the checkpoint a resume or conversion reads (or None):
-    keys not given come from it (docs/reliability.md "Resume")."""
-    given = configurator.given_values(TrainConfig, argv)
-    default = {f.name: f.default for f in fields(TrainConfig)}
-    init_from = given.get("init_from", default["init_from"])
-    try:
-        source = checkpoint.parse_source(init_from)
-    except ValueError as e:
-        raise UserError(str(e)) from e
-    model_keys = [k for k in given if k in GPTConfig.__dataclass_fields__]
-    fixed = [f"--{k}" for k in model_keys if k not in PRETRAINED_KEYS]
-    if source.pretrained and fixed:  # the weights decide the model: a shape key would not train
-        raise UserError(f"init_from={init_from} trains its weights' own model: drop "
-                        f"{', '.join(fixed)} (of the model keys only {', '.join(PRETRAINED_KEYS)} "
-                        f"apply to pretrained weights)")
-    ckpt, stored, where = checkpoint.start_from(source, given.get("out_dir", default["out_dir"]))
-    from_run = {k: v for k, v in stored.items() if k in default}
-    given = configurator.checked_values(TrainConfig, from_run, where) | given
-    return configurator.build(TrainConfig, given), ckpt
-
-
 def main(cfg: TrainConfig, ckpt: dict | None = None) -> None:
     check_writes_into(cfg.out_dir, "a run", RUN_FILES)  # e.g. not into a dataset or an export
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; checked before ranks connect
@@ -507,4 +385,4 @@ def main(cfg: TrainConfig, ckpt: dict | None = None) -> None:
 
 
 if __name__ == "__main__":
-    configurator.run_cli(lambda parsed: main(*parsed), parse, keys=(TrainConfig,))
+    configurator.run_cli(lambda parsed: main(*parsed), parse_train, keys=(TrainConfig,))

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from configurator import UserError, parse_config
+from configurator import parse_config
 from conftest import ROOT, cli
+from errors import UserError
 
 
 @dataclass(slots=True)

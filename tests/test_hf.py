@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from configurator import UserError
 from conftest import cli
+from errors import UserError
 from generation import generate
 from hf import from_hf, save, target_class, to_hf, tokenizer
 from model import GPT, GPTConfig

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from checkpoint import check_out_dir, save_checkpoint, size_estimate
-from configurator import UserError, parse_config
+from configurator import parse_config
 from conftest import ROOT, TINY_TRAIN, cli, run, tiny_model
 from dataset import Batches, load_meta, write_dataset
+from errors import UserError
 from optim import make_optimizer, state_bytes
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from configurator import UserError
 from conftest import ROOT, cli, run
 from dataset import load_meta, open_tokens, write_dataset
+from errors import UserError
 from tokenizer import CharTokenizer, load_tokenizer
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from checkpoint import check_out_dir, load_checkpoint
-from configurator import UserError
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run, worker_ranks
 from dataset import Batches
+from errors import UserError
 from model import GPT, GPTConfig
 from runlog import read_run
 from runtime import Dist
@@ -140,7 +140,7 @@ def test_smallgpt_debug_shows_a_user_errors_traceback(tmp_path: Path) -> None:
     assert plain.returncode == 2 and len(plain.stderr.splitlines()) == 1
     assert plain.stderr.startswith(f"error: no dataset at {tmp_path / 'none'} (missing meta.json)")
     assert debug.returncode == 1 and debug.stderr.startswith("Traceback (most recent call last):")
-    assert debug.stderr.splitlines()[-1].startswith(f"configurator.UserError: no dataset at {tmp_path / 'none'}")
+    assert debug.stderr.splitlines()[-1].startswith(f"errors.UserError: no dataset at {tmp_path / 'none'}")
 
 
 def log_so_far(out: Path) -> list[dict]:

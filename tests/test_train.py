@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from configurator import UserError
 from conftest import ROOT, TINY_TRAIN, Result, cli, read_log, run
 from dataset import load_meta
+from errors import UserError
 
 
 def train(data: Path, out: Path, *extra: str, env: dict | None = None, fresh: bool = False) -> Result:

@@ -1,0 +1,290 @@
+"""The keys of train.py, sample.py and compare.py: one dataclass each, its defaults and its checks (a ValueError
+naming the numbers, said by configurator.py as one line), importable by the modules below the scripts."""
+
+import re
+from dataclasses import dataclass, field, fields
+
+from checkpoint import Source, parse_source, start_from
+from configurator import build, given_values
+from convert import CONVERT_METHODS
+from errors import UserError
+from fieldtypes import checked_values, with_fields_of
+from generation import check_sampling
+from hf import GPT2_NAMES
+from model import GPTConfig
+from quantize import QUANTIZE
+
+PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
+
+
+@with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False,
+                vocab_size=None)
+@dataclass(slots=True)
+class TrainConfig:
+    """train.py's keys: these, then GPTConfig's (the model), its defaults but for those above."""
+
+    # I/O
+    out_dir: str = "out"
+    eval_interval: int = 250
+    log_interval: int = 10
+    eval_iters: int = 50
+    eval_only: bool = False
+    eval_at_start: bool = True  # also evaluate before the first step (False: faster timed runs)
+    always_save_checkpoint: bool = False  # False: save only when val loss improves
+    keep_last: int = 0  # also keep the last K checkpoints, ckpt-<iteration>.pt (hard links)
+    # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one: for restarts),
+    # 'convert:<ckpt or out_dir>' (its K/V heads made n_kv_head: MHA -> GQA/MQA uptraining), GPT-2
+    # ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or 'hf:<local folder>' (GPT-2, or export.py's
+    # Starcoder2/GPTBigCode): pretrained weights decide the model but for PRETRAINED_KEYS
+    init_from: str = "scratch"
+    convert_method: str = "mean"  # each group's K/V head: its heads' 'mean', 'first', or 'random'
+    # logging: wandb honours WANDB_MODE (online, offline, disabled); log.jsonl is always written
+    wandb_log: bool = False
+    wandb_project: str = "smallgpt"
+    wandb_run_name: str | None = None  # None: '<dataset>-<attention kind>'
+    wandb_group: str | None = None
+    wandb_tags: list[str] = field(default_factory=list)
+    # data
+    dataset: str = "pycode_char"  # a folder under data/, or a path to one
+    gradient_accumulation_steps: int = 1  # in total over all DDP ranks
+    batch_size: int = 12
+    # AdamW and the learning-rate schedule (linear warm-up, cosine decay to min_lr)
+    learning_rate: float = 1e-3
+    max_iters: int = 5000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # 0 disables clipping
+    optimizer: str = "adamw"  # or 'muon': Muon for the blocks' matrices, AdamW for the rest
+    muon_lr: float = 0.02  # docs/peers.md
+    # a NaN/inf loss: 'stop' (seen at log steps, no extra host sync; the last good checkpoint stays)
+    # or 'skip' (drop each step whose gradient is not finite: one host sync a step)
+    nonfinite: str = "stop"
+    decay_lr: bool = True
+    warmup_iters: int = 100
+    lr_decay_iters: int = 5000
+    min_lr: float = 1e-4
+    # system
+    device: str = "auto"  # 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'
+    dtype: str = "auto"  # 'float32', 'bfloat16', 'float16', or 'auto': bf16 where it is faster
+    compile: bool = False
+    # under torchrun: 'ddp' (each process holds all weights, gradients and AdamW moments) or 'fsdp'
+    # (each holds its shard of them: docs/training.md "FSDP")
+    parallel: str = "ddp"
+    seed: int = 1337
+    peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: a table or a probe
+
+    def __post_init__(self) -> None:
+        problems = []
+        for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps",
+                    "batch_size", "block_size"):
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be positive")
+        for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr",
+                    "weight_decay", "grad_clip", "keep_last"):
+            if getattr(self, key) < 0:
+                problems.append(f"{key}={getattr(self, key)} must not be negative")
+        if self.nonfinite not in ("stop", "skip"):
+            problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
+        try:
+            source = parse_source(self.init_from)
+        except ValueError as e:
+            problems.append(str(e))
+            source = Source("scratch")
+        if self.convert_method not in CONVERT_METHODS:
+            methods = ", ".join(CONVERT_METHODS)
+            problems.append(f"convert_method={self.convert_method!r} must be one of {methods}")
+        if self.parallel not in ("ddp", "fsdp"):
+            problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
+        if self.optimizer not in ("adamw", "muon"):
+            problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon'")
+        elif self.optimizer == "muon" and self.parallel == "fsdp":
+            problems.append("optimizer='muon' does not go with parallel='fsdp' (Muon "
+                            "orthogonalises whole matrices, FSDP shards them): use "
+                            "optimizer='adamw', or parallel='ddp'")
+        if self.seed < 0:
+            problems.append(f"seed={self.seed} must not be negative")
+        if self.decay_lr and self.min_lr > self.learning_rate:
+            problems.append(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: "
+                            f"the rate would rise as it decays")
+        if self.decay_lr and self.lr_decay_iters < self.warmup_iters:
+            problems.append(f"lr_decay_iters={self.lr_decay_iters} is below warmup_iters="
+                            f"{self.warmup_iters}: the decay would end before the warm-up does")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
+        if problems:
+            raise ValueError("invalid config: " + "; ".join(problems))
+        if source.kind in ("scratch", "auto", "convert"):  # else the model is the weights'
+            self.model_config(vocab_size=1)  # the model's own checks, before any work
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        """The model these keys describe; vocab_size is the dataset's unless the config sets one."""
+        keys = {f.name: getattr(self, f.name) for f in fields(GPTConfig)}
+        return GPTConfig(**keys | {"vocab_size": self.vocab_size or vocab_size})
+
+
+def parse_train(argv: list[str]) -> tuple[TrainConfig, dict | None]:
+    """TrainConfig from files and flags, and the checkpoint a resume or conversion reads (or None):
+    keys not given come from it (docs/reliability.md "Resume")."""
+    given = given_values(TrainConfig, argv)
+    default = {f.name: f.default for f in fields(TrainConfig)}
+    init_from = given.get("init_from", default["init_from"])
+    try:
+        source = parse_source(init_from)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    model_keys = [k for k in given if k in GPTConfig.__dataclass_fields__]
+    fixed = [f"--{k}" for k in model_keys if k not in PRETRAINED_KEYS]
+    if source.pretrained and fixed:  # the weights decide the model: a shape key would not train
+        raise UserError(f"init_from={init_from} trains its weights' own model: drop "
+                        f"{', '.join(fixed)} (of the model keys only {', '.join(PRETRAINED_KEYS)} "
+                        f"apply to pretrained weights)")
+    ckpt, stored, where = start_from(source, given.get("out_dir", default["out_dir"]))
+    from_run = {k: v for k, v in stored.items() if k in default}
+    given = checked_values(TrainConfig, from_run, where) | given
+    return build(TrainConfig, given), ckpt
+
+
+@dataclass(slots=True)
+class SampleConfig:
+    init_from: str = "resume"  # 'resume' (out_dir/ckpt.pt), 'gpt2' ... 'gpt2-xl', or 'hf:<folder>'
+    out_dir: str = "out"
+    start: str = "\n"  # the prompt, or FILE:path, or LINES:path (one prompt per line)
+    num_samples: int = 1  # samples per prompt, all decoded in one batch
+    max_new_tokens: int = 500
+    temperature: float = 0.8  # 0: greedy
+    top_k: int | None = 200
+    top_p: float | None = None
+    stop: str | None = None  # end a sample at this string (kept); \n and \t are a newline and a tab
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"  # float32, bfloat16, float16 or auto: bf16 where it decodes faster
+    kv_cache: bool = True  # False recomputes the whole context every token, for comparison
+    cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (docs/gpu.md)
+    compile: bool = False  # on CPU, compile the one-token step (faster after a compile)
+    quantize: str = ""  # 'int8': int8 weights, one scale per output feature (quantize.py)
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.top_k, self.top_p)  # a ValueError: one line
+        problems = []
+        if self.num_samples < 1:
+            problems.append(f"num_samples={self.num_samples} must be at least 1")
+        if self.max_new_tokens < 0:
+            problems.append(f"max_new_tokens={self.max_new_tokens} must not be negative")
+        if self.quantize not in QUANTIZE:
+            problems.append(f"quantize={self.quantize!r} must be one of {QUANTIZE}")
+        try:
+            kind = parse_source(self.init_from).kind
+        except ValueError as e:
+            problems.append(str(e))
+            kind = "resume"
+        if kind not in ("resume", "gpt2", "hf"):
+            problems.append(f"init_from={self.init_from!r} must be 'resume' (out_dir/ckpt.pt), "
+                            f"{', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
+        if self.stop == "":
+            problems.append("stop='' would end every sample at once: give a string, or leave stop "
+                            "out")
+        if self.stop:  # typed in a shell, --stop='\n' is a backslash and an n: the newline meant
+            self.stop = re.sub(r"\\([nt\\])", lambda match: ESCAPES[match[1]], self.stop)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"dtype={self.dtype!r} must be auto, float32, bfloat16 or float16")
+        if self.compile and not self.kv_cache:
+            problems.append("compile=True compiles the cached one-token step: not with "
+                            "kv_cache=False")
+        if self.seed < 0:
+            problems.append(f"seed={self.seed} must not be negative")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
+
+
+@dataclass(slots=True)
+class CompareConfig:
+    mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
+    kv_heads: list[int] = field(default_factory=list)  # the variants; empty: n_head, a middle divisor, 1
+    seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
+    # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters); 'params': the
+    # GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both: each variant twice
+    match: list[str] = field(default_factory=lambda: ["width"])
+    sizes: list[tuple[int, int] | str] = field(default_factory=list)  # (n_layer, n_embd), 'LxD' or a preset name
+    convert: bool = False  # also convert each seed's trained MHA model to each GQA/MQA variant and uptrain it
+    convert_methods: list[str] = field(default_factory=lambda: ["mean"])  # K/V heads: mean, first or random
+    uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])  # of the base run's max_iters (0: none)
+    uptrain_lr_scale: float = 1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
+    kv_seq_len: int = 8192  # the KV-cache column for a sequence length and batch of your choice
+    kv_batch: int = 8
+    kv_dtype: str = "bfloat16"
+    # decode speed where the KV cache dominates what a step reads: this batch, this many positions cached (each
+    # variant's shape with random weights, float32; the median of decode_steps one-token steps), measured
+    # speed_repeats times per shape, interleaved, after the runs, and stored in <out_dir>/speed.json
+    decode_batch: int = 8
+    decode_context: int = 4096
+    decode_steps: int = 16
+    speed_repeats: int = 3
+    train_args: list[str] = field(default_factory=list)  # filled from the command line: files and train.py flags
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.mode not in ("train", "report", "all", "plan", "costs"):
+            problems.append(f"mode={self.mode!r} must be one of train, report, all, plan, costs")
+        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
+            problems.append(f"kv_dtype={self.kv_dtype!r} must be float32, bfloat16 or float16")
+        sizes = ("seeds", "kv_seq_len", "kv_batch", "decode_batch", "decode_context", "decode_steps", "speed_repeats")
+        if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
+            problems.append(f"{', '.join(bad)}: must be positive")
+        if min(self.kv_heads, default=1) < 1:
+            problems.append(f"kv_heads={self.kv_heads} must be positive")
+        if not self.match or any(m not in ("width", "params") for m in self.match):
+            problems.append(f"match={self.match} must be width, params or [width,params]")
+        if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):
+            problems.append(f"convert_methods={self.convert_methods}: each must be one of {', '.join(CONVERT_METHODS)}")
+        if not self.uptrain_fractions or any(not 0 <= f <= 1 for f in self.uptrain_fractions):
+            problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
+        if not self.uptrain_lr_scale > 0:
+            problems.append(f"uptrain_lr_scale={self.uptrain_lr_scale} must be positive")
+        problems += self.repeats()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def repeats(self) -> list[str]:
+        """A problem for each list key whose items are not distinct (a repeat would train the same runs again, into
+        the same folders) and for each item of sizes that is not a size."""
+        sizes, problems = [], []
+        for size in self.sizes:
+            try:
+                sizes.append("{}x{}".format(*size_of(size)))
+            except ValueError as e:
+                problems.append(str(e))
+        named = {"kv_heads": self.kv_heads, "match": self.match, "sizes": sizes, "uptrain_fractions":
+                 [f"{f:g}" for f in self.uptrain_fractions], "convert_methods": self.convert_methods}  # as in folders
+        for key, items in named.items():
+            if (again := repeated(items)) is not None:
+                problems.append(f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "
+                                f"a repeat would train the same runs again; list it once")
+        return problems
+
+
+def repeated(items: list) -> object | None:
+    """The first item listed again in items, None if they are distinct."""
+    return next((item for i, item in enumerate(items) if item in items[:i]), None)
+
+
+# named --sizes: (n_layer, n_embd)
+SIZE_PRESETS = {"tiny": (2, 64), "mini": (4, 128), "small": (6, 256), "medium": (8, 384)}
+
+
+def size_of(size: str | list[int] | tuple[int, ...]) -> tuple[int, int]:
+    """(n_layer, n_embd) of one item of --sizes: 'LxD' (two positive decimal integers), a preset name or a pair; a
+    ValueError saying what a size is otherwise."""
+    pair = tuple(size) if not isinstance(size, str) else SIZE_PRESETS.get(size, ())
+    if match := isinstance(size, str) and re.fullmatch(r"([0-9]+)x([0-9]+)", size):
+        pair = int(match[1]), int(match[2])
+    if len(pair) != 2 or min(pair) < 1:
+        presets = ", ".join(f"{k}={L}x{D}" for k, (L, D) in SIZE_PRESETS.items())
+        raise ValueError(f"sizes: {size!r} is neither n_layer x n_embd (two positive decimal integers, e.g. 4x128, or "
+                         f"a pair (4, 128)) nor a preset ({presets})")
+    return pair
+
+

@@ -1,0 +1,43 @@
+"""UserError, a mistake the user fixes, and how the scripts say it: one line, no traceback.
+
+Every script imports this module (through configurator.py) before torch, so its sys.excepthook also says a Ctrl-C
+while the libraries import in one line."""
+
+import sys
+import types
+from collections.abc import Callable
+
+
+class UserError(Exception):
+    """A mistake the user can fix (a config value, a missing file, no network), said in one line:
+    what happened, why, and what to do. Scripts print it as `error: ...` and exit 2; any other
+    exception keeps its traceback."""
+
+
+def _quiet_interrupt(hook: Callable) -> Callable:
+    """A sys.excepthook that says a Ctrl-C in one line, as run_cli does; the rest go to hook."""
+
+    def excepthook(kind: type[BaseException], value: BaseException,
+                   tb: types.TracebackType | None) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            print("interrupted", file=sys.stderr)
+        else:
+            hook(kind, value, tb)
+
+    return excepthook
+
+
+# Installed on import: code that catches the Ctrl-C is unaffected, and run_cli handles the rest.
+sys.excepthook = _quiet_interrupt(sys.excepthook)
+
+# What run_cli reports in one line: the project's UserError, and OSError, the operating system
+# refusing a path the user gave (missing, unreadable, unwritable, full).
+USER_ERRORS = (UserError, OSError)
+
+
+def first_line(e: BaseException, skip: str | None = None) -> str:
+    """The first non-empty line of e's message not starting with skip, or e's type's name: the
+    reason a UserError quotes from a library's many-line error."""
+    lines = [line.strip() for line in str(e).splitlines()]
+    lines = [line for line in lines if line and not (skip and line.startswith(skip))]
+    return lines[0][:300] if lines else type(e).__name__

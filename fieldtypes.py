@@ -1,0 +1,165 @@
+"""The values a config file or a --key=value flag gives a dataclass, checked against its fields: an unknown key
+is named with its close matches, each value converted to its field's type hint (checked_values) or refused in one
+line. And with_fields_of, a dataclass that takes another's fields (TrainConfig takes GPTConfig's)."""
+
+import dataclasses
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from errors import UserError
+
+T = TypeVar("T")
+
+
+def coerce(key: str, value: Any, hint: Any, source: str, raw: str | None,
+            expected: str = "") -> Any:
+    """value converted to the type hint, or a UserError naming key, value, type and source."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if (value is None or raw == "None") and type(None) in args:
+            return None
+        expected = " or ".join(map(_name, args))
+        for member in [a for a in args if a is not type(None)]:  # the first type that takes it
+            try:
+                return coerce(key, value, member, source, raw)
+            except OutOfRange:  # the right type, a value it cannot hold: say that, not "wrong type"
+                raise
+            except UserError:
+                pass
+    elif origin in (list, tuple) and args:
+        items = value
+        quoted = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        if raw is not None and args[0] is str and not quoted:  # text as typed: --tags=[1,2e3]
+            value = raw
+        if isinstance(value, str):  # --tags=a,b or --methods=[a,b]
+            inner = value.removeprefix("[").removesuffix("]")
+            items = [part.strip() for part in inner.split(",") if part.strip()]
+        elif not isinstance(value, list | tuple):
+            items = [value]  # --kv_heads=3: a list of one
+        try:
+            if origin is tuple and Ellipsis not in args:  # fixed size, e.g. (n_layer, n_embd)
+                if len(items) == len(args):
+                    pairs = zip(items, args, strict=True)
+                    return [coerce(key, item, member, source, None) for item, member in pairs]
+            else:
+                return [coerce(key, item, args[0], source, None) for item in items]
+        except OutOfRange:
+            raise
+        except UserError:
+            pass
+    elif hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _in_range(key, value, source)
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return _in_range(key, float(value), source)
+    elif hint is str:
+        if raw is not None:  # from the command line: the text as typed, unless a quoted literal
+            return value if isinstance(value, str) else raw
+        if isinstance(value, str):
+            return value
+    name = expected or _name(hint)
+    given = raw if raw is not None else repr(value)
+    raise UserError(f"{key}={given} (from {source}) has the wrong type: "
+                    f"expected {name}, got {type(value).__name__}")
+
+
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32
+FLOAT32_ZERO = 2.0**-150  # what rounds to float32's zero
+NON_DECIMAL = re.compile(r"(?<![\w.])[-+]?0[xob]", re.IGNORECASE)
+
+
+class OutOfRange(UserError):
+    """A value of the right type that the type it ends up in cannot hold."""
+
+
+def _in_range(key: str, value: int | float, source: str) -> int | float:
+    """value if the type it ends up in holds it, else an OutOfRange error: ints are int64 in torch
+    and numpy, floats at least float32 (model tensors, learning rates in fp32 optimizer state)."""
+    if isinstance(value, int):
+        if abs(value) > INT64_MAX:
+            raise OutOfRange(f"{key}={value} (from {source}) does not fit a 64-bit integer "
+                             f"(at most {INT64_MAX:,})")
+        return value
+    if not math.isfinite(value):
+        raise OutOfRange(f"{key}={value} (from {source}) must be a finite number")
+    if abs(value) > FLOAT32_MAX or 0 < abs(value) <= FLOAT32_ZERO:
+        too_large = abs(value) > 1
+        size = "large" if too_large else "small"
+        becomes = "infinity" if too_large else "zero"
+        raise OutOfRange(f"{key}={value} (from {source}) is too {size} for float32, "
+                         f"the precision it is used in (it would become {becomes}): "
+                         "give a size between 1.5e-45 and 3.4e38, or 0")
+    return value
+
+
+def _name(hint: Any) -> str:
+    if hint is type(None):
+        return "None"
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+
+def with_fields_of(source: type, **defaults: Any) -> Callable[[type[T]], type[T]]:
+    """Class decorator: the dataclass gains every field of the dataclass `source` after its own,
+    with source's type and default (or the one given here; a None default admits None), so a new
+    field of source needs no copy."""
+
+    def extend(cls: type[T]) -> type[T]:
+        hints = typing.get_type_hints(source)
+        unknown = defaults.keys() - hints.keys()
+        if unknown:
+            names = ", ".join(sorted(unknown))
+            raise TypeError(f"{source.__name__} has no field {names}")
+        extra = []
+        for field in dataclasses.fields(source):
+            default = defaults.get(field.name, field.default)
+            hint = hints[field.name]
+            if default is None:
+                hint = hint | None
+            extra.append((field.name, hint, dataclasses.field(default=default)))
+        new = dataclasses.make_dataclass(cls.__name__, extra, bases=(cls,), slots=True)
+        new.__module__ = cls.__module__
+        new.__qualname__ = cls.__qualname__
+        new.__doc__ = cls.__doc__
+        return new
+
+    return extend
+
+
+def checked_values(cls: type, items: dict[str, Any], source: str, raws: dict[str, str] | None = None
+                   ) -> dict[str, Any]:
+    """items (fields of cls, from source) checked and coerced to the fields' types, as given_values
+    does (raws: the text typed on the command line for a key)."""
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in items:
+        if key not in hints:  # '' too: --=5
+            raise unknown_key(key, known, source)
+    typed = raws or {}
+    return {key: coerce(key, value, hints[key], source, typed.get(key))
+            for key, value in items.items()}
+
+
+def unknown_key(key: str, known: list[str], source: str) -> UserError:
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    if close:
+        suggestions = " or ".join(close)
+        hint = f"; did you mean {suggestions}?"
+    else:
+        hint = "; see the defaults at the top of the script"
+    if source.startswith("config file"):
+        hint += f" (a helper variable in a config file starts with _, e.g. _{key} = ...)"
+    return UserError(f"unknown config key '{key}' (from {source}){hint}")
