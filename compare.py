@@ -138,7 +138,8 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
     with sweep.Stop() as stop:
         try:
             place = runtime.place(base.device, base.dtype, base.n_embd)  # as each run's train.py decides
-            times = timings(runs, base, place)
+            timed = runs if cfg.mode == "plan" else [r for r in runs if not sweep.finished(r)]  # to estimate
+            times = timings(timed, base, place)
             if cfg.mode == "plan":
                 show_plan(runs, times, base, place.device)
                 return
