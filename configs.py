@@ -13,6 +13,7 @@ from generation import check_sampling
 from hf import GPT2_NAMES
 from model import GPTConfig
 from quantize import QUANTIZE
+from recall import TASKS
 
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
 
@@ -60,6 +61,8 @@ class TrainConfig:
     # a NaN/inf loss: 'stop' (seen at log steps, no extra host sync; the last good checkpoint stays)
     # or 'skip' (drop each step whose gradient is not finite: one host sync a step)
     nonfinite: str = "stop"
+    # recall.py's tasks on the final model, logged at the last evaluation: induction, position, mqar (an MQAR dataset)
+    final_evals: list[str] = field(default_factory=list)
     decay_lr: bool = True
     warmup_iters: int = 100
     lr_decay_iters: int = 5000
@@ -84,6 +87,9 @@ class TrainConfig:
                     "weight_decay", "grad_clip", "keep_last"):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)} must not be negative")
+        for task in self.final_evals:
+            if task not in TASKS:
+                problems.append(f"final_evals: {task!r} is not one of {', '.join(TASKS)}")
         if self.nonfinite not in ("stop", "skip"):
             problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
         try:

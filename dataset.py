@@ -99,6 +99,10 @@ def meta_problems(meta: object) -> list[str]:
         problems.append(f"dtype is {meta.get('dtype')!r}, not uint16 or uint32")
     elif isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
         problems.append(f"vocab_size {meta['vocab_size']} does not fit {meta['dtype']}")
+    examples = meta.get("example_tokens")  # a dataset of whole examples, each its own training row (data/mqar)
+    if examples is not None and not (isinstance(examples, int) and examples > 1 and not any(
+            isinstance(meta.get(k), int) and meta[k] % examples for k in ("train_tokens", "val_tokens"))):
+        problems.append(f"example_tokens is {examples!r}, not a whole number above 1 that divides both splits")
     if meta.get("tokenizer") not in ("char", "gpt2", "bpe"):
         problems.append(f"tokenizer is {meta.get('tokenizer')!r}, not char, gpt2 or bpe")
     elif meta["tokenizer"] == "char":
@@ -116,12 +120,13 @@ def vocab_size_of(dataset: str) -> int | None:
     return load_meta(data_dir(dataset))["vocab_size"] if (data_dir(dataset) / "meta.json").is_file() else None
 
 
-def open_tokens(path: Path, split: str, meta: dict) -> np.memmap:
-    """The split's token ids as a read-only memmap, after checking the file against meta.json."""
-    file = path / f"{split}.bin"
+def open_tokens(path: Path, split: str, meta: dict, mask: bool = False) -> np.memmap:
+    """The split's token ids as a read-only memmap, after checking the file against meta.json; mask: its loss mask
+    instead (an example dataset's <split>_mask.bin, one byte a token: 1 where the token is a target to learn)."""
+    file = path / (f"{split}_mask.bin" if mask else f"{split}.bin")
     if not file.is_file():
         raise UserError(f"{file} is missing; prepare the dataset again")
-    dtype = np.dtype(meta["dtype"])
+    dtype = np.dtype(np.uint8 if mask else meta["dtype"])
     size = file.stat().st_size
     expected = meta[f"{split}_tokens"]
     if size != expected * dtype.itemsize:
@@ -132,13 +137,18 @@ def open_tokens(path: Path, split: str, meta: dict) -> np.memmap:
 
 
 class Batches:
-    """Random windows of block_size + 1 tokens from a dataset folder, as (inputs, targets) on device. The batch of
-    (iteration, micro-step) depends on the seed alone, so a run draws the same data with any number of DDP ranks,
-    and again when resumed."""
+    """Random windows of block_size + 1 tokens from a dataset folder, as (inputs, targets) on device; from a dataset
+    of examples (meta's example_tokens), random whole examples, their targets -1 (ignored by the loss) where the
+    mask says the token is not one to learn. The batch of (iteration, micro-step) depends on the seed alone, so a run
+    draws the same data with any number of DDP ranks, and again when resumed."""
 
     def __init__(self, path: Path, block_size: int, batch_size: int, seed: int, device: str) -> None:
         self.path, self.block_size, self.batch_size, self.seed, self.device = path, block_size, batch_size, seed, device
         self.meta = load_meta(path)
+        self.example = self.meta.get("example_tokens")
+        if self.example and block_size + 1 != self.example:
+            raise UserError(f"{path} holds examples of {self.example} tokens, each a row of its own: train with "
+                            f"block_size={self.example - 1} (block_size={block_size} was given)")
         self.stamps = {}  # each split's file as this run first read it: another preparation replaces the file
         for split in ("train", "val"):
             n = len(open_tokens(path, split, self.meta))
@@ -146,6 +156,8 @@ class Batches:
                 raise UserError(f"the {split} split of {path} has {n} tokens, fewer than block_size+1="
                                 f"{block_size + 1}; lower block_size or use more data")
             self.stamps[split] = stamp(path / f"{split}.bin")
+            if self.example:
+                open_tokens(path, split, self.meta, mask=True)  # there, and as long as the tokens
 
     def get(self, split: str, *key: int) -> tuple[torch.Tensor, torch.Tensor]:
         file = self.path / f"{split}.bin"
@@ -156,14 +168,23 @@ class Batches:
         data = open_tokens(self.path, split, self.meta)  # a fresh memmap each time avoids a slow memory build-up
         rng = np.random.default_rng([self.seed, *key])
         T = self.block_size
-        ix = rng.integers(0, len(data) - T, size=self.batch_size)
+        if self.example:  # whole examples, their first tokens at multiples of T + 1
+            ix = rng.integers(0, len(data) // (T + 1), size=self.batch_size) * (T + 1)
+        else:
+            ix = rng.integers(0, len(data) - T, size=self.batch_size)
         ids = np.stack([data[i:i + T + 1] for i in ix])  # (B, T + 1)
         if (top := int(ids.max())) >= self.meta["vocab_size"]:  # an embedding lookup would fail with no file named
             raise UserError(f"{file} holds token id {top}, beyond the vocab_size {self.meta['vocab_size']} of its "
                             f"meta.json: the file is damaged or from another tokenizer; prepare the dataset again")
         buf = torch.from_numpy(ids.astype(np.int64))
+        if self.example:  # targets the mask leaves out: -1, which the loss ignores
+            mask = open_tokens(self.path, split, self.meta, mask=True)
+            learn = torch.from_numpy(np.stack([mask[i:i + T + 1] for i in ix]).astype(bool))
+            buf = torch.cat([buf[:, :-1], torch.where(learn, buf, -1)[:, 1:]], dim=1)
         if self.device.startswith("cuda"):
             buf = buf.pin_memory().to(self.device, non_blocking=True)
+        if self.example:
+            return buf[:, :T], buf[:, T:]
         return buf[:, :-1], buf[:, 1:]
 
     def train(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:

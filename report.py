@@ -22,6 +22,7 @@ from convert import CONVERT_METHODS
 from errors import UserError
 from measure import table
 from model import GPT, GPTConfig
+from plots import conversion_target, plot
 from runlog import read_run, start_wandb, unfinished
 
 SPEED_FILE = "speed.json"
@@ -114,11 +115,38 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
                 "decode_vs_mha_pairs": speed_vs and speed_vs.n,
                 "train_tok_s": statistics.median(trains) if trains else None,
                 "wall_s": statistics.fmean(max(e["wall_s"] for e in r["evals"] + r["trains"]) for r in group)}
-        out.append(row)
+        out.append(row | recall_columns(group, groups.get((size, "mha")) if name != "mha" else None))
     smallest = {size: min(r["params"] for r in out if r["size"] == size) for size in {r["size"] for r in out}}
     methods = {m: i for i, m in enumerate(CONVERT_METHODS)}
     return sorted(out, key=lambda r: (smallest[r["size"]], r["size"], r["method"] is not None, -r["n_kv_head"],
                                       r["match"] == "params", methods.get(r["method"], -1), r["uptrain_fraction"] or 0))
+
+
+def recall_columns(group: list[dict], mha: list[dict] | None) -> dict:
+    """A group's recall columns where every run measured the task (none without recall records): induction at the
+    longest distance all have, with the mean loss there, and MQAR; each accuracy as accuracy_columns gives it."""
+    recalls = {r["seed"]: r["recall"] or {} for r in group}
+    theirs = {r["seed"]: r["recall"] or {} for r in mha or []}
+    induction = {seed: {i["distance"]: i for i in rec.get("induction", [])} for seed, rec in recalls.items()}
+    out = {}
+    if common := set.intersection(*(set(by_distance) for by_distance in induction.values())):
+        distance = max(common)
+        at = {seed: by_distance[distance] for seed, by_distance in induction.items()}
+        mha_at = {seed: i for seed, r in theirs.items() for i in r.get("induction", []) if i["distance"] == distance}
+        out |= {"induction_distance": distance, "induction_loss": statistics.fmean(i["loss"] for i in at.values()),
+                **accuracy_columns("induction_acc", at, mha_at)}
+    if all("mqar" in rec for rec in recalls.values()):
+        out |= accuracy_columns("mqar_acc", {seed: rec["mqar"] for seed, rec in recalls.items()},
+                                {seed: rec["mqar"] for seed, rec in theirs.items() if "mqar" in rec})
+    return out
+
+
+def accuracy_columns(name: str, results: dict[int, dict], mha: dict[int, dict]) -> dict:
+    """name's columns from stats.pooled_accuracy of the seeds' results against MHA's."""
+    acc = stats.pooled_accuracy(results, mha)
+    return {name: acc.accuracy, f"{name}_low": acc.low, f"{name}_high": acc.high,
+            f"{name}_diff_vs_mha": acc.diff and acc.diff.mean,
+            f"{name}_diff_vs_mha_ci95": acc.diff and acc.diff.half_width}
 
 
 def column_interval(row: dict, key: str, n: str = "seeds") -> stats.Estimate | None:
@@ -130,11 +158,6 @@ def interval_text(row: dict, key: str, n: str = "seeds", signed: bool = False) -
     """A row's column as its interval's text, '-' when missing."""
     interval = column_interval(row, key, n)
     return "-" if interval is None else interval.text(signed)
-
-
-def conversion_target(row: dict) -> str:
-    """The variant a conversion makes: 'mha-to-mqa-first-u0.1' -> 'mqa'."""
-    return row["variant"].split("-")[2]
 
 
 def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str]) -> str:
@@ -153,19 +176,47 @@ def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str])
     for size in dict.fromkeys(r["size"] for r in rows):
         mine = [r for r in rows if r["size"] == size]
         scratch, conv = [r for r in mine if not r["method"]], [r for r in mine if r["method"]]
-        shown = [{"variant": r["variant"], "params": r["params"], "kv": r[kv],
-                  "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok",
-                  "loss": f"{interval_text(r, 'val_loss')} (n={r['seeds']})",
-                  "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True), "speed": speed_text(r)}
-                 for r in scratch]
-        columns = {"variant": "variant", "params": "params", "kv": f"KV bytes/token ({cfg.kv_dtype})",
-                   "trained": "trained", "loss": "final val loss", "diff": "vs MHA (paired)",
-                   "speed": f"decode tok/s @{long}"}
-        parts += ["", f"## {size} (n_layer x n_embd)", "", table(shown, columns), "", *verdicts(scratch, conv, kv)]
+        parts += ["", f"## {size} (n_layer x n_embd)", "", *variants_table(scratch, cfg), "",
+                  *verdicts(scratch, conv, kv)]
         if conv:
             parts += ["", *conversion_tables(scratch, conv)]
     parts += ["", "![val loss by iteration; the gap to MHA against size; conversions by uptraining](report.png)"]
     return "\n".join(parts) + "\n"
+
+
+def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
+    """A size's variants trained from scratch, with their recall accuracies (and a line on those) where measured."""
+    long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes_per_token_{cfg.kv_dtype}"
+    distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
+    shown = [{"variant": r["variant"], "params": r["params"], "kv": r[kv],
+              "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok",
+              "loss": f"{interval_text(r, 'val_loss')} (n={r['seeds']})",
+              "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True), "speed": speed_text(r),
+              **recall_cells(r, min(distances, default=None))} for r in scratch]
+    columns = {"variant": "variant", "params": "params", "kv": f"KV bytes/token ({cfg.kv_dtype})",
+               "trained": "trained", "loss": "final val loss", "diff": "vs MHA (paired)",
+               "speed": f"decode tok/s @{long}"}
+    if distances:
+        columns["induction_acc"] = f"induction acc @{min(distances)}"
+    if any(r.get("mqar_acc") is not None for r in scratch):
+        columns["mqar_acc"] = "MQAR acc"
+    if "induction_acc" not in columns and "mqar_acc" not in columns:
+        return [table(shown, columns)]
+    return [table(shown, columns), "", "induction acc @distance (the longest every seed measured) and MQAR acc: top-1 "
+            "accuracy pooled over seeds (correct answers over answers) with its 95% Wilson interval; then vs MHA: the "
+            "seed-paired difference of the per-seed accuracies ± its 95% Student t interval; positive is better."]
+
+
+def recall_cells(row: dict, distance: int | None) -> dict[str, str]:
+    """A row's accuracies: '0.912 (0.897-0.925) @64, +0.0100 ± 0.0200 vs MHA' (@64 only off distance), or '-'."""
+    cells = dict.fromkeys(("induction_acc", "mqar_acc"), "-")
+    for key in [key for key in cells if row.get(key) is not None]:
+        cells[key] = f"{row[key]:.3f} ({row[f'{key}_low']:.3f}-{row[f'{key}_high']:.3f})"
+        if key == "induction_acc" and row["induction_distance"] != distance:
+            cells[key] += f" @{row['induction_distance']}"
+        if row[f"{key}_diff_vs_mha"] is not None:
+            cells[key] += f", {interval_text(row, f'{key}_diff_vs_mha', signed=True)} vs MHA"
+    return cells
 
 
 def speed_text(row: dict) -> str:
@@ -214,57 +265,6 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
             f"paper, fig. 5):", "", table(by_method), "",
             "Conversion from MHA by uptraining fraction, 0 = evaluated right after conversion (GQA paper, fig. 6):",
             "", table(by_fraction)]
-
-
-def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
-    """Mean val loss by iteration of each scratch variant; each variant's paired gap to MHA (95% interval) against
-    its parameters, one point per size; with conversions, val loss by uptraining fraction per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    conv = [r for r in rows if r["method"]]
-    fig, axes = plt.subplots(1, 3 if conv else 2, figsize=(17 if conv else 11, 4.2))
-    curves = defaultdict(lambda: defaultdict(list))
-    for run in (r for r in runs if not r["method"]):
-        for e in run["evals"]:
-            curves[(run["size"], run["variant"])][e["iter"]].append(e["val_loss"])
-    shown = []
-    for (size, name), by_iter in curves.items():
-        its = sorted(i for i in by_iter if i > 0)  # the untrained first evaluation would flatten the rest
-        shown += [statistics.fmean(by_iter[i]) for i in its]
-        axes[0].plot(its, [statistics.fmean(by_iter[i]) for i in its], marker=".", label=f"{size} {name}")
-    if shown:
-        axes[0].set_ylim(min(shown) * 0.98, min(max(shown), min(shown) * 1.6))
-    axes[0].set(xlabel="iteration", ylabel="val loss (mean over seeds)")
-    size_params = {r["size"]: r["params"] for r in rows if r["variant"] == "mha"}
-    for name in dict.fromkeys(r["variant"] for r in rows if not r["method"] and r["variant"] != "mha"):
-        mine = [r for r in rows if r["variant"] == name and r["diff_vs_mha"] is not None]
-        axes[1].errorbar([size_params[r["size"]] for r in mine], [r["diff_vs_mha"] for r in mine], capsize=4,
-                         marker="o", yerr=[r["diff_vs_mha_ci95"] or 0 for r in mine], label=name)
-    axes[1].axhline(0, color="gray", lw=0.8)
-    axes[1].set(xlabel="size: MHA's parameters", ylabel="val loss minus MHA's (paired, 95% interval)")
-    if size_params:
-        axes[1].set_xscale("log")
-    else:  # a log axis with nothing on it fails to draw
-        axes[1].text(0.5, 0.5, "no MHA run: no gap to MHA", ha="center", transform=axes[1].transAxes)
-    for (size, t, method) in dict.fromkeys((r["size"], conversion_target(r), r["method"]) for r in conv):
-        mine = sorted((r for r in conv if (r["size"], conversion_target(r), r["method"]) == (size, t, method)),
-                      key=lambda r: r["uptrain_fraction"])
-        axes[2].errorbar([r["uptrain_fraction"] for r in mine], [r["val_loss"] for r in mine], capsize=3,
-                         marker="o", yerr=[r["val_loss_ci95"] or 0 for r in mine], label=f"{size} {t} {method}")
-        if mine[0]["scratch_val_loss"] is not None:
-            axes[2].axhline(mine[0]["scratch_val_loss"], ls="--", lw=0.8, color="gray")
-    if conv:
-        axes[2].set(xlabel="uptraining fraction", ylabel="val loss (dashed: from scratch)")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_report(root: Path, cfg: CompareConfig, base: TrainConfig, status: str | None = None) -> str:

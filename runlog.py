@@ -57,6 +57,11 @@ class RunLog:
         if self.wandb is not None and "iter" in record:
             self.wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["iter"])
 
+    def summarize(self, values: dict[str, float]) -> None:
+        """values into the wandb run's summary (the run table's columns), if wandb logs this run."""
+        if self.wandb is not None:
+            self.wandb.summary.update(values)
+
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
@@ -108,7 +113,8 @@ def read_run(run_dir: Path) -> dict:
     replace those a killed process logged after the checkpoint it resumed), wall-clock continued across resumes (a
     record's wall_s: the time lost to a kill included); torn: whether the log ends in a line cut short (a process
     killed while writing it, whatever it held); final_iter: the iteration of the run's final evaluation (the latest
-    attempt's max_iters, or where an eval_only attempt started)."""
+    attempt's max_iters, or where an eval_only attempt started); recall: the recall record logged at final_iter, or
+    None."""
     path, records, torn = run_dir / "log.jsonl", [], False
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for i, line in enumerate(lines, 1):
@@ -124,7 +130,8 @@ def read_run(run_dir: Path) -> dict:
     if not starts:
         raise UserError(f"{path} holds no run's config record: not a log written by train.py")
     records = records[starts[-1]:]
-    offset, last, evals, trains = 0.0, 0.0, {}, {}  # by iteration: a resume replaces what came after its checkpoint
+    offset, last = 0.0, 0.0
+    evals, trains, recalls = {}, {}, {}  # by iteration: a resume replaces what came after its checkpoint
     for r in records:
         if r["event"] == "config":
             offset, last = offset + last, 0.0
@@ -132,12 +139,15 @@ def read_run(run_dir: Path) -> dict:
             for kept in (evals, trains):
                 for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
                     del kept[it]
+        elif r["event"] == "recall":  # recall.py's tasks at the final evaluation (train.py --final_evals)
+            recalls[r["iter"]] = r
         else:
             last = r["elapsed_s"]
             (evals if r["event"] == "eval" else trains)[r["iter"]] = r | {"wall_s": offset + r["elapsed_s"]}
     return {"name": run_dir.name, "config": records[0]["config"], "model_config": records[0]["model_config"],
             "evals": sorted(evals.values(), key=lambda r: r["iter"]),
-            "trains": sorted(trains.values(), key=lambda r: r["iter"]), "torn": torn, "final_iter": final_iter}
+            "trains": sorted(trains.values(), key=lambda r: r["iter"]), "torn": torn, "final_iter": final_iter,
+            "recall": recalls.get(final_iter)}
 
 
 def unfinished(run: dict, final_iter: int | None = None) -> str | None:
@@ -150,4 +160,6 @@ def unfinished(run: dict, final_iter: int | None = None) -> str | None:
         return "no evaluation logged yet"
     if not any(e["iter"] == final_iter for e in run["evals"]):
         return f"its last evaluation is at iteration {run['evals'][-1]['iter']}, its final one at {final_iter}"
+    if run["config"].get("final_evals") and run["recall"] is None:
+        return "its final_evals are not logged yet (killed while they ran)"
     return None

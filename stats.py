@@ -1,6 +1,6 @@
 """Statistics over seeds for the comparison report: a mean with its Student t interval, the seed-paired difference
-of two variants with its own interval, the ratio of two decode speeds over their repeats with its interval, and the
-sentences that say what they show.
+of two variants with its own interval, the ratio of two decode speeds over their repeats with its interval, an
+accuracy pooled over seeds with its Wilson interval, and the sentences that say what they show.
 """
 
 import math
@@ -45,6 +45,33 @@ def paired_difference(a: dict[int, float], b: dict[int, float], level: float = 0
     """a minus b, paired by seed (the seeds both have): the mean difference and its interval; None if none shared."""
     shared = sorted(a.keys() & b.keys())
     return mean_interval([a[s] - b[s] for s in shared], level) if shared else None
+
+
+def proportion_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of the proportion correct / n: unlike a t interval, it stays inside [0, 1] at 0 or n
+    correct (Wilson 1927, https://doi.org/10.1080/01621459.1927.10502953)."""
+    from scipy.stats import binomtest
+
+    interval = binomtest(correct, n).proportion_ci(confidence_level=level, method="wilson")
+    return float(interval.low), float(interval.high)
+
+
+@dataclass(frozen=True, slots=True)
+class Accuracy:
+    accuracy: float  # correct answers over answers, pooled over the seeds
+    low: float  # its 95% Wilson interval
+    high: float
+    diff: Estimate | None  # the seed-paired difference of the per-seed accuracies to a reference's
+
+
+def pooled_accuracy(results: dict[int, dict], reference: dict[int, dict], level: float = 0.95) -> Accuracy:
+    """The accuracy over {seed: result} (each result's "correct" of "n") pooled over the seeds with its Wilson
+    interval, and the seed-paired difference of the per-seed accuracies to reference's (None without a seed in
+    common)."""
+    correct, n = sum(r["correct"] for r in results.values()), sum(r["n"] for r in results.values())
+    diff = paired_difference({seed: r["correct"] / r["n"] for seed, r in results.items()},
+                             {seed: r["correct"] / r["n"] for seed, r in reference.items()}, level)
+    return Accuracy(correct / n, *proportion_interval(correct, n, level), diff)
 
 
 def verdict(name: str, reference: str, diff: Estimate | None) -> str:

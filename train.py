@@ -3,9 +3,7 @@
 Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
 
-The keys are TrainConfig's (configs.py; `python train.py --help` lists them). From the command line to the first
-step: parse_train (the keys, and a resumed run's checkpoint), main (the process group, out_dir's lock),
-Trainer.__init__ (device and dtype, data, model, optimizer, a checkpoint restored), Trainer.run (the loop).
+Keys: TrainConfig (configs.py, `--help`); from the command to the first step: docs/architecture.md
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
@@ -26,6 +24,7 @@ import torch.distributed as dist
 
 import checkpoint
 import convert
+import recall
 import runtime
 import sharding
 from atomic import check_writes_into, folder_lock
@@ -311,7 +310,20 @@ class Trainer:
         if self.iter_num not in (0, self.saved) and not cfg.eval_only and improved:
             self.best_val = min(self.best_val, val)
             self.save(rng)
+        if cfg.final_evals and (self.iter_num == cfg.max_iters or cfg.eval_only):
+            self.final_evals()
         self.t_last = time.perf_counter()  # ms/iter leaves evaluation out
+
+    def final_evals(self) -> None:
+        """recall.py's tasks on the final model (induction, position, MQAR), in one record."""
+        cfg = self.cfg
+        results = recall.run_tasks(cfg.final_evals, self.model, self.batches, cfg.eval_iters,
+                                   batch_size=cfg.batch_size, seed=cfg.seed, amp=self.amp)
+        if self.proc.is_master:
+            print(f"step {self.iter_num}: {recall.summary_line(results)}")
+            elapsed = time.perf_counter() - self.t_start
+            self.log.write(event="recall", iter=self.iter_num, **results, elapsed_s=elapsed)
+            self.log.summarize(recall.flat(results))
 
     def log_progress(self, lr: float) -> None:
         """The mean loss since the last log (all ranks), speed and MFU; a NaN/inf loss stops."""

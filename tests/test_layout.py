@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, cli
 
 MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
-SCRIPTS = {"train", "sample", "bench", "compare", "export"}
+SCRIPTS = {"train", "sample", "bench", "compare", "export", "eval"}
 
 
 def project_imports(module: str) -> dict[str, set[str]]:

@@ -10,19 +10,23 @@ from pathlib import Path
 import pytest
 
 import report
+import stats
 from atomic import folder_lock
 from conftest import cli
 from model import GPTConfig
 from train import TrainConfig
 
+T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
+Z_975, Z_75 = 1.959963984540054, 0.674489750196082  # the standard normal's 0.975 and 0.75 quantiles (a table)
 SHAPE = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--max_iters=20", "--decode_batch=2",
          "--decode_context=40"]
 
 
 def write_log(root: Path, name: str, n_kv_head: int, seed: int, losses: dict[int, float], max_iters: int = 20,
-              torn: bool = False) -> Path:
+              torn: bool = False, recall: dict | None = None) -> Path:
     """A run's folder as a sweep leaves it: log.jsonl (the config record, then a train and an eval record at each
-    iteration of losses) and a checkpoint's name; torn: the last line cut in half, as a kill mid-write leaves it."""
+    iteration of losses, and recall's tasks after the last, as --final_evals logs them) and a checkpoint's name;
+    torn: the last line cut in half, as a kill mid-write leaves it."""
     run_dir = root / f"{name}-s{seed}"
     run_dir.mkdir(parents=True)
     tags = [name, f"seed={seed}", "size=2x32", f"n_kv_head={n_kv_head}", "match=width"]
@@ -33,6 +37,8 @@ def write_log(root: Path, name: str, n_kv_head: int, seed: int, losses: dict[int
     for it, loss in losses.items():
         records += [{"event": "train", "iter": it, "loss": loss, "tokens_per_s": 1e4, "elapsed_s": it / 10},
                     {"event": "eval", "iter": it, "train_loss": loss, "val_loss": loss, "elapsed_s": it / 10}]
+    if recall is not None:
+        records.append({"event": "recall", "iter": max(losses), "elapsed_s": max(losses) / 10 + 1, **recall})
     text = "".join(json.dumps(r) + "\n" for r in records)
     if torn:
         last = text.splitlines()[-1]
@@ -118,3 +124,83 @@ def test_speed_ratios_are_stated_only_where_the_repeats_separate_them(tmp_path: 
     gqa2 = next(line for line in out.splitlines() if line.startswith("- gqa2"))
     assert gqa2.endswith(f"Its cached decode ran at {math.exp(mean):.2f}x MHA's speed (95% interval "
                          f"{math.exp(mean - half):.2f}-{math.exp(mean + half):.2f}x over 3 paired repeats)."), gqa2
+
+
+def wilson(k: int, n: int, z: float = Z_975) -> tuple[float, float]:
+    """The Wilson score interval of k / n by its formula (Wilson 1927); z: the normal quantile, 95% by default."""
+    p = k / n
+    centre = (p + z**2 / (2 * n)) / (1 + z**2 / n)
+    half = z / (1 + z**2 / n) * math.sqrt(p * (1 - p) / n + z**2 / (4 * n**2))
+    return centre - half, centre + half
+
+
+def test_the_proportion_interval_is_wilsons_and_stays_inside_0_1() -> None:
+    for k, n in [(0, 10), (10, 10), (1, 3), (7, 20), (1440, 1920)]:
+        low, high = stats.proportion_interval(k, n)
+        assert (low, high) == pytest.approx(wilson(k, n), rel=1e-9, abs=1e-12), (k, n)
+        assert 0 <= low <= k / n <= high <= 1
+    assert stats.proportion_interval(0, 10)[0] == pytest.approx(0, abs=1e-12)  # a t interval: 0 ± 0, or below 0
+    assert stats.proportion_interval(10, 10)[1] == pytest.approx(1, rel=1e-12)
+    assert stats.proportion_interval(7, 20, level=0.5) == pytest.approx(wilson(7, 20, Z_75), rel=1e-9)
+
+
+def induction(*results: tuple[int, int, int, float]) -> list[dict]:
+    """recall's induction results from (distance, correct, n, loss) tuples."""
+    return [{"distance": d, "loss": loss, "accuracy": k / n, "correct": k, "n": n} for d, k, n, loss in results]
+
+
+def mqar(k: int, n: int) -> dict:
+    return {"accuracy": k / n, "correct": k, "n": n}
+
+
+def test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha(tmp_path: Path) -> None:
+    """mqa at seed 1338 measured induction at distance 16 only: mqa's row is at 16 (the longest every seed has),
+    MHA's at 32, and mqa's paired difference uses MHA's accuracies at 16. gqa2 has a recall record at one seed
+    only: no recall columns. Pooled accuracies differ from the mean of the per-seed ones (the seeds' n differ)."""
+    recalls = {("mha", 1337): {"induction": induction((16, 30, 40, 1.0), (32, 20, 40, 2.0)), "mqar": mqar(60, 100),
+                               "position": [3.0, 2.0, None]},
+               ("mha", 1338): {"induction": induction((16, 34, 40, 0.8), (32, 24, 40, 1.6)), "mqar": mqar(70, 100),
+                               "position": [3.2, 1.8, None]},
+               ("mqa", 1337): {"induction": induction((16, 28, 40, 1.2), (32, 10, 40, 2.5)), "mqar": mqar(40, 100)},
+               ("mqa", 1338): {"induction": induction((16, 60, 80, 1.1)), "mqar": mqar(90, 200)},
+               ("gqa2", 1337): {"induction": induction((16, 30, 40, 1.0)), "mqar": mqar(50, 100)}}
+    for name, g in (("mha", 4), ("gqa2", 2), ("mqa", 1)):
+        for seed in (1337, 1338):
+            write_log(tmp_path, name, g, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100}, recall=recalls.get((name, seed)))
+    _, _, rows = report_of(tmp_path, "--kv_heads=[4,2,1]", "--seeds=2")
+    md, mha, mqa = (tmp_path / "report.md").read_text(), rows["mha"], rows["mqa"]
+    assert (mha["induction_distance"], mqa["induction_distance"]) == ("32", "16")
+    assert float(mha["induction_acc"]) == pytest.approx(44 / 80, rel=1e-12)
+    assert float(mqa["induction_acc"]) == pytest.approx(88 / 120, rel=1e-12)  # not (0.7 + 0.75) / 2
+    assert float(mha["induction_loss"]) == pytest.approx(1.8, rel=1e-12)
+    assert float(mqa["induction_loss"]) == pytest.approx(1.15, rel=1e-12)
+    assert float(mqa["mqar_acc"]) == pytest.approx(130 / 300, rel=1e-12)  # not (0.4 + 0.45) / 2
+    for row, (k, n) in ((mha, (44, 80)), (mqa, (88, 120))):
+        assert (float(row["induction_acc_low"]), float(row["induction_acc_high"])) == pytest.approx(wilson(k, n))
+    for row, (k, n) in ((mha, (130, 200)), (mqa, (130, 300))):
+        assert (float(row["mqar_acc_low"]), float(row["mqar_acc_high"])) == pytest.approx(wilson(k, n))
+    # paired by seed: mqa minus MHA at 16 (0.7 - 0.75, 0.75 - 0.85) and on MQAR (0.4 - 0.6, 0.45 - 0.7)
+    for column, diffs in (("induction_acc", [-0.05, -0.10]), ("mqar_acc", [-0.20, -0.25])):
+        assert float(mqa[f"{column}_diff_vs_mha"]) == pytest.approx(sum(diffs) / 2, rel=1e-9)
+        half = T_975_1 * abs(diffs[0] - diffs[1]) / 2  # t * s / sqrt(2), s = |a - b| / sqrt(2)
+        assert float(mqa[f"{column}_diff_vs_mha_ci95"]) == pytest.approx(half, rel=1e-9)
+        assert mha[f"{column}_diff_vs_mha"] == "" and mha[f"{column}_diff_vs_mha_ci95"] == ""
+    assert all(rows["gqa2"][k] == "" for k in ("induction_distance", "induction_acc", "mqar_acc"))
+    low, high = wilson(88, 120)
+    assert f"| {88 / 120:.3f} ({low:.3f}-{high:.3f}), -0.0750 ± {T_975_1 * 0.05 / 2:.4f} vs MHA |" in md
+    low, high = wilson(44, 80)
+    assert f"| {44 / 80:.3f} ({low:.3f}-{high:.3f}) @32 |" in md  # MHA's distance is not the header's
+    low, high = wilson(130, 300)
+    assert f"| {130 / 300:.3f} ({low:.3f}-{high:.3f}), -0.2250 ± {T_975_1 * 0.05 / 2:.4f} vs MHA |" in md
+    assert "| induction acc @16 | MQAR acc |" in md and "| - | - |" in md  # gqa2's cells
+    assert "pooled over seeds (correct answers over answers) with its 95% Wilson interval" in md
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_report_without_recall_records_has_no_recall_columns(tmp_path: Path) -> None:
+    for name, g in (("mha", 4), ("mqa", 1)):
+        for seed in (1337, 1338):
+            write_log(tmp_path, name, g, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100})
+    out, _, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=2")
+    assert not [k for k in rows["mqa"] if k.startswith(("induction", "mqar"))]
+    assert "induction" not in out and "MQAR" not in out and "Wilson" not in out

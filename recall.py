@@ -1,0 +1,188 @@
+"""What attention is for, measured on any model this project loads: induction (copying a random segment seen
+earlier, Olsson et al. 2022, arXiv 2209.11895), the loss at each position of the context, and multi-query
+associative recall on an MQAR dataset (data/mqar, Zoology: Arora et al. 2023, arXiv 2312.04927). eval.py is the
+command; train.py runs the tasks of --final_evals at its final evaluation. Figures: docs/compare.md."""
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from dataset import Batches
+from errors import UserError
+
+TASKS = ("induction", "position", "mqar")
+
+
+@torch.no_grad()
+def token_losses(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+                 amp: AbstractContextManager | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's loss and whether the model's top token is the target, both (B, T) and on CPU, for inputs
+    idx (B, T) and targets (B, T); a target of -1 (nothing to predict there) gets a NaN loss and counts as wrong."""
+    with amp or nullcontext():
+        logits, _ = model(idx, targets)  # (B, T, vocab_size): with targets the model returns every position's
+    logits = logits.float()
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp(min=0), reduction="none")
+    loss = loss.view_as(targets).masked_fill(targets < 0, float("nan"))
+    correct = (logits.argmax(-1) == targets) & (targets >= 0)
+    return loss.cpu(), correct.cpu()
+
+
+def default_distances(block_size: int, length: int) -> list[int]:
+    """Distances from length up to the longest that fits block_size, doubling: 16, 32, ..., block_size - length."""
+    longest = block_size - length
+    distances = []
+    d = length
+    while d < longest:
+        distances.append(d)
+        d *= 2
+    return distances + [longest] if longest >= length else []
+
+
+def check_induction(block_size: int, vocab: int, length: int, distances: list[int]) -> None:
+    """A UserError for an induction task this model cannot take: too few tokens, or a distance past block_size."""
+    if length < 2:
+        raise UserError(f"induction_length={length}: a copied segment needs at least 2 tokens")
+    if vocab < 2 * length:
+        raise UserError(f"induction_length={length} needs {2 * length} distinct tokens (the segment's and as many "
+                        f"for the filler), but the vocabulary has {vocab}: lower induction_length")
+    for d in distances:
+        if not length <= d <= block_size - length:
+            raise UserError(f"induction distance {d} with induction_length={length}: each distance must be "
+                            f"between {length} and block_size - {length} = {block_size - length}, so that the "
+                            f"copy fits the context")
+
+
+def induction_batch(rng: np.random.Generator, batch: int, vocab: int, length: int, distance: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets), each (batch, distance + length - 1): a segment of `length` distinct random tokens, filler
+    of other random tokens up to `distance`, then the segment again; the targets are the copy's tokens after its
+    first (the ones an induction head predicts), -1 elsewhere."""
+    rows = []
+    for _ in range(batch):
+        segment = rng.choice(vocab, size=length, replace=False)
+        others = np.setdiff1d(np.arange(vocab), segment)
+        filler = rng.choice(others, size=distance - length)
+        rows.append(np.concatenate([segment, filler, segment]))
+    seq = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, distance + length)
+    targets = seq[:, 1:].clone()
+    targets[:, :distance] = -1  # before the copy's second token nothing is predictable from the context
+    return seq[:, :-1], targets
+
+
+def induction(model: torch.nn.Module, vocab: int, distances: list[int], length: int = 16, examples: int = 256,
+              batch_size: int = 32, seed: int = 0, device: str | torch.device = "cpu",
+              amp: AbstractContextManager | None = None, progress: bool = False) -> list[dict]:
+    """At each distance: the mean loss, the top-1 accuracy and the number of predictions on the second copy of a
+    random segment (induction_batch), over `examples` sequences drawn from the first `vocab` token ids with seed."""
+    check_induction(model.config.block_size, vocab, length, distances)
+    out = []
+    for distance in distances:
+        rng = np.random.default_rng([seed, distance])
+        losses, hits = [], []
+        for b in batches_of(examples, batch_size, f"induction at {distance}", progress):
+            idx, targets = induction_batch(rng, b, vocab, length, distance)
+            loss, correct = token_losses(model, idx.to(device), targets.to(device), amp)
+            keep = targets >= 0
+            losses.append(loss[keep])
+            hits.append(correct[keep])
+        loss, hit = torch.cat(losses), torch.cat(hits)
+        out.append({"distance": distance, "loss": loss.mean().item(), "accuracy": hit.float().mean().item(),
+                    "correct": int(hit.sum()), "n": hit.numel()})
+    return out
+
+
+def loss_by_position(model: torch.nn.Module, batches: Batches, eval_iters: int,
+                     amp: AbstractContextManager | None = None, progress: bool = False) -> list[float | None]:
+    """The mean loss at each context position 0..block_size-1 over the val split's eval_iters evaluation batches
+    (the ones train.py's val loss averages); None where no target counts (an MQAR dataset's non-answers)."""
+    total = torch.zeros(batches.block_size, dtype=torch.float64)
+    count = torch.zeros(batches.block_size, dtype=torch.float64)
+    for k in tqdm(range(eval_iters), desc="loss by position", disable=not progress):
+        loss, _ = token_losses(model, *batches.eval("val", k), amp)
+        known = ~loss.isnan()
+        total += torch.where(known, loss, 0.0).sum(0)
+        count += known.sum(0)
+    return [t / c if c else None for t, c in zip(total.tolist(), count.tolist(), strict=True)]
+
+
+def mqar(model: torch.nn.Module, batches: Batches, eval_iters: int, amp: AbstractContextManager | None = None,
+         progress: bool = False) -> dict:
+    """Exact-match accuracy on the answers of an MQAR dataset's val examples (its eval_iters evaluation batches):
+    the top token at each answer position is the value of the key just queried."""
+    if not batches.meta.get("example_tokens"):
+        raise UserError(f"the mqar task reads an MQAR dataset (python data/mqar/prepare.py), and {batches.path} "
+                        f"is not one: give --dataset=<an MQAR dataset>, or leave mqar out of the tasks")
+    correct = n = 0
+    for k in tqdm(range(eval_iters), desc="mqar", disable=not progress):
+        idx, targets = batches.eval("val", k)
+        _, hit = token_losses(model, idx, targets, amp)
+        correct += int(hit.sum())
+        n += int((targets >= 0).sum())
+    return {"accuracy": correct / n, "correct": correct, "n": n}
+
+
+def batches_of(total: int, size: int, what: str, progress: bool) -> Iterator[int]:
+    """The batch sizes that make up total, with a progress bar if asked."""
+    sizes = [min(size, total - start) for start in range(0, total, size)]
+    return iter(tqdm(sizes, desc=what, disable=not progress))
+
+
+def run_tasks(tasks: list[str], model: torch.nn.Module, batches: Batches | None, eval_iters: int,
+              vocab: int | None = None, distances: list[int] | None = None, length: int | None = None,
+              examples: int = 256, batch_size: int = 32, seed: int = 0, amp: AbstractContextManager | None = None,
+              progress: bool = False) -> dict:
+    """{task: its result} for each of tasks (TASKS) on the model's device. batches: the dataset's (position and mqar
+    read its val split); vocab: the token ids induction draws from (default: the dataset's vocab_size); length:
+    induction's segment, by default 16 tokens or a quarter of the context. The model is put in eval mode and back."""
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise UserError(f"tasks: {unknown[0]!r} is not one of {', '.join(TASKS)}")
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    out = {}
+    try:
+        if "induction" in tasks:
+            length = length or min(16, model.config.block_size // 4)
+            if distances is None:
+                distances = default_distances(model.config.block_size, length)
+            vocab = vocab or batches.meta["vocab_size"]
+            out["induction"] = induction(model, vocab, distances, length, examples, batch_size, seed, device, amp,
+                                         progress)
+        if "position" in tasks:
+            out["position"] = loss_by_position(model, batches, eval_iters, amp, progress)
+        if "mqar" in tasks:
+            out["mqar"] = mqar(model, batches, eval_iters, amp, progress)
+    finally:
+        model.train(training)
+    return out
+
+
+def flat(results: dict) -> dict[str, float]:
+    """run_tasks's results as named numbers (a wandb summary): induction_acc@16, induction_loss@16, ..., mqar_acc;
+    position_loss_first and position_loss_last (the first and last positions with a target)."""
+    out = {}
+    for r in results.get("induction", []):
+        out[f"induction_acc@{r['distance']}"] = r["accuracy"]
+        out[f"induction_loss@{r['distance']}"] = r["loss"]
+    known = [loss for loss in results.get("position", []) if loss is not None]
+    if known:
+        out |= {"position_loss_first": known[0], "position_loss_last": known[-1]}
+    if "mqar" in results:
+        out["mqar_acc"] = results["mqar"]["accuracy"]
+    return out
+
+
+def summary_line(results: dict) -> str:
+    """One line of run_tasks's results, as train.py prints them."""
+    parts = [f"induction acc {r['accuracy']:.3f} at {r['distance']}" for r in results.get("induction", [])]
+    known = [loss for loss in results.get("position", []) if loss is not None]
+    if known:
+        parts.append(f"loss at the first position {known[0]:.3f}, at the last {known[-1]:.3f}")
+    if "mqar" in results:
+        parts.append(f"MQAR acc {results['mqar']['accuracy']:.3f} ({results['mqar']['n']} answers)")
+    return "; ".join(parts)

@@ -1,0 +1,125 @@
+"""recall.py's evaluations against hand-built oracles: a model that copies perfectly scores 100% on induction and
+one that knows nothing scores chance; loss by position averages to the val loss; train.py --final_evals logs them,
+eval.py prints them, and bad input is one line."""
+
+import json
+import math
+from contextlib import nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import recall
+from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
+from dataset import Batches
+from errors import UserError
+from runlog import read_run, unfinished
+from train import evaluate
+
+
+class Copier(torch.nn.Module):
+    """An induction oracle: at each position, all its weight on the token that followed the last earlier occurrence
+    of the current token (uniform where there is none), as GPT's forward returns logits with targets given."""
+
+    def __init__(self, vocab: int, block_size: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.config = SimpleNamespace(block_size=block_size)
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the evaluation puts its inputs
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        B, T = idx.shape
+        logits = torch.zeros(B, T, self.vocab)
+        for b in range(B):
+            seen: dict[int, int] = {}  # token -> the token that followed its last occurrence
+            row = idx[b].tolist()
+            for t, token in enumerate(row):
+                if token in seen:
+                    logits[b, t, seen[token]] = 30.0
+                if t + 1 < T:
+                    seen[token] = row[t + 1]
+        return logits, None
+
+
+class Uniform(Copier):
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+        return torch.zeros(*idx.shape, self.vocab), None
+
+
+def test_a_perfect_copier_scores_everything_and_a_uniform_model_scores_chance() -> None:
+    V, L = 64, 8
+    perfect = recall.induction(Copier(V, 64), V, [8, 24, 56], length=L, examples=40, batch_size=16)
+    assert [r["distance"] for r in perfect] == [8, 24, 56]
+    assert all(r["accuracy"] == 1.0 and r["loss"] < 1e-6 and r["n"] == 40 * (L - 1) for r in perfect)
+    chance = recall.induction(Uniform(V, 64), V, [24], length=L, examples=256, batch_size=64)[0]
+    assert chance["loss"] == pytest.approx(math.log(V), rel=1e-6)
+    assert chance["accuracy"] < 4 / V  # argmax of a flat row is token 0: right 1 time in V, give or take
+    again = recall.induction(Uniform(V, 64), V, [24], length=L, examples=256, batch_size=64)[0]
+    assert again == chance  # seeded
+
+
+def test_induction_batches_repeat_a_segment_of_distinct_tokens_at_the_distance() -> None:
+    idx, targets = recall.induction_batch(np.random.default_rng(0), 8, vocab=40, length=6, distance=20)
+    assert idx.shape == targets.shape == (8, 25)
+    for b in range(8):
+        segment = idx[b, :6].tolist()
+        assert len(set(segment)) == 6 and not set(idx[b, 6:20].tolist()) & set(segment)  # filler: other tokens
+        counted = (targets[b] >= 0).nonzero().flatten().tolist()
+        assert counted == list(range(20, 25))  # the copy's tokens after its first
+        assert [targets[b, t].item() for t in counted] == segment[1:]  # each one the token `distance` back
+
+
+def test_loss_by_position_averages_to_the_val_loss(pycode_small: Path) -> None:
+    batches = Batches(pycode_small, 32, 4, 1337, "cpu")
+    model = tiny_model(vocab_size=batches.meta["vocab_size"]).eval()
+    curve = recall.loss_by_position(model, batches, eval_iters=3)
+    assert len(curve) == 32 and sum(curve) / 32 == pytest.approx(evaluate(model, batches, 3, nullcontext())["val"])
+    by_hand = []  # position 5 alone, from the model's logits
+    for k in range(3):
+        idx, targets = batches.eval("val", k)
+        logits, _ = model(idx, targets)
+        by_hand.append(torch.nn.functional.cross_entropy(logits[:, 5], targets[:, 5], reduction="none"))
+    assert curve[5] == pytest.approx(torch.cat(by_hand).mean().item(), rel=1e-5)
+
+
+def test_distances_past_the_context_and_vocabularies_too_small_are_one_line() -> None:
+    with pytest.raises(UserError, match="between 8 and block_size - 8 = 24"):
+        recall.induction(Copier(64, 32), 64, [25], length=8)
+    with pytest.raises(UserError, match="needs 32 distinct tokens .* the vocabulary has 20"):
+        recall.induction(Copier(20, 64), 20, [16], length=16)
+    assert recall.default_distances(256, 16) == [16, 32, 64, 128, 240]
+    assert recall.default_distances(32, 8) == [8, 16, 24]
+
+
+def test_train_logs_its_final_evals_and_eval_py_prints_the_same(pycode_small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--max_iters=10",
+             "--eval_interval=10", "--final_evals=[induction,position]"])
+    assert "step 10: induction acc" in r.stdout
+    record = [x for x in read_log(out) if x["event"] == "recall"]
+    assert len(record) == 1 and record[0]["iter"] == 10
+    assert [d["distance"] for d in record[0]["induction"]] == [8, 16, 24] and len(record[0]["position"]) == 32
+    assert read_run(out)["recall"]["induction"] == record[0]["induction"] and unfinished(read_run(out)) is None
+    # eval.py on the checkpoint: the same tasks and settings give the same numbers (the final model was saved)
+    base = ["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", "--induction_length=8",
+            "--eval_iters=4", "--batch_size=8", "--seed=1337"]
+    r = cli([*base, "--tasks=[induction,position]"])
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["distance"] for x in rows if x["task"] == "induction"] == [8, 16, 24]
+    assert [x for x in rows if x["task"] == "induction"] == [{"task": "induction", **d} for d in record[0]["induction"]]
+    assert next(x for x in rows if x["task"] == "position")["loss"] == pytest.approx(record[0]["position"])
+    # mistakes: one line each
+    for flags, message in [(["--distances=[30]"], "induction distance 30 with induction_length=8"),
+                           (["--induction_length=64"], "induction_length=64 needs 128 distinct tokens"),
+                           (["--tasks=[mqar]"], "the mqar task reads an MQAR dataset"),
+                           (["--tasks=[recall]"], "tasks: 'recall' is not one of induction, position, mqar")]:
+        r = cli([*base, *flags])
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    # a run killed before its final evals were logged is not finished (the sweep runs it again)
+    log = out / "log.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if '"recall"' not in line))
+    assert unfinished(read_run(out)) == "its final_evals are not logged yet (killed while they ran)"
