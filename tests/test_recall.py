@@ -112,6 +112,13 @@ def test_train_logs_its_final_evals_and_eval_py_prints_the_same(pycode_small: Pa
     assert [x["distance"] for x in rows if x["task"] == "induction"] == [8, 16, 24]
     assert [x for x in rows if x["task"] == "induction"] == [{"task": "induction", **d} for d in record[0]["induction"]]
     assert next(x for x in rows if x["task"] == "position")["loss"] == pytest.approx(record[0]["position"])
+    # the same model exported to a transformers folder and read back by init_from=hf: scores the same
+    run(["export.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}"])
+    r = cli([*base, f"--init_from=hf:{tmp_path / 'hf'}", f"--dataset={pycode_small}"])
+    assert r.returncode == 0, r.stderr
+    from_hf = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["correct"] for x in from_hf if x["task"] == "induction"] == [d["correct"] for d in record[0]["induction"]]
+    assert from_hf[-1]["loss"] == pytest.approx(record[0]["position"], rel=1e-4)
     # mistakes: one line each
     for flags, message in [(["--distances=[30]"], "induction distance 30 with induction_length=8"),
                            (["--induction_length=64"], "induction_length=64 needs 128 distinct tokens"),
@@ -123,3 +130,13 @@ def test_train_logs_its_final_evals_and_eval_py_prints_the_same(pycode_small: Pa
     log = out / "log.jsonl"
     log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if '"recall"' not in line))
     assert unfinished(read_run(out)) == "its final_evals are not logged yet (killed while they ran)"
+
+
+def test_mqar_accuracy_is_one_for_a_model_that_looks_keys_up_and_chance_for_a_uniform_one(tmp_path: Path) -> None:
+    """On a prepared MQAR dataset the copier (the token after the key's earlier occurrence: its value) answers every
+    query; a uniform model, whose top token is the first id (a key, never an answer), none."""
+    run(["data/mqar/prepare.py", f"--out_dir={tmp_path}", "--train_examples=200", "--val_examples=200"])
+    batches = Batches(tmp_path, 31, 16, 0, "cpu")
+    perfect = recall.mqar(Copier(128, 31), batches, eval_iters=4)
+    assert perfect == {"accuracy": 1.0, "correct": 4 * 16 * 8, "n": 4 * 16 * 8}
+    assert recall.mqar(Uniform(128, 31), batches, eval_iters=4)["accuracy"] == 0.0
