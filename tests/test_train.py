@@ -143,7 +143,8 @@ def test_eval_only_writes_no_checkpoint(pycode_small: Path, tmp_path: Path) -> N
 def test_wandb_offline_records_the_run(pycode_small: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     train(pycode_small, out, "--max_iters=20", "--eval_interval=10", "--wandb_log=True", "--wandb_group=g1",
-          "--wandb_tags=MHA,test", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}, fresh=True)
+          "--wandb_tags=MHA,test", "--final_evals=[induction]", env={"WANDB_MODE": "offline",
+                                                                      "WANDB_SILENT": "true"}, fresh=True)
     runs = list((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))
     r = subprocess.run([str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--summary", "--json",
@@ -155,6 +156,8 @@ def test_wandb_offline_records_the_run(pycode_small: Path, tmp_path: Path) -> No
     assert info["summary"]["val_loss"] == [x for x in log if x["event"] == "eval"][-1]["val_loss"]
     assert abs(info["summary"]["loss"] - last_train["loss"]) < 1e-9
     assert set(info["tags"]) == {"MHA", "test"} and info["config"]["wandb_group"] == "g1"
+    induction = next(x for x in log if x["event"] == "recall")["induction"]  # the final evals, in the run's summary
+    assert [info["summary"][f"induction_acc@{d['distance']}"] for d in induction] == [d["accuracy"] for d in induction]
     # resumed, the run goes on in the same wandb run (offline: a second folder with its id, synced into that run)
     train(pycode_small, out, "--init_from=resume", "--max_iters=30", env={"WANDB_MODE": "offline", "WANDB_SILENT":
                                                                            "true"}, fresh=True)
