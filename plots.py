@@ -56,7 +56,9 @@ def loss_panel(ax: Any, runs: list[dict]) -> None:
         its = sorted(i for i in by_iter if i > 0)  # the untrained first evaluation would flatten the rest
         shown += [statistics.fmean(by_iter[i]) for i in its]
         ax.plot(its, [statistics.fmean(by_iter[i]) for i in its], marker=".", label=f"{size} {name}")
-    if shown:
+    if shown and max(shown) > 3 * min(shown):  # apart by orders of magnitude (a task some runs solve): log scale
+        ax.set_yscale("log")
+    elif shown:  # close together: zoom in, the early evaluations cut off
         ax.set_ylim(min(shown) * 0.98, min(max(shown), min(shown) * 1.6))
     ax.set(xlabel="iteration", ylabel="val loss (mean over seeds)")
 
