@@ -1,7 +1,7 @@
 """The attention-variant comparison's report (compare.py), from the runs' log.jsonl files and the stored speed
 measurements alone: each variant x size x conversion over its seeds (mean val loss with its 95% interval, the
-seed-paired difference to MHA), the GQA paper's conversion tables, a verdict per size written from the numbers,
-and report.md, report.csv, report.png and (with wandb_log) a wandb Table.
+seed-paired difference to MHA, recall accuracies pooled with Wilson intervals), the GQA paper's conversion tables,
+a verdict per size, and report.md, report.csv, report.png (plots.py) and (with wandb_log) a wandb Table.
 """
 
 import csv
@@ -180,7 +180,7 @@ def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str])
                   *verdicts(scratch, conv, kv)]
         if conv:
             parts += ["", *conversion_tables(scratch, conv)]
-    parts += ["", "![val loss by iteration; the gap to MHA against size; conversions by uptraining](report.png)"]
+    parts += ["", "![val loss by iteration; the gap to MHA; conversions; loss by position; recall](report.png)"]
     return "\n".join(parts) + "\n"
 
 
