@@ -7,6 +7,7 @@ layout, so those weights are lent as blocked copies made from the model's own (d
 import hashlib
 import io
 import json
+import re
 import warnings
 import weakref
 import zipfile
@@ -138,6 +139,12 @@ def without_weights(package: bytes) -> bytes:
     return out.getvalue()
 
 
+def package_key(what: str) -> str:
+    """The cache name of a compiled step: a hash of its program and settings, without the program's source comments
+    ('# File: /path/model.py:291 in forward, ...'), so that a checkout elsewhere finds the packages compiled here."""
+    return hashlib.sha256(re.sub(r"^\s*# File: .*$", "", what, flags=re.M).encode()).hexdigest()[:40]
+
+
 def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[Any, dict] | None:
     """step exported for inputs shaped as idx and as the K/V cache k, with any number of filled positions and of
     cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor with its weights left
@@ -153,7 +160,7 @@ def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size
     configs = {"aot_inductor.package_constants_in_so": False} | (TEMPLATE_CONFIGS if step.template else {})
     what = (f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
             f"{configs}\n{program}")
-    path = Path(cache_dir()) / "smallgpt" / f"step-{hashlib.sha256(what.encode()).hexdigest()[:40]}.pt2"
+    path = Path(cache_dir()) / "smallgpt" / f"step-{package_key(what)}.pt2"
     if zipfile.is_zipfile(path) and path.with_suffix(".json").exists():  # torch warns on a cut-short one
         try:
             return torch._inductor.aoti_load_package(str(path)), json.loads(path.with_suffix(".json").read_text())

@@ -7,7 +7,7 @@ import torch
 import compiled_step
 import fast_paths
 from compiled_step import STEPS, CompiledStep
-from conftest import COMPILES, COMPILES_2, DECODE, VARIANTS, allowed, distinct, lively, sharpened, tiny_model
+from conftest import COMPILES, COMPILES_2, DECODE, ROOT, VARIANTS, allowed, distinct, lively, sharpened, tiny_model
 from generation import generate, left_pad, sample_logits, stream
 
 
@@ -327,3 +327,17 @@ def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> Non
     for (old, new), module in zip(zip(copies[1:], copies[2:]), changed):  # only the changed weight's copy made again
         remade = {sources[name][0] for name, t in old.items() if new[name] is not t}
         assert remade == {f"model.{module}.weight"}
+
+
+def test_the_compiled_steps_cache_name_is_the_same_in_a_checkout_elsewhere() -> None:
+    """The exported program's text names the source files it came from: the package's cache name leaves them out, so
+    a clone at another path loads the steps compiled here instead of compiling them again; another shape differs."""
+    def program(n_embd: int) -> str:
+        model = tiny_model(n_embd=n_embd)
+        return str(torch.export.export(model, (torch.zeros(1, 4, dtype=torch.long),), strict=False))
+
+    here = program(32)
+    assert "# File: " in here and str(ROOT) in here
+    elsewhere = here.replace(str(ROOT), "/somewhere/else/smallgpt")
+    key = compiled_step.package_key
+    assert key(elsewhere) == key(here) != key(program(64))
