@@ -100,9 +100,11 @@ def meta_problems(meta: object) -> list[str]:
     elif isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
         problems.append(f"vocab_size {meta['vocab_size']} does not fit {meta['dtype']}")
     examples = meta.get("example_tokens")  # a dataset of whole examples, each its own training row (data/mqar)
-    if examples is not None and not (isinstance(examples, int) and examples > 1 and not any(
-            isinstance(meta.get(k), int) and meta[k] % examples for k in ("train_tokens", "val_tokens"))):
-        problems.append(f"example_tokens is {examples!r}, not a whole number above 1 that divides both splits")
+    if examples is not None:
+        whole = isinstance(examples, int) and examples > 1
+        splits = [meta.get(k) for k in ("train_tokens", "val_tokens")]
+        if not whole or any(isinstance(n, int) and n % examples for n in splits):
+            problems.append(f"example_tokens is {examples!r}, not a whole number above 1 that divides both splits")
     if meta.get("tokenizer") not in ("char", "gpt2", "bpe"):
         problems.append(f"tokenizer is {meta.get('tokenizer')!r}, not char, gpt2 or bpe")
     elif meta["tokenizer"] == "char":

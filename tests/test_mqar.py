@@ -125,3 +125,19 @@ def test_train_py_trains_on_it(task: Path, tmp_path: Path) -> None:
     evals = [r for r in read_log(out) if r["event"] == "eval"]
     assert [r["iter"] for r in evals] == [0, 2, 4] and all(math.isfinite(r["val_loss"]) for r in evals)
     assert abs(evals[0]["val_loss"] - math.log(K + V)) < 1.0  # answers only: about ln(vocab) at initialisation
+
+
+def test_a_damaged_example_length_or_a_missing_mask_is_one_line(task: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(task, damaged)
+    meta = json.loads((damaged / "meta.json").read_text())
+    (damaged / "meta.json").write_text(json.dumps(meta | {"example_tokens": L + 1}))  # divides neither split
+    with pytest.raises(UserError, match=f"example_tokens is {L + 1}, not a whole number above 1 that divides both"):
+        Batches(damaged, L, 4, 0, "cpu")
+    (damaged / "meta.json").write_text(json.dumps(meta))
+    (damaged / "val_mask.bin").unlink()
+    with pytest.raises(UserError, match="val_mask.bin is missing; prepare the dataset again"):
+        Batches(damaged, L - 1, 4, 0, "cpu")
