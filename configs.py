@@ -13,7 +13,7 @@ from generation import check_sampling
 from hf import GPT2_NAMES
 from model import GPTConfig
 from quantize import QUANTIZE
-from recall import TASKS
+from recall import task_problems
 
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
 
@@ -87,9 +87,7 @@ class TrainConfig:
                     "weight_decay", "grad_clip", "keep_last"):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)} must not be negative")
-        for task in self.final_evals:
-            if task not in TASKS:
-                problems.append(f"final_evals: {task!r} is not one of {', '.join(TASKS)}")
+        problems += task_problems("final_evals", self.final_evals)
         if self.nonfinite not in ("stop", "skip"):
             problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
         try:

@@ -42,9 +42,7 @@ class EvalConfig:
                 problems.append(f"{key}={getattr(self, key)} must be positive")
         if not self.tasks:
             problems.append("tasks=[] names no task: give some of " + ", ".join(recall.TASKS))
-        for task in self.tasks:
-            if task not in recall.TASKS:
-                problems.append(f"tasks: {task!r} is not one of {', '.join(recall.TASKS)}")
+        problems += recall.task_problems("tasks", self.tasks)
         if self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -17,6 +17,11 @@ from errors import UserError
 TASKS = ("induction", "position", "mqar")
 
 
+def task_problems(key: str, tasks: list[str]) -> list[str]:
+    """What is wrong with a list of task names given as key (a config's check)."""
+    return [f"{key}: {task!r} is not one of {', '.join(TASKS)}" for task in tasks if task not in TASKS]
+
+
 @torch.no_grad()
 def token_losses(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor,
                  amp: AbstractContextManager | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +143,9 @@ def run_tasks(tasks: list[str], model: torch.nn.Module, batches: Batches | None,
     """{task: its result} for each of tasks (TASKS) on the model's device. batches: the dataset's (position and mqar
     read its val split); vocab: the token ids induction draws from (default: the dataset's vocab_size); length:
     induction's segment, by default 16 tokens or a quarter of the context. The model is put in eval mode and back."""
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise UserError(f"tasks: {unknown[0]!r} is not one of {', '.join(TASKS)}")
+    problems = task_problems("tasks", tasks)
+    if problems:
+        raise UserError(problems[0])
     device = next(model.parameters()).device
     training = model.training
     model.eval()
@@ -178,11 +183,5 @@ def flat(results: dict) -> dict[str, float]:
 
 
 def summary_line(results: dict) -> str:
-    """One line of run_tasks's results, as train.py prints them."""
-    parts = [f"induction acc {r['accuracy']:.3f} at {r['distance']}" for r in results.get("induction", [])]
-    known = [loss for loss in results.get("position", []) if loss is not None]
-    if known:
-        parts.append(f"loss at the first position {known[0]:.3f}, at the last {known[-1]:.3f}")
-    if "mqar" in results:
-        parts.append(f"MQAR acc {results['mqar']['accuracy']:.3f} ({results['mqar']['n']} answers)")
-    return "; ".join(parts)
+    """One line of run_tasks's results, as train.py prints them: flat's numbers."""
+    return ", ".join(f"{name.replace('_', ' ')} {value:.3f}" for name, value in flat(results).items())
