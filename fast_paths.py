@@ -25,16 +25,17 @@ SPLIT_COPY_WIDE = True
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-              cached: bool) -> torch.Tensor:
-    """Causal attention of q (B, n_head, T, hd) over k, v (B, n_kv_head, Tk, hd), each K/V head serving
-    n_head / n_kv_head query heads without copies. mask None means a plain causal block (Tk == T) or one query that
-    sees every key; otherwise the boolean mask (B or 1, 1, T, Tk) says what each query sees. cached: k and v come
-    from a KV cache (their length changes every call)."""
+              cached: bool, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of q (B, n_head, T, hd) over k (B, n_kv_head, Tk, hd) and v (B, n_kv_head, Tk, hd_v), each
+    K/V head serving n_head / n_kv_head query heads without copies; scores scaled by `scale` (default hd ** -0.5).
+    mask None means a plain causal block (Tk == T) or one query that sees every key; otherwise the boolean mask
+    (B or 1, 1, T, Tk) says what each query sees. cached: k and v come from a KV cache (their length changes every
+    call)."""
     if q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
-        return matmul_attention(q, k, v, mask, dropout_p)  # SDPA's CPU flash kernel is slower in bf16 training
+        return matmul_attention(q, k, v, mask, dropout_p, scale)  # SDPA's CPU flash kernel is slower in bf16 training
     B, H, T, hd = q.shape
     if q.is_cpu and q.dtype == torch.bfloat16 and T == 1 and mask is None and not dropout_p:
-        return one_query_attention(q, k, v)  # and 3-5x slower for one query over a bf16 cache
+        return one_query_attention(q, k, v, scale)  # and 3-5x slower for one query over a bf16 cache
     G = k.size(1)
     with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
         if G != H and T == 1 and (mask is not None or q.is_cpu):
@@ -42,13 +43,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             # call. Under a mask enable_gqa falls back to CUDA's math kernel (docs/gpu.md); on CPU the flash
             # kernel reads each K/V head once per query head, so GQA/MQA would not gain their smaller cache's
             # speed (docs/compare.md).
-            y = F.scaled_dot_product_attention(q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p)
-            return y.reshape(B, H, 1, hd)  # CUDA's kernels return (B, G, H // G, hd) strided as (B, H // G, G, hd)
+            y = F.scaled_dot_product_attention(q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p,
+                                               scale=scale)
+            return y.reshape(B, H, 1, v.size(-1))  # CUDA gives (B, G, H // G, hd) strided as (B, H // G, G, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                              dropout_p=dropout_p, enable_gqa=G != H)
+                                              dropout_p=dropout_p, enable_gqa=G != H, scale=scale)
 
 
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                        ) -> torch.Tensor:
     """attention() of one query per head, q (B, n_head, 1, hd), over every key of k, v: two matmuls and a softmax in
     fp32, each K/V head's queries as its rows (no copies for GQA/MQA). For bf16 on CPU, where SDPA's kernel takes
     3-5x longer at a long context: eager in fp32 (torch's one-row bf16 products are slow), compiled with bf16
@@ -56,12 +59,12 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> to
     B, H, _, hd = q.shape
     G = k.size(1)
     dtype = q.dtype if torch.compiler.is_compiling() else torch.float32
-    scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).float() * hd**-0.5
-    return (scores.softmax(dim=-1).to(dtype) @ v.to(dtype)).to(q.dtype).view(B, H, 1, hd)
+    scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).float() * (scale or hd**-0.5)
+    return (scores.softmax(dim=-1).to(dtype) @ v.to(dtype)).to(q.dtype).view(B, H, 1, v.size(-1))
 
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     dropout_p: float) -> torch.Tensor:
+                     dropout_p: float, scale: float | None = None) -> torch.Tensor:
     """attention() as two batched matmuls and a softmax, the mask added to the scores inside the first (baddbmm):
     faster than SDPA's flash kernel for bf16 training on CPU, not in fp32 (docs/performance-cpu.md). Each K/V head's
     queries are stacked as one batch entry, so GQA/MQA need no copies of K/V."""
@@ -77,9 +80,9 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
         bias = bias.repeat(rep, 1) if mask.dim() == 2 else bias.expand(B, G * rep, T, Tk).reshape(B * G, rep * T, Tk)
     att = torch.baddbmm(bias, q.reshape(B * G, rep * T, hd), k.reshape(B * G, Tk, hd).transpose(1, 2),
-                        alpha=hd**-0.5).softmax(dim=-1)  # (B * G, rep * T, Tk)
+                        alpha=scale or hd**-0.5).softmax(dim=-1)  # (B * G, rep * T, Tk)
     att = F.dropout(att, dropout_p) if dropout_p else att
-    return (att.type_as(v) @ v.reshape(B * G, Tk, hd)).view(B, H, T, hd)
+    return (att.type_as(v) @ v.reshape(B * G, Tk, -1)).view(B, H, T, v.size(-1))
 
 
 class SplitWeight(NamedTuple):

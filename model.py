@@ -1,6 +1,6 @@
-"""A GPT whose attention is MHA, GQA or MQA (set by n_kv_head), with a preallocated KV cache.
-
-GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150"""
+"""A GPT whose attention is MHA, GQA or MQA (set by n_kv_head) or MLA (kv_lora_rank), with a
+preallocated KV cache, in GPT-2's block or Llama's (norm='rmsnorm', mlp='swiglu'). The attention
+kinds, their cache and the rotary positions are in attention.py."""
 
 import math
 import zlib
@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from fast_paths import Linear, attention
+from attention import NORM_EPS, CausalSelfAttention, KVCache, LatentAttention, Rope, attention_mask, rope_tables
+from fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
 
@@ -30,19 +31,33 @@ class GPTConfig:
     pos_encoding: str = "learned"  # 'learned' (GPT-2 absolute positions) or 'rope' (rotary)
     rope_theta: float = 10000.0
     gelu: str = "exact"  # 'exact' or 'tanh' (the approximation OpenAI's GPT-2 was trained with)
-    mlp_hidden: int | None = None  # the MLP's hidden width; None: 4 * n_embd (GPT-2's)
+    mlp_hidden: int | None = None  # None: GPT-2's 4 * n_embd, or as many weights in SwiGLU
+    norm: str = "layernorm"  # or 'rmsnorm' (Llama's)
+    mlp: str = "gelu"  # or 'swiglu' (Llama's gated MLP: https://arxiv.org/abs/2002.05202)
+    # MLA (DeepSeek's names): the latent's width d_c (None: no MLA), the rotary key's width d_R
+    # (None: head_dim // 2 with rope, 0 with learned positions), the queries' own latent (None:
+    # none), an RMSNorm on the latent
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    q_lora_rank: int | None = None
+    latent_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        if self.mlp_hidden is None and type(self.n_embd) is int:
-            self.mlp_hidden = 4 * self.n_embd
+        if self.mlp_hidden is None and type(self.n_embd) is int:  # SwiGLU: 3 matrices of 8/3 n_embd
+            swiglu = self.mlp == "swiglu"
+            self.mlp_hidden = 8 * round(self.n_embd / 3) if swiglu else 4 * self.n_embd
+        sizes_known = all(type(n) is int and n > 0 for n in (self.n_embd, self.n_head))
+        if self.kv_lora_rank is not None and self.qk_rope_head_dim is None and sizes_known:
+            self.qk_rope_head_dim = self.head_dim // 2 if self.pos_encoding == "rope" else 0
         problems: list[str] = []
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
                      "mlp_hidden"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
+        problems += self.latent_problems()
         if not problems:  # the sizes are integers, so their ratios can be checked
             if self.n_embd % self.n_head:
                 problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -55,124 +70,85 @@ class GPTConfig:
         if self.pos_encoding not in POS_ENCODINGS:
             choices = ", ".join(POS_ENCODINGS)
             problems.append(f"pos_encoding={self.pos_encoding!r} must be one of {choices}")
-        elif self.pos_encoding == "rope" and not problems and self.head_dim % 2:
-            problems.append("pos_encoding='rope' needs an even head_dim = n_embd/n_head, "
-                            f"got head_dim={self.head_dim}")
+        elif self.pos_encoding == "rope" and not problems and self.rope_dim % 2:
+            what = "qk_rope_head_dim" if self.kv_lora_rank else "head_dim"
+            problems.append(f"pos_encoding='rope' needs an even {what}, got {what}={self.rope_dim}")
         if self.gelu not in ("exact", "tanh"):
             problems.append(f"gelu={self.gelu!r} must be 'exact' or 'tanh'")
+        for key, choices in (("norm", ("layernorm", "rmsnorm")), ("mlp", ("gelu", "swiglu"))):
+            if getattr(self, key) not in choices:
+                problems.append(f"{key}={getattr(self, key)!r} must be one of {', '.join(choices)}")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
             problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    def latent_problems(self) -> list[str]:
+        """What is wrong with the MLA keys."""
+        if self.kv_lora_rank is None:
+            given = [k for k in ("qk_rope_head_dim", "q_lora_rank") if getattr(self, k) is not None]
+            return [f"{k}={getattr(self, k)} is an MLA key: set kv_lora_rank too" for k in given]
+        problems = []
+        for key in ("kv_lora_rank", "q_lora_rank"):
+            value = getattr(self, key)
+            if value is not None and (type(value) is not int or value < 1):
+                problems.append(f"{key}={value!r} must be a positive integer")
+        rope = self.qk_rope_head_dim
+        if type(rope) is not int or rope < 0 or (rope == 0) != (self.pos_encoding == "learned"):
+            problems.append(f"qk_rope_head_dim={rope!r} must be a positive integer with "
+                            "pos_encoding='rope', 0 with 'learned'")
+        if self.n_kv_head != self.n_head:
+            problems.append(f"n_kv_head={self.n_kv_head} does not apply to MLA (every head has "
+                            "its own K and V, made from the latent): leave it out")
+        return problems
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     @property
+    def rope_dim(self) -> int:
+        """The features a head rotates: MLA's rotary key width, else the whole head."""
+        return self.head_dim if self.kv_lora_rank is None else self.qk_rope_head_dim
+
+    @property
     def attention_kind(self) -> str:
-        """'MHA' (n_kv_head == n_head), 'MQA' (n_kv_head == 1 < n_head) or 'GQA' (in between)."""
+        """'MLA' (kv_lora_rank set), else 'MHA' (n_kv_head == n_head), 'MQA' (n_kv_head == 1 <
+        n_head) or 'GQA' (in between)."""
+        if self.kv_lora_rank is not None:
+            return "MLA"
         if self.n_kv_head == self.n_head:
             return "MHA"
         return "MQA" if self.n_kv_head == 1 else "GQA"
 
+    @property
+    def cache_layout(self) -> tuple[int, int, int]:
+        """One layer's cache per token: heads, K width, V width. MLA's is one head of [latent |
+        rotary key] and no V (its values are the latent: attention.LatentAttention)."""
+        if self.kv_lora_rank is not None:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.n_kv_head, self.head_dim, self.head_dim
+
     def kv_cache_bytes(self, batch_size: int, seq_len: int,
                        dtype: torch.dtype = torch.float32) -> int:
-        """Bytes of K and V in every layer for batch_size sequences of seq_len positions."""
-        per_layer = 2 * batch_size * self.n_kv_head * seq_len * self.head_dim * dtype.itemsize
-        return self.n_layer * per_layer
+        """Bytes of the cache in every layer for batch_size sequences of seq_len positions: 2
+        n_kv_head head_dim values a token and layer, or MLA's kv_lora_rank + qk_rope_head_dim."""
+        heads, k_width, v_width = self.cache_layout
+        return self.n_layer * batch_size * seq_len * heads * (k_width + v_width) * dtype.itemsize
 
 
-class KVCache:
-    """Preallocated K and V, (n_layer, B, n_kv_head, max_len, head_dim), K/V heads un-repeated.
-    `pos` counts positions written; GPT.forward advances it once per call, after the last layer."""
-
-    def __init__(self, config: GPTConfig, batch_size: int, max_len: int,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
-        shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.max_len = max_len
-        self.pos = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, n_kv_head, T, head_dim) at pos; return K and V from 0 to pos + T."""
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, n_kv_head, end, head_dim)
+def attention_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAttention:
+    """The attention kind the config names: MLA where kv_lora_rank is set, else MHA/GQA/MQA."""
+    if c.kv_lora_rank is None:
+        return CausalSelfAttention(layer, c.n_embd, c.n_head, c.n_kv_head, c.bias, c.dropout)
+    return LatentAttention(layer, c.n_embd, c.n_head, c.kv_lora_rank, c.rope_dim, c.q_lora_rank,
+                           c.latent_norm, c.bias, c.dropout)
 
 
-def rope_tables(config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos and sin (https://arxiv.org/abs/2104.09864), each (block_size, head_dim // 2)."""
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
-    inv_freq = config.rope_theta ** -exponents  # (head_dim // 2,)
-    angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, head_dim) half by half; cos, sin are (B or 1, 1, T, head_dim // 2)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
-
-
-Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand
-Mask = torch.Tensor | None  # bool (B or 1, 1, T, Tk), True where a query sees a key
-Cache = KVCache | None  # or any object with KVCache.update (static_step's StaticKVView)
-
-
-def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device) -> Mask:
-    """The mask (B or 1, 1, T, start + T) of queries at start..start+T-1, or None where none is
-    needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal
-    aligns top-left). Left padding (pad[b] slots in row b) is hidden from real queries; a pad query
-    sees only itself, so no row is fully masked (which gives NaNs)."""
-    if pad is None and (start == 0 or T == 1):
-        return None
-    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(start + T, device=device)[None, :]  # (1, Tk)
-    mask = key_pos <= query_pos  # (T, Tk)
-    if pad is None:
-        return mask[None, None]
-    mask = mask & ((key_pos >= pad[:, None, None]) | (key_pos == query_pos))  # (B, T, Tk)
-    return mask[:, None]
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.n_head = config.n_head
-        self.n_kv_head = config.n_kv_head
-        self.head_dim = config.head_dim
-        kv_dim = config.n_kv_head * config.head_dim
-        self.c_q = Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.c_k = Linear(config.n_embd, kv_dim, bias=config.bias)
-        self.c_v = Linear(config.n_embd, kv_dim, bias=config.bias)
-        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache) -> torch.Tensor:
-        B, T, C = x.shape  # C is n_embd
-        # q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim)
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q = apply_rope(q, *rope)
-            k = apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
-        dropout_p = self.dropout if self.training else 0.0
-        y = attention(q, k, v, mask, dropout_p, cached=kv_cache is not None)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, n_embd)
-        return self.resid_dropout(self.c_proj(y))
+def norm_for(config: GPTConfig, width: int) -> nn.LayerNorm | nn.RMSNorm:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(width, eps=NORM_EPS)
+    return nn.LayerNorm(width, eps=NORM_EPS, bias=config.bias)
 
 
 class MLP(nn.Module):
@@ -187,15 +163,30 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
+class SwiGLU(nn.Module):
+    """Llama's MLP: c_proj(silu(c_gate(x)) * c_fc(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_gate = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.c_proj = Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.ln_1 = norm_for(config, config.n_embd)
+        self.attn = attention_for(config, layer)
+        self.ln_2 = norm_for(config, config.n_embd)
+        self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+                kv_cache: KVCache | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
@@ -208,12 +199,12 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=norm_for(config, config.n_embd),
         ))
         if config.pos_encoding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # derived from the config, so kept out of the state_dict
-            table_shape = (config.block_size, config.head_dim // 2)
+            table_shape = (config.block_size, config.rope_dim // 2)
             self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
             self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
@@ -225,7 +216,8 @@ class GPT(nn.Module):
     def init_buffers(self) -> None:
         """(Re)compute the buffers derived from the config: the rotary tables."""
         if self.config.pos_encoding == "rope":
-            cos, sin = rope_tables(self.config)
+            c = self.config
+            cos, sin = rope_tables(c.rope_dim, c.block_size, c.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -242,7 +234,7 @@ class GPT(nn.Module):
             if p.is_meta:
                 continue
             owner, _, kind = name.rpartition(".")
-            if isinstance(self.get_submodule(owner), nn.LayerNorm):
+            if isinstance(self.get_submodule(owner), nn.LayerNorm | nn.RMSNorm):
                 values = torch.full(p.shape, 1.0 if kind == "weight" else 0.0, device="cpu")
             elif kind == "bias":
                 values = torch.zeros(p.shape, device="cpu")
@@ -271,7 +263,8 @@ class GPT(nn.Module):
         """An empty cache of max_len (default block_size) positions, on the weights' device."""
         weight = self.transformer.wte.weight
         length = max_len or self.config.block_size
-        return KVCache(self.config, batch_size, length, weight.device, dtype or weight.dtype)
+        shape = (self.config.n_layer, batch_size, length)
+        return KVCache(*shape, *self.config.cache_layout, weight.device, dtype or weight.dtype)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, pad: torch.Tensor | None = None
@@ -308,12 +301,12 @@ class GPT(nn.Module):
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """Embeddings (B, T, n_embd) of idx (B, T) at positions pos, (T,) or (B, T), and the rotary
-        cos and sin there, each (B or 1, 1, T, head_dim // 2), or None for learned positions."""
+        cos and sin there, each (B or 1, 1, T, rope_dim // 2), or None for learned positions."""
         x = self.transformer.wte(idx)
         if self.config.pos_encoding == "learned":
             return x + self.transformer.wpe(pos), None
         T = idx.size(1)
-        half_dim = self.config.head_dim // 2
+        half_dim = self.config.rope_dim // 2
         cos = self.rope_cos[pos].view(-1, 1, T, half_dim)  # (B or 1, 1, T, head_dim // 2)
         sin = self.rope_sin[pos].view(-1, 1, T, half_dim)
         return x, (cos, sin)
@@ -334,12 +327,14 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs (forward + backward) per token, as in the PaLM paper's appendix B: 6 per
-        matmul weight (lm_head and K/V projections included) plus 12 * n_layer * n_embd * seq_len
-        for attention scores and weighted sums (causal masking not subtracted)."""
-        config = self.config
+        matmul weight (lm_head and K/V projections included) plus 6 * n_layer * seq_len * (the
+        widths of all heads' queries and values) for attention scores and weighted sums (causal
+        masking not subtracted): 12 * n_layer * n_embd * seq_len but for MLA's rotary features."""
+        c = self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        attention_flops = 12 * config.n_layer * config.n_embd * (seq_len or config.block_size)
-        return 6 * matmul_weights + attention_flops
+        query_width = c.n_embd + (c.n_head * c.rope_dim if c.kv_lora_rank is not None else 0)
+        seq_len = seq_len or c.block_size
+        return 6 * matmul_weights + 6 * c.n_layer * seq_len * (query_width + c.n_embd)
 
     def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float,
                      seq_len: int | None = None) -> float:

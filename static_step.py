@@ -6,7 +6,8 @@ sync; the eager path (GPT.forward with a KVCache) computes the same logits (test
 
 import torch
 
-from model import GPT, KVCache
+from attention import KVCache
+from model import GPT
 
 
 class StaticKVView:

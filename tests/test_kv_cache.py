@@ -1,9 +1,10 @@
 import pytest
 import torch
 
+from attention import KVCache
 from conftest import VARIANTS, tiny_model
 from generation import generate, left_pad
-from model import GPT, KVCache
+from model import GPT
 
 ATOL = 1e-5  # float32; the cached and recomputed paths differ only in summation order
 

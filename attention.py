@@ -1,0 +1,167 @@
+"""The attention kinds behind one interface to the block and the KV cache, with the rotary positions and masks they
+share: CausalSelfAttention (MHA, GQA or MQA, set by its number of K/V heads) and LatentAttention (Multi-head Latent
+Attention, whose cache holds one low-rank latent and one rotary key per token). model.py builds them from GPTConfig.
+
+GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, MLA: https://arxiv.org/abs/2405.04434
+"""
+
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from fast_paths import Linear, attention
+
+NORM_EPS = 1e-5  # every LayerNorm and RMSNorm (nn.LayerNorm's default; exported as Llama's rms_norm_eps)
+
+
+class Cache(Protocol):
+    """What attention needs of a cache: KVCache, or static_step's StaticKVView."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class KVCache:
+    """Preallocated K and V, (n_layer, B, heads, max_len, width), laid out as GPTConfig.cache_layout says: K/V heads
+    un-repeated (MHA/GQA/MQA), or MLA's one head of [latent | rotary key] with no V of its own (LatentAttention).
+    `pos` counts positions written; GPT.forward advances it once per call, after the last layer."""
+
+    def __init__(self, n_layer: int, batch_size: int, max_len: int, heads: int, k_width: int, v_width: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        shape = (n_layer, batch_size, heads, max_len)
+        self.k = torch.zeros(*shape, k_width, device=device, dtype=dtype)
+        self.v = torch.zeros(*shape, v_width, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.pos = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, heads, T, width) at pos; return K and V from 0 to pos + T."""
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, heads, end, width)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand
+Mask = torch.Tensor | None  # bool (B or 1, 1, T, Tk), True where a query sees a key
+
+
+def rope_tables(dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin (https://arxiv.org/abs/2104.09864) for `dim` rotated features, each (length, dim // 2)."""
+    inv_freq = theta ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # (dim // 2,)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, heads, T, dim) half by half; cos, sin are (B or 1, 1, T, dim // 2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device) -> Mask:
+    """The mask (B or 1, 1, T, start + T) of queries at start..start+T-1, or None where none is
+    needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal
+    aligns top-left). Left padding (pad[b] slots in row b) is hidden from real queries; a pad query
+    sees only itself, so no row is fully masked (which gives NaNs)."""
+    if pad is None and (start == 0 or T == 1):
+        return None
+    query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
+    key_pos = torch.arange(start + T, device=device)[None, :]  # (1, Tk)
+    mask = key_pos <= query_pos  # (T, Tk)
+    if pad is None:
+        return mask[None, None]
+    mask = mask & ((key_pos >= pad[:, None, None]) | (key_pos == query_pos))  # (B, T, Tk)
+    return mask[:, None]
+
+
+class CausalSelfAttention(nn.Module):
+    """n_head query heads over n_kv_head K/V heads: MHA (equal), GQA (a divisor), MQA (one)."""
+
+    def __init__(self, layer: int, n_embd: int, n_head: int, n_kv_head: int, bias: bool, dropout: float) -> None:
+        super().__init__()
+        self.layer, self.n_head, self.n_kv_head = layer, n_head, n_kv_head
+        self.head_dim = n_embd // n_head
+        kv_dim = n_kv_head * self.head_dim
+        self.c_q = Linear(n_embd, n_embd, bias=bias)
+        self.c_k = Linear(n_embd, kv_dim, bias=bias)
+        self.c_v = Linear(n_embd, kv_dim, bias=bias)
+        self.c_proj = Linear(n_embd, n_embd, bias=bias)
+        self.dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None) -> torch.Tensor:
+        B, T, C = x.shape  # C is n_embd
+        # q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, T, head_dim)
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
+        dropout_p = self.dropout if self.training else 0.0
+        y = attention(q, k, v, mask, dropout_p, cached=kv_cache is not None)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, n_embd)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head Latent Attention (DeepSeek-V2, section 2.1): K and V of every head are up-projected (kv_b) from one
+    latent of kv_lora_rank features a token, and positions ride on rope_dim extra query/key features, the rotary key
+    shared by the heads (decoupled RoPE); the latent carries no position. Queries come from x directly, or through
+    their own latent of q_lora_rank. Names follow DeepSeek's (q_a, q_b, kv_a, kv_b) where GPT-2's have no match.
+
+    Training builds K and V from the latent. With a cache (decoding), the cache holds [latent | rotary key] as one
+    K head and nothing as V, and kv_b's key half is folded into the query and its value half applied after attention
+    (V2's appendix C): attention is MQA over that one head, its values the latent (the key's first kv_lora_rank
+    features), so K and V of the heads are never rebuilt."""
+
+    def __init__(self, layer: int, n_embd: int, n_head: int, kv_lora_rank: int, rope_dim: int,
+                 q_lora_rank: int | None, latent_norm: bool, bias: bool, dropout: float) -> None:
+        super().__init__()
+        self.layer, self.n_head, self.head_dim = layer, n_head, n_embd // n_head
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        q_dim = n_head * (self.head_dim + rope_dim)  # each head: head_dim features for the latent's keys, rope_dim
+        if q_lora_rank is None:
+            self.c_q = Linear(n_embd, q_dim, bias=bias)
+        else:
+            self.q_a = Linear(n_embd, q_lora_rank, bias=bias)
+            self.q_norm = nn.RMSNorm(q_lora_rank, eps=NORM_EPS)
+            self.q_b = Linear(q_lora_rank, q_dim, bias=False)
+        self.kv_a = Linear(n_embd, kv_lora_rank + rope_dim, bias=bias)  # [latent | rotary key]
+        self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=NORM_EPS) if latent_norm else nn.Identity()
+        self.kv_b = Linear(kv_lora_rank, 2 * n_embd, bias=False)  # each head's [k | v], head_dim each
+        self.c_proj = Linear(n_embd, n_embd, bias=bias)
+        self.dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None) -> torch.Tensor:
+        B, T, C = x.shape
+        H, hd, R = self.n_head, self.head_dim, self.kv_lora_rank
+        q = self.c_q(x) if hasattr(self, "c_q") else self.q_b(self.q_norm(self.q_a(x)))
+        q = q.view(B, T, H, hd + self.rope_dim).transpose(1, 2)  # (B, H, T, head_dim + rope_dim)
+        q, q_rope = q.split((hd, self.rope_dim), dim=-1)
+        latent, k_rope = self.kv_a(x).split((R, self.rope_dim), dim=-1)  # (B, T, R), (B, T, rope_dim)
+        latent, k_rope = self.kv_norm(latent), k_rope[:, None]  # the rotary key: one head, (B, 1, T, rope_dim)
+        if rope is not None:
+            q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+        dropout_p = self.dropout if self.training else 0.0
+        scale = (hd + self.rope_dim) ** -0.5  # as if K held head_dim + rope_dim features a head
+        w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(1)  # each head's key and value maps, (H, head_dim, R)
+        if kv_cache is None:  # K and V of every head from the latent
+            k, v = self.kv_b(latent).view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, T, head_dim)
+            k = torch.cat((k, k_rope.expand(B, H, T, self.rope_dim)), dim=-1)
+            y = attention(torch.cat((q, q_rope), dim=-1), k, v, mask, dropout_p, cached=False, scale=scale)
+        else:  # absorbed: q . (W_uk latent) = (q W_uk) . latent, and softmax-weighted latents times W_uv
+            key = torch.cat((latent[:, None], k_rope), dim=-1)  # (B, 1, T, R + rope_dim)
+            key, _ = kv_cache.update(self.layer, key, key[..., :0])  # (B, 1, Tk, R + rope_dim), V: nothing
+            q = torch.cat((q @ w_uk, q_rope), dim=-1)  # (B, H, T, R + rope_dim)
+            y = attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale) @ w_uv.mT  # (B,H,T,hd)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, n_embd)
+        return self.resid_dropout(self.c_proj(y))
