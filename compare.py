@@ -1,7 +1,8 @@
-"""Compare attention variants: train MHA, GQA and MQA versions of one config over seeds (and sizes, and MHA -> GQA/MQA
-conversions), then report what each costs and scores, with intervals that tell a difference from noise.
+"""Compare attention variants: train MHA, GQA, MQA (and MLA) versions of one config over seeds (and sizes, and MHA ->
+GQA/MQA/MLA conversions), then report what each costs and scores, with intervals that tell a difference from noise.
 
     python compare.py config/compare/cpu.py --seeds=3                 # sweep + report in the config's out_dir
+    python compare.py config/compare/cpu.py --variants=[mha,gqa2,mqa,mla32] --match=params  # MLA beside them
     python compare.py config/compare/cpu.py --seeds=3 --mode=plan     # the runs and an estimated time, no training
     python compare.py config/compare/cpu.py --match=[width,params]    # also variants widened to MHA's parameters
     python compare.py config/compare/cpu.py --convert=True --convert_methods=[mean,first,random] \
@@ -38,9 +39,9 @@ from model import GPT, GPTConfig
 from runtime import Placement
 
 
-def variant(base: TrainConfig, n_kv_head: int, vocab_size: int = 1) -> GPTConfig:
-    """The base run's model with n_kv_head K/V heads."""
-    return dataclasses.replace(base.model_config(vocab_size), n_kv_head=n_kv_head)
+def variant(base: TrainConfig, name: str, vocab_size: int = 1) -> GPTConfig:
+    """The base run's model as the variant name says (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>)."""
+    return sweep.variant_config(dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head), name)
 
 
 def timings(runs: list[sweep.Run], base: TrainConfig, place: Placement) -> dict[tuple, tuple[float, float]]:
@@ -85,15 +86,18 @@ def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device
 
 
 def costs(cfg: CompareConfig, base: TrainConfig) -> str:
-    """Parameters and KV-cache bytes for every n_kv_head that divides n_head (no training)."""
+    """Parameters and KV-cache bytes for every n_kv_head that divides n_head and each MLA of --variants (no
+    training)."""
     vocab = vocab_size_of(base.dataset) or 50304  # GPT-2's, padded
     rows = []
-    for g in sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True):
-        mcfg = variant(base, g, vocab)
+    divisors = sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True)
+    for name in [f"gqa{g}" for g in divisors] + [n for n in cfg.variants if n.startswith("mla")]:
+        mcfg = variant(base, name, vocab)
         with torch.device("meta"):
             model = GPT(mcfg)
         kv = mcfg.kv_cache_bytes(1, mcfg.block_size, getattr(torch, cfg.kv_dtype))
-        rows.append({"n_kv_head": g, "kind": mcfg.attention_kind, "params (M)": round(model.num_params() / 1e6, 2),
+        kind = f"MLA (kv_lora_rank={mcfg.kv_lora_rank})" if mcfg.kv_lora_rank else mcfg.attention_kind
+        rows.append({"n_kv_head": mcfg.n_kv_head, "kind": kind, "params (M)": round(model.num_params() / 1e6, 2),
                      "attention params/layer": model.attention_params_per_layer(),
                      f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(kv / 2**20, 2)})
     text = table(rows)
@@ -105,23 +109,26 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     ours, train_args = split_args(argv, CompareConfig)
     cfg = dataclasses.replace(parse_config(CompareConfig, ours), train_args=train_args)
     base = parse_config(TrainConfig, train_args)
-    cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
+    if not cfg.variants:
+        cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
+    names, key = sweep.variant_names(cfg, base.n_head), "variants" if cfg.variants else "kv_heads"
     given = given_values(CompareConfig, ours)
     if not cfg.convert and (steer := [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale")
                                       if k in given]):
         raise UserError(f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them")
-    if cfg.convert and base.n_head not in cfg.kv_heads:
-        raise UserError(f"convert=True converts the MHA runs: kv_heads={cfg.kv_heads} must hold n_head={base.n_head}")
+    if cfg.convert and "mha" not in names:
+        raise UserError(f"convert=True converts the MHA runs: {key}={getattr(cfg, key)} must hold "
+                        + (f"n_head={base.n_head}" if key == "kv_heads" else "mha"))
     same = repeated([round(f * base.max_iters) for f in cfg.uptrain_fractions])
     if cfg.convert and same is not None:
         raise UserError(f"uptrain_fractions={cfg.uptrain_fractions} give {same} of max_iters={base.max_iters} "
                         f"iterations twice: the same uptraining twice; give fractions 1/{base.max_iters} apart or more")
     for _, sbase in sweep.sizes(cfg.sizes, base):
-        for g in cfg.kv_heads:  # each variant must be a valid model at each size before anything trains
+        for name in names:  # each variant must be a valid model at each size before anything trains
             try:
-                variant(sbase, g)
+                variant(sbase, name)
             except ValueError as e:
-                raise UserError(f"kv_heads={cfg.kv_heads} at {sbase.n_layer}x{sbase.n_embd}: {e}") from e
+                raise UserError(f"{key}={getattr(cfg, key)} at {sbase.n_layer}x{sbase.n_embd}: {e}") from e
     return cfg, base
 
 
@@ -132,9 +139,10 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
     if vocab is None and cfg.mode != "plan":
         load_meta(data_dir(base.dataset))  # a sweep stops here: the missing dataset's one-line error
     runs = sweep.plan(cfg, base, vocab or 50304, root)  # a plan needs no data: GPT-2's padded vocabulary stands in
-    if base.n_head not in cfg.kv_heads:
-        print(f"no MHA in kv_heads={cfg.kv_heads} (n_head={base.n_head}): the report compares these variants but "
-              f"shows no difference to MHA; add {base.n_head} to kv_heads for that", flush=True)
+    if "mha" not in sweep.variant_names(cfg, base.n_head):
+        key, add = ("variants", "mha") if cfg.variants else ("kv_heads", base.n_head)
+        print(f"no MHA in {key}={getattr(cfg, key)} (n_head={base.n_head}): the report compares these variants but "
+              f"shows no difference to MHA; add {add} to {key} for that", flush=True)
     with sweep.Stop() as stop:
         try:
             place = runtime.place(base.device, base.dtype, base.n_embd)  # as each run's train.py decides

@@ -145,8 +145,9 @@ def package_key(what: str) -> str:
     return hashlib.sha256(re.sub(r"^\s*# File: .*$", "", what, flags=re.M).encode()).hexdigest()[:40]
 
 
-def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size: int) -> tuple[Any, dict] | None:
-    """step exported for inputs shaped as idx and as the K/V cache k, with any number of filled positions and of
+def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
+                 ) -> tuple[Any, dict] | None:
+    """step exported for inputs shaped as idx and as the K/V cache k, v (MLA's v: no width), with any number of filled positions and of
     cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor with its weights left
     out, loaded; and blocked_sources' map of the blocked weights it reads. The package and the map are kept in
     inductor's cache folder under a hash of the exported program, for later processes. None where the template made a
@@ -154,7 +155,7 @@ def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, block_size
     top = max(block_size, 3)
     length, cache = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
     # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
-    example = (idx, torch.arange(2, device=idx.device), *[k.new_zeros(*k.shape[:3], 3, k.size(4)) for _ in "kv"])
+    example = (idx, torch.arange(2, device=idx.device), *[t.new_zeros(*t.shape[:3], 3, t.size(4)) for t in (k, v)])
     program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: cache}, {3: cache}),
                                   strict=False)
     configs = {"aot_inductor.package_constants_in_so": False} | (TEMPLATE_CONFIGS if step.template else {})
@@ -253,7 +254,7 @@ class CompiledStep:
                    tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),
                    tuple(name for name, m in self.model.named_modules()
                          if any(m is u for u in self.step.unsplit + self.step.int8)))
-            found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache.k,
+            found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache.k, self.cache.v,
                                                                       self.model.config.block_size)
             if found is None:  # the template made a constant that is not a blocked weight: the step without it
                 self.step = SplitStep(self.model, template=False)

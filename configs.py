@@ -34,11 +34,11 @@ class TrainConfig:
     always_save_checkpoint: bool = False  # False: save only when val loss improves
     keep_last: int = 0  # also keep the last K checkpoints, ckpt-<iteration>.pt (hard links)
     # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one: for restarts),
-    # 'convert:<ckpt or out_dir>' (its K/V heads made n_kv_head: MHA -> GQA/MQA uptraining), GPT-2
+    # 'convert:<ckpt or out_dir>' (MHA made GQA/MQA by n_kv_head, or MLA by kv_lora_rank: uptraining), GPT-2
     # ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or 'hf:<local folder>' (GPT-2, or export.py's
     # Starcoder2/GPTBigCode): pretrained weights decide the model but for PRETRAINED_KEYS
     init_from: str = "scratch"
-    convert_method: str = "mean"  # each group's K/V head: its heads' 'mean', 'first', or 'random'
+    convert_method: str = "mean"  # a K/V group's head: its heads' 'mean', 'first' or 'random' (MLA: SVD)
     # logging: wandb honours WANDB_MODE (online, offline, disabled); log.jsonl is always written
     wandb_log: bool = False
     wandb_project: str = "smallgpt"
@@ -201,6 +201,7 @@ class SampleConfig:
             raise ValueError("; ".join(problems))
 
 
+VARIANT = re.compile(r"mha|mqa|gqa[1-9][0-9]*|mla[1-9][0-9]*")  # a variant's name: its kind and its size
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
 
 
@@ -208,6 +209,7 @@ ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --st
 class CompareConfig:
     mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
     kv_heads: list[int] = field(default_factory=list)  # the variants; empty: n_head, a middle divisor, 1
+    variants: list[str] = field(default_factory=list)  # or by name: mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>
     seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
     # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters); 'params': the
     # GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both: each variant twice
@@ -231,15 +233,19 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.mode not in ("train", "report", "all", "plan", "costs"):
-            problems.append(f"mode={self.mode!r} must be one of train, report, all, plan, costs")
-        if self.kv_dtype not in ("float32", "bfloat16", "float16"):
-            problems.append(f"kv_dtype={self.kv_dtype!r} must be float32, bfloat16 or float16")
+        for key, choices in (("mode", ("train", "report", "all", "plan", "costs")),
+                             ("kv_dtype", ("float32", "bfloat16", "float16"))):
+            if getattr(self, key) not in choices:
+                problems.append(f"{key}={getattr(self, key)!r} must be one of {', '.join(choices)}")
         sizes = ("seeds", "kv_seq_len", "kv_batch", "decode_batch", "decode_context", "decode_steps", "speed_repeats")
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
             problems.append(f"{', '.join(bad)}: must be positive")
         if min(self.kv_heads, default=1) < 1:
             problems.append(f"kv_heads={self.kv_heads} must be positive")
+        if self.kv_heads and self.variants:
+            problems.append(f"kv_heads={self.kv_heads} and variants={self.variants}: give one of them")
+        if bad := [v for v in self.variants if not VARIANT.fullmatch(v)]:
+            problems.append(f"variants: {', '.join(bad)} is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>")
         if not self.match or any(m not in ("width", "params") for m in self.match):
             problems.append(f"match={self.match} must be width, params or [width,params]")
         if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):
@@ -253,16 +259,16 @@ class CompareConfig:
             raise ValueError("; ".join(problems))
 
     def repeats(self) -> list[str]:
-        """A problem for each list key whose items are not distinct (a repeat would train the same runs again, into
-        the same folders) and for each item of sizes that is not a size."""
+        """A problem for each list key with an item twice (the same runs again, same folders), and each bad size."""
         sizes, problems = [], []
         for size in self.sizes:
             try:
                 sizes.append("{}x{}".format(*size_of(size)))
             except ValueError as e:
                 problems.append(str(e))
-        named = {"kv_heads": self.kv_heads, "match": self.match, "sizes": sizes, "uptrain_fractions":
-                 [f"{f:g}" for f in self.uptrain_fractions], "convert_methods": self.convert_methods}  # as in folders
+        named = {"kv_heads": self.kv_heads, "variants": self.variants, "match": self.match, "sizes": sizes,
+                 "uptrain_fractions": [f"{f:g}" for f in self.uptrain_fractions],  # as in folders
+                 "convert_methods": self.convert_methods}
         for key, items in named.items():
             if (again := repeated(items)) is not None:
                 problems.append(f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "

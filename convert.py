@@ -1,11 +1,15 @@
 """Conversions of a model's weights: MHA -> GQA/MQA by pooling K/V heads (the GQA paper's uptraining start, and its
-ablations), and pretrained weights fitted to the run that fine-tunes them.
+ablations), MHA -> MLA by MHA2MLA's partial RoPE and joint SVD, and pretrained weights fitted to the run that
+fine-tunes them.
 """
 
+import math
 from dataclasses import replace
 
+import torch
+
 from errors import UserError
-from model import GPT
+from model import GPT, GPTConfig
 
 
 def for_finetuning(model: GPT, name: str, vocab_size: int, dropout: float, block_size: int,
@@ -56,3 +60,103 @@ def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int
             state[name] = fresh[name] if pooled is None else pooled.reshape(n_kv_head * config.head_dim, *t.shape[1:])
     converted.load_state_dict(state)
     return converted
+
+
+# the model keys a conversion may change (train.py's --init_from=convert: takes the source's others)
+CONVERTED_KEYS = ("n_kv_head", "kv_lora_rank", "qk_rope_head_dim", "latent_norm")
+
+
+def for_uptraining(model: GPT, target: GPTConfig, method: str, seed: int) -> GPT:
+    """The MHA model converted to the target's attention, for train.py's --init_from=convert: MLA where the target
+    sets kv_lora_rank (to_latent), else target.n_kv_head K/V heads pooled by method (convert_kv_heads)."""
+    if target.kv_lora_rank is None:
+        return convert_kv_heads(model, target.n_kv_head, method, seed)
+    if target.latent_norm:  # an RMSNorm on the latent has no MHA counterpart: the converted model has none
+        raise UserError("converting to MLA (kv_lora_rank) gives a model without the latent's RMSNorm: add "
+                        "--latent_norm=False")
+    if method != "mean":
+        raise UserError(f"convert_method={method!r} pools K/V heads; MLA's conversion is MHA2MLA's joint SVD, "
+                        f"which has no method to choose: leave convert_method out")
+    return to_latent(model, target.kv_lora_rank, target.qk_rope_head_dim)
+
+
+def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None) -> GPT:
+    """A copy of an MHA model as MLA without the latent's norm (latent_norm=False), every weight outside attention
+    unchanged, by MHA2MLA (https://arxiv.org/abs/2502.14837): partial RoPE keeping every (head_dim /
+    qk_rope_head_dim)-th frequency (section 3.1, S_uniform), then one SVD of each layer's keys and values together
+    (section 3.2, SVD_joint). With learned positions it is exact at kv_lora_rank = n_embd (docs/compare.md)."""
+    source = model.config
+    if source.attention_kind != "MHA":
+        raise UserError(f"MLA conversion starts from an MHA model, and this one is {source.attention_kind} "
+                        f"(n_head={source.n_head}, n_kv_head={source.n_kv_head}): convert the MHA run instead")
+    try:
+        config = replace(source, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, q_lora_rank=None,
+                         latent_norm=False)
+    except ValueError as e:
+        raise UserError(f"cannot convert the model to MLA: {e}") from e
+    head_dim, rope_dim = config.head_dim, config.qk_rope_head_dim
+    if rope_dim and head_dim % rope_dim:
+        fits = [d for d in range(2, head_dim + 1, 2) if head_dim % d == 0]
+        raise UserError(f"qk_rope_head_dim={rope_dim} does not divide head_dim={head_dim}: MLA's rotary "
+                        f"frequencies are MHA's only for one of {fits}")
+    if kv_lora_rank > config.n_embd:
+        raise UserError(f"kv_lora_rank={kv_lora_rank} exceeds n_embd={config.n_embd}, the most the joint key and "
+                        f"value map's rank can be: give kv_lora_rank <= {config.n_embd}")
+    converted = GPT(config).to(next(model.parameters()).device)
+    state = model.state_dict()
+    for layer in range(config.n_layer):
+        prefix = f"transformer.h.{layer}.attn."
+        mha = {name.removeprefix(prefix): state.pop(name) for name in list(state) if name.startswith(prefix)}
+        state |= {prefix + name: t for name, t in latent_attention(mha, config).items()}
+    converted.load_state_dict(state)
+    return converted
+
+
+def rotary_features(head_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The features of an MHA head that stay rotary in MLA, in the MLA rotary key's order, and the others (NoPE).
+    MHA rotates pairs (i, i + head_dim/2) at theta^(-2i/head_dim), MLA pairs (j, j + rope_dim/2) at
+    theta^(-2j/rope_dim): the same frequency where i = j head_dim / rope_dim (S_uniform)."""
+    step = head_dim // rope_dim if rope_dim else 1
+    first = torch.arange(rope_dim // 2) * step  # the pairs' first features, i < head_dim / 2
+    rope = torch.cat((first, first + head_dim // 2))
+    kept = torch.ones(head_dim, dtype=torch.bool)
+    kept[rope] = False
+    return rope, kept.nonzero().flatten()
+
+
+def padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t (heads, n, ...) with zero rows appended along dim 1 up to width."""
+    return torch.cat((t, t.new_zeros(t.shape[0], width - t.shape[1], *t.shape[2:])), dim=1)
+
+
+@torch.no_grad()
+def latent_attention(mha: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
+    """One layer's LatentAttention weights from its CausalSelfAttention weights (MHA), named as in the modules.
+
+    Each head's query is [its NoPE features, zero-padded to head_dim | its rotary ones], scaled by
+    sqrt((head_dim + rope_dim) / head_dim) since MLA divides scores by sqrt(head_dim + rope_dim), MHA by
+    sqrt(head_dim). The rotary key shared by the heads is the mean of theirs. kv_b's rows hold each head's [key's NoPE
+    features, zero-padded | value]: W_kv = U S V^T, truncated to kv_lora_rank, is split as kv_b = U sqrt(S) and
+    kv_a's latent rows = sqrt(S) V^T. Biases: the key's NoPE bias adds the same to all of a query's scores (softmax
+    ignores it: dropped); the value's comes out of attention unchanged (weights sum to one: into c_proj's bias)."""
+    H, hd, R, r = config.n_head, config.head_dim, config.kv_lora_rank, config.qk_rope_head_dim
+    rope, nope = rotary_features(hd, r)
+    q_scale = math.sqrt((hd + r) / hd)
+    heads = {name: t.unflatten(0, (H, hd)) for name, t in mha.items() if not name.startswith("c_proj")}
+
+    def query(t: torch.Tensor) -> torch.Tensor:  # (H, hd, ...) -> (H * (hd + r), ...)
+        return q_scale * torch.cat((padded(t[:, nope], hd), t[:, rope]), dim=1).flatten(0, 1)
+
+    k, v = heads["c_k.weight"], heads["c_v.weight"]  # (H, hd, n_embd)
+    w_kv = torch.stack((padded(k[:, nope], hd), v), dim=1).flatten(0, 2)  # (2 * n_embd, n_embd), kv_b's rows
+    u, s, vh = torch.linalg.svd(w_kv.double(), full_matrices=False)
+    root = s[:R].sqrt()
+    out = {"c_q.weight": query(heads["c_q.weight"]), "c_proj.weight": mha["c_proj.weight"],
+           "kv_a.weight": torch.cat(((root[:, None] * vh[:R]).to(k.dtype), k[:, rope].mean(0))),
+           "kv_b.weight": (u[:, :R] * root).to(k.dtype)}
+    if "c_q.bias" in mha:
+        k_rope_bias = heads["c_k.bias"][:, rope].mean(0)
+        out["c_q.bias"] = query(heads["c_q.bias"])
+        out["kv_a.bias"] = torch.cat((k_rope_bias.new_zeros(R), k_rope_bias))
+        out["c_proj.bias"] = mha["c_proj.bias"] + mha["c_proj.weight"] @ mha["c_v.bias"]
+    return out

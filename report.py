@@ -30,10 +30,10 @@ MATCHES = {"width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters
            "params": "params (<variant>-params: the MLP widened to MHA's parameter count, within 1%)"}
 
 
-def speed_key(config: GPTConfig, context: int, batch: int) -> str:
+def speed_key(c: GPTConfig, context: int, batch: int) -> str:
     """A shape's key in speed.json: what the cached-step decode speed depends on."""
-    c = config
-    return f"{c.n_layer}x{c.n_embd}-h{c.n_head}-kv{c.n_kv_head}-mlp{c.mlp_hidden}-{c.pos_encoding}@{context}x{batch}"
+    kv = f"kv{c.n_kv_head}" if c.kv_lora_rank is None else f"mla{c.kv_lora_rank}r{c.qk_rope_head_dim}"
+    return f"{c.n_layer}x{c.n_embd}-h{c.n_head}-{kv}-mlp{c.mlp_hidden}-{c.pos_encoding}@{context}x{batch}"
 
 
 def read_runs(root: Path) -> tuple[list[dict], str | None]:
@@ -67,8 +67,7 @@ def read_runs(root: Path) -> tuple[list[dict], str | None]:
 
 
 def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareConfig) -> list[dict]:
-    """One row per size x variant (conversions: x method x fraction), over its seeds. cfg: compare.py's
-    CompareConfig (the KV-cache and decode-speed settings)."""
+    """One row per size x variant (conversions: x method x fraction), over its seeds (cfg: KV and speed settings)."""
     by_seed = defaultdict(dict)  # (size, variant) -> {seed: run}
     for r in runs:
         if (old := by_seed[(r["size"], r["variant"])].get(r["seed"])) is not None:  # e.g. an earlier sweep's folder
@@ -91,9 +90,10 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
         speed = speed_of[(size, name)]
         speed_vs = stats.speed_ratio(speed, speed_of.get((size, "mha"), [])) if name != "mha" else None
         trains = [statistics.median(t["tokens_per_s"] for t in r["trains"]) for r in group if r["trains"]]
-        row = {"size": size, "variant": name, "n_head": m.n_head, "n_kv_head": m.n_kv_head, "match": first["match"],
-               "method": first["method"], "uptrain_fraction": first["fraction"], "params": model.num_params(),
-               "attention_params": model.attention_params_per_layer() * m.n_layer, "mlp_hidden": m.mlp_hidden,
+        row = {"size": size, "variant": name, "n_head": m.n_head, "n_kv_head": m.n_kv_head, "kv_lora_rank":
+               m.kv_lora_rank, "match": first["match"], "method": first["method"], "uptrain_fraction":
+               first["fraction"], "params": model.num_params(), "mlp_hidden": m.mlp_hidden,
+               "attention_params": model.attention_params_per_layer() * m.n_layer,
                f"kv_bytes_per_token_{cfg.kv_dtype}": m.kv_cache_bytes(1, 1, kv_dtype),
                f"kv_bytes@{cfg.kv_seq_len}x{cfg.kv_batch}": m.kv_cache_bytes(cfg.kv_batch, cfg.kv_seq_len, kv_dtype),
                "iters": first["iters"], "tokens": first["tokens"], "seeds": est.n, "val_loss": est.mean,
@@ -118,7 +118,8 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
         out.append(row | recall_columns(group, groups.get((size, "mha")) if name != "mha" else None))
     smallest = {size: min(r["params"] for r in out if r["size"] == size) for size in {r["size"] for r in out}}
     methods = {m: i for i, m in enumerate(CONVERT_METHODS)}
-    return sorted(out, key=lambda r: (smallest[r["size"]], r["size"], r["method"] is not None, -r["n_kv_head"],
+    return sorted(out, key=lambda r: (smallest[r["size"]], r["size"], r["method"] is not None,  # MHA first, by KV:
+                                      -r[f"kv_bytes_per_token_{cfg.kv_dtype}"],
                                       r["match"] == "params", methods.get(r["method"], -1), r["uptrain_fraction"] or 0))
 
 
@@ -161,8 +162,7 @@ def interval_text(row: dict, key: str, n: str = "seeds", signed: bool = False) -
 
 
 def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str]) -> str:
-    """report.md: notes (the sweep still running, runs left out), then per size the variants table and its verdicts,
-    then the conversion tables."""
+    """report.md: notes (a sweep still running, runs left out), per size the variants and verdicts, conversions."""
     long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes_per_token_{cfg.kv_dtype}"
     parts = [f"# Attention variants: {root.name}", "", *(f"**{note}**\n" for note in notes),
              "final val loss: mean over seeds ± the half-width of its 95% Student t interval (n: seeds); vs MHA: "
@@ -231,7 +231,7 @@ def verdicts(scratch: list[dict], conv: list[dict], kv: str) -> list[str]:
     mha, lines = next((r for r in scratch if r["variant"] == "mha"), None), []
     if mha is None and scratch:
         lines.append("- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): no difference to MHA "
-                     "to show; add n_head to --kv_heads to compare against it.")
+                     "to show; add n_head to --kv_heads (or mha to --variants) to compare against it.")
     for r in scratch if mha else []:
         if r is not mha:
             what = f"{r['variant']} ({r['params'] / mha['params']:.0%} of MHA's parameters, {mha[kv] / r[kv]:g}x " \

@@ -23,7 +23,8 @@ class StaticKVView:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         at = (torch.full((), layer, device=k.device), *self.at)
         self.cache.k.index_put_(at, k[:, :, 0])
-        self.cache.v.index_put_(at, v[:, :, 0])
+        if v.size(-1):  # MLA's cache has no V (its values are the latent, in K)
+            self.cache.v.index_put_(at, v[:, :, 0])
         k, v = self.cache.k[layer], self.cache.v[layer]
         return (k, v) if self.length is None else (k.narrow(2, 0, self.length), v.narrow(2, 0, self.length))
 

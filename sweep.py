@@ -22,6 +22,7 @@ import torch
 from checkpoint import Source, load_checkpoint
 from configs import CompareConfig, TrainConfig, size_of
 from errors import UserError
+from measure import default_kv_heads
 from model import GPT, GPTConfig
 from runlog import read_run, unfinished
 
@@ -44,13 +45,34 @@ class Run:
     @property
     def shape(self) -> tuple[int, ...]:
         m = self.model
-        return m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.mlp_hidden
+        return m.n_layer, m.n_embd, m.n_head, m.n_kv_head, m.mlp_hidden, m.kv_lora_rank
 
 
 def variant_name(config: GPTConfig) -> str:
-    """'mha', 'gqa<n_kv_head>' or 'mqa'."""
+    """'mha', 'gqa<n_kv_head>', 'mqa' or 'mla<kv_lora_rank>'."""
     kind = config.attention_kind.lower()
-    return f"gqa{config.n_kv_head}" if kind == "gqa" else kind
+    return {"gqa": f"gqa{config.n_kv_head}", "mla": f"mla{config.kv_lora_rank}"}.get(kind, kind)
+
+
+def variant_config(mha: GPTConfig, name: str) -> GPTConfig:
+    """The variant configs.VARIANT names of an MHA model (a ValueError if it cannot be one at this shape)."""
+    if name.startswith("mla"):
+        return dataclasses.replace(mha, kv_lora_rank=int(name[3:]))
+    return dataclasses.replace(mha, n_kv_head={"mha": mha.n_head, "mqa": 1}.get(name) or int(name[3:]))
+
+
+def variant_names(cfg: CompareConfig, n_head: int) -> list[str]:
+    """The sweep's variants by name: --variants, or those of --kv_heads (default: measure.default_kv_heads)."""
+    if cfg.variants:
+        return cfg.variants
+    kv_heads = cfg.kv_heads or default_kv_heads(n_head)
+    return ["mha" if g == n_head else "mqa" if g == 1 else f"gqa{g}" for g in kv_heads]
+
+
+def variant_flags(model: GPTConfig) -> list[str]:
+    """train.py's flags that make a run's model this variant."""
+    latent = [f"--kv_lora_rank={model.kv_lora_rank}"] if model.kv_lora_rank is not None else []
+    return [f"--n_kv_head={model.n_kv_head}", *latent]
 
 
 def sizes(size_list: list, base: TrainConfig) -> list[tuple[str, TrainConfig]]:
@@ -106,25 +128,30 @@ def seed_runs(cfg: CompareConfig, base: TrainConfig, label: str | None, seed: in
     def run(name: str, model: GPTConfig, args: list[str], tags: list[str], iters: int, evals: int) -> Run:
         tags = [name, f"seed={seed}", f"size={size}", f"n_kv_head={model.n_kv_head}", *tags]
         return Run(name, seed, size, root / f"{label + '-' if label else ''}{name}-s{seed}", model,
-                   common + [f"--n_kv_head={model.n_kv_head}", f"--wandb_tags={','.join(tags)}", *args], iters, evals,
+                   common + [*variant_flags(model), f"--wandb_tags={','.join(tags)}", *args], iters, evals,
                    base.gradient_accumulation_steps * base.batch_size * base.block_size)
 
     runs, evals = [], evaluations(base.max_iters, base.eval_interval, base.eval_at_start)
-    for g in cfg.kv_heads:
-        for match in cfg.match if g != mha.n_head else ["width"]:
-            model = dataclasses.replace(mha, n_kv_head=g)
+    names = variant_names(cfg, base.n_head)
+    for name in names:
+        for match in cfg.match if name != "mha" else ["width"]:
+            model = variant_config(mha, name)
             if match == "params":
                 model = dataclasses.replace(model, mlp_hidden=matched_mlp_hidden(mha, model))
             runs.append(run(variant_name(model) + "-params" * (match == "params"), model,
                             [f"--mlp_hidden={model.mlp_hidden}"] * (match == "params"), [f"match={match}"],
                             base.max_iters, evals))
-    for g in (g for g in cfg.kv_heads if cfg.convert and g != mha.n_head):
-        source, target = next(r for r in runs if r.name == "mha"), dataclasses.replace(mha, n_kv_head=g)
-        for method in cfg.convert_methods:
+    for name in (name for name in names if cfg.convert and name != "mha"):
+        source, target = next(r for r in runs if r.name == "mha"), variant_config(mha, name)
+        # MLA's K/V come from one SVD of MHA's, with no latent norm (convert.to_latent); the methods pool K/V heads
+        latent = target.kv_lora_rank is not None
+        target = dataclasses.replace(target, latent_norm=not latent)
+        for method in ["svd"] if latent else cfg.convert_methods:
+            how = ["--latent_norm=False"] if latent else [f"--convert_method={method}"]
             for fraction in cfg.uptrain_fractions:
                 iters = round(fraction * base.max_iters)
                 runs.append(run(f"mha-to-{variant_name(target)}-{method}-u{fraction:g}", target,
-                                [f"--init_from={Source('convert', str(source.dir))}", f"--convert_method={method}",
+                                [f"--init_from={Source('convert', str(source.dir))}", *how,
                                  *uptraining(base, iters, cfg.uptrain_lr_scale)],
                                 ["match=width", "converted", f"convert={method}", f"uptrain={fraction:g}"], iters,
                                 1 if iters == 0 else 2))

@@ -87,12 +87,12 @@ def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
     if ckpt is None:
         ckpt = checkpoint.load_checkpoint(source.checkpoint_path(cfg.out_dir), "cpu", mmap=True)
     # resume: each model key given is the model's or its run's (fine-tuned GPT-2 keeps GPT-2's
-    # shape whatever its config said); convert: each but n_kv_head is the source's
+    # shape whatever its config said); convert: each but convert.CONVERTED_KEYS is the source's
     wanted = cfg if resume else cfg.model_config(vocab_size)
     run_cfg = checkpoint.run_config(ckpt) if resume else {}
     differ = []
     for key, stored in ckpt["model_config"].items():
-        if not hasattr(wanted, key) or (key == "n_kv_head" and not resume):
+        if not hasattr(wanted, key) or (key in convert.CONVERTED_KEYS and not resume):
             continue
         asked = getattr(wanted, key)
         if asked not in (stored, run_cfg.get(key, stored)):
@@ -108,7 +108,7 @@ def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
     model = checkpoint.load_run(source, cfg.out_dir, tokenizer=False, ckpt=ckpt).model
     if resume:
         return model, ckpt
-    return convert.convert_kv_heads(model, wanted.n_kv_head, cfg.convert_method, cfg.seed), None
+    return convert.for_uptraining(model, wanted, cfg.convert_method, cfg.seed), None
 
 
 def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer,
