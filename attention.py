@@ -12,13 +12,24 @@ import torch.nn as nn
 
 from fast_paths import Linear, attention
 
-NORM_EPS = 1e-5  # every LayerNorm and RMSNorm (nn.LayerNorm's default; exported as Llama's rms_norm_eps)
+NORM_EPS = 1e-5  # every RMSNorm's, as nn.LayerNorm's default (exported as Llama's rms_norm_eps)
 
 
 class Cache(Protocol):
     """What attention needs of a cache: KVCache, or static_step's StaticKVView."""
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm with this project's epsilon, computed in its weight's dtype: under autocast a bf16 input would
+    miss the fused kernel (and warn)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, eps=NORM_EPS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
 
 
 class KVCache:
@@ -132,10 +143,10 @@ class LatentAttention(nn.Module):
             self.c_q = Linear(n_embd, q_dim, bias=bias)
         else:
             self.q_a = Linear(n_embd, q_lora_rank, bias=bias)
-            self.q_norm = nn.RMSNorm(q_lora_rank, eps=NORM_EPS)
+            self.q_norm = RMSNorm(q_lora_rank)
             self.q_b = Linear(q_lora_rank, q_dim, bias=False)
         self.kv_a = Linear(n_embd, kv_lora_rank + rope_dim, bias=bias)  # [latent | rotary key]
-        self.kv_norm = nn.RMSNorm(kv_lora_rank, eps=NORM_EPS) if latent_norm else nn.Identity()
+        self.kv_norm = RMSNorm(kv_lora_rank) if latent_norm else nn.Identity()
         self.kv_b = Linear(kv_lora_rank, 2 * n_embd, bias=False)  # each head's [k | v], head_dim each
         self.c_proj = Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout

@@ -54,6 +54,7 @@ class BenchConfig:
     profile: bool = False  # train: then 5 more iterations under torch.profiler, its 25 costliest ops printed
     # decode: MHA/GQA/MQA variants of the model, from a 1-token prompt, greedy
     kv_heads: list[int] = field(default_factory=list)  # empty: n_head, a middle divisor, 1
+    kv_lora_ranks: list[int] = field(default_factory=list)  # and MLA with each of these latent widths
     new_tokens: list[int] = field(default_factory=lambda: [256, 1000])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     recompute_max_batch: int = 1  # recomputation only up to this batch size (it is slow)
@@ -74,11 +75,10 @@ class BenchConfig:
         if bad := [d for d in self.dtypes if d not in allowed]:
             raise ValueError(f"dtypes={self.dtypes!r}: {bad[0]!r} is not one of {', '.join(allowed)} (int8: --mode=hf "
                              f"only), e.g. --dtypes='[\"float32\", \"bfloat16\"]'")
-        lists = {"dtypes": self.dtypes, "compiles": self.compiles, "new_tokens": self.new_tokens,
-                 "batch_sizes": self.batch_sizes, "world_sizes": self.world_sizes}
+        lists = {k: getattr(self, k) for k in ("dtypes", "compiles", "new_tokens", "batch_sizes", "world_sizes")}
         problems = [f"{k}=[] needs at least one value" for k, v in lists.items() if not v]
-        problems += [f"{k}={v} must all be positive" for k, v in [*lists.items(), ("kv_heads", self.kv_heads)]
-                     if k not in ("dtypes", "compiles") and min(v, default=1) < 1]
+        sizes = {k: getattr(self, k) for k in ("new_tokens", "batch_sizes", "world_sizes", "kv_heads", "kv_lora_ranks")}
+        problems += [f"{k}={v} must all be positive" for k, v in sizes.items() if min(v, default=1) < 1]
         problems += [f"{k}={getattr(self, k)} must be positive" for k in ("iters", "repeats") if getattr(self, k) < 1]
         problems += [f"{k}={getattr(self, k)} must not be negative" for k in ("warmup", "recompute_max_batch")
                      if getattr(self, k) < 0]
@@ -150,8 +150,8 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
 def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dtype) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for g in cfg.kv_heads or default_kv_heads(base.n_head):
-        mcfg = dataclasses.replace(base, n_kv_head=g)
+    shapes = [dataclasses.replace(base, n_kv_head=g) for g in cfg.kv_heads or default_kv_heads(base.n_head)]
+    for mcfg in shapes + [dataclasses.replace(base, kv_lora_rank=r) for r in cfg.kv_lora_ranks]:
         model = GPT(mcfg).to(device=device, dtype=dtype).eval()
         for m in model.modules():
             if isinstance(m, Linear) and not cfg.linear_split:
@@ -161,7 +161,8 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
         for batch in cfg.batch_sizes:
             for n in cfg.new_tokens:
                 ctx = min(n, mcfg.block_size)  # positions cached at the end
-                row = {"mode": "decode", "attention": mcfg.attention_kind, "n_kv_head": g, "batch": batch,
+                row = {"mode": "decode", "attention": mcfg.attention_kind, "n_kv_head": mcfg.n_kv_head,
+                       "kv_lora_rank": mcfg.kv_lora_rank, "batch": batch,
                        "new_tokens": n, "kv_cache_bytes": mcfg.kv_cache_bytes(batch, ctx, dtype),
                        "weight_bytes": weight_bytes}
                 runs = [timed_decode(model, batch, n, True, gen) for _ in range(cfg.repeats)]
@@ -288,12 +289,11 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     else:
         dtype = resolve_dtype(base.dtype, device, training=False)[0]
         rows = bench_decode(cfg, mcfg, device, dtype)
-        print(table(rows, {"attention": "attention", "n_kv_head": "n_kv_head", "batch": "batch",
-                           "new_tokens": "new tokens",
-                           "kv_cache_bytes": "KV cache bytes", "cache_tok_s": "cache tok/s",
-                           "recompute_tok_s": "recompute tok/s", "speedup": "speedup",
-                           "step_ms_at_100": "step ms @100", "step_ms_at_end": "step ms @end",
-                           "gb_s_at_end": "GB/s @end"}))
+        columns = {"attention": "attention", "n_kv_head": "n_kv_head", "kv_lora_rank": "kv_lora_rank", "batch": "batch",
+                   "new_tokens": "new tokens", "kv_cache_bytes": "KV cache bytes", "cache_tok_s": "cache tok/s",
+                   "recompute_tok_s": "recompute tok/s", "speedup": "speedup", "step_ms_at_100": "step ms @100",
+                   "step_ms_at_end": "step ms @end", "gb_s_at_end": "GB/s @end"}
+        print(table(rows, columns))
 
 
 if __name__ == "__main__":

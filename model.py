@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from attention import NORM_EPS, CausalSelfAttention, KVCache, LatentAttention, Rope, attention_mask, rope_tables
+from attention import CausalSelfAttention, KVCache, LatentAttention, RMSNorm, Rope, attention_mask, rope_tables
 from fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
@@ -145,10 +145,10 @@ def attention_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAtten
                            c.latent_norm, c.bias, c.dropout)
 
 
-def norm_for(config: GPTConfig, width: int) -> nn.LayerNorm | nn.RMSNorm:
+def norm_for(config: GPTConfig, width: int) -> nn.LayerNorm | RMSNorm:
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(width, eps=NORM_EPS)
-    return nn.LayerNorm(width, eps=NORM_EPS, bias=config.bias)
+        return RMSNorm(width)
+    return nn.LayerNorm(width, bias=config.bias)
 
 
 class MLP(nn.Module):

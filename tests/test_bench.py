@@ -15,18 +15,23 @@ def json_rows(stdout: str) -> list[dict]:
 
 
 def test_decode_bench_runs_and_reports_every_setting() -> None:
-    r = run(["bench.py", "--mode=decode", *TINY, "--vocab_size=50", "--kv_heads=[4,2,1]", "--new_tokens=[8,20]",
-             "--batch_sizes=[1,2]", "--repeats=1"])
+    r = run(["bench.py", "--mode=decode", *TINY, "--vocab_size=50", "--kv_heads=[4,2,1]", "--kv_lora_ranks=[12]",
+             "--new_tokens=[8,20]", "--batch_sizes=[1,2]", "--repeats=1"])
     rows = json_rows(r.stdout)
-    assert [(x["n_kv_head"], x["batch"], x["new_tokens"]) for x in rows] == [
-        (g, b, n) for g in (4, 2, 1) for b in (1, 2) for n in (8, 20)]
+    assert [(x["n_kv_head"], x["kv_lora_rank"], x["batch"], x["new_tokens"]) for x in rows] == [
+        (g, r, b, n) for g, r in ((4, None), (2, None), (1, None), (4, 12)) for b in (1, 2) for n in (8, 20)]
     for x in rows:
         G, B, ctx = x["n_kv_head"], x["batch"], min(x["new_tokens"], 16)
-        assert x["kv_cache_bytes"] == 2 * 1 * B * G * ctx * 8 * 4  # 1 layer, head_dim 8, float32
-        assert x["weight_bytes"] == 4 * (32 * 32 * 2 + 2 * 32 * 8 * G + 8 * 32 * 32 + 50 * 32)
+        if x["kv_lora_rank"]:  # MLA (learned positions: no rotary key): a latent of 12 a token and layer
+            assert x["attention"] == "MLA" and x["kv_cache_bytes"] == 1 * B * ctx * 12 * 4
+            q, kv = 32 * 32, 32 * 12 + 12 * 2 * 32  # c_q; kv_a, kv_b
+            assert x["weight_bytes"] == 4 * (q + kv + 32 * 32 + 8 * 32 * 32 + 50 * 32)
+        else:
+            assert x["kv_cache_bytes"] == 2 * 1 * B * G * ctx * 8 * 4  # 1 layer, head_dim 8, float32
+            assert x["weight_bytes"] == 4 * (32 * 32 * 2 + 2 * 32 * 8 * G + 8 * 32 * 32 + 50 * 32)
         assert x["cache_tok_s"] > 0 and x["gb_s_at_end"] > 0
         assert ("recompute_tok_s" in x) == (B == 1)
-    assert "| MQA | 1 | 2 | 20 |" in r.stdout
+    assert "| MQA | 1 | - | 2 | 20 |" in r.stdout and "| MLA | 4 | 12 | 2 | 20 |" in r.stdout
 
 
 @pytest.mark.parametrize("G", [4, 2, 1])

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import sweep
 from checkpoint import load_checkpoint
+from configs import CompareConfig, TrainConfig
+from configurator import parse_config
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
 from convert import convert_kv_heads
 from model import GPT, GPTConfig
@@ -408,6 +411,37 @@ def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_i
     assert "2 runs, 2 to run" in r.stdout
 
 
+def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_costs(tmp_path: Path) -> None:
+    """--variants names each variant and its size; an MLA variant is trained with its kv_lora_rank, matched to MHA's
+    parameters by its MLP like the others, converted from MHA by the SVD (no latent norm, no K/V pooling method),
+    and listed by --mode=costs with its cache of kv_lora_rank + qk_rope_head_dim values a token and layer."""
+    out = tmp_path / "cmp"
+    r = run(["compare.py", f"--out_dir={out}", *SWEEP, "--pos_encoding=rope", "--variants=[mha,gqa2,mla16]",
+             "--match=params", "--convert=True", "--uptrain_fractions=[0.1]", "--mode=plan"])
+    names = [line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")]
+    assert names == ["mha-s1337", "gqa2-params-s1337", "mla16-params-s1337", "mha-to-gqa2-mean-u0.1-s1337",
+                     "mha-to-mla16-svd-u0.1-s1337"]
+    train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))] + ["--pos_encoding=rope"]
+    base = parse_config(TrainConfig, [f"--out_dir={out}", *train_args])
+    cfg = parse_config(CompareConfig, ["--variants=[mha,gqa2,mla16]", "--match=params", "--convert=True",
+                                       "--uptrain_fractions=[0.1]"])
+    runs = {run.name: run for run in sweep.plan(cfg, base, 96, out)}
+    mla = runs["mla16-params"]
+    assert "--kv_lora_rank=16" in mla.args and mla.model.attention_kind == "MLA"
+    with torch.device("meta"):
+        mha_params = GPT(runs["mha"].model).num_params()
+        assert abs(GPT(mla.model).num_params() - mha_params) <= 0.01 * mha_params
+    assert f"--mlp_hidden={mla.model.mlp_hidden}" in mla.args and mla.model.mlp_hidden != runs["mha"].model.mlp_hidden
+    conv = runs["mha-to-mla16-svd-u0.1"]
+    assert {"--kv_lora_rank=16", "--latent_norm=False", f"--init_from=convert:{out / 'mha-s1337'}"} <= set(conv.args)
+    tags = next(a for a in conv.args if a.startswith("--wandb_tags="))
+    assert not any(a.startswith("--convert_method") for a in conv.args) and "convert=svd" in tags
+    r = run(["compare.py", "--mode=costs", "--n_head=4", "--n_embd=32", "--n_layer=2", "--block_size=64",
+             "--vocab_size=50", "--pos_encoding=rope", "--variants=[mha,mla16]", "--kv_dtype=float32"])
+    mla_row = next(line for line in r.stdout.splitlines() if "MLA (kv_lora_rank=16)" in line)
+    assert mla_row.split("|")[-2].strip() == str(round(2 * 64 * (16 + 4) * 4 / 2**20, 2))  # 2 layers, d_c + d_R
+
+
 @pytest.mark.parametrize(("arg", "message"), [
     ("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
     ("--decode_steps=0", "decode_steps=0: must be positive"),
@@ -432,6 +466,15 @@ def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_i
     ("--n_head=6 --n_embd=48 --kv_heads=[6,4]", "n_head=6 must be divisible by n_kv_head=4"),
     ("--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 --bias=True",
      "match=params: no MLP width gives mqa at 1x4 MHA's"),
+    ("--variants=[mha,mla]", "variants: mla is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>"),
+    ("--variants=[mha,gqa0,mla16]", "variants: gqa0 is not mha"),
+    ("--variants=[mha] --kv_heads=[4]", "kv_heads=[4] and variants=['mha']: give one of them"),
+    ("--variants=[mla16,mla16]", "variants=['mla16', 'mla16'] lists mla16 twice"),
+    ("--variants=[mha,gqa3]", "variants=['mha', 'gqa3'] at 2x32: invalid GPTConfig: n_head=4 must be divisible by "
+                              "n_kv_head=3"),
+    ("--variants=[mha,mla16] --pos_encoding=rope --n_embd=24 --n_head=4", "needs an even qk_rope_head_dim, got "
+                                                                           "qk_rope_head_dim=3"),
+    ("--convert=True --variants=[mqa,mla16]", "variants=['mqa', 'mla16'] must hold mha"),
 ])
 def test_bad_sweep_settings_are_one_line_before_any_training(pycode_small: Path, tmp_path: Path, arg: str,
                                                               message: str) -> None:
