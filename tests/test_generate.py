@@ -207,21 +207,22 @@ def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(("variant", "pos_encoding"), [pytest.param("MHA", "learned", marks=COMPILES_2),
                                                      pytest.param("GQA", "rope", marks=COMPILES),
-                                                     pytest.param("MQA", "learned", marks=COMPILES_2)])
+                                                     pytest.param("MLA", "rope", marks=COMPILES_2)])
 def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """compile_step=True (compiled_step.CompiledStep: GPT.decode_static exported and compiled by AOTInductor, one
     step for every cache length) gives the eager logits and tokens, through window slides, compiled once, with each
     way a product runs inside it: MHA as by default at this size (every product through inductor's GEMM template,
     reading blocked copies of the weights), GQA without the template (every weight fast_paths.Linear's (in, out) copy
-    padded to the thread count: the lm_head's way at GPT-2's size), MQA with the layers' products through the template
-    and the lm_head split over views of its weight, its odd row (vocab 101) multiplied apart. A padded batch takes the
-    eager step and still matches each prompt."""
-    if variant != "MHA":  # GQA: no product through the template; MQA: all but the lm_head's (32 x 101 floats)
+    padded to the thread count: the lm_head's way at GPT-2's size), MLA (the absorbed step over its latent cache) with
+    the layers' products through the template and the lm_head split over views of its weight, its odd row (vocab
+    101) multiplied apart. A padded batch takes the eager step and still matches each prompt."""
+    if variant != "MHA":  # GQA: no product through the template; MLA: all but the lm_head's (32 x 101 floats)
         monkeypatch.setattr(compiled_step, "TEMPLATE_MAX_BYTES", 0 if variant == "GQA" else 32 * 101 * 4 - 1)
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if variant == "GQA" else fast_paths.SPLIT_COPY_BYTES)
-    monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", variant != "MQA")
-    m = tiny_model(VARIANTS[variant], pos_encoding, **DECODE | {"vocab_size": 101 if variant == "MQA" else 96})
+    monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", variant != "MLA")
+    latent = {"kv_lora_rank": 16, "vocab_size": 101} if variant == "MLA" else {}  # MLA: its latent cache, no V
+    m = tiny_model(VARIANTS.get(variant), pos_encoding, **DECODE | latent)
     idx = torch.randint(0, 96, (2, 3))
     with torch.inference_mode():
         for n in (80, 9):  # a second cache length reuses the graph
@@ -239,14 +240,14 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str
     assert [padded[b, -6:].tolist() for b in range(2)] == [
         generate(m, torch.tensor([p]), 6, temperature=0)[0, -6:].tolist() for p in prompts]
     split = m.lm_head.split  # what the step multiplied (None with one thread: no split)
-    if variant == "MQA" and split is not None:  # views, and the rows past a multiple of the thread count apart
+    if variant == "MLA" and split is not None:  # views, and the rows past a multiple of the thread count apart
         assert split.rest is not None and split.weight.size(0) * split.weight.size(2) + split.rest[0].size(0) == 101
     assert len(STEPS[m]) == 1
     (_, sources, lent), = STEPS[m].values()  # the weights read in blocked copies: those of the template's products
     blocked = {id(lent[name][0]) for name, *_ in sources.values()}  # (lent as they are under their own names too)
     candidates = {id(mod.weight) for mod in m.modules() if isinstance(mod, fast_paths.Linear) and variant != "GQA"
                   and (variant == "MHA" or mod is not m.lm_head)}  # autotuning may still pick ATen's for a shape
-    if variant == "MQA" and split is not None:  # the lm_head's odd row: a small product of its own
+    if variant == "MLA" and split is not None:  # the lm_head's odd row: a small product of its own
         candidates.add(id(split.rest[0]))
     assert blocked <= candidates and bool(blocked) == bool(candidates)
 

@@ -1,16 +1,17 @@
 """Multi-head Latent Attention (attention.LatentAttention) and the Llama block: the latent cache against
 recomputation, the absorbed one-token step against the unabsorbed one, the cache's bytes and the parameter count
-against their formulas, every decoding path (padding, chunks, the window past block_size, the static step)."""
+against their formulas, every decoding path (padding, chunks, the window past block_size, the static step; the
+compiled CPU step: test_generate's test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size)."""
 
 import pytest
 import torch
+from test_generate import by_hand
 
 from attention import LatentAttention
 from conftest import distinct, tiny_model
 from generation import generate, left_pad
 from model import GPT, GPTConfig
 from static_step import decode_static
-from test_generate import by_hand
 
 ATOL = 1e-5  # float32: the cached (absorbed) and recomputed paths differ in summation order only
 # two ranks, with and without the queries' own latent, rotary and learned positions (no rotary key)
