@@ -147,11 +147,11 @@ def package_key(what: str) -> str:
 
 def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
                  ) -> tuple[Any, dict] | None:
-    """step exported for inputs shaped as idx and as the K/V cache k, v (MLA's v: no width), with any number of filled positions and of
-    cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor with its weights left
-    out, loaded; and blocked_sources' map of the blocked weights it reads. The package and the map are kept in
-    inductor's cache folder under a hash of the exported program, for later processes. None where the template made a
-    constant that is not a blocked weight (then compile the step without it)."""
+    """step exported for inputs shaped as idx and as the K/V cache k, v (MLA's v: no width), with any number of
+    filled positions and of cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor
+    with its weights left out, loaded; and blocked_sources' map of the blocked weights it reads. The package and the
+    map are kept in inductor's cache folder under a hash of the exported program, for later processes. None where the
+    template made a constant that is not a blocked weight (then compile the step without it)."""
     top = max(block_size, 3)
     length, cache = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
     # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart

@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from errors import UserError
-from hf import save, to_hf
+from hf import save, to_hf, update_json
 from model import GPT
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Runs llama.cpp's converter (argv: converter, its arguments). The converter names a BPE pre-tokenizer by a hash of
 # the tokens one known model's tokenizer gives for a fixed text, so it knows GPT-2's vocabulary but no vocabulary
 # trained here; every byte-level BPE of this project pre-tokenizes as GPT-2 does, which llama.cpp calls 'gpt-2'.
+# Its Llama tries a SentencePiece tokenizer.model first, importing sentencepiece (no requirement of ours) before it
+# looks for the file: without the file, it is told so before that import, and goes on to the BPE.
 CONVERT = """
 import runpy, sys
 sys.path[:0] = [sys.argv[1].rpartition("/")[0], sys.argv[1].rpartition("/")[0] + "/gguf-py"]
@@ -28,6 +30,13 @@ def pre(self, tokenizer):
     except NotImplementedError:
         return "gpt-2"
 base.TextModel.get_vocab_base_pre = pre
+spm = getattr(base.TextModel, "_create_vocab_sentencepiece", None)
+def no_spm(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")
+    return spm(self)
+if spm:
+    base.TextModel._create_vocab_sentencepiece = no_spm
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -42,14 +51,24 @@ def check_gguf_vocabulary(tok: Any) -> None:
 
 
 def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
-    """model, exported with every bias (llama.cpp's Starcoder2 has no bias-free variant) and tok, as the GGUF file
-    named name (default: the file's stem), written whole or not at all."""
+    """model and tok as the GGUF file named name (default: the file's stem), written whole or not at all."""
     check_gguf_vocabulary(tok)
     with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}-") as tmp:
         folder, part = Path(tmp) / "hf", Path(tmp) / file.name
-        save(to_hf(model, all_biases=True), tok, folder)
+        llama_cpp_folder(model, tok, folder)
         convert_folder(folder, part, llama_cpp, outtype, name or file.stem)
         os.replace(part, file)
+
+
+def llama_cpp_folder(model: GPT, tok: Any, folder: Path) -> None:
+    """The transformers folder llama.cpp's converter turns into what model computes (hf.to_hf(llama_cpp=True)):
+    Starcoder2 with every bias (llama.cpp's has no bias-free variant); DeepSeek-V3 with its rotary rows in pairs, and
+    without q_lora_rank as q_lora_rank=0, which llama.cpp's deepseek2 requires (it reads 0 as no query latent) but
+    transformers cannot build: a folder for the converter only (docs/export.md)."""
+    save(to_hf(model, llama_cpp=True), tok, folder)
+    c = model.config
+    if c.kv_lora_rank is not None and c.q_lora_rank is None:
+        update_json(folder / "config.json", {"q_lora_rank": 0})
 
 
 def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:

@@ -1,6 +1,7 @@
 """This project's GPT as a stock Hugging Face transformers model (no code of ours needed to load it): rotary
 positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel (MHA; GQA with each K/V
-head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA).
+head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA);
+Llama's block as LlamaForCausalLM, MLA as DeepseekV3ForCausalLM (hf_llama.py).
 The weight mapping, the tokenizer as a transformers one, and llama.cpp's converter from such a folder to GGUF;
 export.py writes the folder with a model card. Dropout is training's only: the exported model has none.
 """
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from errors import UserError, first_line
+from hf_llama import MODEL_TYPES, deepseek, from_llama_block, llama, llama_class
 from model import GPT, GPTConfig
 from tokenizer import EOT, gpt2_encoding
 
@@ -25,24 +27,32 @@ STARCODER2_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_pro
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
 
 def target_class(config: Any) -> str:
-    """The transformers class that holds a model of config (a GPTConfig)."""
+    """The transformers class that holds a model of config (a GPTConfig); one that none holds: a UserError."""
+    if name := llama_class(config):
+        return name
     if config.pos_encoding == "rope":
         return "Starcoder2ForCausalLM"
     return "GPTBigCodeForCausalLM" if config.attention_kind == "MQA" else "GPT2LMHeadModel"
 
 
-def to_hf(model: GPT, all_biases: bool = False) -> Any:
-    """A transformers model (float32, eval mode) that computes what model computes. all_biases: a rotary model
-    without biases gets zero ones (llama.cpp's Starcoder2 requires them)."""
+def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
+    """A transformers model (float32, eval mode) that computes what model computes. llama_cpp: the one llama.cpp's
+    converter reads (a rotary GPT-2 block gets zero biases: llama.cpp's Starcoder2 requires them; MLA: hf_llama)."""
     import transformers
 
     c = model.config
+    kind = target_class(c)
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    if all_biases and c.pos_encoding == "rope" and not c.bias:
-        sd |= {k.replace(".weight", ".bias"): torch.zeros(v.shape[0]) for k, v in sd.items()
-               if k.startswith("transformer.h.") and k.endswith(".weight") and ".ln_" not in k}
-        c = dataclasses.replace(c, bias=True)
-    cls_name, hf_config, state = (starcoder2 if c.pos_encoding == "rope" else gpt2)(c, sd)
+    if kind == "DeepseekV3ForCausalLM":
+        cls_name, hf_config, state = deepseek(c, sd, llama_cpp)
+    elif kind == "LlamaForCausalLM":
+        cls_name, hf_config, state = llama(c, sd)
+    else:
+        if llama_cpp and c.pos_encoding == "rope" and not c.bias:
+            sd |= {k.replace(".weight", ".bias"): torch.zeros(v.shape[0]) for k, v in sd.items()
+                   if k.startswith("transformer.h.") and k.endswith(".weight") and ".ln_" not in k}
+            c = dataclasses.replace(c, bias=True)
+        cls_name, hf_config, state = (starcoder2 if c.pos_encoding == "rope" else gpt2)(c, sd)
     hf = getattr(transformers, cls_name)(hf_config)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
@@ -113,16 +123,18 @@ def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch
     return "GPTBigCodeForCausalLM" if mqa else "GPT2LMHeadModel", config, state
 
 
-
 def from_transformers(folder: str) -> GPT:
-    """This project's model from a Starcoder2 or multi-query GPTBigCode folder (what export.py writes for rotary
-    and MQA models); what this model cannot hold (untied embeddings, a sliding window shorter than the positions,
-    another norm epsilon, activation or rope type, LayerNorm biases without the others) is refused in one line.
-    GPT-2 folders: from_hf."""
+    """This project's model from a Starcoder2, multi-query GPTBigCode, Llama or DeepSeek-V3 folder (what export.py
+    writes for all but GPT-2); what this model cannot hold (untied embeddings, a sliding window shorter than the
+    positions, another norm epsilon, activation or rope type, LayerNorm biases without the others, experts) is
+    refused in one line. GPT-2 folders: from_hf."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
     c, sd = hf.config, {k: v.float() for k, v in hf.state_dict().items()}
+    if c.model_type in MODEL_TYPES:  # Llama's block: Llama or DeepSeek-V3
+        config, state = from_llama_block(folder, c, sd)
+        return with_weights(GPT(config), state)
     act = getattr(c, "hidden_act", None) or getattr(c, "activation_function", None)
     window, eps = getattr(c, "sliding_window", None), getattr(c, "norm_epsilon", getattr(c, "layer_norm_epsilon", 0))
     rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -160,8 +172,12 @@ def from_transformers(folder: str) -> GPT:
     model = GPT(config)
     wanted = model.state_dict().keys()
     state |= {ours: sd[theirs] for ours, theirs in names.items() if ours in wanted and theirs in sd}
-    state["lm_head.weight"] = state["transformer.wte.weight"]  # tied
-    model.load_state_dict(state)  # strict: every weight of ours is given
+    return with_weights(model, state)
+
+
+def with_weights(model: GPT, state: dict[str, torch.Tensor]) -> GPT:
+    """model with state's weights, every one given (strict), its output layer tied to the embeddings."""
+    model.load_state_dict(state | {"lm_head.weight": state["transformer.wte.weight"]})
     return model
 
 
@@ -230,8 +246,8 @@ def check_weights(folder: Path) -> None:
 def from_hf(name_or_path: str) -> GPT:
     """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium', 'gpt2-large',
     'gpt2-xl') or a local folder written by save_pretrained. Its fused c_attn is split into c_q, c_k, c_v and its
-    Conv1D weights, stored (in, out), are transposed to Linear's (out, in). A Starcoder2 or GPTBigCode folder (as
-    export.py writes) goes through hf.from_transformers."""
+    Conv1D weights, stored (in, out), are transposed to Linear's (out, in). A Starcoder2, GPTBigCode, Llama or
+    DeepSeek-V3 folder (as export.py writes) goes through hf.from_transformers."""
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -247,12 +263,12 @@ def from_hf(name_or_path: str) -> GPT:
             kind = json.loads((folder / "config.json").read_text()).get("model_type")
         except (ValueError, AttributeError):
             kind = None
-        if kind in ("starcoder2", "gpt_bigcode"):  # what export.py writes for rotary and MQA models
+        if kind in ("starcoder2", "gpt_bigcode", *MODEL_TYPES):  # what export.py writes for all but GPT-2
             return from_transformers(name_or_path)
         if kind != "gpt2":
-            raise UserError(f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained "
-                            f"(config.json's model_type is {kind!r}); a checkpoint of this project loads with "
-                            f"init_from=resume and out_dir")
+            raise UserError(f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained, nor "
+                            f"a Llama or DeepSeek-V3 one (config.json's model_type is {kind!r}); a checkpoint of this "
+                            f"project loads with init_from=resume and out_dir")
     try:
         hf = GPT2LMHeadModel.from_pretrained(name_or_path)
     except OSError as e:  # what transformers raises for no network, no cache or a bad folder
