@@ -63,7 +63,7 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
     lines = [f"# {Path(run.get('dir', 'model')).name}", "",
              "A GPT trained with smallgpt, exported to a stock transformers class (no remote code).", "",
              "| | |", "|---|---|", f"| class | `{type(hf_model).__name__}` |",
-             f"| attention | {c.attention_kind} (n_head={c.n_head}, {attention_sizes(c)}) |",
+             f"| attention | {c.attention_kind} (n_head={c.n_head}, {c.kv_sizes}) |",
              f"| shape | {c.n_layer} layers, {c.n_embd} wide, MLP {c.mlp_hidden}, block_size {c.block_size}, "
              f"{c.pos_encoding} positions |", f"| parameters | {model.num_params():,} |",
              f"| KV cache per token (fp32, as exported) | {hf_kv_bytes(c):,} bytes (this model: "
@@ -80,13 +80,6 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
               "ids = model.generate(**tok(\"def \", return_tensors=\"pt\"), max_new_tokens=50, do_sample=False)",
               "print(tok.decode(ids[0]))", "```"]
     return "\n".join(lines) + "\n"
-
-
-def attention_sizes(c: GPTConfig) -> str:
-    """The keys that size the attention besides n_head: MLA's latents, else n_kv_head."""
-    if c.kv_lora_rank is None:
-        return f"n_kv_head={c.n_kv_head}"
-    return f"kv_lora_rank={c.kv_lora_rank}, qk_rope_head_dim={c.qk_rope_head_dim}, q_lora_rank={c.q_lora_rank}"
 
 
 def past_block_size(c: GPTConfig) -> str:

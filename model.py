@@ -122,6 +122,14 @@ class GPTConfig:
         return "MQA" if self.n_kv_head == 1 else "GQA"
 
     @property
+    def kv_sizes(self) -> str:
+        """The keys that size K and V besides n_head: n_kv_head, or MLA's latents."""
+        if self.kv_lora_rank is None:
+            return f"n_kv_head={self.n_kv_head}"
+        return (f"kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}, "
+                f"q_lora_rank={self.q_lora_rank}")
+
+    @property
     def cache_layout(self) -> tuple[int, int, int]:
         """One layer's cache per token: heads, K width, V width. MLA's is one head of [latent |
         rotary key] and no V (its values are the latent: attention.LatentAttention)."""

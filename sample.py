@@ -97,7 +97,7 @@ def summary(model: GPT, cfg: SampleConfig, idx: torch.Tensor, n_new: int,
             rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
             speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"
     print(f"{n_new} tokens in {elapsed:.2f} s ({speed}), batch {B}, {c.attention_kind} "
-          f"(n_kv_head={c.n_kv_head}), KV cache {kv:,} bytes, {dtype}", file=sys.stderr)
+          f"({c.kv_sizes}), KV cache {kv:,} bytes, {dtype}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ class Trainer:
         configurator.print_config(cfg)
         log = RunLog(cfg, model_cfg, self.iter_num)  # iter_num > 0: resumed
         params = self.raw_model.num_params() / 1e6
-        heads = f"n_head={model_cfg.n_head}, n_kv_head={model_cfg.n_kv_head}"
+        heads = f"n_head={model_cfg.n_head}, {model_cfg.kv_sizes}"
         print(f"model: {params:.2f}M parameters, {model_cfg.attention_kind} ({heads}), "
               f"{model_cfg.pos_encoding} positions")
         return log
