@@ -34,8 +34,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
         return matmul_attention(q, k, v, mask, dropout_p, scale)  # SDPA's CPU flash kernel is slower in bf16 training
     B, H, T, hd = q.shape
-    if q.is_cpu and q.dtype == torch.bfloat16 and T == 1 and mask is None and not dropout_p:
-        return one_query_attention(q, k, v, scale)  # and 3-5x slower for one query over a bf16 cache
+    # and 3-5x slower for one query over a bf16 cache; for MLA's absorbed step (V narrower than K) 1.3-1.7x slower
+    # in fp32 too (docs/compare.md "MLA")
+    if q.is_cpu and (q.dtype == torch.bfloat16 or v.size(-1) != hd) and T == 1 and mask is None and not dropout_p:
+        return one_query_attention(q, k, v, scale)
     G = k.size(1)
     with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
         if G != H and T == 1 and (mask is not None or q.is_cpu):

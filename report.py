@@ -124,8 +124,7 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
 
 
 def recall_columns(group: list[dict], mha: list[dict] | None) -> dict:
-    """A group's recall columns where every run measured the task (none without recall records): induction at the
-    longest distance all have, with the mean loss there, and MQAR; each accuracy as accuracy_columns gives it."""
+    """A group's recall columns where every run measured the task: induction at the longest common distance, MQAR."""
     recalls = {r["seed"]: r["recall"] or {} for r in group}
     theirs = {r["seed"]: r["recall"] or {} for r in mha or []}
     induction = {seed: {i["distance"]: i for i in rec.get("induction", [])} for seed, rec in recalls.items()}
@@ -226,8 +225,7 @@ def speed_text(row: dict) -> str:
 
 
 def verdicts(scratch: list[dict], conv: list[dict], kv: str) -> list[str]:
-    """A sentence per variant against MHA, and per conversion (at its longest uptraining) against the same shape
-    trained from scratch, each from its seed-paired difference."""
+    """A sentence per variant against MHA, and per conversion (longest uptraining) against its shape from scratch."""
     mha, lines = next((r for r in scratch if r["variant"] == "mha"), None), []
     if mha is None and scratch:
         lines.append("- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): no difference to MHA "
@@ -242,16 +240,17 @@ def verdicts(scratch: list[dict], conv: list[dict], kv: str) -> list[str]:
                 line += " " + stats.speed_verdict(stats.SpeedRatio(*(r[k] for k in columns)), "MHA")
             lines.append(f"- {line}")
     longest = max((r["uptrain_fraction"] for r in conv), default=None)
-    for r in (r for r in conv if r["uptrain_fraction"] == longest):
-        what = f"{conversion_target(r)} converted by {r['method']} and uptrained {longest:g}"
+    trained = {r["variant"] for r in scratch}
+    for r, target in ((r, conversion_target(r)) for r in conv if r["uptrain_fraction"] == longest):
+        what = f"{target} converted by {r['method']} and uptrained {longest:g}"
         diff = column_interval(r, "diff_vs_scratch", "diff_vs_scratch_pairs")
-        lines.append(f"- {stats.verdict(what, f'{conversion_target(r)} from scratch', diff)}")
+        lines.append(f"- {stats.verdict(what, f'{target} from scratch', diff)}" if target in trained else
+                     f"- {what}: no {target} trained from scratch at its shape (--match=width) to compare with.")
     return lines
 
 
 def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
-    """The GQA paper's two ablations: final val loss by conversion method (at the longest uptraining), and by
-    uptraining fraction (0: right after conversion), each beside the same shape trained from scratch."""
+    """The GQA paper's ablations: val loss by conversion method (longest uptraining) and by uptraining fraction."""
     fractions = sorted({r["uptrain_fraction"] for r in conv})
     methods = list(dict.fromkeys(r["method"] for r in conv))
     targets = list(dict.fromkeys(conversion_target(r) for r in conv))
@@ -260,7 +259,8 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
     by_method = [{"target": t, "scratch": own.get(t, "-"), **{m: cell.get((t, m, fractions[-1]), "-")
                                                              for m in methods}} for t in targets]
     by_fraction = [{"target": t, "method": m, **{f"{f:g}": cell.get((t, m, f), "-") for f in fractions},
-                    "scratch": own.get(t, "-")} for t in targets for m in methods]
+                    "scratch": own.get(t, "-")} for t in targets for m in methods
+                   if any((t, m, f) in cell for f in fractions)]
     return [f"Conversion from MHA by method, uptrained for {fractions[-1]:g} of the base run's iterations (GQA "
             f"paper, fig. 5):", "", table(by_method), "",
             "Conversion from MHA by uptraining fraction, 0 = evaluated right after conversion (GQA paper, fig. 6):",
