@@ -91,6 +91,17 @@ def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dic
     return {i: p / mass for i, p in chosen.items()}
 
 
+def assert_same_greedy_tokens(model: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, n: int = 20) -> None:
+    """Our greedy continuation of prompt equals transformers' (generate), and is not one token repeated."""
+    from generation import generate
+
+    with torch.no_grad():
+        mine = generate(model, prompt, n, temperature=0)
+        theirs = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert len(set(mine[:, prompt.size(1):].flatten().tolist())) > 5
+    assert torch.equal(theirs, mine)
+
+
 def tiny_model(n_kv_head: int | None = None, pos_encoding: str = "learned", **overrides: object) -> GPT:
     """A 2-layer, 32-wide model in eval mode, fp32 on CPU."""
     cfg = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, dropout=0.0,
