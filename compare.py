@@ -33,6 +33,7 @@ import runtime
 import sweep
 from atomic import atomic_open, folder_lock, lock_holder
 from configs import CompareConfig, TrainConfig, repeated
+from convert import check_latent_target
 from dataset import data_dir, load_meta, vocab_size_of
 from measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from model import GPT, GPTConfig
@@ -126,9 +127,14 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     for _, sbase in sweep.sizes(cfg.sizes, base):
         for name in names:  # each variant must be a valid model at each size before anything trains
             try:
-                variant(sbase, name)
+                model = variant(sbase, name)
             except ValueError as e:
                 raise UserError(f"{key}={getattr(cfg, key)} at {sbase.n_layer}x{sbase.n_embd}: {e}") from e
+            if cfg.convert and model.kv_lora_rank is not None:  # and each MLA conversion possible
+                try:
+                    check_latent_target(model)
+                except UserError as e:
+                    raise UserError(f"convert=True to {name} at {sbase.n_layer}x{sbase.n_embd}: {e}") from e
     return cfg, base
 
 

@@ -94,14 +94,7 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
                          latent_norm=False)
     except ValueError as e:
         raise UserError(f"cannot convert the model to MLA: {e}") from e
-    head_dim, rope_dim = config.head_dim, config.qk_rope_head_dim
-    if rope_dim and head_dim % rope_dim:
-        fits = [d for d in range(2, head_dim + 1, 2) if head_dim % d == 0]
-        raise UserError(f"qk_rope_head_dim={rope_dim} does not divide head_dim={head_dim}: MLA's rotary "
-                        f"frequencies are MHA's only for one of {fits}")
-    if kv_lora_rank > config.n_embd:
-        raise UserError(f"kv_lora_rank={kv_lora_rank} exceeds n_embd={config.n_embd}, the most the joint key and "
-                        f"value map's rank can be: give kv_lora_rank <= {config.n_embd}")
+    check_latent_target(config)
     converted = GPT(config).to(next(model.parameters()).device)
     state = model.state_dict()
     for layer in range(config.n_layer):
@@ -110,6 +103,19 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
         state |= {prefix + name: t for name, t in latent_attention(mha, config).items()}
     converted.load_state_dict(state)
     return converted
+
+
+def check_latent_target(config: GPTConfig) -> None:
+    """That an MHA model converts to the MLA config (to_latent), else a UserError saying why: its rotary width must
+    divide head_dim (MLA's frequencies are then MHA's) and its latent be no wider than n_embd (W_kv's rank at most)."""
+    head_dim, rope_dim, rank = config.head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+    if rope_dim and head_dim % rope_dim:
+        fits = [d for d in range(2, head_dim + 1, 2) if head_dim % d == 0]
+        raise UserError(f"qk_rope_head_dim={rope_dim} does not divide head_dim={head_dim}: MLA's rotary "
+                        f"frequencies are MHA's only for one of {fits}")
+    if rank > config.n_embd:
+        raise UserError(f"kv_lora_rank={rank} exceeds n_embd={config.n_embd}, the most the joint key and "
+                        f"value map's rank can be: give kv_lora_rank <= {config.n_embd}")
 
 
 def rotary_features(head_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -475,6 +475,10 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
     ("--variants=[mha,mla16] --pos_encoding=rope --n_embd=24 --n_head=4", "needs an even qk_rope_head_dim, got "
                                                                            "qk_rope_head_dim=3"),
     ("--convert=True --variants=[mqa,mla16]", "variants=['mqa', 'mla16'] must hold mha"),
+    ("--convert=True --variants=[mha,mla48] --pos_encoding=rope", "convert=True to mla48 at 2x32: kv_lora_rank=48 "
+                                                                   "exceeds n_embd=32"),
+    ("--convert=True --variants=[mha,mla16] --pos_encoding=rope --qk_rope_head_dim=6",
+     "qk_rope_head_dim=6 is an MLA key"),
 ])
 def test_bad_sweep_settings_are_one_line_before_any_training(pycode_small: Path, tmp_path: Path, arg: str,
                                                               message: str) -> None:
