@@ -21,6 +21,40 @@ class Cache(Protocol):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def latent_problems(kv_lora_rank: int | None, qk_rope_head_dim: int | None, q_lora_rank: int | None,
+                    pos_encoding: str, n_kv_head: int, n_head: int) -> list[str]:
+    """What is wrong with GPTConfig's MLA keys."""
+    if kv_lora_rank is None:
+        given = {"qk_rope_head_dim": qk_rope_head_dim, "q_lora_rank": q_lora_rank}
+        return [f"{k}={v} is an MLA key: set kv_lora_rank too" for k, v in given.items() if v is not None]
+    problems = []
+    for key, value in (("kv_lora_rank", kv_lora_rank), ("q_lora_rank", q_lora_rank)):
+        if value is not None and (type(value) is not int or value < 1):
+            problems.append(f"{key}={value!r} must be a positive integer")
+    rope = qk_rope_head_dim
+    if type(rope) is not int or rope < 0 or (rope == 0) != (pos_encoding == "learned"):
+        problems.append(f"qk_rope_head_dim={rope!r} must be a positive integer with pos_encoding='rope', 0 with "
+                        "'learned'")
+    if n_kv_head != n_head:
+        problems.append(f"n_kv_head={n_kv_head} does not apply to MLA (every head has its own K and V, made from the "
+                        "latent): leave it out")
+    return problems
+
+
+def window_problems(window: int | None, pattern: str) -> list[str]:
+    """What is wrong with GPTConfig's local-layer keys."""
+    if not (isinstance(pattern, str) and pattern and set(pattern) <= {"S", "L"}):
+        return [f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), e.g. 'SSSL'"]
+    if window is None:
+        return [f"window_pattern={pattern!r} has local layers (S): give their window"] if "S" in pattern else []
+    if type(window) is not int or window < 1:
+        return [f"window={window!r} must be a positive integer (the tokens a local layer sees)"]
+    if "S" not in pattern:
+        return [f"window={window} with window_pattern={pattern!r}: no layer is local; give a pattern with S, e.g. "
+                "'SSSL' (the last layer is always global)"]
+    return []
+
+
 class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm with this project's epsilon, computed in its weight's dtype: under autocast a bf16 input would
     miss the fused kernel (and warn)."""
@@ -74,16 +108,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
-def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device) -> Mask:
+def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device, window: int | None = None
+                   ) -> Mask:
     """The mask (B or 1, 1, T, start + T) of queries at start..start+T-1, or None where none is
     needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal
-    aligns top-left). Left padding (pad[b] slots in row b) is hidden from real queries; a pad query
-    sees only itself, so no row is fully masked (which gives NaNs)."""
-    if pad is None and (start == 0 or T == 1):
+    aligns top-left), that no window cuts. Left padding (pad[b] slots in row b) is hidden from real queries; a pad
+    query sees only itself, so no row is fully masked (which gives NaNs). window (a local layer's): a query sees only
+    itself and the window - 1 slots before it."""
+    if pad is None and (start == 0 or T == 1) and (window is None or start + T <= window):
         return None
     query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
     key_pos = torch.arange(start + T, device=device)[None, :]  # (1, Tk)
     mask = key_pos <= query_pos  # (T, Tk)
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
     if pad is None:
         return mask[None, None]
     mask = mask & ((key_pos >= pad[:, None, None]) | (key_pos == query_pos))  # (B, T, Tk)

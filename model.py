@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from attention import CausalSelfAttention, KVCache, LatentAttention, RMSNorm, Rope, attention_mask, rope_tables
+import attention
+from attention import CausalSelfAttention, KVCache, LatentAttention, RMSNorm, Rope
 from fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
@@ -41,6 +42,11 @@ class GPTConfig:
     qk_rope_head_dim: int | None = None
     q_lora_rank: int | None = None
     latent_norm: bool = True
+    # local layers: a local layer's window in tokens (a query sees itself and window - 1 before it),
+    # and which layers are local: nanochat's letters (S local, L global) repeated over the layers,
+    # the last one always global
+    window: int | None = None
+    window_pattern: str = "L"
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -57,7 +63,10 @@ class GPTConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        problems += self.latent_problems()
+        problems += attention.latent_problems(self.kv_lora_rank, self.qk_rope_head_dim,
+                                              self.q_lora_rank, self.pos_encoding, self.n_kv_head,
+                                              self.n_head)
+        problems += attention.window_problems(self.window, self.window_pattern)
         if not problems:  # the sizes are integers, so their ratios can be checked
             if self.n_embd % self.n_head:
                 problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -83,28 +92,15 @@ class GPTConfig:
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 
-    def latent_problems(self) -> list[str]:
-        """What is wrong with the MLA keys."""
-        if self.kv_lora_rank is None:
-            given = [k for k in ("qk_rope_head_dim", "q_lora_rank") if getattr(self, k) is not None]
-            return [f"{k}={getattr(self, k)} is an MLA key: set kv_lora_rank too" for k in given]
-        problems = []
-        for key in ("kv_lora_rank", "q_lora_rank"):
-            value = getattr(self, key)
-            if value is not None and (type(value) is not int or value < 1):
-                problems.append(f"{key}={value!r} must be a positive integer")
-        rope = self.qk_rope_head_dim
-        if type(rope) is not int or rope < 0 or (rope == 0) != (self.pos_encoding == "learned"):
-            problems.append(f"qk_rope_head_dim={rope!r} must be a positive integer with "
-                            "pos_encoding='rope', 0 with 'learned'")
-        if self.n_kv_head != self.n_head:
-            problems.append(f"n_kv_head={self.n_kv_head} does not apply to MLA (every head has "
-                            "its own K and V, made from the latent): leave it out")
-        return problems
-
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's window (None: global): window_pattern repeated, the last layer global."""
+        letters = (self.window_pattern * self.n_layer)[:self.n_layer - 1]
+        return [self.window if letter == "S" else None for letter in letters] + [None]
 
     @property
     def rope_dim(self) -> int:
@@ -225,7 +221,7 @@ class GPT(nn.Module):
         """(Re)compute the buffers derived from the config: the rotary tables."""
         if self.config.pos_encoding == "rope":
             c = self.config
-            cos, sin = rope_tables(c.rope_dim, c.block_size, c.rope_theta)
+            cos, sin = attention.rope_tables(c.rope_dim, c.block_size, c.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -294,9 +290,10 @@ class GPT(nn.Module):
             pos = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
         x, rope = self.embed(idx, pos)
         x = self.transformer.drop(x)
-        mask = attention_mask(T, start, pad, idx.device)
-        for block in self.transformer.h:
-            x = block(x, rope, mask, kv_cache)
+        windows = self.config.layer_windows  # a local layer's mask cuts its window
+        masks = {w: attention.attention_mask(T, start, pad, idx.device, w) for w in set(windows)}
+        for block, window in zip(self.transformer.h, windows, strict=True):
+            x = block(x, rope, masks[window], kv_cache)
         if kv_cache is not None:
             kv_cache.pos += T
         x = self.transformer.ln_f(x)

@@ -35,9 +35,14 @@ def decode_static(model: GPT, idx: torch.Tensor, pos: torch.Tensor, kv_cache: KV
     the whole cache under a mask (the same shapes every step and no host sync, for CUDAGraphStep), or over its
     first `length` positions (the compiled CPU step's one dynamic size)."""
     x, rope = model.embed(idx, pos)
-    mask = None if length else (torch.arange(kv_cache.max_len, device=idx.device) <= pos)[None, None, None, :]
+    keys = torch.arange(length or kv_cache.max_len, device=idx.device)
+    masks = {}  # per window (None: a global layer): what the query at pos sees of the cache
+    windows = model.config.layer_windows
+    for window in set(windows):
+        seen = (keys <= pos) & (keys > pos - window) if window else keys <= pos
+        masks[window] = None if length and window is None else seen[None, None, None, :]
     view = StaticKVView(kv_cache, pos, length)
-    for block in model.transformer.h:
-        x = block(x, rope, mask, view)
+    for block, window in zip(model.transformer.h, windows, strict=True):
+        x = block(x, rope, masks[window], view)
     return model.lm_head(model.transformer.ln_f(x))
 
