@@ -102,6 +102,79 @@ def assert_same_greedy_tokens(model: torch.nn.Module, hf: torch.nn.Module, promp
     assert torch.equal(theirs, mine)
 
 
+def first_and_last_loss(m: torch.nn.Module, steps: int) -> tuple[float, float]:
+    """The training forward compiles without graph breaks; then AdamW fits one batch of 2 x 32 for steps steps."""
+    idx = torch.randint(0, 61, (2, 32))
+    explanation = torch._dynamo.explain(m)(idx, idx)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        _, loss = m(idx, idx)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses[0], losses[-1]
+
+
+def config_error(**overrides: object) -> str:
+    """The one line GPTConfig's ValueError says of a 2 x 32 model with overrides."""
+    with pytest.raises(ValueError) as err:
+        GPTConfig(n_layer=2, n_head=4, n_embd=32, **overrides)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def cached_chunks_match(m: torch.nn.Module, atol: float = 1e-5) -> torch.Tensor:
+    """Chunks of 9, 1 and 7 tokens and then one token at a time through one cache give the last logits of the
+    prefix recomputed whole, for 3 rows of 32 random tokens; returns the tokens."""
+    idx = torch.randint(0, 61, (3, 32))
+    cache = m.make_kv_cache(3, 32)
+    for a, b in [(0, 9), (9, 10), (10, 17), *((t, t + 1) for t in range(17, 32))]:
+        logits, _ = m(idx[:, a:b], kv_cache=cache)
+        torch.testing.assert_close(logits[:, -1], m(idx[:, :b])[0][:, -1], rtol=0, atol=atol)
+    assert cache.pos == 32
+    return idx
+
+
+def padded_steps_match(m: torch.nn.Module, atol: float = 1e-5) -> None:
+    """A left-padded batch of prompts of 3, 11, 1 and 7 tokens, prefilled, then 6 one-token steps: each row's
+    logits are its prompt's alone, recomputed whole."""
+    from generation import left_pad
+
+    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (3, 11, 1, 7)]
+    idx, pad = left_pad(prompts, pad_token=5)
+    cache = m.make_kv_cache(len(prompts), 24)
+    m(idx, kv_cache=cache, pad=pad)
+    extra = torch.randint(0, 61, (len(prompts), 6))
+    for t in range(6):
+        cached, _ = m(extra[:, t:t + 1], kv_cache=cache, pad=pad)
+        for row, p in enumerate(prompts):
+            alone = torch.tensor([p + extra[row, :t + 1].tolist()])
+            torch.testing.assert_close(cached[row, -1], m(alone)[0][0, -1], rtol=0, atol=atol)
+
+
+def static_steps_match(m: torch.nn.Module, steps: range, max_len: int) -> tuple[object, object, object]:
+    """static_step.decode_static, over the whole cache under a mask (what CUDA graphs replay) and over its filled
+    length (the compiled CPU step's form), gives GPT.forward's one-token logits at each of steps, after a prefill of
+    steps.start tokens; returns the three caches (forward's, and the two static ones) to compare."""
+    from static_step import decode_static
+
+    idx = torch.randint(0, 61, (2, steps.stop))
+    with torch.inference_mode():
+        ref, static, filled = (m.make_kv_cache(2, max_len) for _ in range(3))
+        for cache in (ref, static, filled):
+            m(idx[:, :steps.start], kv_cache=cache)
+        for t in steps:
+            want, _ = m(idx[:, t:t + 1], kv_cache=ref)
+            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), static)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    return ref, static, filled
+
+
 def tiny_model(n_kv_head: int | None = None, pos_encoding: str = "learned", **overrides: object) -> GPT:
     """A 2-layer, 32-wide model in eval mode, fp32 on CPU."""
     cfg = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, dropout=0.0,

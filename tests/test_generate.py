@@ -112,6 +112,17 @@ def test_stream_yields_each_token_before_computing_the_next() -> None:
     assert torch.equal(torch.stack([first, second, *rest], dim=1), generate(m, idx, 9, temperature=0)[:, 3:])
 
 
+def rows_as_by_hand(m: torch.nn.Module, lengths: tuple[int, ...] = (15, 3, 20, 9), new: int = 40) -> list[list[int]]:
+    """Greedy tokens of a padded batch of random prompts of these lengths, past block_size, each row checked
+    against by_hand's recomputation of its prompt alone; returns the rows' new tokens."""
+    prompts = [torch.randint(0, 61, (n,)).tolist() for n in lengths]
+    idx, pad = left_pad(prompts)
+    batch = generate(m, idx, new, temperature=0, pad=pad)[:, -new:].tolist()
+    for row, p in enumerate(prompts):
+        assert batch[row] == by_hand(m, p, new), f"row {row} ({len(p)} tokens)"
+    return batch
+
+
 def by_hand(m: torch.nn.Module, prompt: list[int], new: int, use_cache: bool = False) -> list[int]:
     """Greedy decoding written out for the test: the model sees the newest block_size tokens at most; when a token
     would make it block_size + 1, only the newest block_size // 2 are kept (recomputed from scratch every step)."""

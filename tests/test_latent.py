@@ -5,13 +5,19 @@ compiled CPU step: test_generate's test_compiled_cpu_step_decodes_the_eager_toke
 
 import pytest
 import torch
-from test_generate import by_hand
+from test_generate import rows_as_by_hand
 
 from attention import LatentAttention
-from conftest import distinct, tiny_model
-from generation import generate, left_pad
+from conftest import (
+    cached_chunks_match,
+    config_error,
+    distinct,
+    first_and_last_loss,
+    padded_steps_match,
+    static_steps_match,
+    tiny_model,
+)
 from model import GPT, GPTConfig
-from static_step import decode_static
 
 ATOL = 1e-5  # float32: the cached (absorbed) and recomputed paths differ in summation order only
 # two ranks, with and without the queries' own latent, rotary and learned positions (no rotary key)
@@ -39,12 +45,7 @@ def last(m: GPT, idx: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Te
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_chunks_and_one_token_steps_from_the_latent_cache_equal_recomputation(case: str) -> None:
     m = mla(case)
-    idx = torch.randint(0, 61, (3, 32))
-    cache = m.make_kv_cache(3)
-    for a, b in [(0, 9), (9, 10), (10, 17), *((t, t + 1) for t in range(17, 32))]:
-        logits, _ = m(idx[:, a:b], kv_cache=cache)
-        torch.testing.assert_close(logits[:, -1], last(m, idx[:, :b]), rtol=0, atol=ATOL)
-    assert cache.pos == 32
+    idx = cached_chunks_match(m, ATOL)
     other = idx.clone()
     other[:, 0] = (idx[:, 0] + 1) % 61
     assert (last(m, other) - last(m, idx)).abs().max() > 1000 * ATOL  # the first token reaches the last position
@@ -52,17 +53,7 @@ def test_prefill_chunks_and_one_token_steps_from_the_latent_cache_equal_recomput
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_ragged_batch_from_the_latent_cache_equals_each_prompt_alone(case: str) -> None:
-    m = mla(case)
-    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (3, 11, 1, 7)]
-    idx, pad = left_pad(prompts, pad_token=5)
-    cache = m.make_kv_cache(len(prompts), 24)
-    m(idx, kv_cache=cache, pad=pad)
-    extra = torch.randint(0, 61, (len(prompts), 6))
-    for t in range(6):
-        cached, _ = m(extra[:, t:t + 1], kv_cache=cache, pad=pad)
-        for row, p in enumerate(prompts):
-            alone = torch.tensor([p + extra[row, :t + 1].tolist()])
-            torch.testing.assert_close(cached[row, -1], last(m, alone)[0], rtol=0, atol=ATOL)
+    padded_steps_match(mla(case), ATOL)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -115,48 +106,20 @@ def test_latent_cache_bytes_and_parameters_follow_the_formulas(case: str) -> Non
 def test_greedy_tokens_past_block_size_from_the_cache_equal_recomputation(case: str) -> None:
     """The window slides past block_size (the rows' own caches refilled and compacted) as for GQA: each row of a
     padded batch gets its prompt's tokens alone, which equal the by-hand recomputation."""
-    m = mla(case, block_size=16)
-    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (15, 3, 20, 9)]
-    idx, pad = left_pad(prompts)
-    batch = generate(m, idx, 40, temperature=0, pad=pad)[:, -40:].tolist()
-    for row, p in enumerate(prompts):
-        assert batch[row] == by_hand(m, p, 40), f"row {row} ({len(p)} tokens)"
-    assert distinct(batch) >= 10
+    assert distinct(rows_as_by_hand(mla(case, block_size=16))) >= 10
 
 
 @pytest.mark.parametrize("case", ["r8-rope", "r24-rope-q16"])
 def test_the_static_step_equals_the_cached_forward(case: str) -> None:
     """decode_static (CUDA graphs replay it; the compiled CPU step exports it) writes the latent cache in place."""
-    m = mla(case)
-    idx = torch.randint(0, 61, (2, 8))
-    with torch.inference_mode():
-        ref, static, filled = m.make_kv_cache(2, 20), m.make_kv_cache(2, 20), m.make_kv_cache(2, 20)
-        for cache in (ref, static, filled):
-            m(idx[:, :5], kv_cache=cache)
-        for t in range(5, 8):
-            want, _ = m(idx[:, t:t + 1], kv_cache=ref)
-            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), static)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for cache in (static, filled):
-            torch.testing.assert_close(cache.k[..., :8, :], ref.k[..., :8, :])
+    ref, static, filled = static_steps_match(mla(case), range(5, 8), 20)
+    for cache in (static, filled):
+        torch.testing.assert_close(cache.k[..., :8, :], ref.k[..., :8, :])
 
 
 def test_mla_trains_and_compiles_without_graph_breaks() -> None:
-    m = mla("r24-rope-q16").train()
-    idx = torch.randint(0, 61, (2, 32))
-    explanation = torch._dynamo.explain(m)(idx, idx)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    first = None
-    for _ in range(30):
-        _, loss = m(idx, idx)
-        first = first if first is not None else loss.item()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.5 * first
+    first, last = first_and_last_loss(mla("r24-rope-q16").train(), 30)
+    assert last < 0.5 * first
 
 
 @pytest.mark.parametrize(("overrides", "names"), [
@@ -170,10 +133,8 @@ def test_mla_trains_and_compiles_without_graph_breaks() -> None:
     (dict(norm="batchnorm", mlp="relu"), ["norm='batchnorm'", "mlp='relu'"]),
 ])
 def test_bad_mla_and_block_keys_are_one_line(overrides: dict, names: list[str]) -> None:
-    with pytest.raises(ValueError) as err:
-        GPTConfig(n_layer=2, n_head=4, n_embd=32, **overrides)
-    msg = str(err.value)
-    assert "\n" not in msg and all(name in msg for name in names), msg
+    msg = config_error(**overrides)
+    assert all(name in msg for name in names), msg
 
 
 def test_the_llama_block_is_rmsnorm_and_swiglu_with_gpt2s_parameter_budget() -> None:

@@ -5,10 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import fast_paths
-from conftest import VARIANTS, distinct, lively, tiny_model
+from conftest import VARIANTS, distinct, lively, static_steps_match, tiny_model
 from generation import generate
 from model import GPT, GPTConfig
-from static_step import decode_static
 
 
 @pytest.mark.parametrize(("D", "H", "G"), [(64, 8, 8), (64, 8, 4), (64, 8, 2), (64, 8, 1), (96, 6, 3), (48, 4, 1)])
@@ -270,22 +269,11 @@ def test_static_decode_step_equals_the_cached_forward(variant: str, pos_encoding
     """decode_static (fixed shapes: K/V written at a tensor position, the whole cache read under a mask), which
     CUDA graphs replay, and its form over the filled length (the compiled CPU step's) give the logits of
     GPT.forward's one-token step and write the same cache."""
-    model = tiny_model(VARIANTS[variant], pos_encoding)
-    idx = torch.randint(0, 61, (2, 7))
-    with torch.inference_mode():
-        ref, static, filled = model.make_kv_cache(2, 20), model.make_kv_cache(2, 20), model.make_kv_cache(2, 20)
-        for cache in (ref, static, filled):
-            model(idx[:, :5], kv_cache=cache)
-        for t in range(5, 7):
-            want, _ = model(idx[:, t:t + 1], kv_cache=ref)
-            got = decode_static(model, idx[:, t:t + 1], torch.tensor([t]), static)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got = decode_static(model, idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for cache in (static, filled):
-            torch.testing.assert_close(cache.k[..., :7, :], ref.k[..., :7, :])
-            torch.testing.assert_close(cache.v[..., :7, :], ref.v[..., :7, :])
-            assert not cache.k[..., 7:, :].any()
+    ref, static, filled = static_steps_match(tiny_model(VARIANTS[variant], pos_encoding), range(5, 7), 20)
+    for cache in (static, filled):
+        torch.testing.assert_close(cache.k[..., :7, :], ref.k[..., :7, :])
+        torch.testing.assert_close(cache.v[..., :7, :], ref.v[..., :7, :])
+        assert not cache.k[..., 7:, :].any()
 
 
 def test_generate_slides_its_window_reusing_the_cache() -> None:

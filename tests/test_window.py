@@ -4,13 +4,20 @@ block_size, the static step). Issue 46's first part: the cache is not yet bounde
 
 import pytest
 import torch
-from test_generate import by_hand
+from test_generate import rows_as_by_hand
 
 from attention import attention_mask
-from conftest import distinct, lively, tiny_model
-from generation import generate, left_pad
+from conftest import (
+    cached_chunks_match,
+    config_error,
+    distinct,
+    first_and_last_loss,
+    lively,
+    padded_steps_match,
+    static_steps_match,
+    tiny_model,
+)
 from model import GPTConfig
-from static_step import decode_static
 
 ATOL = 1e-5
 CASES = {"gqa-rope": dict(n_kv_head=2, pos_encoding="rope"), "mha-learned": dict(pos_encoding="learned"),
@@ -65,67 +72,27 @@ def test_a_local_layer_ignores_the_tokens_beyond_its_window(case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_cached_steps_chunks_and_padding_equal_recomputation_with_the_windows(case: str) -> None:
     m = windowed(case, block_size=32)
-    idx = torch.randint(0, 61, (3, 32))
-    cache = m.make_kv_cache(3)
-    for a, b in [(0, 9), (9, 10), (10, 17), *((t, t + 1) for t in range(17, 32))]:
-        logits, _ = m(idx[:, a:b], kv_cache=cache)
-        torch.testing.assert_close(logits[:, -1], m(idx[:, :b])[0][:, -1], rtol=0, atol=ATOL)
-    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (3, 11, 1, 7)]
-    pidx, pad = left_pad(prompts, pad_token=5)
-    cache = m.make_kv_cache(len(prompts), 24)
-    m(pidx, kv_cache=cache, pad=pad)
-    extra = torch.randint(0, 61, (len(prompts), 6))
-    for t in range(6):
-        cached, _ = m(extra[:, t:t + 1], kv_cache=cache, pad=pad)
-        for row, p in enumerate(prompts):
-            alone = torch.tensor([p + extra[row, :t + 1].tolist()])
-            torch.testing.assert_close(cached[row, -1], m(alone)[0][0, -1], rtol=0, atol=ATOL)
+    cached_chunks_match(m)
+    padded_steps_match(m)
 
 
 @pytest.mark.parametrize("case", ["gqa-rope", "mla-rope"])
 def test_greedy_tokens_past_block_size_equal_recomputation_with_the_windows(case: str) -> None:
     m = windowed(case, window=5, pattern="SL", n_layer=3, block_size=16)
     assert m.config.layer_windows == [5, None, None]
-    prompts = [torch.randint(0, 61, (n,)).tolist() for n in (15, 3, 20, 9)]
-    idx, pad = left_pad(prompts)
-    batch = generate(m, idx, 40, temperature=0, pad=pad)[:, -40:].tolist()
-    for row, p in enumerate(prompts):
-        assert batch[row] == by_hand(m, p, 40), f"row {row} ({len(p)} tokens)"
-    assert distinct(batch) >= 10
+    assert distinct(rows_as_by_hand(m)) >= 10
 
 
 @pytest.mark.parametrize("case", ["gqa-rope", "mla-rope"])
 def test_the_static_step_masks_each_local_layer_to_its_window(case: str) -> None:
     """decode_static (CUDA graphs replay it), over the whole cache or its filled length, equals the cached forward
     past the window."""
-    m = windowed(case, window=3, block_size=24)
-    idx = torch.randint(0, 61, (2, 12))
-    with torch.inference_mode():
-        ref, static, filled = m.make_kv_cache(2, 24), m.make_kv_cache(2, 24), m.make_kv_cache(2, 24)
-        for cache in (ref, static, filled):
-            m(idx[:, :5], kv_cache=cache)
-        for t in range(5, 12):
-            want, _ = m(idx[:, t:t + 1], kv_cache=ref)
-            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), static)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    static_steps_match(windowed(case, window=3, block_size=24), range(5, 12), 24)
 
 
 def test_a_windowed_model_trains_and_compiles_without_graph_breaks() -> None:
-    m = windowed("gqa-rope", window=8, pattern="SSL", n_layer=3).train()
-    idx = torch.randint(0, 61, (2, 32))
-    explanation = torch._dynamo.explain(m)(idx, idx)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
-    first = None
-    for _ in range(20):
-        _, loss = m(idx, idx)
-        first = first if first is not None else loss.item()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert loss.item() < 0.7 * first
+    first, last = first_and_last_loss(windowed("gqa-rope", window=8, pattern="SSL", n_layer=3).train(), 20)
+    assert last < 0.7 * first
 
 
 def test_the_pattern_repeats_over_the_layers_and_the_last_is_global() -> None:
@@ -143,10 +110,8 @@ def test_the_pattern_repeats_over_the_layers_and_the_last_is_global() -> None:
     (dict(window=8), ["window=8 with window_pattern='L': no layer is local"]),
 ])
 def test_bad_window_keys_are_one_line(overrides: dict, names: list[str]) -> None:
-    with pytest.raises(ValueError) as err:
-        GPTConfig(n_layer=2, n_head=4, n_embd=32, **overrides)
-    msg = str(err.value)
-    assert "\n" not in msg and all(name in msg for name in names), msg
+    msg = config_error(**overrides)
+    assert all(name in msg for name in names), msg
 
 
 def test_exporting_local_layers_is_refused_in_one_line_until_a_class_is_chosen() -> None:
