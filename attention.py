@@ -1,6 +1,7 @@
 """The attention kinds behind one interface to the block and the KV cache, with the rotary positions and masks they
 share: CausalSelfAttention (MHA, GQA or MQA, set by its number of K/V heads) and LatentAttention (Multi-head Latent
-Attention, whose cache holds one low-rank latent and one rotary key per token). model.py builds them from GPTConfig.
+Attention, whose cache holds one low-rank latent and one rotary key per token); the masks also cut a local layer's
+keys to its window (GPTConfig.window). model.py builds them from GPTConfig.
 
 GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, MLA: https://arxiv.org/abs/2405.04434
 """
