@@ -176,6 +176,7 @@ class LatentAttention(nn.Module):
                  q_lora_rank: int | None, latent_norm: bool, bias: bool, dropout: float) -> None:
         super().__init__()
         self.layer, self.n_head, self.head_dim = layer, n_head, n_embd // n_head
+        self.q_lora_rank = q_lora_rank
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         q_dim = n_head * (self.head_dim + rope_dim)  # each head: head_dim features for the latent's keys, rope_dim
         if q_lora_rank is None:
@@ -194,7 +195,7 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None) -> torch.Tensor:
         B, T, C = x.shape
         H, hd, R = self.n_head, self.head_dim, self.kv_lora_rank
-        q = self.c_q(x) if hasattr(self, "c_q") else self.q_b(self.q_norm(self.q_a(x)))
+        q = self.c_q(x) if self.q_lora_rank is None else self.q_b(self.q_norm(self.q_a(x)))
         q = q.view(B, T, H, hd + self.rope_dim).transpose(1, 2)  # (B, H, T, head_dim + rope_dim)
         q, q_rope = q.split((hd, self.rope_dim), dim=-1)
         latent, k_rope = self.kv_a(x).split((R, self.rope_dim), dim=-1)  # (B, T, R), (B, T, rope_dim)
@@ -203,7 +204,6 @@ class LatentAttention(nn.Module):
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
         dropout_p = self.dropout if self.training else 0.0
         scale = (hd + self.rope_dim) ** -0.5  # as if K held head_dim + rope_dim features a head
-        w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(1)  # each head's key and value maps, (H, head_dim, R)
         if kv_cache is None:  # K and V of every head from the latent
             k, v = self.kv_b(latent).view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, T, head_dim)
             k = torch.cat((k, k_rope.expand(B, H, T, self.rope_dim)), dim=-1)
@@ -211,6 +211,7 @@ class LatentAttention(nn.Module):
         else:  # absorbed: q . (W_uk latent) = (q W_uk) . latent, and softmax-weighted latents times W_uv
             key = torch.cat((latent[:, None], k_rope), dim=-1)  # (B, 1, T, R + rope_dim)
             key, _ = kv_cache.update(self.layer, key, key[..., :0])  # (B, 1, Tk, R + rope_dim), V: nothing
+            w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(1)  # each head's key and value maps, (H, hd, R)
             q = torch.cat((q @ w_uk, q_rope), dim=-1)  # (B, H, T, R + rope_dim)
             y = attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale) @ w_uv.mT  # (B,H,T,hd)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, n_embd)

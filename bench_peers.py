@@ -272,8 +272,7 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
         raise UserError(f"llama-simple failed: {(r.stderr.strip() or 'no output').splitlines()[-1]}")
     theirs = r.stdout.removesuffix("\n")
     agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    heads = f"n_kv_head={c.n_kv_head}" if c.kv_lora_rank is None else f"kv_lora_rank={c.kv_lora_rank}"
-    row = {"mode": "gguf", "model": f"{c.pos_encoding} {c.attention_kind} ({heads})", "class": hf.target_class(c),
+    row = {"mode": "gguf", "model": f"{c.pos_encoding} {c.attention_kind} ({c.kv_sizes})", "class": hf.target_class(c),
            "tokenizer": meta.get("tokenizer"), "new_tokens": len(new), "same_text": ours == theirs,
            "chars_agreeing": agree, "chars": len(ours)}
     print(json.dumps(row), flush=True)

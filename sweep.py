@@ -50,8 +50,13 @@ class Run:
 
 def variant_name(config: GPTConfig) -> str:
     """'mha', 'gqa<n_kv_head>', 'mqa' or 'mla<kv_lora_rank>'."""
-    kind = config.attention_kind.lower()
-    return {"gqa": f"gqa{config.n_kv_head}", "mla": f"mla{config.kv_lora_rank}"}.get(kind, kind)
+    return kv_heads_name(config.n_kv_head, config.n_head) if config.kv_lora_rank is None else \
+        f"mla{config.kv_lora_rank}"
+
+
+def kv_heads_name(n_kv_head: int, n_head: int) -> str:
+    """'mha' (n_kv_head = n_head), 'mqa' (1) or 'gqa<n_kv_head>', as GPTConfig.attention_kind tells them apart."""
+    return "mha" if n_kv_head == n_head else "mqa" if n_kv_head == 1 else f"gqa{n_kv_head}"
 
 
 def variant_config(mha: GPTConfig, name: str) -> GPTConfig:
@@ -65,8 +70,7 @@ def variant_names(cfg: CompareConfig, n_head: int) -> list[str]:
     """The sweep's variants by name: --variants, or those of --kv_heads (default: measure.default_kv_heads)."""
     if cfg.variants:
         return cfg.variants
-    kv_heads = cfg.kv_heads or default_kv_heads(n_head)
-    return ["mha" if g == n_head else "mqa" if g == 1 else f"gqa{g}" for g in kv_heads]
+    return [kv_heads_name(g, n_head) for g in cfg.kv_heads or default_kv_heads(n_head)]
 
 
 def variant_flags(model: GPTConfig) -> list[str]:
