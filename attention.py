@@ -68,28 +68,60 @@ class RMSNorm(nn.RMSNorm):
 
 
 class KVCache:
-    """Preallocated K and V, (n_layer, B, heads, max_len, width), laid out as GPTConfig.cache_layout says: K/V heads
-    un-repeated (MHA/GQA/MQA), or MLA's one head of [latent | rotary key] with no V of its own (LatentAttention).
-    `pos` counts positions written; GPT.forward advances it once per call, after the last layer."""
+    """Preallocated K and V of every layer, laid out as GPTConfig.cache_layout says: K/V heads un-repeated
+    (MHA/GQA/MQA), or MLA's one head of [latent | rotary key] with no V of its own (LatentAttention). A global layer's
+    are in k, v (n_global, B, heads, max_len, width), position p at slot p; a local layer's in a ring, ring_k,
+    ring_v (n_local, B, heads, ring, width) of ring = min(window, max_len) slots, position p at slot p % ring, so
+    that it holds the newest positions, all its window sees. `pos` counts positions written; GPT.forward advances it
+    once per call, after the last layer. zeros() makes an empty one."""
 
-    def __init__(self, n_layer: int, batch_size: int, max_len: int, heads: int, k_width: int, v_width: int,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
-        shape = (n_layer, batch_size, heads, max_len)
-        self.k = torch.zeros(*shape, k_width, device=device, dtype=dtype)
-        self.v = torch.zeros(*shape, v_width, device=device, dtype=dtype)
-        self.max_len = max_len
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
+                 windows: list[int | None]) -> None:
+        self.k, self.v, self.ring_k, self.ring_v = k, v, ring_k, ring_v
+        self.max_len, self.ring = k.size(3), ring_k.size(3)
+        self.where = []  # each layer's (local?, index in its tensors)
+        for layer, window in enumerate(windows):
+            local = window is not None
+            self.where.append((local, sum((w is not None) == local for w in windows[:layer])))
         self.pos = 0
+
+    @classmethod
+    def zeros(cls, windows: list[int | None], batch_size: int, max_len: int, heads: int, k_width: int,
+              v_width: int, device: torch.device | str, dtype: torch.dtype) -> "KVCache":
+        """An empty cache of max_len positions for layers of these windows (None: global; the local ones share one)."""
+        local = [w for w in windows if w is not None]
+        assert len(set(local)) <= 1, f"one window for every local layer, not {sorted(set(local))}"
+        ring = min(local[0], max_len) if local else 0
+        tensors = [torch.zeros(n, batch_size, heads, length, width, device=device, dtype=dtype)
+                   for n, length in ((len(windows) - len(local), max_len), (len(local), ring))
+                   for width in (k_width, v_width)]
+        return cls(*tensors, windows)
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in (self.k, self.v, self.ring_k, self.ring_v))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, heads, T, width) at pos; return K and V from 0 to pos + T."""
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, heads, end, width)
+        """Write k, v (B, heads, T, width) at pos; return the keys and values the layer attends over: a global
+        layer's from 0 to pos + T; a local layer's ring in slot order (their positions: attention_mask's `ring`),
+        after the write for one token, before it and then the chunk's own for a chunk (whose writes would overwrite
+        keys its first queries see), only the chunk's from an empty cache."""
+        local, i = self.where[layer]
+        start, T = self.pos, k.size(2)
+        if not local:
+            self.k[i, :, :, start:start + T] = k
+            self.v[i, :, :, start:start + T] = v
+            return self.k[i, :, :, :start + T], self.v[i, :, :, :start + T]  # (B, heads, start + T, width)
+        ring_k, ring_v = self.ring_k[i], self.ring_v[i]  # (B, heads, ring, width)
+        if T == 1:
+            ring_k[:, :, start % self.ring], ring_v[:, :, start % self.ring] = k[:, :, 0], v[:, :, 0]
+            return (k, v) if start == 0 else (ring_k, ring_v)
+        seen = (k, v) if start == 0 else (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
+        n = min(T, self.ring)  # the chunk's newest n tokens are kept
+        slots = torch.arange(start + T - n, start + T, device=k.device) % self.ring
+        ring_k.index_copy_(2, slots, k[:, :, T - n:])
+        ring_v.index_copy_(2, slots, v[:, :, T - n:])
+        return seen
 
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand
@@ -109,18 +141,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
-def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device, window: int | None = None
-                   ) -> Mask:
-    """The mask (B or 1, 1, T, start + T) of queries at start..start+T-1, or None where none is
-    needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal
-    aligns top-left), that no window cuts. Left padding (pad[b] slots in row b) is hidden from real queries; a pad
-    query sees only itself, so no row is fully masked (which gives NaNs). window (a local layer's): a query sees only
-    itself and the window - 1 slots before it."""
-    if pad is None and (start == 0 or T == 1) and (window is None or start + T <= window):
+def ring_positions(end: int | torch.Tensor, ring: int, device: torch.device) -> torch.Tensor:
+    """The position each slot of a ring of `ring` slots holds (KVCache: position p at slot p % ring) once positions
+    below end are written: the newest such, negative where none is yet. end: an int or a 1-element tensor."""
+    last = end - 1
+    return last - (last - torch.arange(ring, device=device)).remainder(ring)  # (ring,)
+
+
+def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device, window: int | None = None,
+                   ring: int | None = None) -> Mask:
+    """The mask (B or 1, 1, T, Tk) of queries at start..start+T-1 over the keys at 0..start+T-1, or None where none is
+    needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal aligns top-left), that
+    no window cuts. Left padding (pad[b] slots in row b) is hidden from real queries; a pad query sees only itself,
+    so no row is fully masked (which gives NaNs). window (a local layer's): a query sees only itself and the
+    window - 1 slots before it. ring: the slots of a local layer's cache (KVCache), whose keys are then the ring's
+    slots, for a chunk followed by its own."""
+    if ring is not None and start > 0:  # the keys KVCache.update returns: the ring's slots (then a chunk's own)
+        if T == 1 and pad is None and start + 1 >= ring:  # every slot written: all of them in the window
+            return None
+        key_pos = ring_positions(start + (T == 1), ring, device)
+        if T > 1:
+            key_pos = torch.cat((key_pos, torch.arange(start, start + T, device=device)))
+    elif pad is None and (start == 0 or T == 1) and (window is None or start + T <= window):
         return None
+    else:
+        key_pos = torch.arange(start + T, device=device)
     query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
-    key_pos = torch.arange(start + T, device=device)[None, :]  # (1, Tk)
-    mask = key_pos <= query_pos  # (T, Tk)
+    key_pos = key_pos[None, :]  # (1, Tk)
+    mask = (key_pos <= query_pos) & (key_pos >= 0)  # (T, Tk); negative: a ring slot not written yet
     if window is not None:
         mask = mask & (key_pos > query_pos - window)
     if pad is None:

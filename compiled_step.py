@@ -13,7 +13,6 @@ import weakref
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn import functional as F
 
 from atomic import atomic_open
+from attention import KVCache
 from errors import UserError
 from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
 from quantize import Int8Linear
@@ -42,11 +42,11 @@ TEMPLATE_CONFIGS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CP
 
 
 class SplitStep(nn.Module):
-    """decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V
-    tensors k and v. With template, every fast_paths.Linear of a weight up to TEMPLATE_MAX_BYTES multiplies unsplit
-    (the GEMM template takes it), as does every quantize.Int8Linear (faster than torch's int8 kernel); the others use
-    the split weights that Linear made for this thread count (prepare_splits first), buffers here, so that export
-    sees them as weights of the step, as the model's parameters."""
+    """decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V tensors k
+    and v (a local layer over its ring, in ring_k and ring_v). With template, every fast_paths.Linear of a weight up to
+    TEMPLATE_MAX_BYTES multiplies unsplit (the GEMM template takes it), as does every quantize.Int8Linear (faster than
+    torch's int8 kernel); the others use the split weights that Linear made for this thread count (prepare_splits
+    first), buffers here, so that export sees them as weights of the step, as the model's parameters."""
 
     def __init__(self, model: nn.Module, template: bool) -> None:
         super().__init__()
@@ -63,9 +63,9 @@ class SplitStep(nn.Module):
                 if t is not None:  # (export miscounts buffers that are None)
                     self.register_buffer(f"split{i}_{name}", t, persistent=False)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits (B, 1, vocab) and each row's greedy token (B,)."""
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ring_k: torch.Tensor, ring_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits (B, 1, vocab) and each row's greedy token (B,); the local layers' rings in ring_k, ring_v."""
         made = [(m, m.split) for m in self.linears + self.unsplit]
         try:
             for m in self.unsplit:
@@ -73,7 +73,8 @@ class SplitStep(nn.Module):
             for i, m in enumerate(self.linears):
                 w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
                 m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
-            logits = decode_static(self.model, idx, positions[-1:], SimpleNamespace(k=k, v=v), positions.size(0))
+            cache = KVCache(k, v, ring_k, ring_v, self.model.config.layer_windows)
+            logits = decode_static(self.model, idx, positions[-1:], cache, positions.size(0))
             return logits, logits[:, -1].argmax(dim=-1)  # inside the graph: ~10x faster than ATen's CPU argmax
         finally:
             for m, split in made:
@@ -145,19 +146,20 @@ def package_key(what: str) -> str:
     return hashlib.sha256(re.sub(r"^\s*# File: .*$", "", what, flags=re.M).encode()).hexdigest()[:40]
 
 
-def compile_step(step: SplitStep, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
-                 ) -> tuple[Any, dict] | None:
-    """step exported for inputs shaped as idx and as the K/V cache k, v (MLA's v: no width), with any number of
-    filled positions and of cache positions in [2, block_size] (the first at most the second), compiled by AOTInductor
+def compile_step(step: SplitStep, idx: torch.Tensor, cache: KVCache, block_size: int) -> tuple[Any, dict] | None:
+    """step exported for inputs shaped as idx and as the cache's tensors (MLA's v: no width), with any number of
+    filled positions and of cache positions in [2, block_size] (the first at most the second; a local layer's ring
+    as the cache's), compiled by AOTInductor
     with its weights left out, loaded; and blocked_sources' map of the blocked weights it reads. The package and the
     map are kept in inductor's cache folder under a hash of the exported program, for later processes. None where the
     template made a constant that is not a blocked weight (then compile the step without it)."""
     top = max(block_size, 3)
-    length, cache = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
+    length, slots = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
     # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
-    example = (idx, torch.arange(2, device=idx.device), *[t.new_zeros(*t.shape[:3], 3, t.size(4)) for t in (k, v)])
-    program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: cache}, {3: cache}),
-                                  strict=False)
+    example = (idx, torch.arange(2, device=idx.device),
+               *[t.new_zeros(*t.shape[:3], 3, t.size(4)) for t in (cache.k, cache.v)], cache.ring_k, cache.ring_v)
+    program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: slots}, {3: slots}, None,
+                                                                 None), strict=False)
     configs = {"aot_inductor.package_constants_in_so": False} | (TEMPLATE_CONFIGS if step.template else {})
     what = (f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
             f"{configs}\n{program}")
@@ -240,7 +242,8 @@ class CompiledStep:
             return self.model(idx, kv_cache=self.cache)[0], None
         if self.run is None:
             self.run = self.load()
-        logits, greedy = self.run([self.idx.copy_(idx), self.positions[:length], self.cache.k, self.cache.v])
+        c = self.cache
+        logits, greedy = self.run([self.idx.copy_(idx), self.positions[:length], c.k, c.v, c.ring_k, c.ring_v])
         self.cache.pos += 1
         return logits, greedy
 
@@ -250,11 +253,11 @@ class CompiledStep:
         found = None
         while found is None:  # the step's code depends on these besides the model: compiled once for each
             weights = self.step.weights()
-            key = (tuple(self.idx.shape), self.cache.k.dtype, torch.get_num_threads(),
+            key = (tuple(self.idx.shape), self.cache.k.dtype, self.cache.ring, torch.get_num_threads(),
                    tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),
                    tuple(name for name, m in self.model.named_modules()
                          if any(m is u for u in self.step.unsplit + self.step.int8)))
-            found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache.k, self.cache.v,
+            found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache,
                                                                       self.model.config.block_size)
             if found is None:  # the template made a constant that is not a blocked weight: the step without it
                 self.step = SplitStep(self.model, template=False)

@@ -89,7 +89,8 @@ def refill_rows(model: nn.Module, kv_cache: object, tokens: torch.Tensor, rows: 
                 pad: torch.Tensor | None) -> torch.Tensor:
     """The rows whose window slid get their new window but its newest token (tokens[b, n - keep:n - 1]) prefilled on
     their own and written into the batch's cache right-aligned at its position, the slots before it hidden by pad;
-    the next one-token step appends token n - 1 to every row. Returns the new pad."""
+    the next one-token step appends token n - 1 to every row; a local layer's ring gets the newest of them at their
+    slots (the older ones that slots still hold are before the pad). Returns the new pad."""
     pos, w = kv_cache.pos, keep - 1
     pad = torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device) if pad is None else pad.clone()
     at = torch.tensor(rows, device=tokens.device)
@@ -98,17 +99,25 @@ def refill_rows(model: nn.Module, kv_cache: object, tokens: torch.Tensor, rows: 
         model(tokens[at, n - keep:n - 1], kv_cache=own)
         kv_cache.k[:, at, :, pos - w:pos] = own.k
         kv_cache.v[:, at, :, pos - w:pos] = own.v
+        held = torch.arange(w - own.ring, w, device=tokens.device)  # own's ring positions, of the batch's pos - w..
+        for mine, theirs in ((kv_cache.ring_k, own.ring_k), (kv_cache.ring_v, own.ring_v)) * bool(own.ring):
+            rings = mine[:, at]  # (n_local, rows, heads, ring, width)
+            rings[:, :, :, (pos - w + held) % kv_cache.ring] = theirs[:, :, :, held % own.ring]
+            mine[:, at] = rings
     pad[at] = pos - w
     return pad
 
 
 def compact(kv_cache: object, pad: torch.Tensor | None) -> torch.Tensor | None:
-    """A full cache moved left by the pad every row has (slots no row sees), making room for the next position."""
+    """A full cache moved left by the pad every row has (slots no row sees), making room for the next position: a
+    global layer's slots, and a local layer's ring turned to put each position at its new slot."""
     shift = 0 if pad is None else int(pad.min())
     assert shift > 0, "a row's window fills the cache: it should have slid"
     end = kv_cache.pos
     for t in (kv_cache.k, kv_cache.v):
         t[..., :end - shift, :] = t[..., shift:end, :].clone()
+    for t in (kv_cache.ring_k, kv_cache.ring_v) * bool(kv_cache.ring):
+        t.copy_(t.roll(-shift, dims=3))
     kv_cache.pos -= shift
     pad = pad - shift
     return pad if bool(pad.any()) else None

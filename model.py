@@ -136,9 +136,11 @@ class GPTConfig:
     def kv_cache_bytes(self, batch_size: int, seq_len: int,
                        dtype: torch.dtype = torch.float32) -> int:
         """Bytes of the cache in every layer for batch_size sequences of seq_len positions: 2
-        n_kv_head head_dim values a token and layer, or MLA's kv_lora_rank + qk_rope_head_dim."""
+        n_kv_head head_dim values a token and layer, or MLA's kv_lora_rank + qk_rope_head_dim, a
+        local layer keeping at most its window of tokens."""
         heads, k_width, v_width = self.cache_layout
-        return self.n_layer * batch_size * seq_len * heads * (k_width + v_width) * dtype.itemsize
+        tokens = sum(min(seq_len, w or seq_len) for w in self.layer_windows)  # over the layers
+        return batch_size * tokens * heads * (k_width + v_width) * dtype.itemsize
 
 
 def attention_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAttention:
@@ -264,11 +266,10 @@ class GPT(nn.Module):
 
     def make_kv_cache(self, batch_size: int, max_len: int | None = None,
                       dtype: torch.dtype | None = None) -> KVCache:
-        """An empty cache of max_len (default block_size) positions, on the weights' device."""
-        weight = self.transformer.wte.weight
-        length = max_len or self.config.block_size
-        shape = (self.config.n_layer, batch_size, length)
-        return KVCache(*shape, *self.config.cache_layout, weight.device, dtype or weight.dtype)
+        """An empty cache of max_len (default block_size) positions, a local layer's its window."""
+        weight, c = self.transformer.wte.weight, self.config
+        return KVCache.zeros(c.layer_windows, batch_size, max_len or c.block_size, *c.cache_layout,
+                             weight.device, dtype or weight.dtype)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None, pad: torch.Tensor | None = None
@@ -290,8 +291,10 @@ class GPT(nn.Module):
             pos = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
         x, rope = self.embed(idx, pos)
         x = self.transformer.drop(x)
-        windows = self.config.layer_windows  # a local layer's mask cuts its window
-        masks = {w: attention.attention_mask(T, start, pad, idx.device, w) for w in set(windows)}
+        windows = self.config.layer_windows  # a local layer's mask cuts its window (and its ring)
+        ring = None if kv_cache is None else kv_cache.ring
+        masks = {w: attention.attention_mask(T, start, pad, idx.device, w, w and ring)
+                 for w in set(windows)}
         for block, window in zip(self.transformer.h, windows, strict=True):
             x = block(x, rope, masks[window], kv_cache)
         if kv_cache is not None:

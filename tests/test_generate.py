@@ -221,18 +221,19 @@ def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
                                                      pytest.param("MLA", "rope", marks=COMPILES_2)])
 def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(variant: str, pos_encoding: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """compile_step=True (compiled_step.CompiledStep: GPT.decode_static exported and compiled by AOTInductor, one
-    step for every cache length) gives the eager logits and tokens, through window slides, compiled once, with each
-    way a product runs inside it: MHA as by default at this size (every product through inductor's GEMM template,
-    reading blocked copies of the weights), GQA without the template (every weight fast_paths.Linear's (in, out) copy
-    padded to the thread count: the lm_head's way at GPT-2's size), MLA (the absorbed step over its latent cache) with
-    the layers' products through the template and the lm_head split over views of its weight, its odd row (vocab
-    101) multiplied apart. A padded batch takes the eager step and still matches each prompt."""
+    """compile_step=True (compiled_step.CompiledStep: GPT.decode_static exported and compiled by AOTInductor, one step
+    for every cache length) gives the eager logits and tokens, through window slides, compiled once, with each way a
+    product runs inside it: MHA as by default at this size (every product through inductor's GEMM template, reading
+    blocked copies of the weights), GQA without the template (every weight fast_paths.Linear's (in, out) copy padded to
+    the thread count: the lm_head's way at GPT-2's size), MLA (the absorbed step over its latent cache, in a ring in the
+    local first layer) with the layers' products through the template and the lm_head split over views of its weight,
+    its odd row (vocab 101) multiplied apart. A padded batch takes the eager step and still matches each prompt."""
     if variant != "MHA":  # GQA: no product through the template; MLA: all but the lm_head's (32 x 101 floats)
         monkeypatch.setattr(compiled_step, "TEMPLATE_MAX_BYTES", 0 if variant == "GQA" else 32 * 101 * 4 - 1)
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if variant == "GQA" else fast_paths.SPLIT_COPY_BYTES)
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", variant != "MLA")
-    latent = {"kv_lora_rank": 16, "vocab_size": 101} if variant == "MLA" else {}  # MLA: its latent cache, no V
+    # MLA: its latent cache, no V, the first layer local (its ring of 5 slots an input of the step too)
+    latent = {"kv_lora_rank": 16, "vocab_size": 101, "window": 5, "window_pattern": "S"} if variant == "MLA" else {}
     m = tiny_model(VARIANTS.get(variant), pos_encoding, **DECODE | latent)
     idx = torch.randint(0, 96, (2, 3))
     with torch.inference_mode():
