@@ -198,7 +198,8 @@ def bench_memory(world_sizes: list[int]) -> list[dict]:
 
 def header(mode: str, device: str, mcfg: GPTConfig) -> None:
     print(f"# {mode} benchmark on {device} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
-          f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}", file=sys.stderr)
+          f"{mcfg.n_layer} layers, {mcfg.n_head} heads, {mcfg.n_embd} wide, vocab {mcfg.vocab_size}"
+          + (f", window {mcfg.window} in layers {mcfg.window_pattern}" if mcfg.window else ""), file=sys.stderr)
 
 
 def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:

@@ -38,6 +38,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     # in fp32 too (docs/compare.md "MLA")
     if q.is_cpu and (q.dtype == torch.bfloat16 or v.size(-1) != hd) and T == 1 and mask is None and not dropout_p:
         return one_query_attention(q, k, v, scale)
+    if q.is_cuda and T == 1 and cached and not dropout_p:  # SDPA's kernels take 4-9x longer over a long cache
+        return one_query_attention(q, k, v, scale, mask)  # (few blocks, each walking every key: docs/gpu.md)
     G = k.size(1)
     with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
         if G != H and T == 1 and (mask is not None or q.is_cpu):
@@ -52,16 +54,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
                                               dropout_p=dropout_p, enable_gqa=G != H, scale=scale)
 
 
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                        ) -> torch.Tensor:
-    """attention() of one query per head, q (B, n_head, 1, hd), over every key of k, v: two matmuls and a softmax in
-    fp32, each K/V head's queries as its rows (no copies for GQA/MQA). For bf16 on CPU, where SDPA's kernel takes
-    3-5x longer at a long context: eager in fp32 (torch's one-row bf16 products are slow), compiled with bf16
-    products, which inductor makes fast (docs/performance-cpu.md "Decoding")."""
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                        mask: torch.Tensor | None = None) -> torch.Tensor:
+    """attention() of one query per head, q (B, n_head, 1, hd), over the keys of k, v that mask (B or 1, 1, 1, Tk)
+    lets it see (None: all): two matmuls and a softmax in fp32, each K/V head's queries as its rows (no copies for
+    GQA/MQA). For bf16 on CPU, where SDPA's kernel takes 3-5x longer at a long context: eager in fp32 (torch's
+    one-row bf16 products are slow), compiled with bf16 products, which inductor makes fast (docs/performance-cpu.md
+    "Decoding"); on CUDA in the query's dtype."""
     B, H, _, hd = q.shape
     G = k.size(1)
-    dtype = q.dtype if torch.compiler.is_compiling() else torch.float32
+    dtype = q.dtype if torch.compiler.is_compiling() or q.is_cuda else torch.float32
     scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).float() * (scale or hd**-0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(dim=-1).to(dtype) @ v.to(dtype)).to(q.dtype).view(B, H, 1, v.size(-1))
 
 

@@ -6,6 +6,9 @@
 #   bash scripts/gpu_check.sh mfu        GPT-2 124M training step, bf16, compiled, batch 16/32/64 (bench.py)
 #   bash scripts/gpu_check.sh profile    the same step at batch 32 under torch.profiler: its costliest kernels
 #   bash scripts/gpu_check.sh speedrun   bench.py --mode=nanogpt against a nanoGPT checkout in $NANOGPT_DIR
+#   bash scripts/gpu_check.sh steps      the CUDA-graph step of local layers (rings) and MLA against the eager one
+#                                        (scripts/cuda_steps.py); bf16 decoding to 4,096 tokens, all layers global
+#                                        and 3 of 4 local (window 512), batch 1 and 16
 # KV_HEADS='2' limits paths to those n_kv_head. Logs go to $OUT (or gpu-logs/). Each step prints "== rc=N"; a failed step does not stop the next.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +69,17 @@ speedrun() {
   [ -f data/pycode_char/train.bin ] || step $PY data/pycode_char/prepare.py
   step $PY bench.py --mode=nanogpt --nanogpt_dir="${NANOGPT_DIR:?set NANOGPT_DIR to a karpathy/nanoGPT checkout}" \
     config/speedrun_gpu.py
+}
+
+steps() {
+  step $PY scripts/cuda_steps.py
+  for pattern in L SSSL; do
+    local window=""
+    [ "$pattern" = L ] || window=--window=512
+    step $PY bench.py --mode=decode --device=cuda --dtype=bfloat16 --n_layer=12 --n_head=12 --n_embd=768 \
+      --block_size=8192 --vocab_size=50257 --batch_sizes='[1,16]' --new_tokens='[4096]' --repeats=1 \
+      --recompute_max_batch=0 --kv_heads='[12]' --window_pattern=$pattern $window
+  done
 }
 
 for what in "${@:-paths}"; do

@@ -161,6 +161,20 @@ def test_one_query_attention_over_a_bf16_cache_equals_sdpa(n_kv_head: int, compi
         assert torch.equal(out, direct)
 
 
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_one_query_attention_under_a_mask_equals_sdpa(n_kv_head: int) -> None:
+    """CUDA's one-token step (cached, masked: a padded batch, a local layer's ring, the graph's whole cache) takes
+    one_query_attention with the mask: SDPA's output in fp32, each row's hidden keys left out."""
+    q = torch.randn(3, 4, 1, 16)
+    k, v = (torch.randn(3, n_kv_head, 37, 16) for _ in range(2))
+    mask = torch.rand(3, 1, 1, 37) < 0.6
+    mask[..., 5] = True  # no row without a key
+    ref = F.scaled_dot_product_attention(q, *(t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v)),
+                                         attn_mask=mask)
+    torch.testing.assert_close(fast_paths.one_query_attention(q, k, v, None, mask), ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(fast_paths.one_query_attention(q, k, v), ref, atol=1e-3)  # the mask matters
+
+
 @pytest.mark.parametrize("copy", [False, True])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("bias", [True, False])
