@@ -261,9 +261,8 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     elif cfg.mode == "hf":
         rows = bench_peers.bench_hf(mcfg, cfg.new_tokens, cfg.dtypes, cfg.repeats, device, cfg.llama_cpp)
         print(table(rows, {"dtype": "dtype", "new_tokens": "new tokens", "hf_tok_s": "Hugging Face tok/s",
-                           "llama_cpp_tok_s": "llama.cpp tok/s", "ours_tok_s": "ours tok/s",
-                           "compiled_tok_s": "ours compiled tok/s",
-                           "speedup": "vs Hugging Face", "vs_llama_cpp": "vs llama.cpp",
+                           "llama_cpp_tok_s": "llama.cpp tok/s", "ours_tok_s": "ours tok/s", "compiled_tok_s":
+                           "ours compiled tok/s", "speedup": "vs Hugging Face", "vs_llama_cpp": "vs llama.cpp",
                            "same_tokens": "same tokens", "agreement": "tokens as HF fp32"}))
     elif cfg.mode == "nanogpt":
         step = parse_config(TrainConfig, [*bench_peers.STEP_SHAPE, f"--device={device}", "--vocab_size=65"])

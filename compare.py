@@ -41,7 +41,7 @@ from runtime import Placement
 
 
 def variant(base: TrainConfig, name: str, vocab_size: int = 1) -> GPTConfig:
-    """The base run's model as the variant name says (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>)."""
+    """The base run's model as the variant name says (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>; -sssl64...)."""
     return sweep.variant_config(dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head), name)
 
 
@@ -87,17 +87,18 @@ def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device
 
 
 def costs(cfg: CompareConfig, base: TrainConfig) -> str:
-    """Parameters and KV-cache bytes for every n_kv_head that divides n_head and each MLA of --variants (no
-    training)."""
+    """Parameters and KV-cache bytes for every n_kv_head that divides n_head and each MLA or windowed variant of
+    --variants (no training)."""
     vocab = vocab_size_of(base.dataset) or 50304  # GPT-2's, padded
     rows = []
     divisors = sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True)
-    for name in [f"gqa{g}" for g in divisors] + [n for n in cfg.variants if n.startswith("mla")]:
+    for name in [f"gqa{g}" for g in divisors] + [n for n in cfg.variants if n.startswith("mla") or "-" in n]:
         mcfg = variant(base, name, vocab)
         with torch.device("meta"):
             model = GPT(mcfg)
         kv = mcfg.kv_cache_bytes(1, mcfg.block_size, getattr(torch, cfg.kv_dtype))
         kind = f"MLA (kv_lora_rank={mcfg.kv_lora_rank})" if mcfg.kv_lora_rank else mcfg.attention_kind
+        kind += f", window {mcfg.window} in {mcfg.window_pattern}" if mcfg.window else ""
         rows.append({"n_kv_head": mcfg.n_kv_head, "kind": kind, "params (M)": round(model.num_params() / 1e6, 2),
                      "attention params/layer": model.attention_params_per_layer(),
                      f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(kv / 2**20, 2)})
@@ -114,6 +115,9 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
     names, key = sweep.variant_names(cfg, base.n_head), "variants" if cfg.variants else "kv_heads"
     given = given_values(CompareConfig, ours)
+    if base.window is not None:
+        raise UserError(f"window={base.window} in the base run: compare.py gives each variant its local layers by "
+                        f"name, e.g. --variants=[mha,mha-{base.window_pattern.lower()}{base.window}]")
     if not cfg.convert and (steer := [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale")
                                       if k in given]):
         raise UserError(f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them")

@@ -18,8 +18,7 @@ from recall import task_problems
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
 
 
-@with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False,
-                vocab_size=None)
+@with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False, vocab_size=None)
 @dataclass(slots=True)
 class TrainConfig:
     """train.py's keys: these, then GPTConfig's (the model), its defaults but for those above."""
@@ -96,16 +95,14 @@ class TrainConfig:
             problems.append(str(e))
             source = Source("scratch")
         if self.convert_method not in CONVERT_METHODS:
-            methods = ", ".join(CONVERT_METHODS)
-            problems.append(f"convert_method={self.convert_method!r} must be one of {methods}")
+            problems.append(f"convert_method={self.convert_method!r} must be one of {', '.join(CONVERT_METHODS)}")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
         if self.optimizer not in ("adamw", "muon"):
             problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon'")
         elif self.optimizer == "muon" and self.parallel == "fsdp":
-            problems.append("optimizer='muon' does not go with parallel='fsdp' (Muon "
-                            "orthogonalises whole matrices, FSDP shards them): use "
-                            "optimizer='adamw', or parallel='ddp'")
+            problems.append("optimizer='muon' does not go with parallel='fsdp' (Muon orthogonalises whole matrices, "
+                            "FSDP shards them): use optimizer='adamw', or parallel='ddp'")
         if self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
         if self.decay_lr and self.min_lr > self.learning_rate:
@@ -201,7 +198,9 @@ class SampleConfig:
             raise ValueError("; ".join(problems))
 
 
-VARIANT = re.compile(r"mha|mqa|gqa[1-9][0-9]*|mla[1-9][0-9]*")  # a variant's name: its kind and its size
+# a variant's name: its kind and size (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>), then its local layers' pattern
+# and window, if any (mha-sssl64: window_pattern='SSSL', window=64; sweep.variant_config)
+VARIANT = re.compile(r"(mha|mqa|gqa[1-9][0-9]*|mla[1-9][0-9]*)(-[sl]+[1-9][0-9]*)?")
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
 
 
@@ -209,13 +208,13 @@ ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --st
 class CompareConfig:
     mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
     kv_heads: list[int] = field(default_factory=list)  # the variants; empty: n_head, a middle divisor, 1
-    variants: list[str] = field(default_factory=list)  # or by name: mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>
+    variants: list[str] = field(default_factory=list)  # or by name (VARIANT): mha, gqa2, mqa, mla32, mha-sssl64...
     seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
     # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters); 'params': the
     # GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both: each variant twice
     match: list[str] = field(default_factory=lambda: ["width"])
     sizes: list[tuple[int, int] | str] = field(default_factory=list)  # (n_layer, n_embd), 'LxD' or a preset name
-    convert: bool = False  # also convert each seed's trained MHA model to each GQA/MQA variant and uptrain it
+    convert: bool = False  # also convert each seed's MHA model to each GQA/MQA/MLA variant (all global), uptrain it
     convert_methods: list[str] = field(default_factory=lambda: ["mean"])  # K/V heads: mean, first or random
     uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])  # of the base run's max_iters (0: none)
     uptrain_lr_scale: float = 1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
@@ -245,7 +244,8 @@ class CompareConfig:
         if self.kv_heads and self.variants:
             problems.append(f"kv_heads={self.kv_heads} and variants={self.variants}: give one of them")
         if bad := [v for v in self.variants if not VARIANT.fullmatch(v)]:
-            problems.append(f"variants: {', '.join(bad)} is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>")
+            problems.append(f"variants: {', '.join(bad)} is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>, "
+                            "each with -<window_pattern><window> for local layers or without (e.g. mha-sssl64)")
         if not self.match or any(m not in ("width", "params") for m in self.match):
             problems.append(f"match={self.match} must be width, params or [width,params]")
         if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):

@@ -33,7 +33,8 @@ MATCHES = {"width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters
 def speed_key(c: GPTConfig, context: int, batch: int) -> str:
     """A shape's key in speed.json: what the cached-step decode speed depends on."""
     kv = f"kv{c.n_kv_head}" if c.kv_lora_rank is None else f"mla{c.kv_lora_rank}r{c.qk_rope_head_dim}"
-    return f"{c.n_layer}x{c.n_embd}-h{c.n_head}-{kv}-mlp{c.mlp_hidden}-{c.pos_encoding}@{context}x{batch}"
+    local = f"-{c.window_pattern.lower()}{c.window}" if c.window else ""  # (none: the keys stored before windows)
+    return f"{c.n_layer}x{c.n_embd}-h{c.n_head}-{kv}-mlp{c.mlp_hidden}-{c.pos_encoding}{local}@{context}x{batch}"
 
 
 def read_runs(root: Path) -> tuple[list[dict], str | None]:
@@ -94,7 +95,7 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
                m.kv_lora_rank, "match": first["match"], "method": first["method"], "uptrain_fraction":
                first["fraction"], "params": model.num_params(), "mlp_hidden": m.mlp_hidden,
                "attention_params": model.attention_params_per_layer() * m.n_layer,
-               f"kv_bytes_per_token_{cfg.kv_dtype}": m.kv_cache_bytes(1, 1, kv_dtype),
+               f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}": m.kv_cache_bytes(1, cfg.decode_context, kv_dtype),
                f"kv_bytes@{cfg.kv_seq_len}x{cfg.kv_batch}": m.kv_cache_bytes(cfg.kv_batch, cfg.kv_seq_len, kv_dtype),
                "iters": first["iters"], "tokens": first["tokens"], "seeds": est.n, "val_loss": est.mean,
                "val_loss_ci95": est.half_width, "val_loss_by_seed": " ".join(f"{r['final']:.4f}" for r in group),
@@ -119,7 +120,7 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
     smallest = {size: min(r["params"] for r in out if r["size"] == size) for size in {r["size"] for r in out}}
     methods = {m: i for i, m in enumerate(CONVERT_METHODS)}
     return sorted(out, key=lambda r: (smallest[r["size"]], r["size"], r["method"] is not None,  # MHA first, by KV:
-                                      -r[f"kv_bytes_per_token_{cfg.kv_dtype}"],
+                                      -r[f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}"],
                                       r["match"] == "params", methods.get(r["method"], -1), r["uptrain_fraction"] or 0))
 
 
@@ -162,7 +163,7 @@ def interval_text(row: dict, key: str, n: str = "seeds", signed: bool = False) -
 
 def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str]) -> str:
     """report.md: notes (a sweep still running, runs left out), per size the variants and verdicts, conversions."""
-    long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes_per_token_{cfg.kv_dtype}"
+    long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}"
     parts = [f"# Attention variants: {root.name}", "", *(f"**{note}**\n" for note in notes),
              "final val loss: mean over seeds ± the half-width of its 95% Student t interval (n: seeds); vs MHA: "
              "the seed-paired difference (variant minus MHA at the same seed: the same data order, and the same "
@@ -185,14 +186,14 @@ def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str])
 
 def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     """A size's variants trained from scratch, with their recall accuracies (and a line on those) where measured."""
-    long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes_per_token_{cfg.kv_dtype}"
+    long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}"
     distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
     shown = [{"variant": r["variant"], "params": r["params"], "kv": r[kv],
               "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok",
               "loss": f"{interval_text(r, 'val_loss')} (n={r['seeds']})",
               "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True), "speed": speed_text(r),
               **recall_cells(r, min(distances, default=None))} for r in scratch]
-    columns = {"variant": "variant", "params": "params", "kv": f"KV bytes/token ({cfg.kv_dtype})",
+    columns = {"variant": "variant", "params": "params", "kv": f"KV bytes @{cfg.decode_context} ({cfg.kv_dtype})",
                "trained": "trained", "loss": "final val loss", "diff": "vs MHA (paired)",
                "speed": f"decode tok/s @{long}"}
     if distances:
@@ -272,8 +273,7 @@ def write_report(root: Path, cfg: CompareConfig, base: TrainConfig, status: str 
     a wandb Table in one more run of the sweep's group); returns report.md's text, which starts with status (the
     sweep still running) and the runs left out, if any."""
     runs, left_out = read_runs(root)
-    speed_file = root / SPEED_FILE
-    speeds = json.loads(speed_file.read_text()) if speed_file.is_file() else {}
+    speeds = json.loads((root / SPEED_FILE).read_text()) if (root / SPEED_FILE).is_file() else {}
     rows = summary_rows(runs, speeds, cfg)
     text = markdown(rows, cfg, root, [note for note in (status, left_out) if note])
     with atomic_open(root / "report.md", "w") as f:

@@ -49,9 +49,11 @@ class Run:
 
 
 def variant_name(config: GPTConfig) -> str:
-    """'mha', 'gqa<n_kv_head>', 'mqa' or 'mla<kv_lora_rank>'."""
-    return kv_heads_name(config.n_kv_head, config.n_head) if config.kv_lora_rank is None else \
+    """'mha', 'gqa<n_kv_head>', 'mqa' or 'mla<kv_lora_rank>', then '-<window_pattern><window>' where layers are
+    local ('mha-sssl64')."""
+    name = kv_heads_name(config.n_kv_head, config.n_head) if config.kv_lora_rank is None else \
         f"mla{config.kv_lora_rank}"
+    return name + (f"-{config.window_pattern.lower()}{config.window}" if config.window else "")
 
 
 def kv_heads_name(n_kv_head: int, n_head: int) -> str:
@@ -60,10 +62,15 @@ def kv_heads_name(n_kv_head: int, n_head: int) -> str:
 
 
 def variant_config(mha: GPTConfig, name: str) -> GPTConfig:
-    """The variant configs.VARIANT names of an MHA model (a ValueError if it cannot be one at this shape)."""
-    if name.startswith("mla"):
-        return dataclasses.replace(mha, kv_lora_rank=int(name[3:]))
-    return dataclasses.replace(mha, n_kv_head={"mha": mha.n_head, "mqa": 1}.get(name) or int(name[3:]))
+    """The variant configs.VARIANT names of an all-global MHA model (a ValueError if it cannot be one at this
+    shape)."""
+    kind, _, local = name.partition("-")
+    letters = local.rstrip("0123456789")
+    if local:
+        mha = dataclasses.replace(mha, window=int(local[len(letters):]), window_pattern=letters.upper())
+    if kind.startswith("mla"):
+        return dataclasses.replace(mha, kv_lora_rank=int(kind[3:]))
+    return dataclasses.replace(mha, n_kv_head={"mha": mha.n_head, "mqa": 1}.get(kind) or int(kind[3:]))
 
 
 def variant_names(cfg: CompareConfig, n_head: int) -> list[str]:
@@ -76,7 +83,8 @@ def variant_names(cfg: CompareConfig, n_head: int) -> list[str]:
 def variant_flags(model: GPTConfig) -> list[str]:
     """train.py's flags that make a run's model this variant."""
     latent = [f"--kv_lora_rank={model.kv_lora_rank}"] if model.kv_lora_rank is not None else []
-    return [f"--n_kv_head={model.n_kv_head}", *latent]
+    local = [f"--window={model.window}", f"--window_pattern={model.window_pattern}"] if model.window else []
+    return [f"--n_kv_head={model.n_kv_head}", *latent, *local]
 
 
 def sizes(size_list: list, base: TrainConfig) -> list[tuple[str, TrainConfig]]:
@@ -145,7 +153,7 @@ def seed_runs(cfg: CompareConfig, base: TrainConfig, label: str | None, seed: in
             runs.append(run(variant_name(model) + "-params" * (match == "params"), model,
                             [f"--mlp_hidden={model.mlp_hidden}"] * (match == "params"), [f"match={match}"],
                             base.max_iters, evals))
-    for name in (name for name in names if cfg.convert and name != "mha"):
+    for name in (name for name in names if cfg.convert and name != "mha" and "-" not in name):  # local: scratch
         source, target = next(r for r in runs if r.name == "mha"), variant_config(mha, name)
         # MLA's K/V come from one SVD of MHA's, with no latent norm (convert.to_latent); the methods pool K/V heads
         latent = target.kv_lora_rank is not None

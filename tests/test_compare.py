@@ -217,7 +217,7 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
         attn = 2 * D * D + 2 * D * D * G // H  # bias=False, the TrainConfig default
         assert int(row["attention_params"]) == L * attn
         assert int(row["params"]) == L * (attn + 2 * D * hidden + 2 * D) + D + V * D + T * D  # learned positions
-        assert int(row["kv_bytes_per_token_bfloat16"]) == 2 * L * G * (D // H) * 2
+        assert int(row["kv_bytes@40_bfloat16"]) == 2 * L * G * (D // H) * 2 * 40  # --decode_context=40
         assert int(row["kv_bytes@100x3"]) == 2 * L * 3 * G * 100 * (D // H) * 2
         assert int(row["decode_repeats"]) == 2 and 0 < float(row["decode_tok_s_min"]) <= float(row["decode_tok_s"])
         assert int(row["seeds"]) == 2
@@ -442,6 +442,45 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
     assert mla_row.split("|")[-2].strip() == str(round(2 * 64 * (16 + 4) * 4 / 2**20, 2))  # 2 layers, d_c + d_R
 
 
+def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> None:
+    """mha-sl8 is MHA with window_pattern='SL', window=8 (its name, folder, flags and model), gqa2-s4 GQA with local
+    layers of 4; a conversion is to an all-global variant only (a windowed one is trained from scratch)."""
+    out = tmp_path / "cmp"
+    variants = "--variants=[mha,gqa2,mha-sl8,gqa2-s4]"
+    r = run(["compare.py", f"--out_dir={out}", *SWEEP, "--n_layer=3", variants, "--convert=True",
+             "--uptrain_fractions=[0.1]", "--mode=plan"])
+    names = [line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")]
+    assert names == ["mha-s1337", "gqa2-s1337", "mha-sl8-s1337", "gqa2-s4-s1337", "mha-to-gqa2-mean-u0.1-s1337"]
+    train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))] + ["--n_layer=3"]
+    base = parse_config(TrainConfig, [f"--out_dir={out}", *train_args])
+    runs = {run.name: run for run in sweep.plan(parse_config(CompareConfig, [variants]), base, 96, out)}
+    assert runs["mha-sl8"].model.layer_windows == [8, None, None] and runs["mha"].model.layer_windows == [None] * 3
+    assert {"--n_kv_head=4", "--window=8", "--window_pattern=SL"} <= set(runs["mha-sl8"].args)
+    assert runs["gqa2-s4"].model.layer_windows == [4, 4, None] and runs["gqa2-s4"].model.n_kv_head == 2
+    assert not any(a.startswith("--window") for a in runs["gqa2"].args)
+    assert [sweep.variant_name(run.model) for run in runs.values()] == ["mha", "gqa2", "mha-sl8", "gqa2-s4"]
+    r = run(["compare.py", "--mode=costs", "--n_head=4", "--n_embd=32", "--n_layer=3", "--block_size=4096",
+             "--vocab_size=50", "--variants=[mha,mha-sl8]", "--kv_dtype=float32"])
+    row = next(line for line in r.stdout.splitlines() if "MHA, window 8 in SL" in line)
+    assert float(row.split("|")[-2]) == round((8 + 2 * 4096) * 2 * 4 * 8 * 4 / 2**20, 2) != 3  # 1 local, 2 global
+
+
+@pytest.mark.slow  # 1 train.py process
+def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(pycode_small: Path,
+                                                                               tmp_path: Path) -> None:
+    """The report's KV column (one sequence of decode_context = 40 tokens, bf16) counts the local layer's window of
+    8 and the global layer's 40 positions; the decode speed is measured for the windowed shape itself."""
+    out = tmp_path / "cmp"
+    run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--variants=[mha-s8]",
+         "--max_iters=10"], env={"WANDB_MODE": "disabled"})
+    row, = csv.DictReader(open(out / "report.csv"))
+    assert row["variant"] == "mha-s8" and int(row["decode_repeats"]) == 2
+    assert int(row["kv_bytes@40_bfloat16"]) == (8 + 40) * 2 * 4 * 8 * 2  # positions x K and V x heads x head_dim x 2
+    assert read_log(out / "mha-s8-s1337")[0]["model_config"]["window"] == 8
+    assert [key for key in json.loads((out / "speed.json").read_text())] == ["2x32-h4-kv4-mlp128-learned-s8@40x2"]
+    assert "| mha-s8 |" in (out / "report.md").read_text()
+
+
 @pytest.mark.parametrize(("arg", "message"), [
     ("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
     ("--decode_steps=0", "decode_steps=0: must be positive"),
@@ -467,6 +506,11 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
     ("--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 --bias=True",
      "match=params: no MLP width gives mqa at 1x4 MHA's"),
     ("--variants=[mha,mla]", "variants: mla is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>"),
+    ("--variants=[mha,mha-x8,mha-s]", "variants: mha-x8, mha-s is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>, "
+                                      "each with -<window_pattern><window> for local layers or without"),
+    ("--variants=[mha,mha-ll8]", "window=8 with window_pattern='LL': no layer is local"),
+    ("--window=8 --window_pattern=SL", "window=8 in the base run: compare.py gives each variant its local layers by "
+                                       "name, e.g. --variants=[mha,mha-sl8]"),
     ("--variants=[mha,gqa0,mla16]", "variants: gqa0 is not mha"),
     ("--variants=[mha] --kv_heads=[4]", "kv_heads=[4] and variants=['mha']: give one of them"),
     ("--variants=[mla16,mla16]", "variants=['mla16', 'mla16'] lists mla16 twice"),
