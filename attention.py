@@ -114,7 +114,8 @@ class KVCache:
             return self.k[i, :, :, :start + T], self.v[i, :, :, :start + T]  # (B, heads, start + T, width)
         ring_k, ring_v = self.ring_k[i], self.ring_v[i]  # (B, heads, ring, width)
         if T == 1:
-            ring_k[:, :, start % self.ring], ring_v[:, :, start % self.ring] = k[:, :, 0], v[:, :, 0]
+            ring_k[:, :, start % self.ring] = k[:, :, 0]
+            ring_v[:, :, start % self.ring] = v[:, :, 0]
             return (k, v) if start == 0 else (ring_k, ring_v)
         seen = (k, v) if start == 0 else (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
         n = min(T, self.ring)  # the chunk's newest n tokens are kept

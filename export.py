@@ -75,6 +75,11 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
     if c.pos_encoding == "learned" and c.attention_kind == "GQA":
         lines += ["", f"GPT-2 has no GQA: each of the {c.n_kv_head} K/V heads is repeated for its group of "
                       f"{c.n_head // c.n_kv_head} query heads. The logits are exact, but the cache is MHA's size."]
+    if c.window is not None:
+        local = [i for i, w in enumerate(c.layer_windows) if w]
+        lines += ["", f"Local layers {local} of {c.n_layer} (window_pattern={c.window_pattern!r}) attend over their "
+                      f"last {c.window} tokens (the class's layer_types, sliding_window={c.window}), so their cache "
+                      f"stays at the window however long the text; the others see the whole context."]
     lines += ["", past_block_size(c), "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
               "model = AutoModelForCausalLM.from_pretrained(DIR)", "tok = AutoTokenizer.from_pretrained(DIR)",
               "ids = model.generate(**tok(\"def \", return_tensors=\"pt\"), max_new_tokens=50, do_sample=False)",

@@ -1,7 +1,8 @@
 """This project's GPT as a stock Hugging Face transformers model (no code of ours needed to load it): rotary
 positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel (MHA; GQA with each K/V
 head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA);
-Llama's block as LlamaForCausalLM, MLA as DeepseekV3ForCausalLM (hf_llama.py).
+Llama's block as LlamaForCausalLM (with local layers: GraniteSWAForCausalLM), MLA as DeepseekV3ForCausalLM
+(hf_llama.py).
 The weight mapping, the tokenizer as a transformers one, and llama.cpp's converter from such a folder to GGUF;
 export.py writes the folder with a model card. Dropout is training's only: the exported model has none.
 """
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from errors import UserError, first_line
-from hf_llama import MODEL_TYPES, deepseek, from_llama_block, llama, llama_class
+from hf_llama import MODEL_TYPES, deepseek, from_llama_block, granite_swa, llama, llama_class
 from model import GPT, GPTConfig
 from tokenizer import EOT, gpt2_encoding
 
@@ -28,8 +29,6 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 
 
 def target_class(config: Any) -> str:
     """The transformers class that holds a model of config (a GPTConfig); one that none holds: a UserError."""
-    if any(config.layer_windows):
-        raise UserError("exporting local layers (window) is not built yet (issue 46): no stock class chosen for them")
     if name := llama_class(config):
         return name
     if config.pos_encoding == "rope":
@@ -47,8 +46,8 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     if kind == "DeepseekV3ForCausalLM":
         cls_name, hf_config, state = deepseek(c, sd, llama_cpp)
-    elif kind == "LlamaForCausalLM":
-        cls_name, hf_config, state = llama(c, sd)
+    elif kind in ("LlamaForCausalLM", "GraniteSWAForCausalLM"):
+        cls_name, hf_config, state = (llama if kind == "LlamaForCausalLM" else granite_swa)(c, sd)
     else:
         if llama_cpp and c.pos_encoding == "rope" and not c.bias:
             sd |= {k.replace(".weight", ".bias"): torch.zeros(v.shape[0]) for k, v in sd.items()
@@ -126,9 +125,9 @@ def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch
 
 
 def from_transformers(folder: str) -> GPT:
-    """This project's model from a Starcoder2, multi-query GPTBigCode, Llama or DeepSeek-V3 folder (what export.py
-    writes for all but GPT-2); what this model cannot hold (untied embeddings, a sliding window shorter than the
-    positions, another norm epsilon, activation or rope type, LayerNorm biases without the others, experts) is
+    """This project's model from a Starcoder2, multi-query GPTBigCode, Llama, GraniteSWA or DeepSeek-V3 folder (what
+    export.py writes for all but GPT-2); what this model cannot hold (untied embeddings, a sliding window shorter than
+    the positions, another norm epsilon, activation or rope type, LayerNorm biases without the others, experts) is
     refused in one line. GPT-2 folders: from_hf."""
     import transformers
 

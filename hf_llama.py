@@ -1,6 +1,7 @@
 """Llama's block (norm='rmsnorm', mlp='swiglu') as stock transformers classes: rotary MHA/GQA/MQA as LlamaForCausalLM,
-MLA (kv_lora_rank) as a dense DeepseekV3ForCausalLM. The weight mappings both ways, and what neither class holds,
-refused in one line; hf.py calls these (docs/export.md "Llama's block and MLA").
+with local layers (window) as GraniteSWAForCausalLM, MLA (kv_lora_rank) as a dense DeepseekV3ForCausalLM. The weight
+mappings both ways, and what no class holds, refused in one line; hf.py calls these (docs/export.md "Llama's block and
+MLA", "Local layers").
 """
 
 import math
@@ -20,7 +21,9 @@ DEEPSEEK_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k not in ("attn.c_k", 
     "attn.q_a": "self_attn.q_a_proj", "attn.q_norm": "self_attn.q_a_layernorm", "attn.q_b": "self_attn.q_b_proj",
     "attn.kv_a": "self_attn.kv_a_proj_with_mqa", "attn.kv_norm": "self_attn.kv_a_layernorm",
     "attn.kv_b": "self_attn.kv_b_proj"}
-MODEL_TYPES = ("llama", "deepseek_v3")
+MODEL_TYPES = ("llama", "deepseek_v3", "granite_swa")
+# GraniteSWA's per-head attention sink: this logit beside the scores leaves their softmax as it is (exp(-1e4) is 0)
+NO_SINK = -1e4
 # transformers' DeepSeek attention normalises its latents (q_a_layernorm, kv_a_layernorm) with this epsilon whatever
 # rms_norm_eps says, and ours with NORM_EPS. RMSNorm(a z, eps) = RMSNorm(z, eps / a**2), so the rows that make a latent
 # are scaled by LATENT_SCALE on the way out and back on the way in: exact. llama.cpp uses rms_norm_eps there.
@@ -31,14 +34,18 @@ LATENT_SCALE = math.sqrt(HF_LATENT_EPS / NORM_EPS)
 def llama_class(c: GPTConfig) -> str | None:
     """LlamaForCausalLM or DeepseekV3ForCausalLM where c has Llama's block or MLA, None for GPT-2's block (hf.py's
     classes); a model no stock class holds exactly is refused in one line naming the keys that would make it one."""
-    llama_block = (c.norm, c.mlp) == ("rmsnorm", "swiglu")
+    llama_block, windowed = (c.norm, c.mlp) == ("rmsnorm", "swiglu"), c.window is not None
     if c.kv_lora_rank is not None:
         needs = {"norm='rmsnorm' and mlp='swiglu'": not llama_block, "pos_encoding='rope'": c.pos_encoding != "rope",
-                 "bias=False": c.bias, "latent_norm=True": not c.latent_norm}
+                 "bias=False": c.bias, "latent_norm=True": not c.latent_norm, "no window": windowed}
         if missing := [key for key, needed in needs.items() if needed]:
             raise UserError(f"export needs {', '.join(missing)} for MLA (DeepseekV3ForCausalLM: Llama's block, "
                             f"rotary positions, no biases, an RMSNorm on the latent)")
         return "DeepseekV3ForCausalLM"
+    if windowed and not (llama_block and c.pos_encoding == "rope"):
+        raise UserError(f"exporting local layers (window) needs norm='rmsnorm', mlp='swiglu' and pos_encoding='rope' "
+                        f"(GraniteSWAForCausalLM: Llama's block with per-layer sliding windows); no stock class holds "
+                        f"norm={c.norm!r}, mlp={c.mlp!r}, pos_encoding={c.pos_encoding!r} with a window")
     if (c.norm, c.mlp) == ("layernorm", "gelu"):
         return None
     if not llama_block:
@@ -48,7 +55,7 @@ def llama_class(c: GPTConfig) -> str | None:
     if c.pos_encoding != "rope":
         raise UserError("export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM); learned positions "
                         "export with norm='layernorm' and mlp='gelu' (GPT2LMHeadModel, GPTBigCodeForCausalLM)")
-    return "LlamaForCausalLM"
+    return "GraniteSWAForCausalLM" if windowed else "LlamaForCausalLM"
 
 
 def renamed(sd: dict[str, torch.Tensor], n_layer: int, layer: dict[str, str], prefixes: tuple[str, str]
@@ -80,6 +87,21 @@ def llama(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str
         max_position_embeddings=c.block_size, rms_norm_eps=NORM_EPS, attention_bias=c.bias, mlp_bias=c.bias,
         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, **rope_config(c))
     return "LlamaForCausalLM", config, renamed(sd, c.n_layer, LLAMA_LAYER, ("transformer.", "model."))
+
+
+def granite_swa(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """Local layers: IBM's GraniteSWA, Llama's layers with a sliding window in those layer_types names (a query sees
+    itself and window - 1 before it, as ours), its multipliers at Llama's (scores scaled by head_dim ** -0.5, the
+    others 1) and its attention sinks at NO_SINK. llama.cpp's granite_swa reads the same pattern."""
+    import transformers
+
+    _, llama_config, state = llama(c, sd)
+    keys = {k: v for k, v in llama_config.to_dict().items() if k not in ("head_dim", "model_type", "architectures")}
+    config = transformers.GraniteSWAConfig(**keys | dict(
+        attention_multiplier=c.head_dim ** -0.5, sliding_window=c.window,
+        layer_types=["sliding_attention" if w else "full_attention" for w in c.layer_windows]))
+    state |= {f"model.layers.{i}.self_attn.sinks": torch.full((c.n_head,), NO_SINK) for i in range(c.n_layer)}
+    return "GraniteSWAForCausalLM", config, state
 
 
 def deepseek(c: GPTConfig, sd: dict[str, torch.Tensor], llama_cpp: bool = False
@@ -153,15 +175,20 @@ def from_llama_block(folder: str, c: Any, sd: dict[str, torch.Tensor]) -> tuple[
                      f"num_key_value_heads={c.num_key_value_heads}": c.num_key_value_heads != c.num_attention_heads}
     else:
         problems |= {f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}": c.attention_bias != c.mlp_bias,
-                     f"head_dim={c.head_dim} (ours: hidden_size / num_attention_heads = {head_dim})":
-                         c.head_dim != head_dim}
+                     f"head_dim={getattr(c, 'head_dim', head_dim)} (ours: hidden_size / num_attention_heads = "
+                     f"{head_dim})": getattr(c, "head_dim", head_dim) != head_dim}
+    local = {}
+    if c.model_type == "granite_swa":
+        problems |= granite_problems(c, sd, head_dim)
+        letters = "".join("S" if t == "sliding_attention" else "L" for t in c.layer_types)
+        local = dict(window=c.sliding_window, window_pattern=shortest_pattern(letters)) if "S" in letters else {}
     if bad := [what for what, true in problems.items() if true]:
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
     common = dict(block_size=c.max_position_embeddings, vocab_size=c.vocab_size, n_layer=c.num_hidden_layers,
                   n_head=c.num_attention_heads, n_embd=c.hidden_size, pos_encoding="rope",
                   rope_theta=float(rope["rope_theta"]), norm="rmsnorm", mlp="swiglu", mlp_hidden=c.intermediate_size)
     if not mla:
-        config = GPTConfig(n_kv_head=c.num_key_value_heads, bias=c.attention_bias, **common)
+        config = GPTConfig(n_kv_head=c.num_key_value_heads, bias=c.attention_bias, **common, **local)
         return config, renamed(sd, config.n_layer, LLAMA_LAYER, ("model.", "transformer."))
     config = GPTConfig(bias=False, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim,
                        q_lora_rank=c.q_lora_rank, **common)
@@ -172,3 +199,24 @@ def from_llama_block(folder: str, c: Any, sd: dict[str, torch.Tensor]) -> tuple[
         if c.rope_interleave:
             pairs(sd, p, config, to_pairs=False)
     return config, renamed(sd, config.n_layer, DEEPSEEK_LAYER, ("model.", "transformer."))
+
+
+def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict[str, bool]:
+    """What of a GraniteSWA config and weights this model cannot hold (granite_swa's inverse), each with whether."""
+    sink = max(float(t.max()) for name, t in sd.items() if name.endswith(".sinks"))
+    return {f"attention_multiplier={c.attention_multiplier} (ours: head_dim ** -0.5)":
+                not math.isclose(c.attention_multiplier, head_dim ** -0.5, rel_tol=1e-6),
+            f"embedding_multiplier={c.embedding_multiplier}, residual_multiplier={c.residual_multiplier}, "
+            f"logits_scaling={c.logits_scaling} (ours: 1)":
+                (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling) != (1, 1, 1),
+            f"attention sinks (up to {sink:g})": sink > NO_SINK,
+            f"layer_types ending in {c.layer_types[-1]!r} (our last layer is always global)":
+                c.layer_types[-1] != "full_attention",
+            "a rope base per layer": len(set(c.layer_rope_theta)) > 1}
+
+
+def shortest_pattern(letters: str) -> str:
+    """The shortest window_pattern whose repeats give every layer's letter, the last one global ('L'); the letters
+    themselves where none does (their last is 'S')."""
+    n = len(letters)
+    return next((letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[:n - 1] + "L" == letters), letters)

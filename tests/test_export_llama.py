@@ -2,6 +2,7 @@
 and a dense DeepseekV3ForCausalLM (MLA), and back through init_from=hf: the same logits and greedy tokens; what no
 stock class holds exactly, refused in one line naming the keys."""
 
+import dataclasses
 import json
 import string
 from pathlib import Path
@@ -22,7 +23,11 @@ LLAMA = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, pos_e
              mlp="swiglu", bias=False)
 CASES = {"MHA": dict(n_kv_head=4), "GQA": dict(n_kv_head=2, bias=True, rope_theta=500.0), "MQA": dict(n_kv_head=1),
          "MLA": dict(kv_lora_rank=16), "MLA-q": dict(kv_lora_rank=8, q_lora_rank=12),
-         "MLA-q-rope2": dict(kv_lora_rank=24, qk_rope_head_dim=2, q_lora_rank=16, rope_theta=500.0)}
+         "MLA-q-rope2": dict(kv_lora_rank=24, qk_rope_head_dim=2, q_lora_rank=16, rope_theta=500.0),
+         # local layers: GraniteSWA
+         "GQA-SL": dict(n_kv_head=2, n_layer=3, window=5, window_pattern="SL"),
+         "MHA-S-bias": dict(n_kv_head=4, bias=True, window=7, window_pattern="S")}
+CLASSES = {"MLA": "DeepseekV3ForCausalLM", "GQA-SL": "GraniteSWAForCausalLM", "MHA-S-bias": "GraniteSWAForCausalLM"}
 
 
 def sharp_model(**keys: object) -> GPT:
@@ -66,17 +71,19 @@ def test_llama_block_exports_with_our_logits_greedy_tokens_and_comes_back(case: 
     model, idx = sharp_model(**CASES[case]), tokens()
     to_hf(model).save_pretrained(tmp_path)
     hf = load_strict(tmp_path)
-    expected = "DeepseekV3ForCausalLM" if case.startswith("MLA") else "LlamaForCausalLM"
+    expected = next((name for prefix, name in CLASSES.items() if case.startswith(prefix)), "LlamaForCausalLM")
     assert type(hf).__name__ == target_class(model.config) == expected
     ours = logits(model, idx)
     assert ours.abs().max() > 5  # peaked: a mapping error would show
     torch.testing.assert_close(logits(hf, idx), ours, rtol=0, atol=1e-4)
     assert_same_greedy_tokens(model, hf, idx[:, :8])
-    # its cache holds what ours does: MLA's latent and rotary key, or n_kv_head K/V heads
+    # its cache holds what ours does: MLA's latent and rotary key, or n_kv_head K/V heads; a sliding layer's the
+    # window - 1 positions before a token (ours: a ring of window slots, the token written in before attending)
     with torch.no_grad():
         cache = hf(idx, use_cache=True).past_key_values
+    window = model.config.window and model.config.window - 1
     assert sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)) == \
-        model.config.kv_cache_bytes(3, 32)
+        dataclasses.replace(model.config, window=window).kv_cache_bytes(3, 32)
     back = load_run(parse_source(f"hf:{tmp_path}"), tokenizer=False).model.eval()
     assert back.config == model.config
     torch.testing.assert_close(logits(back, idx), ours, rtol=0, atol=1e-4)  # MLA's latent rows: scaled, then back
@@ -138,6 +145,11 @@ def test_llama_cpp_folder_rotates_pairs_and_comes_back(case: str, tmp_path: Path
     (dict(pos_encoding="learned"), "export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM)"),
     (dict(mlp="gelu"), "holds norm='rmsnorm' with mlp='gelu': export needs norm='rmsnorm' with mlp='swiglu'"),
     (dict(norm="layernorm", bias=True), "holds norm='layernorm' with mlp='swiglu': export needs"),
+    (dict(window=4, window_pattern="S", norm="layernorm", mlp="gelu"), "exporting local layers (window) needs "
+     "norm='rmsnorm', mlp='swiglu' and pos_encoding='rope' (GraniteSWAForCausalLM"),
+    (dict(window=4, window_pattern="S", pos_encoding="learned"), "no stock class holds norm='rmsnorm', "
+     "mlp='swiglu', pos_encoding='learned' with a window"),
+    (dict(window=4, window_pattern="S", kv_lora_rank=16), "export needs no window for MLA (DeepseekV3ForCausalLM"),
 ])
 def test_what_no_stock_class_holds_is_refused_in_one_line_naming_the_keys(keys: dict, message: str) -> None:
     model = GPT(GPTConfig(**LLAMA | keys))
@@ -156,6 +168,10 @@ def test_what_no_stock_class_holds_is_refused_in_one_line_naming_the_keys(keys: 
              "topk_group": 1}, "cannot hold experts (first_k_dense_replace=1 < num_hidden_layers=2)"),
     ("MLA", {"v_head_dim": 4, "attention_bias": True},
      "cannot hold attention_bias=True, qk_nope_head_dim=8, v_head_dim=4 (ours: both"),
+    ("GQA-SL", {"embedding_multiplier": 2.0}, "cannot hold embedding_multiplier=2.0, residual_multiplier=1.0, "
+     "logits_scaling=1.0 (ours: 1), attention sinks (up to"),  # weights drawn anew: sinks that count
+    ("GQA-SL", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+     "layer_types ending in 'sliding_attention' (our last layer is always global)"),
 ])
 def test_a_folder_our_model_cannot_hold_is_refused_in_one_line(case: str, changes: dict, message: str,
                                                                tmp_path: Path) -> None:
@@ -183,6 +199,11 @@ def test_export_py_writes_the_class_in_its_card_refuses_in_one_line_and_sample_p
     assert "`DeepseekV3ForCausalLM`" in card and "kv_lora_rank=16, qk_rope_head_dim=4, q_lora_rank=None" in card
     r = cli(["sample.py", f"--init_from=hf:{tmp_path / 'hf'}", "--start=def", "--max_new_tokens=8", "--device=cpu"])
     assert r.returncode == 0 and r.stdout.startswith("def"), r.stderr
+    write_run(tmp_path / "local", n_kv_head=2, window=5, window_pattern="S")
+    r = cli(["export.py", f"--out_dir={tmp_path / 'local'}", f"--to={tmp_path / 'hf3'}"])
+    assert r.returncode == 0 and "GraniteSWAForCausalLM (GQA)" in r.stdout, r.stderr
+    assert "Local layers [0] of 2 (window_pattern='S') attend over their last 5 tokens" in \
+        (tmp_path / "hf3" / "README.md").read_text()
     write_run(tmp_path / "plain", kv_lora_rank=16, latent_norm=False)
     r = cli(["export.py", f"--out_dir={tmp_path / 'plain'}", f"--to={tmp_path / 'hf2'}"])
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr

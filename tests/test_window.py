@@ -143,11 +143,3 @@ def test_the_pattern_repeats_over_the_layers_and_the_last_is_global() -> None:
 def test_bad_window_keys_are_one_line(overrides: dict, names: list[str]) -> None:
     msg = config_error(**overrides)
     assert all(name in msg for name in names), msg
-
-
-def test_exporting_local_layers_is_refused_in_one_line_until_a_class_is_chosen() -> None:
-    from errors import UserError
-    from hf import to_hf
-
-    with pytest.raises(UserError, match=r"^exporting local layers \(window\) is not built yet \(issue 46\)"):
-        to_hf(tiny_model(2, "rope", window=4, window_pattern="S"))
