@@ -72,3 +72,27 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
     assert max(lrs) <= 1e-3 and lrs[10] == pytest.approx(1e-3) and lrs[100:] == [1e-4] * 20
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
     assert lr_at(50, 1e-3, 1e-4, 10, 100, decay=False) == 1e-3
+
+
+def test_muon_orthogonalises_same_shaped_matrices_as_one_stack_as_it_would_one_at_a_time() -> None:
+    """Muon's step over matrices of four shapes, several of most (stacked and orthogonalised as one batch), their
+    gradients at scales 100x apart (a norm over the whole stack instead of each matrix's would show), 3 steps with
+    weight decay, in fp32: each matrix ends where torch.optim.Muon's update, written out here one at a time, puts it."""
+    torch.manual_seed(0)
+    shapes = [(32, 32)] * 3 + [(128, 32)] * 2 + [(32, 128)] * 2 + [(16, 32)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref, bufs = [p.detach().clone() for p in params], [torch.zeros(s) for s in shapes]
+    opt = Muon(params, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    for _ in range(3):
+        grads = [torch.randn(s) * 10.0 ** (i % 3 - 1) for i, s in enumerate(shapes)]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+        for w, g, buf in zip(ref, grads, bufs, strict=True):
+            buf.lerp_(g, 1 - 0.95)
+            update = orthogonalised(g.lerp(buf, 0.95), torch.float32)
+            w.mul_(1 - 0.02 * 0.1)
+            w.add_(update, alpha=-0.02 * max(1.0, w.size(0) / w.size(1)) ** 0.5)
+    for p, w in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
+    assert len(opt.shapes) == 1  # the grouping by shape made once, on the first step
