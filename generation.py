@@ -99,8 +99,9 @@ def refill_rows(model: nn.Module, kv_cache: object, tokens: torch.Tensor, rows: 
         model(tokens[at, n - keep:n - 1], kv_cache=own)
         kv_cache.k[:, at, :, pos - w:pos] = own.k
         kv_cache.v[:, at, :, pos - w:pos] = own.v
-        held = torch.arange(w - own.ring, w, device=tokens.device)  # own's ring positions, of the batch's pos - w..
-        for mine, theirs in ((kv_cache.ring_k, own.ring_k), (kv_cache.ring_v, own.ring_v)) * bool(own.ring):
+    if w > 0 and own.ring:  # own's ring holds its newest positions, the batch's pos - w + held
+        held = torch.arange(w - own.ring, w, device=tokens.device)
+        for mine, theirs in ((kv_cache.ring_k, own.ring_k), (kv_cache.ring_v, own.ring_v)):
             rings = mine[:, at]  # (n_local, rows, heads, ring, width)
             rings[:, :, :, (pos - w + held) % kv_cache.ring] = theirs[:, :, :, held % own.ring]
             mine[:, at] = rings
@@ -116,8 +117,9 @@ def compact(kv_cache: object, pad: torch.Tensor | None) -> torch.Tensor | None:
     end = kv_cache.pos
     for t in (kv_cache.k, kv_cache.v):
         t[..., :end - shift, :] = t[..., shift:end, :].clone()
-    for t in (kv_cache.ring_k, kv_cache.ring_v) * bool(kv_cache.ring):
-        t.copy_(t.roll(-shift, dims=3))
+    if kv_cache.ring:
+        for t in (kv_cache.ring_k, kv_cache.ring_v):
+            t.copy_(t.roll(-shift, dims=3))
     kv_cache.pos -= shift
     pad = pad - shift
     return pad if bool(pad.any()) else None
