@@ -1,0 +1,47 @@
+"""How precisely a run's evaluation knows its loss: the trained model of RUN on N of its fixed evaluation batches
+(Batches.eval, as train.py evaluates), per split the mean loss over the first eval_iters and over all N, the
+per-batch standard deviation, the 95% half-width of a mean of n batches (1.96 sd / sqrt(n)), and the batches a
+half-width of 0.005 would take (docs/performance-cpu.md "Where the step's time goes").
+
+    python scripts/eval_precision.py RUN [N]
+"""
+
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import runtime  # noqa: E402
+from checkpoint import load_run, parse_source  # noqa: E402
+from dataset import Batches, data_dir  # noqa: E402
+
+
+def main(run_dir: str, n: int) -> None:
+    run = load_run(parse_source("resume"), run_dir, tokenizer=False)
+    cfg, model = run.config, run.model.eval()
+    batches = Batches(data_dir(cfg["dataset"]), cfg["block_size"], cfg["batch_size"], cfg["seed"], "cpu")
+    dtype = runtime.resolve_dtype(cfg["dtype"], "cpu", cfg["n_embd"])[0]
+    amp = runtime.autocast("cpu", dtype)
+    for split in ("val", "train"):
+        losses, times = [], []
+        with torch.no_grad():
+            for k in range(n):
+                t0 = time.perf_counter()
+                with amp:
+                    _, loss = model(*batches.eval(split, k))
+                losses.append(loss.item())
+                times.append(time.perf_counter() - t0)
+        sd, first = statistics.stdev(losses), cfg["eval_iters"]
+        means = f"mean of {first} {statistics.fmean(losses[:first]):.4f}, of {n} {statistics.fmean(losses):.4f}"
+        print(f"{split}: {means}; per-batch sd {sd:.4f}; 95% half-width at {first}: {1.96 * sd / math.sqrt(first):.4f}"
+              f"; batches for 0.005: {math.ceil((1.96 * sd / 0.005) ** 2)}; {1000 * statistics.median(times):.1f} ms a "
+              f"batch ({dtype})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 400)

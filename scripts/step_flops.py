@@ -1,0 +1,76 @@
+"""Where a training step of config/train_cpu_fast.py's model goes, and at what FLOP/s: the forward, the backward and
+the optimizer (Muon's Newton-Schulz for the blocks' matrices, AdamW for the rest) timed apart (the median of 20 steps
+after 5, random tokens, bf16 autocast where the box has native bf16), each part's FLOPs by formula, against the
+CPU's measured matmul peak (runtime.peak_flops). docs/performance-cpu.md "Where the step's time goes".
+
+    python scripts/step_flops.py
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import runtime  # noqa: E402
+from configs import parse_train  # noqa: E402
+from model import GPT  # noqa: E402
+from optim import Muon, make_optimizer  # noqa: E402
+
+
+def newton_schulz_flops(model: GPT, steps: int = 5) -> int:
+    """Muon's orthogonalisation of every matrix in the blocks: per iteration on (r, c), r <= c: X X^T (2 r r c),
+    the Gram matrix squared (2 r r r) and that polynomial times X (2 r r c)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and name.startswith("transformer.h."):
+            r, c = sorted(p.shape)
+            total += steps * (4 * r * r * c + 2 * r ** 3)
+    return total
+
+
+def main() -> None:
+    cfg, _ = parse_train(["config/train_cpu_fast.py", "--vocab_size=222"])
+    dtype = runtime.resolve_dtype(cfg.dtype, "cpu", cfg.n_embd)[0]
+    torch.manual_seed(0)
+    model = GPT(cfg.model_config(222))
+    opt = make_optimizer(model, cfg.optimizer, cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu",
+                         cfg.muon_lr)
+    amp = runtime.autocast("cpu", dtype)
+    x = torch.randint(0, 222, (cfg.batch_size, cfg.block_size))  # pycode_char's 222 symbols
+    parts = {"forward": [], "backward": [], "optimizer": []}
+    for i in range(25):
+        t0 = time.perf_counter()
+        with amp:
+            _, loss = model(x, x)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        if i >= 5:
+            for part, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                parts[part].append(seconds)
+    tokens = cfg.batch_size * cfg.block_size
+    model_flops = model.flops_per_token(cfg.block_size) * tokens  # forward + backward (PaLM's 6N + attention)
+    ns_dtype = next(o.ns_dtype for o in opt.optimizers if isinstance(o, Muon))
+    flops = {"forward": model_flops / 3, "backward": 2 * model_flops / 3, "optimizer": newton_schulz_flops(model)}
+    peak = runtime.peak_flops("cpu", dtype)
+    print(f"# {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch_size} x {cfg.block_size}, {dtype}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, matmul peak {peak / 1e9:.0f} GFLOP/s; "
+          f"Newton-Schulz in {ns_dtype}")
+    print("| part | ms (median of 20) | GFLOP | GFLOP/s | of peak |")
+    print("|---|---|---|---|---|")
+    for part, times in parts.items():
+        ms = 1000 * statistics.median(times)
+        rate = flops[part] / (ms / 1000)
+        print(f"| {part} | {ms:.1f} | {flops[part] / 1e9:.3f} | {rate / 1e9:.1f} | {rate / peak:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
