@@ -32,8 +32,9 @@ LATENT_SCALE = math.sqrt(HF_LATENT_EPS / NORM_EPS)
 
 
 def llama_class(c: GPTConfig) -> str | None:
-    """LlamaForCausalLM or DeepseekV3ForCausalLM where c has Llama's block or MLA, None for GPT-2's block (hf.py's
-    classes); a model no stock class holds exactly is refused in one line naming the keys that would make it one."""
+    """LlamaForCausalLM (GraniteSWAForCausalLM with local layers) or DeepseekV3ForCausalLM where c has Llama's block
+    or MLA, None for GPT-2's block (hf.py's classes); a model no stock class holds exactly is refused in one line
+    naming the keys that would make it one."""
     llama_block, windowed = (c.norm, c.mlp) == ("rmsnorm", "swiglu"), c.window is not None
     if c.kv_lora_rank is not None:
         needs = {"norm='rmsnorm' and mlp='swiglu'": not llama_block, "pos_encoding='rope'": c.pos_encoding != "rope",
@@ -202,7 +203,8 @@ def from_llama_block(folder: str, c: Any, sd: dict[str, torch.Tensor]) -> tuple[
 
 
 def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict[str, bool]:
-    """What of a GraniteSWA config and weights this model cannot hold (granite_swa's inverse), each with whether."""
+    """Each thing a GraniteSWA config and its weights may hold that this model cannot (granite_swa's inverse), and
+    whether this folder holds it."""
     sink = max(float(t.max()) for name, t in sd.items() if name.endswith(".sinks"))
     return {f"attention_multiplier={c.attention_multiplier} (ours: head_dim ** -0.5)":
                 not math.isclose(c.attention_multiplier, head_dim ** -0.5, rel_tol=1e-6),
