@@ -79,10 +79,11 @@ class KVCache:
                  windows: list[int | None]) -> None:
         self.k, self.v, self.ring_k, self.ring_v = k, v, ring_k, ring_v
         self.max_len, self.ring = k.size(3), ring_k.size(3)
-        self.where = []  # each layer's (local?, index in its tensors)
-        for layer, window in enumerate(windows):
+        self.where, counts = [], [0, 0]  # each layer's (local?, index in its tensors); layers so far, global and local
+        for window in windows:
             local = window is not None
-            self.where.append((local, sum((w is not None) == local for w in windows[:layer])))
+            self.where.append((local, counts[local]))
+            counts[local] += 1
         self.pos = 0
 
     @classmethod

@@ -117,7 +117,7 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     given = given_values(CompareConfig, ours)
     if base.window is not None:
         raise UserError(f"window={base.window} in the base run: compare.py gives each variant its local layers by "
-                        f"name, e.g. --variants=[mha,mha-{base.window_pattern.lower()}{base.window}]")
+                        f"name, e.g. --variants=[mha,mha{sweep.window_suffix(base)}]")
     if not cfg.convert and (steer := [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale")
                                       if k in given]):
         raise UserError(f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them")

@@ -99,12 +99,12 @@ def refill_rows(model: nn.Module, kv_cache: object, tokens: torch.Tensor, rows: 
         model(tokens[at, n - keep:n - 1], kv_cache=own)
         kv_cache.k[:, at, :, pos - w:pos] = own.k
         kv_cache.v[:, at, :, pos - w:pos] = own.v
-    if w > 0 and own.ring:  # own's ring holds its newest positions, the batch's pos - w + held
-        held = torch.arange(w - own.ring, w, device=tokens.device)
-        for mine, theirs in ((kv_cache.ring_k, own.ring_k), (kv_cache.ring_v, own.ring_v)):
-            rings = mine[:, at]  # (n_local, rows, heads, ring, width)
-            rings[:, :, :, (pos - w + held) % kv_cache.ring] = theirs[:, :, :, held % own.ring]
-            mine[:, at] = rings
+        if own.ring:  # own's ring holds the batch's positions pos - w + held
+            held = torch.arange(w - own.ring, w, device=tokens.device)
+            for mine, theirs in ((kv_cache.ring_k, own.ring_k), (kv_cache.ring_v, own.ring_v)):
+                rings = mine[:, at]  # (n_local, rows, heads, ring, width)
+                rings[:, :, :, (pos - w + held) % kv_cache.ring] = theirs[:, :, :, held % own.ring]
+                mine[:, at] = rings
     pad[at] = pos - w
     return pad
 

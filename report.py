@@ -1,8 +1,7 @@
 """The attention-variant comparison's report (compare.py), from the runs' log.jsonl files and the stored speed
 measurements alone: each variant x size x conversion over its seeds (mean val loss with its 95% interval, the
 seed-paired difference to MHA, recall accuracies pooled with Wilson intervals), the GQA paper's conversion tables,
-a verdict per size, and report.md, report.csv, report.png (plots.py) and (with wandb_log) a wandb Table.
-"""
+a verdict per size, and report.md, report.csv, report.png (plots.py) and (with wandb_log) a wandb Table."""
 
 import csv
 import dataclasses
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 import stats
+import sweep
 from atomic import atomic_open
 from checkpoint import parse_source
 from configs import CompareConfig, TrainConfig
@@ -33,8 +33,8 @@ MATCHES = {"width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters
 def speed_key(c: GPTConfig, context: int, batch: int) -> str:
     """A shape's key in speed.json: what the cached-step decode speed depends on."""
     kv = f"kv{c.n_kv_head}" if c.kv_lora_rank is None else f"mla{c.kv_lora_rank}r{c.qk_rope_head_dim}"
-    local = f"-{c.window_pattern.lower()}{c.window}" if c.window else ""  # (none: the keys stored before windows)
-    return f"{c.n_layer}x{c.n_embd}-h{c.n_head}-{kv}-mlp{c.mlp_hidden}-{c.pos_encoding}{local}@{context}x{batch}"
+    shape = f"{c.n_layer}x{c.n_embd}-h{c.n_head}-{kv}-mlp{c.mlp_hidden}-{c.pos_encoding}"
+    return f"{shape}{sweep.window_suffix(c)}@{context}x{batch}"  # all global: the keys stored before windows
 
 
 def read_runs(root: Path) -> tuple[list[dict], str | None]:

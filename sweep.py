@@ -49,11 +49,15 @@ class Run:
 
 
 def variant_name(config: GPTConfig) -> str:
-    """'mha', 'gqa<n_kv_head>', 'mqa' or 'mla<kv_lora_rank>', then '-<window_pattern><window>' where layers are
-    local ('mha-sssl64')."""
+    """'mha', 'gqa<n_kv_head>', 'mqa' or 'mla<kv_lora_rank>', then its window_suffix ('mha-sssl64')."""
     name = kv_heads_name(config.n_kv_head, config.n_head) if config.kv_lora_rank is None else \
         f"mla{config.kv_lora_rank}"
-    return name + (f"-{config.window_pattern.lower()}{config.window}" if config.window else "")
+    return name + window_suffix(config)
+
+
+def window_suffix(config: GPTConfig | TrainConfig) -> str:
+    """'-<window_pattern><window>' where layers are local ('-sssl64'), '' where none is."""
+    return f"-{config.window_pattern.lower()}{config.window}" if config.window is not None else ""
 
 
 def kv_heads_name(n_kv_head: int, n_head: int) -> str:
