@@ -160,6 +160,16 @@ class Linear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def joint_linear(x: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
+    """x through several Linear layers as one product, their outputs side by side: one cast of x under autocast and
+    one product forward and backward instead of one each (docs/performance-cpu.md "Training"). Layers of another
+    kind (quantize.Int8Linear) each make their own product."""
+    if not all(isinstance(layer, nn.Linear) for layer in layers):
+        return torch.cat([layer(x) for layer in layers], dim=-1)
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    return F.linear(x, torch.cat([layer.weight for layer in layers]), bias)
+
+
 def prepare_splits(model: nn.Module) -> None:
     """Make (or check) every Linear's split weight for the current thread count, or drop it where none applies,
     as a compiled step will use them: compiled code cannot check them, so call this again after weights change."""

@@ -157,12 +157,16 @@ def resolve_dtype(name: str, device: str, n_embd: int | None = None, compiled_de
 
 def bf16_speedup(width: int, rows: int = 1024) -> float:
     """fp32's time over bf16's for the product of a (rows x width) and a (width x 4 width) matrix on this CPU, the
-    best of three 20 ms probes each (a training step's products are of this kind)."""
+    best of three 20 ms probes each, taken in turn so that a busy spell of the machine cannot slow one dtype's
+    probes alone (a training step's products are of this kind)."""
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG be
     x, w = torch.randn(rows, width, generator=gen), torch.randn(width, 4 * width, generator=gen)
-    seconds = {dtype: seconds_per_call(lambda a=x.to(dtype), b=w.to(dtype): a @ b, probes=3, probe_s=0.02)
-               for dtype in (torch.float32, torch.bfloat16)}
-    return seconds[torch.float32] / seconds[torch.bfloat16]
+    products = {dtype: lambda a=x.to(dtype), b=w.to(dtype): a @ b for dtype in (torch.float32, torch.bfloat16)}
+    seconds: dict[torch.dtype, list[float]] = {dtype: [] for dtype in products}
+    for _ in range(3):
+        for dtype, product in products.items():
+            seconds[dtype].append(seconds_per_call(product, probes=1, probe_s=0.02))
+    return min(seconds[torch.float32]) / min(seconds[torch.bfloat16])
 
 
 def seconds_per_call(fn: Callable[[], object], probes: int, probe_s: float) -> float:

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import fast_paths
+from attention import CausalSelfAttention, rope_tables
 from conftest import VARIANTS, distinct, lively, static_steps_match, tiny_model
 from generation import generate
 from model import GPT, GPTConfig
@@ -139,6 +140,34 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the path attention() takes in bf16 training on CPU
         low = fast_paths.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), m, 0.0, cached=False)
     torch.testing.assert_close(low.float(), ref, rtol=0, atol=0.05)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
+def test_training_attention_equals_each_projection_rotated_by_hand(n_kv_head: int, bias: bool) -> None:
+    """Without a cache, q, k and v come from one product and q and k are rotated as one (fast_paths.joint_linear):
+    against each Linear on its own and RoPE written as complex products, values and the weights' gradients."""
+    torch.manual_seed(0)
+    B, T, H, hd = 2, 7, 4, 8
+    attn = CausalSelfAttention(0, H * hd, H, n_kv_head, bias, 0.0)
+    x = torch.randn(B, T, H * hd)
+    cos, sin = rope_tables(hd, T, 10000.0)
+    out = attn(x, (cos[None, None], sin[None, None]), None, None)
+
+    def heads(linear: torch.nn.Linear, n: int, rotate: bool) -> torch.Tensor:
+        y = linear(x).view(B, T, n, hd).transpose(1, 2)
+        if not rotate:
+            return y.repeat_interleave(H // n, dim=1)
+        z = torch.complex(*y.chunk(2, dim=-1)) * torch.complex(cos, sin)  # each feature pair turned by its angle
+        return torch.cat((z.real, z.imag), dim=-1).repeat_interleave(H // n, dim=1)
+
+    q, k, v = heads(attn.c_q, H, True), heads(attn.c_k, n_kv_head, True), heads(attn.c_v, n_kv_head, False)
+    ref = attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * hd))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    weights = list(attn.parameters())
+    g = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(out, weights, g), torch.autograd.grad(ref, weights, g), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
