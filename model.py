@@ -330,7 +330,7 @@ class GPT(nn.Module):
         no_decay = [p for p in trainable if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        # foreach on CPU: fused drifts gloo ranks apart (docs/performance-cpu.md "Training")
+        # CPU: torch's default loop (foreach was no faster); fused drifts gloo ranks apart (performance-cpu.md)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     def flops_per_token(self, seq_len: int | None = None) -> int:

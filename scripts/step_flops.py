@@ -1,9 +1,10 @@
-"""Where a training step of config/train_cpu_fast.py's model goes, and at what FLOP/s: the forward, the backward and
-the optimizer (Muon's Newton-Schulz for the blocks' matrices, AdamW for the rest) timed apart (the median of 20 steps
-after 5, random tokens, bf16 autocast where the box has native bf16), each part's FLOPs by formula, against the
-CPU's measured matmul peak (runtime.peak_flops). docs/performance-cpu.md "Where the step's time goes".
+"""Where a training step of a config's model goes (config/train_cpu_fast.py's by default), and at what FLOP/s: the
+forward, the backward and the optimizer (Muon's Newton-Schulz for the blocks' matrices, AdamW for the rest, or AdamW
+alone) timed apart (the median of 20 steps after 5, random tokens, bf16 autocast where the box has native bf16),
+each part's FLOPs by formula, against the CPU's measured matmul peak (runtime.peak_flops). docs/performance-cpu.md
+"Where the step's time goes".
 
-    python scripts/step_flops.py
+    python scripts/step_flops.py [config/train_pycode_char.py]
 """
 
 import statistics
@@ -33,7 +34,8 @@ def newton_schulz_flops(model: GPT, steps: int = 5) -> int:
 
 
 def main() -> None:
-    cfg, _ = parse_train(["config/train_cpu_fast.py", "--vocab_size=222"])
+    config = sys.argv[1] if len(sys.argv) > 1 else "config/train_cpu_fast.py"
+    cfg, _ = parse_train([config, "--vocab_size=222"])
     dtype = runtime.resolve_dtype(cfg.dtype, "cpu", cfg.n_embd)[0]
     torch.manual_seed(0)
     model = GPT(cfg.model_config(222))
@@ -58,18 +60,21 @@ def main() -> None:
                 parts[part].append(seconds)
     tokens = cfg.batch_size * cfg.block_size
     model_flops = model.flops_per_token(cfg.block_size) * tokens  # forward + backward (PaLM's 6N + attention)
-    ns_dtype = next(o.ns_dtype for o in opt.optimizers if isinstance(o, Muon))
-    flops = {"forward": model_flops / 3, "backward": 2 * model_flops / 3, "optimizer": newton_schulz_flops(model)}
+    muon = [o for o in getattr(opt, "optimizers", [opt]) if isinstance(o, Muon)]
+    optimizer = f"Newton-Schulz in {muon[0].ns_dtype}" if muon else "AdamW (its FLOPs left out)"
+    flops = {"forward": model_flops / 3, "backward": 2 * model_flops / 3,
+             "optimizer": newton_schulz_flops(model) if muon else 0}
     peak = runtime.peak_flops("cpu", dtype)
-    print(f"# {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch_size} x {cfg.block_size}, {dtype}, "
+    print(f"# {config}: {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch_size} x {cfg.block_size}, {dtype}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, matmul peak {peak / 1e9:.0f} GFLOP/s; "
-          f"Newton-Schulz in {ns_dtype}")
+          f"{optimizer}")
     print("| part | ms (median of 20) | GFLOP | GFLOP/s | of peak |")
     print("|---|---|---|---|---|")
     for part, times in parts.items():
         ms = 1000 * statistics.median(times)
         rate = flops[part] / (ms / 1000)
         print(f"| {part} | {ms:.1f} | {flops[part] / 1e9:.3f} | {rate / 1e9:.1f} | {rate / peak:.1%} |")
+    print(f"| step | {1000 * sum(statistics.median(t) for t in parts.values()):.1f} | | | |")
 
 
 if __name__ == "__main__":
