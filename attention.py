@@ -198,17 +198,18 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None) -> torch.Tensor:
         B, T, C = x.shape  # C is n_embd
         H, G, hd = self.n_head, self.n_kv_head, self.head_dim
-        if kv_cache is None:  # q, k and v as one product, q and k rotated as one (a tenth of a CPU training step)
+        if kv_cache is None and rope is not None:  # q, k and v as one product, q and k rotated as one
             qkv = joint_linear(x, self.c_q, self.c_k, self.c_v).view(B, T, H + 2 * G, hd).transpose(1, 2)
             qk, v = qkv.split((H + G, G), dim=1)
-            q, k = (qk if rope is None else apply_rope(qk, *rope)).split((H, G), dim=1)
-        else:  # decoding: each Linear on its own, for its few-row products (fast_paths.Linear)
-            q = self.c_q(x).view(B, T, H, hd).transpose(1, 2)
+            q, k = apply_rope(qk, *rope).split((H, G), dim=1)
+        else:  # each Linear on its own: decoding's few-row products (fast_paths.Linear), and faster on CUDA without
+            q = self.c_q(x).view(B, T, H, hd).transpose(1, 2)  # RoPE (docs/performance-cpu.md "Training")
             k = self.c_k(x).view(B, T, G, hd).transpose(1, 2)
             v = self.c_v(x).view(B, T, G, hd).transpose(1, 2)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-            k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
+            if kv_cache is not None:
+                k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
         # q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, Tk, head_dim)
         dropout_p = self.dropout if self.training else 0.0
         y = attention(q, k, v, mask, dropout_p, cached=kv_cache is not None)
