@@ -1,7 +1,8 @@
 """How precisely a run's evaluation knows its loss: the trained model of RUN on N of its fixed evaluation batches
 (Batches.eval, as train.py evaluates), per split the mean loss over the first eval_iters and over all N, the
-per-batch standard deviation, the 95% half-width of a mean of n batches (1.96 sd / sqrt(n)), and the batches a
-half-width of 0.005 would take (docs/performance-cpu.md "Where the step's time goes").
+per-batch standard deviation, the 95% half-width of a mean of n batches (stats.t_quantile(n - 1) sd / sqrt(n),
+stats.mean_interval's formula) at eval_iters, and the batches a half-width of 0.005 would take
+(docs/performance-cpu.md "Where the step's time goes").
 
     python scripts/eval_precision.py RUN [N]
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import runtime  # noqa: E402
 from checkpoint import load_run, parse_source  # noqa: E402
 from dataset import Batches, data_dir  # noqa: E402
+from stats import t_quantile  # noqa: E402
 
 
 def main(run_dir: str, n: int) -> None:
@@ -38,9 +40,10 @@ def main(run_dir: str, n: int) -> None:
                 times.append(time.perf_counter() - t0)
         sd, first = statistics.stdev(losses), cfg["eval_iters"]
         means = f"mean of {first} {statistics.fmean(losses[:first]):.4f}, of {n} {statistics.fmean(losses):.4f}"
-        print(f"{split}: {means}; per-batch sd {sd:.4f}; 95% half-width at {first}: {1.96 * sd / math.sqrt(first):.4f}"
-              f"; batches for 0.005: {math.ceil((1.96 * sd / 0.005) ** 2)}; {1000 * statistics.median(times):.1f} ms a "
-              f"batch ({dtype})")
+        half = t_quantile(first - 1) * sd / math.sqrt(first)
+        needed = math.ceil((t_quantile(n - 1) * sd / 0.005) ** 2)  # t at the n measured, about the normal's 1.96
+        print(f"{split}: {means}; per-batch sd {sd:.4f}; 95% half-width at {first}: {half:.4f}; batches for 0.005: "
+              f"{needed}; {1000 * statistics.median(times):.1f} ms a batch ({dtype})")
 
 
 if __name__ == "__main__":
