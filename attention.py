@@ -228,6 +228,10 @@ class LatentAttention(nn.Module):
     (V2's appendix C): attention is MQA over that one head, its values the latent (the key's first kv_lora_rank
     features), so K and V of the heads are never rebuilt."""
 
+    # Linears whose weight forward reads as a matrix: the absorbed step multiplies by kv_b's halves
+    # itself and never calls kv_b while decoding, so quantize.py keeps these in the model's dtype
+    matrices: tuple[str, ...] = ("kv_b",)
+
     def __init__(self, layer: int, n_embd: int, n_head: int, kv_lora_rank: int, rope_dim: int,
                  q_lora_rank: int | None, latent_norm: bool, bias: bool, dropout: float) -> None:
         super().__init__()
