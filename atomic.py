@@ -1,9 +1,13 @@
 """Files that are never half-written: everything the project writes for keeps (checkpoints, token files, reports)
-goes through atomic_open, so a crash or kill -9 at any moment leaves the previous file intact. And folders that
-never hold two runs at once: folder_lock."""
+goes through atomic_open, so a crash or kill -9 at any moment leaves the previous file intact. Folders that never
+hold two runs at once: folder_lock. And deletes that name only what the project wrote: a temp name of its own
+pattern (temp_path), removed when stale under the lock of its folder (remove_stale_temps)."""
 
 import fcntl
 import os
+import re
+import secrets
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -13,15 +17,50 @@ from typing import IO
 
 from errors import UserError
 
+TEMP_MARK = ".smallgpt-"  # a temp file or folder is .<name>.smallgpt-<8 hex digits>, beside <name>
+
+
+def temp_path(path: str | Path) -> Path:
+    """A fresh name beside path for writing it before a rename: unique (two writers never share one), hidden, and
+    of a pattern only this project writes, so that a stale one (a kill -9) can be told and removed."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}")
+
+
+def remove_stale_temps(folder: str | Path, names: str) -> None:
+    """Delete the temp files and folders that writers of folder/<name> left behind (temp_path's), for each name
+    that the regular expression names matches. Call it only under the lock that every writer of those names holds:
+    then none of them is being written."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    stale = re.compile(rf"\.({names}){re.escape(TEMP_MARK)}[0-9a-f]{{8}}")
+    for path in folder.iterdir():
+        if not stale.fullmatch(path.name):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def cannot_write(path: Path, e: OSError) -> UserError:
+    """The one line for a file or folder that the system refused to create at path (read-only, a file in the way)."""
+    return UserError(f"cannot write {path} ({e.strerror or e}): is {path.parent} a folder you can write?")
+
 
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "wb", **open_args: object) -> Iterator[IO]:
-    """Open a temp file beside path for writing; on a clean exit flush it, fsync it and rename it over path, on an
-    exception delete it (path is left as it was)."""
+    """Open a temp file beside path (temp_path) for writing; on a clean exit flush it, fsync it and rename it over
+    path, on an exception delete it (path is left as it was)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_path(path)
     try:
-        with open(tmp, mode, **open_args) as f:
+        try:
+            f = open(tmp, mode.replace("w", "x"), **open_args)  # x: never an existing file
+        except OSError as e:  # said of the file the user asked for, not of its temp name
+            raise cannot_write(path, e) from e
+        with f:
             yield f
             f.flush()
             os.fsync(f.fileno())
@@ -81,8 +120,10 @@ def lock_holder(folder: Path) -> str | None:
 
 
 # What this project writes into a folder, by the file that marks each kind (a run's checkpoint or log, a dataset's
-# meta.json, an export's smallgpt.json): the rule for any command that writes into or replaces a folder.
-KIND_MARKERS = {"a run": ("ckpt.pt", "log.jsonl"), "a dataset": ("meta.json",), "an export": ("smallgpt.json",)}
+# meta.json, an export's smallgpt.json, a comparison's compare.json, written when compare.py makes it, or its
+# measures): the rule for any command that writes into or replaces a folder.
+KIND_MARKERS = {"a run": ("ckpt.pt", "log.jsonl"), "a dataset": ("meta.json",), "an export": ("smallgpt.json",),
+                "a comparison": ("compare.json", "speed.json", "report.md")}
 
 
 def folder_kind(folder: str | Path) -> str:

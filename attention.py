@@ -23,10 +23,13 @@ class Cache(Protocol):
 
 
 def latent_problems(kv_lora_rank: int | None, qk_rope_head_dim: int | None, q_lora_rank: int | None,
-                    pos_encoding: str, n_kv_head: int, n_head: int) -> list[str]:
-    """What is wrong with GPTConfig's MLA keys."""
+                    latent_norm: bool, pos_encoding: str, n_kv_head: int, n_head: int, n_embd: int
+                    ) -> list[str]:
+    """What is wrong with GPTConfig's MLA keys, a key that would change nothing included."""
     if kv_lora_rank is None:
         given = {"qk_rope_head_dim": qk_rope_head_dim, "q_lora_rank": q_lora_rank}
+        if latent_norm is not True:  # its default: anything else asks for a latent's norm
+            given["latent_norm"] = latent_norm
         return [f"{k}={v} is an MLA key: set kv_lora_rank too" for k, v in given.items() if v is not None]
     problems = []
     for key, value in (("kv_lora_rank", kv_lora_rank), ("q_lora_rank", q_lora_rank)):
@@ -39,12 +42,27 @@ def latent_problems(kv_lora_rank: int | None, qk_rope_head_dim: int | None, q_lo
     if n_kv_head != n_head:
         problems.append(f"n_kv_head={n_kv_head} does not apply to MLA (every head has its own K and V, made from the "
                         "latent): leave it out")
+    if problems or type(n_embd) is not int or type(n_head) is not int or n_head < 1:
+        return problems
+    head_dim = n_embd // n_head
+    if rope > head_dim:
+        problems.append(f"qk_rope_head_dim={rope} is wider than a head (head_dim={head_dim}): give at most "
+                        f"{head_dim}")
+    elif kv_lora_rank + rope >= 2 * n_embd:  # MHA caches K and V: 2 n_embd features a token and layer
+        problems.append(f"kv_lora_rank={kv_lora_rank} with qk_rope_head_dim={rope} caches {kv_lora_rank + rope} "
+                        f"features a token, not fewer than the {2 * n_embd} of the K and V it replaces (2 n_embd): "
+                        f"give kv_lora_rank below {2 * n_embd - rope}")
     return problems
 
 
-def window_problems(window: int | None, pattern: str) -> list[str]:
-    """What is wrong with GPTConfig's local-layer keys."""
-    if not (isinstance(pattern, str) and pattern and set(pattern) <= {"S", "L"}):
+def window_problems(window: int | None, pattern: str, block_size: int) -> list[str]:
+    """What is wrong with GPTConfig's local-layer keys, alone and against block_size (GPTConfig checks that
+    some layer is local)."""
+    if isinstance(pattern, str) and pattern and set(pattern) <= {"s", "l", "S", "L"}:
+        if pattern != pattern.upper():
+            return [f"window_pattern={pattern!r}: its letters are upper case, window_pattern={pattern.upper()!r} "
+                    "(compare.py's variant names spell them lower case, e.g. mha-sl8)"]
+    else:
         return [f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), e.g. 'SSSL'"]
     if window is None:
         return [f"window_pattern={pattern!r} has local layers (S): give their window"] if "S" in pattern else []
@@ -53,6 +71,9 @@ def window_problems(window: int | None, pattern: str) -> list[str]:
     if "S" not in pattern:
         return [f"window={window} with window_pattern={pattern!r}: no layer is local; give a pattern with S, e.g. "
                 "'SSSL' (the last layer is always global)"]
+    if type(block_size) is int and window >= block_size:
+        return [f"window={window} is not below block_size={block_size}, so a local layer would see what a global "
+                f"one sees: give a window below {block_size}, or leave window out"]
     return []
 
 

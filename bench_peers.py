@@ -202,8 +202,11 @@ def nanogpt_dataset(nanogpt_dir: Path, dataset: str) -> str:
     dst = nanogpt_dir / "data" / name
     dst.mkdir(parents=True, exist_ok=True)
     for split in ("train.bin", "val.bin"):
-        (dst / split).unlink(missing_ok=True)
-        (dst / split).symlink_to((src / split).resolve())
+        link = dst / split
+        if link.exists() and not link.is_symlink():  # only the links made here are replaced
+            raise UserError(f"{link} is a file, not the link to {src / split} this benchmark makes: move it away")
+        link.unlink(missing_ok=True)
+        link.symlink_to((src / split).resolve())
     (dst / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": meta["vocab_size"]}))
     return name
 

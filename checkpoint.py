@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from atomic import atomic_open
+from atomic import atomic_open, temp_path
 from dataset import data_dir, load_meta, open_tokens
 from errors import UserError, first_line
 from hf import GPT2_NAMES, from_hf
 from model import GPT, GPTConfig
 from tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer
 
+KEPT_NAME = re.compile(r"ckpt-(\d{7,})\.pt")  # the names keep_last writes: ckpt-<iteration, zero-padded to 7>.pt
 SOURCES = f"'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', {', '.join(GPT2_NAMES)} or 'hf:<folder>'"
 
 
@@ -71,7 +72,7 @@ def parse_source(init_from: str) -> Source:
         if init_from.startswith(f"{prefix}:"):
             if not init_from[len(prefix) + 1:]:
                 raise ValueError(f"init_from={init_from!r} names no folder: give {prefix}:<folder>")
-            return Source(prefix, init_from[len(prefix) + 1:])
+            return Source(prefix, os.path.expanduser(init_from[len(prefix) + 1:]))  # hf:~/x
     raise ValueError(f"init_from={init_from!r} must be {SOURCES}")
 
 
@@ -123,8 +124,12 @@ def check_out_dir(out_dir: Path, ckpt_bytes: int, keep_last: int = 0) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=out_dir):
-        pass
+    try:
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:  # said of out_dir, not of the probe's temp name
+        raise UserError(f"cannot write into out_dir {out_dir} ({e.strerror or e}): choose a folder you can "
+                        f"write") from e
     existing = (out_dir / "ckpt.pt").stat().st_size if (out_dir / "ckpt.pt").is_file() else 0
     need, free = (max(keep_last, 1) + 1) * ckpt_bytes - existing, shutil.disk_usage(out_dir).free
     if free < need:
@@ -183,14 +188,23 @@ def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, model_stat
         raise UserError(f"cannot write checkpoint {path} ({first_line(e)}): the disk may be full; any previous "
                         f"checkpoint is kept: free some space and resume with --init_from=resume") from e
     if keep_last:
-        kept = path.with_name(f"ckpt-{state['iter_num']:07d}.pt")
-        kept.unlink(missing_ok=True)
-        try:
-            os.link(path, kept)  # no extra disk: path is replaced by the next save, never rewritten in place
-        except OSError:  # a file system without hard links
-            shutil.copyfile(path, kept)
-        for old in sorted(path.parent.glob("ckpt-*.pt"))[:-keep_last]:
-            old.unlink()
+        keep_copy(path, state["iter_num"], keep_last)
+
+
+def keep_copy(path: Path, iter_num: int, keep_last: int) -> None:
+    """Keep the checkpoint just written at path as ckpt-<iter_num>.pt too, and only the keep_last newest of those:
+    files of exactly that name (seven digits), the only ones pruned, so a user's ckpt-best.pt or ckpt-5.pt stays."""
+    kept = path.with_name(f"ckpt-{iter_num:07d}.pt")
+    part = temp_path(kept)
+    try:
+        os.link(path, part)  # no extra disk: path is replaced by the next save, never rewritten in place
+    except OSError:  # a file system without hard links
+        shutil.copyfile(path, part)
+    os.replace(part, kept)
+    ours = {p: KEPT_NAME.fullmatch(p.name) for p in path.parent.iterdir()}
+    by_iteration = sorted((int(match[1]), p) for p, match in ours.items() if match)
+    for _, old in by_iteration[:-keep_last]:
+        old.unlink()
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = False

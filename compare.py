@@ -9,35 +9,57 @@ GQA/MQA/MLA conversions), then report what each costs and scores, with intervals
         --uptrain_fractions=[0,0.05,0.1]                                # the GQA paper's conversion ablations
     python compare.py config/compare/cpu.py --mode=report             # the report alone, from the runs' logs
     python compare.py config/train_gpt2.py --mode=costs               # parameters and KV-cache bytes of every n_kv_head
+    python compare.py config/compare/cpu.py --max_iters=480 --extend=True  # a finished sweep on
 
 Positional arguments and --key=value flags of train.py's TrainConfig describe the base run; the keys below steer
 the comparison. Each run trains in <out_dir>/<variant>-s<seed> (sizes: <n_layer>x<n_embd>-<variant>-s<seed>) with
 wandb group <out_dir name> and tags naming its variant, seed and size.
+
+Variant names (--variants) are lower case: mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>, each with
+-<window_pattern><window> for local layers (mha-sl8 is train.py's --window_pattern=SL --window=8).
+The names decide what the base run leaves out: n_kv_head, kv_lora_rank, window, window_pattern and
+MLA's other keys. Every run is checked before the first trains (its config, the dataset and
+final_evals). A run trained before at another budget (max_iters, warmup_iters, lr_decay_iters,
+decay_lr) is refused: resumed, it would change its learning-rate schedule midway; --extend=True
+trains such runs on to the new budget from their checkpoints (the rate then follows the new
+schedule), and the report marks runs whose iterations differ from the rest of their comparison.
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
-from configurator import given_values, parse_config, run_cli, split_args
+from configurator import build, given_values, parse_config, run_cli, split_args
 from errors import UserError
 
 # isort: split
 import dataclasses
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+import recall
 import report
 import runtime
 import sweep
-from atomic import atomic_open, folder_lock, lock_holder
+from atomic import atomic_open, check_writes_into, folder_lock, lock_holder, remove_stale_temps
+from checkpoint import check_vocabulary, parse_source
 from configs import CompareConfig, TrainConfig, repeated
 from convert import check_latent_target
-from dataset import data_dir, load_meta, vocab_size_of
+from dataset import Batches, data_dir, load_meta, vocab_size_of
 from measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from model import GPT, GPTConfig
 from runtime import Placement
+
+# the MLA keys that a variant's name leaves at their defaults: the base run is not MLA
+MLA_KEYS = ("qk_rope_head_dim", "q_lora_rank", "latent_norm")
+# a run's budget and learning-rate schedule: resumed with others, it changes its schedule midway
+SCHEDULE_KEYS = ("max_iters", "warmup_iters", "lr_decay_iters", "decay_lr")
+
+# What compare.py writes at the root of a comparison (beside its runs' folders); the first marks it (atomic.py)
+COMPARISON_FILES = ("compare.json", report.SPEED_FILE, "report.md", "report.csv", "report.png")
+COMPARISON_TEMPS = "|".join(map(re.escape, COMPARISON_FILES))  # those written through a temp file
 
 
 def variant(base: TrainConfig, name: str, vocab_size: int = 1) -> GPTConfig:
@@ -107,17 +129,81 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
     return text
 
 
+def check_base_keys(given: dict) -> None:
+    """A UserError for a key given to the base run that the variants' names decide (K/V heads,
+    MLA, local layers) or that only MLA takes: it names the key, and how a comparison says it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    changed = {k: v for k, v in given.items() if v != defaults.get(k)}
+    if "n_kv_head" in changed:
+        n_kv_head = changed["n_kv_head"]
+        heads = sorted({given.get("n_head", defaults["n_head"]), n_kv_head}, reverse=True)
+        raise UserError(f"n_kv_head={n_kv_head} in the base run: compare.py gives each variant "
+                        f"its K/V heads by name (mha, gqa<n_kv_head>, mqa) or by --kv_heads, "
+                        f"e.g. --kv_heads=[{','.join(map(str, heads))}]; leave n_kv_head out")
+    if "kv_lora_rank" in changed:
+        rank = changed["kv_lora_rank"]
+        raise UserError(f"kv_lora_rank={rank} in the base run: compare.py makes MLA a variant "
+                        f"of its own, named mla<kv_lora_rank>, e.g. --variants=[mha,mla{rank}]; "
+                        f"leave kv_lora_rank out")
+    for key in ("window", "window_pattern"):
+        if key in changed:
+            pattern = str(given.get("window_pattern", "SL")).lower()
+            if "s" not in pattern or not set(pattern) <= {"s", "l"}:
+                pattern = "sl"
+            example = f"mha-{pattern}{given.get('window') or 64}"
+            raise UserError(f"{key}={changed[key]!r} in the base run: compare.py gives each "
+                            f"variant its local layers by name, e.g. --variants=[mha,{example}] "
+                            f"(lower case); leave window and window_pattern out")
+    for key in MLA_KEYS:
+        if key in changed:
+            raise UserError(f"{key}={changed[key]!r} is an MLA key, and compare.py's base run, "
+                            f"which every variant starts from, is not MLA (its mla<kv_lora_rank> "
+                            f"variants are, with MLA's defaults): leave {key} out")
+
+
+def check_variants(cfg: CompareConfig, base: TrainConfig, names: list[str], key: str) -> None:
+    """Each variant a valid model at each size, no two of them one model, each named as what it
+    is (gqa<n_head> is mha), each MLA conversion possible: else a UserError naming the variant."""
+    listed = f"{key}={getattr(cfg, key)}"
+    for _, sbase in sweep.sizes(cfg.sizes, base):
+        size = f"{sbase.n_layer}x{sbase.n_embd}"
+        models = {}
+        seen = {}  # what tells one variant's model from another's -> the first name that gave it
+        for name in names:
+            try:
+                models[name] = variant(sbase, name)
+            except ValueError as e:
+                raise UserError(f"{listed} at {size}: {e}") from e
+            model = models[name]
+            shape = (model.n_kv_head, model.kv_lora_rank, tuple(model.layer_windows))
+            other = seen.setdefault(shape, name)
+            if other != name:
+                windows = f", layer windows {model.layer_windows}" if model.window else ""
+                raise UserError(f"{listed}: {other} and {name} are the same model at {size} "
+                                f"({model.attention_kind}, {model.kv_sizes}{windows}): list one of "
+                                f"them")
+        for name, model in models.items():
+            canonical = sweep.variant_name(model)
+            if canonical != name:
+                raise UserError(f"{listed}: {name} is {canonical} at n_head={model.n_head}: name "
+                                f"it {canonical}")
+            if cfg.convert and model.kv_lora_rank is not None:  # and each MLA conversion possible
+                try:
+                    check_latent_target(model)
+                except UserError as e:
+                    raise UserError(f"convert=True to {name} at {size}: {e}") from e
+
+
 def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     ours, train_args = split_args(argv, CompareConfig)
     cfg = dataclasses.replace(parse_config(CompareConfig, ours), train_args=train_args)
-    base = parse_config(TrainConfig, train_args)
+    given_train = given_values(TrainConfig, train_args)
+    check_base_keys(given_train)
+    base = build(TrainConfig, given_train)
     if not cfg.variants:
         cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
     names, key = sweep.variant_names(cfg, base.n_head), "variants" if cfg.variants else "kv_heads"
     given = given_values(CompareConfig, ours)
-    if base.window is not None:
-        raise UserError(f"window={base.window} in the base run: compare.py gives each variant its local layers by "
-                        f"name, e.g. --variants=[mha,mha{sweep.window_suffix(base)}]")
     if not cfg.convert and (steer := [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale")
                                       if k in given]):
         raise UserError(f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them")
@@ -128,18 +214,87 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     if cfg.convert and same is not None:
         raise UserError(f"uptrain_fractions={cfg.uptrain_fractions} give {same} of max_iters={base.max_iters} "
                         f"iterations twice: the same uptraining twice; give fractions 1/{base.max_iters} apart or more")
-    for _, sbase in sweep.sizes(cfg.sizes, base):
-        for name in names:  # each variant must be a valid model at each size before anything trains
-            try:
-                model = variant(sbase, name)
-            except ValueError as e:
-                raise UserError(f"{key}={getattr(cfg, key)} at {sbase.n_layer}x{sbase.n_embd}: {e}") from e
-            if cfg.convert and model.kv_lora_rank is not None:  # and each MLA conversion possible
-                try:
-                    check_latent_target(model)
-                except UserError as e:
-                    raise UserError(f"convert=True to {name} at {sbase.n_layer}x{sbase.n_embd}: {e}") from e
+    check_variants(cfg, base, names, key)
     return cfg, base
+
+
+def check_runs(cfg: CompareConfig, base: TrainConfig, runs: list[sweep.Run]) -> None:
+    """Before any work: each run's train.py config as train.py reads it (its model's own checks
+    too), what the dataset takes (its examples' length, the vocabulary, final_evals) and the
+    budgets of the runs trained already (check_budgets); a UserError naming the run and the key."""
+    data = data_dir(base.dataset)
+    meta = None
+    if (data / "meta.json").is_file():  # a plan needs no data
+        batches = Batches(data, base.block_size, base.batch_size, base.seed, "cpu")  # as runs do
+        meta = batches.meta
+    planned = {}
+    for run in runs:
+        try:
+            planned[run.dir] = parse_config(TrainConfig, [*run.args, f"--out_dir={run.dir}"])
+            if meta is not None:
+                check_vocabulary(run.model.vocab_size, meta, None, base.dataset)
+        except UserError as e:
+            raise UserError(f"{run.dir.name}: {e}") from e
+        final_evals = planned[run.dir].final_evals
+        try:
+            if meta is not None:
+                recall.check_dataset(final_evals, meta, planned[run.dir].block_size, str(data))
+        except UserError as e:
+            raise UserError(f"{run.dir.name}: final_evals={final_evals}: {e}") from e
+    check_budgets(cfg, runs, planned, meta, base.dataset)
+
+
+def check_budgets(cfg: CompareConfig, runs: list[sweep.Run], planned: dict[Path, TrainConfig],
+                  meta: dict | None, dataset: str) -> None:
+    """Refuse to resume a run trained at another budget (SCHEDULE_KEYS) unless --extend=True asks
+    for it: it would change its learning-rate schedule midway (the rate rises again) and the
+    report set it beside runs of another budget. With extend, refuse what extending cannot do:
+    shorten a run, or keep the conversions made of a model it trains on."""
+    changed = {}  # a run's folder -> its checkpoint's schedule keys that differ from the plan's
+    trained_to = {}  # ... -> its checkpoint's iteration
+    for run in runs:
+        stored = sweep.trained(run)
+        if stored is None:
+            continue
+        try:  # the dataset prepared again, with other tokens, since the run trained
+            if meta is not None:
+                check_vocabulary(run.model.vocab_size, meta, stored["data_meta"], dataset)
+        except UserError as e:
+            raise UserError(f"{run.dir.name}: {e}") from e
+        now = planned[run.dir]
+        was = {k: v for k, v in stored["config"].items()
+               if k in SCHEDULE_KEYS and v != getattr(now, k)}
+        if was:
+            changed[run.dir] = was
+            trained_to[run.dir] = stored["iter_num"]
+    if not changed:
+        return
+    first = next(iter(changed))
+    was = ", ".join(f"{k}={v}" for k, v in changed[first].items())
+    now = ", ".join(f"{k}={getattr(planned[first], k)}" for k in changed[first])
+    who = f"{first.name} has a checkpoint"
+    if len(changed) > 1:
+        who = f"{first.name} and {len(changed) - 1} other runs have checkpoints"
+    if not cfg.extend:
+        raise UserError(f"{who} of another budget ({first.name}: {was}; this sweep: {now}): "
+                        f"resumed, a run would change its learning-rate schedule midway, and the "
+                        f"report would set it beside runs of another budget; use another out_dir, "
+                        f"or --extend=True to train such runs on to this budget")
+    for folder, iters in trained_to.items():
+        if iters > planned[folder].max_iters:
+            raise UserError(f"extend=True trains runs on, and {folder.name} is at iteration "
+                            f"{iters}, past max_iters={planned[folder].max_iters}: use another "
+                            f"out_dir for a shorter budget")
+    stale = []  # the conversions of a model that extend would train on
+    for run in runs:
+        source = parse_source(planned[run.dir].init_from)
+        converted = source.kind == "convert" and Path(source.where) in changed
+        if converted and (run.dir / "log.jsonl").exists():
+            stale.append(run.dir.name)
+    if stale:
+        raise UserError(f"extend=True trains on the models that {', '.join(stale)} converted at "
+                        f"their old budget: delete those folders, and the sweep converts the "
+                        f"models trained on")
 
 
 def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
@@ -149,6 +304,7 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
     if vocab is None and cfg.mode != "plan":
         load_meta(data_dir(base.dataset))  # a sweep stops here: the missing dataset's one-line error
     runs = sweep.plan(cfg, base, vocab or 50304, root)  # a plan needs no data: GPT-2's padded vocabulary stands in
+    check_runs(cfg, base, runs)  # before any work: a run that cannot train, or would mix budgets
     if "mha" not in sweep.variant_names(cfg, base.n_head):
         key, add = ("variants", "mha") if cfg.variants else ("kv_heads", base.n_head)
         print(f"no MHA in {key}={getattr(cfg, key)} (n_head={base.n_head}): the report compares these variants but "
@@ -162,6 +318,8 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
                 show_plan(runs, times, base, place.device)
                 return
             with folder_lock(root, "compare.py"):  # one sweep in a folder at a time (each run locks its own too)
+                remove_stale_temps(root, COMPARISON_TEMPS)  # what a killed compare.py left half-written
+                mark_comparison(root)
                 sweep.launch_all(runs, times, base.eval_iters, stop)
                 stop.where = "while measuring the decode speeds"
                 measure_speeds(cfg, runs, root, place.device)
@@ -169,6 +327,14 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
             print(f"{e}: {sum(map(sweep.finished, runs))} of {len(runs)} runs finished; run the same command again "
                   f"to resume (a run cut short goes on from its checkpoint)", file=sys.stderr, flush=True)
             sys.exit(128 + e.signum)
+
+
+def mark_comparison(root: Path) -> None:
+    """Write root/compare.json once, when the sweep makes the folder: what marks it as a comparison (atomic.py)."""
+    marker = root / COMPARISON_FILES[0]
+    if not marker.exists():
+        with atomic_open(marker, "w") as f:
+            json.dump({"kind": "a comparison", "command": sys.argv}, f, indent=1)
 
 
 def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | None:
@@ -186,6 +352,8 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
         costs(cfg, base)
         return
     root = Path(base.out_dir)
+    if cfg.mode != "plan":  # e.g. not into a dataset, a run or an export
+        check_writes_into(root, "a comparison", COMPARISON_FILES)
     if cfg.mode in ("train", "all", "plan"):
         train(cfg, base, root)
     if cfg.mode in ("report", "all"):

@@ -198,9 +198,12 @@ class SampleConfig:
             raise ValueError("; ".join(problems))
 
 
-# a variant's name: its kind and size (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>), then its local layers' pattern
-# and window, if any (mha-sssl64: window_pattern='SSSL', window=64; sweep.variant_config)
-VARIANT = re.compile(r"(mha|mqa|gqa[1-9][0-9]*|mla[1-9][0-9]*)(-[sl]+[1-9][0-9]*)?")
+# a variant's name, all lower case: its kind and size (mha, gqa<n_kv_head>, mqa,
+# mla<kv_lora_rank>), then its local layers' pattern and window, if any (mha-sssl64:
+# window_pattern='SSSL', window=64). The names' one grammar: sweep.variant_config reads its groups
+VARIANT = re.compile(r"(?P<kind>mha|mqa|gqa(?P<n_kv_head>[1-9][0-9]*)"
+                     r"|mla(?P<kv_lora_rank>[1-9][0-9]*))"
+                     r"(?:-(?P<pattern>[sl]+)(?P<window>[1-9][0-9]*))?")
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
 
 
@@ -218,6 +221,9 @@ class CompareConfig:
     convert_methods: list[str] = field(default_factory=lambda: ["mean"])  # K/V heads: mean, first or random
     uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])  # of the base run's max_iters (0: none)
     uptrain_lr_scale: float = 1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
+    # True: train the runs trained at another budget (max_iters, warmup_iters, lr_decay_iters,
+    # decay_lr) on to this one, from their checkpoints; False: refuse to, before any training
+    extend: bool = False
     kv_seq_len: int = 8192  # the KV-cache column for a sequence length and batch of your choice
     kv_batch: int = 8
     kv_dtype: str = "bfloat16"
@@ -243,9 +249,7 @@ class CompareConfig:
             problems.append(f"kv_heads={self.kv_heads} must be positive")
         if self.kv_heads and self.variants:
             problems.append(f"kv_heads={self.kv_heads} and variants={self.variants}: give one of them")
-        if bad := [v for v in self.variants if not VARIANT.fullmatch(v)]:
-            problems.append(f"variants: {', '.join(bad)} is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>, "
-                            "each with -<window_pattern><window> for local layers or without (e.g. mha-sssl64)")
+        problems += variant_problems(self.variants)
         if not self.match or any(m not in ("width", "params") for m in self.match):
             problems.append(f"match={self.match} must be width, params or [width,params]")
         if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):
@@ -274,6 +278,23 @@ class CompareConfig:
                 problems.append(f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "
                                 f"a repeat would train the same runs again; list it once")
         return problems
+
+
+def variant_problems(names: list[str]) -> list[str]:
+    """What is wrong with names of --variants (VARIANT): a name in upper case, a name of nothing."""
+    problems = []
+    bad = [name for name in names if not VARIANT.fullmatch(name)]
+    cased = [name for name in bad if VARIANT.fullmatch(name.lower())]
+    if cased:
+        lower = ", ".join(name.lower() for name in cased)
+        problems.append(f"variants: {', '.join(cased)}: variant names are lower case: {lower} "
+                        f"(train.py's --window_pattern=SL is -sl<window> here)")
+    unknown = [name for name in bad if name not in cased]
+    if unknown:
+        problems.append(f"variants: {', '.join(unknown)} is not mha, gqa<n_kv_head>, mqa or "
+                        f"mla<kv_lora_rank>, each with -<window_pattern><window> for local layers "
+                        f"or without (e.g. mha-sssl64)")
+    return problems
 
 
 def repeated(items: list) -> object | None:

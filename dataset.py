@@ -15,6 +15,7 @@ from errors import UserError
 # isort: split
 import json
 import os
+import re
 import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from atomic import atomic_open, check_writes_into
+from atomic import atomic_open, check_writes_into, folder_lock, remove_stale_temps
 from tokenizer import BPE_FILE, CharTokenizer, gpt2_encoding, train_bpe
 
 DATA_ROOT = Path(__file__).resolve().parent / "data"
@@ -47,13 +48,15 @@ def writing_dataset(out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.b
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder: choose another --out_dir")
     check_writes_into(out_dir, "a dataset", (*names, "meta.json"))  # e.g. not into a run or an export
-    out_dir.mkdir(parents=True, exist_ok=True)
     meta: dict = {}
-    with ExitStack() as stack:  # the temp files are renamed when it closes, after meta.json is gone
+    with folder_lock(out_dir, "a dataset's preparation"), ExitStack() as stack:  # one writer at a time
+        remove_stale_temps(out_dir, "|".join(map(re.escape, (*names, "meta.json"))))  # a killed one's
+        # the temp files are renamed when the stack closes, after meta.json is gone
         yield {name: stack.enter_context(atomic_open(out_dir / name)) for name in names}, meta
         (out_dir / "meta.json").unlink(missing_ok=True)
-    with atomic_open(out_dir / "meta.json", "w") as f:
-        json.dump(meta, f, indent=1)
+        stack.close()
+        with atomic_open(out_dir / "meta.json", "w") as f:
+            json.dump(meta, f, indent=1)
 
 
 def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:

@@ -1,8 +1,13 @@
-"""Measure what attention recalls: `python eval.py --out_dir=out-pycode-char` (or --init_from=hf:<folder>).
+"""Measure what attention recalls: `python eval.py --out_dir=out-pycode-char` (or
+--init_from=hf:<folder>).
 
-Tasks (recall.py): induction (a random segment copied at several distances: loss and top-1 accuracy on the copy),
-position (the val loss at each context position), mqar (exact-match recall on an MQAR dataset, data/mqar). Seeded:
-the same model gives the same numbers. One JSON line per measure at the end, as bench.py prints.
+Tasks (recall.py): induction (a random segment copied at several distances: loss and top-1
+accuracy on the copy), position (the val loss at each context position), mqar (exact-match recall
+on an MQAR dataset, data/mqar). Seeded: the same model gives the same numbers. A key left out is
+the run's, as its train.py --final_evals used it (tasks, batch_size, eval_iters, seed, dtype, the
+induction segment), so `python eval.py --out_dir=RUN` prints the numbers in the run's log.jsonl
+(on the device it trained on). --dataset must be in the model's own tokens. One JSON line per
+measure at the end, as bench.py prints.
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
@@ -10,70 +15,112 @@ from configurator import run_cli
 from errors import UserError
 
 # isort: split
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
+import checkpoint
 import recall
 import runtime
-from checkpoint import load_run, parse_source
-from dataset import Batches, data_dir
+from checkpoint import Run, Source, load_run, parse_source
+from dataset import Batches, data_dir, load_meta
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
 class EvalConfig:
     init_from: str = "resume"  # 'resume' (out_dir/ckpt.pt), 'gpt2' ... 'gpt2-xl', or 'hf:<folder>'
     out_dir: str = "out"
-    tasks: list[str] = field(default_factory=lambda: ["induction", "position"])  # of induction, position, mqar
+    # None below: the run's own value (what its --final_evals used), else the one after it
+    tasks: list[str] | None = None  # of induction, position, mqar: its final_evals, else the 1st 2
     dataset: str = ""  # position and mqar read its val split; empty: the run's own dataset
-    distances: list[int] = field(default_factory=list)  # induction's; empty: doubling up to block_size
-    induction_length: int = 16  # tokens in the copied segment
-    examples: int = 256  # induction sequences per distance
-    eval_iters: int = 50  # position and mqar: val batches of batch_size, the ones train.py evaluates on
-    batch_size: int = 32
-    seed: int = 0
+    distances: list[int] = field(default_factory=list)  # induction's; empty: doubling to block_size
+    induction_length: int | None = None  # the copied segment's tokens; 16, or block_size // 4
+    examples: int = 256  # induction sequences per distance, as train.py's --final_evals
+    eval_iters: int | None = None  # position, mqar: val batches of batch_size, train.py's; else 50
+    batch_size: int | None = None  # else 32
+    seed: int | None = None  # induction's sequences (the val batches are the run's seed's); else 0
     device: str = "auto"
-    dtype: str = "float32"  # float32, bfloat16, or auto (as train.py decides)
+    dtype: str | None = None  # float32, bfloat16, float16 or auto (train.py's choice); else float32
     progress: bool = True  # progress bars on stderr
 
     def __post_init__(self) -> None:
         problems = []
         for key in ("induction_length", "examples", "eval_iters", "batch_size"):
-            if getattr(self, key) < 1:
-                problems.append(f"{key}={getattr(self, key)} must be positive")
-        if not self.tasks:
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                problems.append(f"{key}={value} must be positive")
+        if self.tasks == []:
             problems.append("tasks=[] names no task: give some of " + ", ".join(recall.TASKS))
-        problems += recall.task_problems("tasks", self.tasks)
-        if self.seed < 0:
+        problems += recall.task_problems("tasks", self.tasks or [])
+        if self.seed is not None and self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            problems.append(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if problems:
             raise ValueError("; ".join(problems))
+
+
+def with_run_defaults(cfg: EvalConfig, run_config: dict) -> EvalConfig:
+    """cfg with each key left out (None) as the run's config has it ({} for pretrained weights: the
+    fallbacks), which is what train.py's --final_evals evaluated with."""
+    values = {}
+    fallbacks = {"batch_size": 32, "eval_iters": 50, "seed": 0, "dtype": "float32"}
+    for key, fallback in fallbacks.items():
+        given = getattr(cfg, key)
+        values[key] = given if given is not None else run_config.get(key, fallback)
+    if cfg.tasks is None:
+        values["tasks"] = run_config.get("final_evals") or ["induction", "position"]
+    return dataclasses.replace(cfg, **values)
+
+
+def check_tokens(run: Run, source: Source, meta: dict, dataset: str, name: str) -> None:
+    """The dataset must be in the model's own tokens, as train.py checks where it resumes or
+    fine-tunes: another tokenizer's ids are other tokens to the model, or lie past its embedding."""
+    try:
+        checkpoint.check_pretrained_tokenizer(source, meta, dataset)
+        checkpoint.check_vocabulary(run.model.config.vocab_size, meta, run.meta, dataset)
+    except UserError as e:
+        reason = str(e).rsplit(": ", 1)[0]  # what is wrong, without its advice for training
+        own = run.config.get("dataset")
+        hint = f", e.g. its own {own} (leave --dataset out)" if own else ""
+        raise UserError(f"dataset {dataset} is not in the tokens of {name} ({reason}): evaluate "
+                        f"it on a dataset made with its tokenizer{hint}") from e
 
 
 def main(cfg: EvalConfig) -> None:
     source = parse_source(cfg.init_from)
     if source.kind not in ("resume", "gpt2", "hf"):
-        raise UserError(f"init_from={cfg.init_from!r}: eval.py reads a run (resume) or pretrained weights (gpt2*, "
-                        f"hf:<folder>)")
+        raise UserError(f"init_from={cfg.init_from!r}: eval.py reads a run (resume) or pretrained "
+                        f"weights (gpt2*, hf:<folder>)")
     run = load_run(source, cfg.out_dir, "cpu")
-    model, tok = run.model, run.tokenizer
-    place = runtime.place(cfg.device, cfg.dtype, model.config.n_embd)
-    model = model.to(place.device)
+    cfg = with_run_defaults(cfg, run.config)
+    model = run.model
+    block_size = model.config.block_size
+    name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)
     dataset = cfg.dataset or run.config.get("dataset", "")
     reads_data = [t for t in cfg.tasks if t in ("position", "mqar")]
     if reads_data and not dataset:
-        raise UserError(f"tasks {', '.join(reads_data)} read a dataset's val split and {cfg.init_from} names none: "
-                        f"give --dataset=...")
+        raise UserError(f"tasks {', '.join(reads_data)} read a dataset's val split and "
+                        f"{cfg.init_from} names none: give --dataset=...")
+    data = data_dir(dataset) if reads_data else None
+    if data is not None:  # before any work: the model's own tokens, and a dataset the tasks fit
+        meta = load_meta(data)
+        check_tokens(run, source, meta, dataset, name)
+        recall.check_dataset(reads_data, meta, block_size, str(data))
 
+    place = runtime.place(cfg.device, cfg.dtype, model.config.n_embd, training=False)
+    model = model.to(place.device)
     batches = None
-    if reads_data:
+    if data is not None:
         seed = run.config.get("seed", 1337)  # the run's: its evaluation batches
-        batches = Batches(data_dir(dataset), model.config.block_size, cfg.batch_size, seed, place.device)
-    vocab = min(tok.n_vocab, model.config.vocab_size)  # GPT-2's embedding rows past its 50257 tokens are padding
-    results = recall.run_tasks(cfg.tasks, model, batches, cfg.eval_iters, vocab, cfg.distances or None,
-                               cfg.induction_length, cfg.examples, cfg.batch_size, cfg.seed, place.autocast(),
-                               cfg.progress)
+        batches = Batches(data, block_size, cfg.batch_size, seed, place.device)
+    # GPT-2's embedding rows past its 50257 tokens are padding
+    vocab = min(run.tokenizer.n_vocab, model.config.vocab_size)
+    results = recall.run_tasks(cfg.tasks, model, batches, cfg.eval_iters, vocab,
+                               cfg.distances or None, cfg.induction_length, cfg.examples,
+                               cfg.batch_size, cfg.seed, place.autocast(), cfg.progress)
     for row in measures(results):
         print(json.dumps(row))
 

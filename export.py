@@ -22,8 +22,8 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -31,13 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import hf
-from atomic import KIND_MARKERS, check_replaceable
+from atomic import KIND_MARKERS, cannot_write, check_replaceable, remove_stale_temps, temp_path
 from checkpoint import Source, load_run, run_config
 from gguf import GGUF_TYPES, check_gguf_vocabulary, to_gguf
 from model import GPT, GPTConfig
 from runlog import read_run
 
 MARKER = KIND_MARKERS["an export"][0]  # smallgpt.json: what folder_kind recognises an export by
+# What an export written before smallgpt.json listed its files may hold: transformers' and ours
+OLD_EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+                              r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json"
+                              r"|chat_template\.jinja|vocab\.json|merges\.txt|README\.md")
 
 
 @dataclass(slots=True)
@@ -123,6 +127,9 @@ def export(cfg: ExportConfig) -> None:
         run = {"dir": str(out)}
     gguf = Path(cfg.gguf) if cfg.gguf else None
     with export_lock([p.parent for p in (dest, gguf) if p]):
+        for written in (dest, gguf):  # what an export killed there left (none is writing: the lock)
+            if written:
+                remove_stale_temps(written.parent, re.escape(written.name))
         replace = check_destinations(cfg, dest)
         if dest:
             write_folder(dest, replace, model, hf_model, tok, run, ckpt)
@@ -138,9 +145,9 @@ def check_destinations(cfg: ExportConfig, dest: Path | None) -> bool:
     other files, the working directory or the run itself, an export with folders put in it, or a GGUF file's place
     holding another file) is refused."""
     replace = dest is not None and check_replaceable(dest, "an export", keep=(cfg.out_dir,))
-    if replace and (folders := sorted(p.name for p in dest.iterdir() if p.is_dir())):  # an export writes none
-        raise UserError(f"{dest} holds an earlier export and folders no export writes ({', '.join(folders)}): move "
-                        f"them out or choose another --to (nothing was deleted)")
+    if replace and (others := sorted(p.name for p in dest.iterdir() if p.name not in export_files(dest))):
+        raise UserError(f"{dest} holds an earlier export and {', '.join(others)}, which no export wrote: move "
+                        f"{'them' if len(others) > 1 else 'it'} out or choose another --to (nothing was deleted)")
     if replace and not cfg.overwrite:
         raise UserError(f"{dest} holds an earlier export: choose another --to, or --overwrite=True to replace it")
     gguf = Path(cfg.gguf)
@@ -152,6 +159,19 @@ def check_destinations(cfg: ExportConfig, dest: Path | None) -> bool:
     return replace
 
 
+def export_files(folder: Path) -> set[str]:
+    """The names of the files the export in folder wrote: the list in its smallgpt.json (an older export's,
+    without one: the names an export can write)."""
+    try:
+        files = json.loads((folder / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if not isinstance(files, list):
+        names = [p.name for p in folder.iterdir() if OLD_EXPORT_FILES.fullmatch(p.name)]
+        return set(names) | {MARKER}
+    return {name for name in files if isinstance(name, str)} | {MARKER}
+
+
 def is_gguf(file: Path) -> bool:
     """Whether file starts as every GGUF file does (its magic, b'GGUF')."""
     with open(file, "rb") as f:
@@ -159,17 +179,38 @@ def is_gguf(file: Path) -> bool:
 
 
 def write_folder(dest: Path, replace: bool, model: GPT, hf_model: Any, tok: Any, run: dict, ckpt: dict) -> None:
-    """The transformers folder, its model card and its marker (smallgpt.json), written beside dest and renamed
-    over it: dest is replaced only once the new folder is whole."""
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}-") as tmp:
-        folder = Path(tmp) / "hf"
+    """The transformers folder, its model card and its marker (smallgpt.json, which lists the files written), made
+    beside dest and renamed over it: dest is replaced only once the new folder is whole. Of the earlier export
+    only the files it listed are deleted (check_destinations refused a folder holding any other)."""
+    folder = temp_path(dest)
+    old = temp_path(dest) if replace else None  # where the earlier export waits for the new one's rename
+    try:
+        folder.mkdir()
         hf.save(hf_model, tok, folder)
         (folder / "README.md").write_text(model_card(model, hf_model, run, ckpt))
+        files = sorted([p.name for p in folder.iterdir()] + [MARKER])
         with open(folder / MARKER, "w") as f:  # where it came from; marks the folder as an export (atomic.py)
-            json.dump({"model_config": ckpt["model_config"], "iter_num": ckpt.get("iter_num")}, f, indent=1)
-        if replace:
-            shutil.rmtree(dest)
+            source = {"model_config": ckpt["model_config"], "iter_num": ckpt.get("iter_num"), "files": files}
+            json.dump(source, f, indent=1)
+        if old is not None:
+            os.replace(dest, old)
         os.replace(folder, dest)
+    except OSError as e:
+        if old is not None and old.exists() and not dest.exists():
+            os.replace(old, dest)  # the earlier export back in its place
+        raise cannot_write(dest, e) from e
+    finally:
+        if folder.exists():  # the new folder, had it failed half-way: only what was written here
+            shutil.rmtree(folder)
+    if old is not None:
+        remove_export(old)
+
+
+def remove_export(folder: Path) -> None:
+    """Delete an earlier export: the files it wrote, then the folder, which is then empty."""
+    for name in export_files(folder):
+        (folder / name).unlink(missing_ok=True)
+    folder.rmdir()
 
 
 @contextmanager

@@ -5,6 +5,7 @@ line. And with_fields_of, a dataclass that takes another's fields (TrainConfig t
 import dataclasses
 import difflib
 import math
+import os
 import re
 import types
 import typing
@@ -19,6 +20,8 @@ T = TypeVar("T")
 def coerce(key: str, value: Any, hint: Any, source: str, raw: str | None,
             expected: str = "") -> Any:
     """value converted to the type hint, or a UserError naming key, value, type and source."""
+    if hint in (int, float) and isinstance(value, str) and not _finite(value):  # nan, inf, -infinity
+        raise OutOfRange(f"{key}={value} (from {source}) must be a finite number")
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -66,15 +69,18 @@ def coerce(key: str, value: Any, hint: Any, source: str, raw: str | None,
             return _in_range(key, float(value), source)
     elif hint is str:
         if raw is not None:  # from the command line: the text as typed, unless a quoted literal
-            return value if isinstance(value, str) else raw
+            value = value if isinstance(value, str) else raw
         if isinstance(value, str):
-            return value
+            return os.path.expanduser(value) if key in PATH_KEYS else value
     name = expected or _name(hint)
     given = raw if raw is not None else repr(value)
     raise UserError(f"{key}={given} (from {source}) has the wrong type: "
                     f"expected {name}, got {type(value).__name__}")
 
 
+# The keys that name a file or folder: a leading ~ is the home folder, as a shell reads ~ at a word's start
+# (a shell leaves --out_dir=~/x as it is)
+PATH_KEYS = ("out_dir", "dataset", "input", "to", "gguf", "llama_cpp", "nanogpt_dir")
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32
 FLOAT32_ZERO = 2.0**-150  # what rounds to float32's zero
@@ -103,6 +109,14 @@ def _in_range(key: str, value: int | float, source: str) -> int | float:
                          f"the precision it is used in (it would become {becomes}): "
                          "give a size between 1.5e-45 and 3.4e38, or 0")
     return value
+
+
+def _finite(text: str) -> bool:
+    """False for text that Python reads as a float that is not finite (nan, inf, -Infinity), else True."""
+    try:
+        return math.isfinite(float(text))
+    except ValueError:  # not a number at all: a wrong type, said as such
+        return True
 
 
 def _name(hint: Any) -> str:

@@ -3,12 +3,13 @@ writes (byte-level BPE vocabularies only: llama.cpp has no char-level one).
 """
 
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from atomic import cannot_write, temp_path
 from errors import UserError
 from hf import save, to_hf, update_json
 from model import GPT
@@ -53,11 +54,19 @@ def check_gguf_vocabulary(tok: Any) -> None:
 def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
     """model and tok as the GGUF file named name (default: the file's stem), written whole or not at all."""
     check_gguf_vocabulary(tok)
-    with tempfile.TemporaryDirectory(dir=file.parent, prefix=f".{file.name}-") as tmp:
-        folder, part = Path(tmp) / "hf", Path(tmp) / file.name
+    tmp = temp_path(file)  # removed when stale by the next export there (export.py), under its lock
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise cannot_write(file, e) from e
+    try:
+        folder = tmp / "hf"
+        part = tmp / file.name
         llama_cpp_folder(model, tok, folder)
         convert_folder(folder, part, llama_cpp, outtype, name or file.stem)
         os.replace(part, file)
+    finally:
+        shutil.rmtree(tmp)  # the folder made above, with what was written into it
 
 
 def llama_cpp_folder(model: GPT, tok: Any, folder: Path) -> None:

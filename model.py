@@ -64,9 +64,15 @@ class GPTConfig:
             if type(value) is not int or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
         problems += attention.latent_problems(self.kv_lora_rank, self.qk_rope_head_dim,
-                                              self.q_lora_rank, self.pos_encoding, self.n_kv_head,
-                                              self.n_head)
-        problems += attention.window_problems(self.window, self.window_pattern)
+                                              self.q_lora_rank, self.latent_norm,
+                                              self.pos_encoding, self.n_kv_head, self.n_head,
+                                              self.n_embd)
+        problems += attention.window_problems(self.window, self.window_pattern, self.block_size)
+        if not problems and self.window is not None and not any(self.layer_windows):
+            problems.append(f"window_pattern={self.window_pattern!r} on n_layer={self.n_layer} "
+                            f"makes no layer local (the last layer is always global), so "
+                            f"window={self.window} would change nothing: give a pattern with "
+                            f"S among the first {self.n_layer - 1} layers, or leave window out")
         if not problems:  # the sizes are integers, so their ratios can be checked
             if self.n_embd % self.n_head:
                 problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -89,8 +95,20 @@ class GPTConfig:
                 problems.append(f"{key}={getattr(self, key)!r} must be one of {', '.join(choices)}")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
             problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
+        problems += self.unused_keys()
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    def unused_keys(self) -> list[str]:
+        """Keys set away from their defaults where this model has no use for them."""
+        unused = []
+        if self.pos_encoding == "learned" and self.rope_theta != 10000.0:
+            unused.append(f"rope_theta={self.rope_theta} applies to rotary positions: "
+                          "set pos_encoding='rope', or leave rope_theta out")
+        if self.mlp == "swiglu" and self.gelu != "exact":
+            unused.append(f"gelu={self.gelu!r} applies to mlp='gelu' (SwiGLU gates with SiLU): "
+                          "leave gelu out")
+        return unused
 
     @property
     def head_dim(self) -> int:

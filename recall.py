@@ -23,6 +23,35 @@ def task_problems(key: str, tasks: list[str]) -> list[str]:
 
 
 @torch.no_grad()
+def check_dataset(tasks: list[str], meta: dict, block_size: int, where: str) -> None:
+    """A UserError, before any training, for a task that a model of block_size on the dataset of meta (at where)
+    cannot run: mqar on a dataset that is not MQAR, induction with too few tokens or too short a context."""
+    if "mqar" in tasks:
+        check_mqar(meta, where)
+    if "induction" in tasks:
+        length = default_length(block_size)
+        if length < 2:
+            raise UserError(f"the induction task copies a quarter of the context, at least 2 tokens, so it needs "
+                            f"block_size >= 8, not {block_size}: leave induction out of the tasks")
+        if meta["vocab_size"] < 2 * length:  # said here of the run's keys, not of eval.py's induction_length
+            raise UserError(f"the induction task copies a segment of {length} tokens (a quarter of block_size, at "
+                            f"most 16), which needs {2 * length} distinct tokens (the segment's and as many for "
+                            f"the filler), but the vocabulary has {meta['vocab_size']}: leave induction out of "
+                            f"the tasks, or lower block_size")
+
+
+def check_mqar(meta: dict, where: str) -> None:
+    """A UserError unless meta is an MQAR dataset's (its examples have a fixed length)."""
+    if not meta.get("example_tokens"):
+        raise UserError(f"the mqar task reads an MQAR dataset (python data/mqar/prepare.py), and {where} "
+                        f"is not one: give --dataset=<an MQAR dataset>, or leave mqar out of the tasks")
+
+
+def default_length(block_size: int) -> int:
+    """Induction's segment when none is given: 16 tokens, or a quarter of the context."""
+    return min(16, block_size // 4)
+
+
 def token_losses(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor,
                  amp: AbstractContextManager | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's loss and whether the model's top token is the target, both (B, T) and on CPU, for inputs
@@ -118,9 +147,7 @@ def mqar(model: torch.nn.Module, batches: Batches, eval_iters: int, amp: Abstrac
          progress: bool = False) -> dict:
     """Exact-match accuracy on the answers of an MQAR dataset's val examples (its eval_iters evaluation batches):
     the top token at each answer position is the value of the key just queried."""
-    if not batches.meta.get("example_tokens"):
-        raise UserError(f"the mqar task reads an MQAR dataset (python data/mqar/prepare.py), and {batches.path} "
-                        f"is not one: give --dataset=<an MQAR dataset>, or leave mqar out of the tasks")
+    check_mqar(batches.meta, str(batches.path))
     correct = n = 0
     for k in tqdm(range(eval_iters), desc="mqar", disable=not progress):
         idx, targets = batches.eval("val", k)
@@ -152,7 +179,7 @@ def run_tasks(tasks: list[str], model: torch.nn.Module, batches: Batches | None,
     out = {}
     try:
         if "induction" in tasks:
-            length = length or min(16, model.config.block_size // 4)
+            length = length or default_length(model.config.block_size)
             if distances is None:
                 distances = default_distances(model.config.block_size, length)
             vocab = vocab or batches.meta["vocab_size"]

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from plots import conversion_target, plot
 from runlog import read_run, start_wandb, unfinished
 
 SPEED_FILE = "speed.json"
+OTHER_BUDGET = "†"  # marks a row with a run trained for other iterations than its comparison's
 MATCHES = {"width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters)",
            "params": "params (<variant>-params: the MLP widened to MHA's parameter count, within 1%)"}
 
@@ -76,6 +77,7 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
                   file=sys.stderr)
         by_seed[(r["size"], r["variant"])][r["seed"]] = r
     groups = {k: list(g.values()) for k, g in by_seed.items()}
+    odd = other_budgets(groups)
     finals = {k: {seed: r["final"] for seed, r in g.items()} for k, g in by_seed.items()}
     speed_of = {k: speeds.get(speed_key(g[0]["model"], cfg.decode_context, cfg.decode_batch), [])
                 for k, g in groups.items()}
@@ -97,7 +99,9 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
                "attention_params": model.attention_params_per_layer() * m.n_layer,
                f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}": m.kv_cache_bytes(1, cfg.decode_context, kv_dtype),
                f"kv_bytes@{cfg.kv_seq_len}x{cfg.kv_batch}": m.kv_cache_bytes(cfg.kv_batch, cfg.kv_seq_len, kv_dtype),
-               "iters": first["iters"], "tokens": first["tokens"], "seeds": est.n, "val_loss": est.mean,
+               "iters": first["iters"], "iters_by_seed": " ".join(str(r["iters"]) for r in group),
+               "other_iters": other_iters(group, odd), "tokens": first["tokens"], "seeds": est.n,
+               "val_loss": est.mean,
                "val_loss_ci95": est.half_width, "val_loss_by_seed": " ".join(f"{r['final']:.4f}" for r in group),
                "diff_vs_mha": diff and diff.mean, "diff_vs_mha_ci95": diff and diff.half_width,
                "diff_pairs": diff and diff.n}
@@ -122,6 +126,30 @@ def summary_rows(runs: list[dict], speeds: dict[str, list[float]], cfg: CompareC
     return sorted(out, key=lambda r: (smallest[r["size"]], r["size"], r["method"] is not None,  # MHA first, by KV:
                                       -r[f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}"],
                                       r["match"] == "params", methods.get(r["method"], -1), r["uptrain_fraction"] or 0))
+
+
+def other_budgets(groups: dict[tuple, list[dict]]) -> set[str]:
+    """The folders of the runs trained for other iterations than the rest of their comparison (a
+    size's runs from scratch, or its conversions uptrained for one fraction): those off the most
+    common count, or all of a comparison where no count is the most common."""
+    comparisons = defaultdict(list)
+    for (size, _), group in groups.items():
+        for r in group:
+            comparisons[(size, r["fraction"])].append(r)
+    odd = set()
+    for members in comparisons.values():
+        counts = Counter(r["iters"] for r in members).most_common()  # [(iters, runs), ...]
+        if len(counts) == 1:
+            continue
+        tied = counts[0][1] == counts[1][1]
+        odd |= {r["dir"] for r in members if tied or r["iters"] != counts[0][0]}
+    return odd
+
+
+def other_iters(group: list[dict], odd: set[str]) -> str | None:
+    """'gqa2-s1338 60': the runs of a row among odd (other_budgets), with their iterations."""
+    named = [f"{Path(r['dir']).name} {r['iters']}" for r in group if r["dir"] in odd]
+    return "; ".join(named) or None
 
 
 def recall_columns(group: list[dict], mha: list[dict] | None) -> dict:
@@ -177,7 +205,7 @@ def markdown(rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str])
         mine = [r for r in rows if r["size"] == size]
         scratch, conv = [r for r in mine if not r["method"]], [r for r in mine if r["method"]]
         parts += ["", f"## {size} (n_layer x n_embd)", "", *variants_table(scratch, cfg), "",
-                  *verdicts(scratch, conv, kv)]
+                  *other_budgets_note(mine), *verdicts(scratch, conv, kv)]
         if conv:
             parts += ["", *conversion_tables(scratch, conv)]
     parts += ["", "![val loss by iteration; the gap to MHA; conversions; loss by position; recall](report.png)"]
@@ -189,7 +217,7 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     long, kv = f"{cfg.decode_context}x{cfg.decode_batch}", f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}"
     distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
     shown = [{"variant": r["variant"], "params": r["params"], "kv": r[kv],
-              "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok",
+              "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok{budget_mark(r)}",
               "loss": f"{interval_text(r, 'val_loss')} (n={r['seeds']})",
               "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True), "speed": speed_text(r),
               **recall_cells(r, min(distances, default=None))} for r in scratch]
@@ -205,6 +233,24 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     return [table(shown, columns), "", "induction acc @distance (the longest every seed measured) and MQAR acc: top-1 "
             "accuracy pooled over seeds (correct answers over answers) with its 95% Wilson interval; then vs MHA: the "
             "seed-paired difference of the per-seed accuracies ± its 95% Student t interval; positive is better."]
+
+
+def budget_mark(row: dict) -> str:
+    """' †' for a cell of a row with a run trained for other iterations than the rest, or ''."""
+    if row["other_iters"]:
+        return f" {OTHER_BUDGET}"
+    return ""
+
+
+def other_budgets_note(rows: list[dict]) -> list[str]:
+    """A line (then an empty one) naming the runs of rows trained for other iterations than the
+    rest of their comparison; none if there is none."""
+    odd = [r["other_iters"] for r in rows if r["other_iters"]]
+    if not odd:
+        return []
+    return [f"{OTHER_BUDGET} Trained for other iterations than the rest of their comparison, so "
+            f"not comparable with them: {'; '.join(odd)} iterations. Train every run to one "
+            f"budget (compare.py --extend=True trains runs on to the sweep's max_iters).", ""]
 
 
 def recall_cells(row: dict, distance: int | None) -> dict[str, str]:
@@ -255,7 +301,10 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
     fractions = sorted({r["uptrain_fraction"] for r in conv})
     methods = list(dict.fromkeys(r["method"] for r in conv))
     targets = list(dict.fromkeys(conversion_target(r) for r in conv))
-    cell = {(conversion_target(r), r["method"], r["uptrain_fraction"]): interval_text(r, "val_loss") for r in conv}
+    cell = {}
+    for r in conv:
+        key = (conversion_target(r), r["method"], r["uptrain_fraction"])
+        cell[key] = interval_text(r, "val_loss") + budget_mark(r)
     own = {r["variant"]: interval_text(r, "val_loss") for r in scratch}
     by_method = [{"target": t, "scratch": own.get(t, "-"), **{m: cell.get((t, m, fractions[-1]), "-")
                                                              for m in methods}} for t in targets]

@@ -8,6 +8,7 @@ under 'sharded' and is written after it, so a crash at any point leaves a ckpt.p
 """
 
 import inspect
+import re
 import shutil
 import sys
 from contextlib import AbstractContextManager, nullcontext
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import KEPT_NAME
 from errors import UserError, first_line
 from model import GPT, GPTConfig
 
@@ -127,6 +129,9 @@ def from_rank0(value: object) -> object:
     return box[0]
 
 
+SHARDED_NAME = re.compile(r"sharded-\d{7,}(\.tmp)?")  # save_sharded's folders, whole or unfinished
+
+
 def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """Write the model and optimizer state, each rank its shards, to out_dir/sharded-<iter_num> (through a .tmp
     folder renamed when every rank is done); returns the folder's name. A complete folder for iter_num is kept as
@@ -200,11 +205,12 @@ def load_optimizer(ckpt: dict, out_dir: Path, model: torch.nn.Module, optimizer:
 
 
 def prune_sharded(out_dir: Path, iter_num: int) -> None:
-    """Delete the sharded-* folders (and unfinished .tmp ones) that neither ckpt.pt (at iter_num) nor a kept
-    ckpt-<iteration>.pt names."""
-    keep = {f"sharded-{iter_num:07d}"} | {f"sharded-{p.stem.removeprefix('ckpt-')}" for p in out_dir.glob("ckpt-*.pt")}
-    for folder in out_dir.glob("sharded-*"):
-        if folder.name not in keep:
+    """Delete the sharded-<iteration> folders (and unfinished .tmp ones) that neither ckpt.pt (at iter_num) nor a
+    kept ckpt-<iteration>.pt names: folders of exactly the names save_sharded writes, no other."""
+    kept = (KEPT_NAME.fullmatch(p.name) for p in out_dir.iterdir())
+    keep = {f"sharded-{iter_num:07d}"} | {f"sharded-{match[1]}" for match in kept if match}
+    for folder in out_dir.iterdir():
+        if SHARDED_NAME.fullmatch(folder.name) and folder.name not in keep and folder.is_dir():
             shutil.rmtree(folder, ignore_errors=True)
 
 

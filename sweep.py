@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from checkpoint import Source, load_checkpoint
-from configs import CompareConfig, TrainConfig, size_of
+from checkpoint import Source, load_checkpoint, run_config
+from configs import VARIANT, CompareConfig, TrainConfig, size_of
 from errors import UserError
 from measure import default_kv_heads
 from model import GPT, GPTConfig
@@ -68,13 +68,15 @@ def kv_heads_name(n_kv_head: int, n_head: int) -> str:
 def variant_config(mha: GPTConfig, name: str) -> GPTConfig:
     """The variant configs.VARIANT names of an all-global MHA model (a ValueError if it cannot be one at this
     shape)."""
-    kind, _, local = name.partition("-")
-    letters = local.rstrip("0123456789")
-    if local:
-        mha = dataclasses.replace(mha, window=int(local[len(letters):]), window_pattern=letters.upper())
-    if kind.startswith("mla"):
-        return dataclasses.replace(mha, kv_lora_rank=int(kind[3:]))
-    return dataclasses.replace(mha, n_kv_head={"mha": mha.n_head, "mqa": 1}.get(kind) or int(kind[3:]))
+    parts = VARIANT.fullmatch(name)
+    assert parts is not None, name  # CompareConfig refused any other name
+    if parts["pattern"]:
+        pattern = parts["pattern"].upper()  # train.py's window_pattern is upper case
+        mha = dataclasses.replace(mha, window=int(parts["window"]), window_pattern=pattern)
+    if parts["kv_lora_rank"]:
+        return dataclasses.replace(mha, kv_lora_rank=int(parts["kv_lora_rank"]))
+    n_kv_head = {"mha": mha.n_head, "mqa": 1}.get(parts["kind"]) or int(parts["n_kv_head"])
+    return dataclasses.replace(mha, n_kv_head=n_kv_head)
 
 
 def variant_names(cfg: CompareConfig, n_head: int) -> list[str]:
@@ -195,6 +197,17 @@ def finished(run: Run) -> bool:
         return unfinished(read_run(run.dir), run.iters) is None
     except (UserError, KeyError):
         return False
+
+
+def trained(run: Run) -> dict | None:
+    """What the checkpoint in run's folder was trained as: {'iter_num', 'config' (its run's),
+    'data_meta' (the dataset's it read)}; None where the folder holds no checkpoint."""
+    path = run.dir / "ckpt.pt"
+    if not path.is_file():
+        return None
+    ckpt = load_checkpoint(path, "cpu", mmap=True)
+    config = run_config(ckpt)
+    return {"iter_num": ckpt["iter_num"], "config": config, "data_meta": ckpt.get("data_meta")}
 
 
 def train_args(run: Run) -> list[str]:

@@ -11,12 +11,13 @@ import configurator
 from errors import UserError
 
 # isort: split
+import json
 import math
 import os
 import signal
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ import convert
 import recall
 import runtime
 import sharding
-from atomic import check_writes_into, folder_lock
+from atomic import check_writes_into, folder_lock, remove_stale_temps
 from configs import TrainConfig, parse_train
 from dataset import Batches, data_dir
 from model import GPT, GPTConfig
@@ -35,6 +36,7 @@ from optim import lr_at, make_optimizer, state_bytes
 from runlog import RunLog
 
 RUN_FILES = ("ckpt.pt", "log.jsonl", "config.json")  # in out_dir (also wandb/, ckpt-*.pt)
+RUN_TEMPS = r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"  # the files written through a temp (atomic.temp_path)
 
 
 @torch.no_grad()
@@ -69,6 +71,23 @@ def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtyp
     return model, ckpt
 
 
+def check_no_other_log(cfg: TrainConfig, pretrained: bool) -> None:
+    """A run from the start into an out_dir with a log but no checkpoint goes on only if that log is its own (a
+    run killed before its first save, started again with the same config), never appending to another's."""
+    out = Path(cfg.out_dir)
+    if not (out / "log.jsonl").exists():
+        return
+    ignored = {"init_from"} | ({f.name for f in fields(GPTConfig)} if pretrained else set())
+    try:
+        logged = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        logged = None
+    ours = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in ignored}
+    if not isinstance(logged, dict) or {k: logged.get(k) for k in ours} != ours:
+        raise UserError(f"{out} holds another run's log.jsonl (with no checkpoint: it stopped before its first "
+                        f"save): choose another out_dir, or delete that one first")
+
+
 def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
                ) -> tuple[GPT | None, dict | None]:
     """init_model's model from weights and the checkpoint it resumes; no model if new or sharded."""
@@ -77,6 +96,8 @@ def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
     if source.kind != "resume" and existing.exists():  # never mix two runs' checkpoints or logs
         raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; "
                         f"to start a new run, choose another out_dir or delete that one first")
+    if source.kind != "resume":
+        check_no_other_log(cfg, source.pretrained)
     if source.kind == "scratch":
         return None, None
     if source.pretrained:
@@ -153,6 +174,7 @@ class Trainer:
         data = data_dir(cfg.dataset)
         self.batches = Batches(data, cfg.block_size, cfg.batch_size, cfg.seed, proc.device)
         meta = self.batches.meta
+        recall.check_dataset(cfg.final_evals, meta, cfg.block_size, str(data))  # not after the training
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards in place)
@@ -389,6 +411,8 @@ def main(cfg: TrainConfig, ckpt: dict | None = None) -> None:
     try:
         lock = folder_lock(cfg.out_dir, "train.py") if proc.rank == 0 else nullcontext()
         with lock:  # one run in out_dir at a time
+            if proc.rank == 0:  # what a killed run left half-written (no other writer: the lock)
+                remove_stale_temps(cfg.out_dir, RUN_TEMPS)
             Trainer(cfg, proc, ckpt).run()
         if proc.world_size > 1:
             dist.barrier()

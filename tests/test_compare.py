@@ -15,11 +15,13 @@ import pytest
 import torch
 
 import sweep
-from checkpoint import load_checkpoint
+from checkpoint import load_checkpoint, save_checkpoint
 from configs import CompareConfig, TrainConfig
 from configurator import parse_config
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
 from convert import convert_kv_heads
+from dataset import load_meta
+from errors import UserError
 from model import GPT, GPTConfig
 from runlog import read_run
 from sweep import matched_mlp_hidden
@@ -523,6 +525,33 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(pyc
                                                                    "exceeds n_embd=32"),
     ("--convert=True --variants=[mha,mla16] --pos_encoding=rope --qk_rope_head_dim=6",
      "qk_rope_head_dim=6 is an MLA key"),
+    # a name in another case says the case meant; two names of one model, or a name of another
+    ("--variants=[MQA,gqa2-S8]",
+     "variants: MQA, gqa2-S8: variant names are lower case: mqa, gqa2-s8"),
+    ("--variants=[mha,Mla16]", "variants: Mla16: variant names are lower case: mla16"),
+    ("--variants=[mqa,gqa1]",
+     "variants=['mqa', 'gqa1']: mqa and gqa1 are the same model at 2x32 (MQA, n_kv_head=1): "
+     "list one of them"),
+    ("--variants=[mha-s8,mha-sl8]",
+     "mha-s8 and mha-sl8 are the same model at 2x32 (MHA, n_kv_head=4, layer windows [8, None])"),
+    ("--variants=[gqa4,mqa]", "variants=['gqa4', 'mqa']: gqa4 is mha at n_head=4: name it mha"),
+    # a key that the names decide, or an MLA key, given to the base run: that key, and the names
+    ("--kv_lora_rank=16",
+     "kv_lora_rank=16 in the base run: compare.py makes MLA a variant of its own, named "
+     "mla<kv_lora_rank>, e.g. --variants=[mha,mla16]"),
+    ("--n_kv_head=2",
+     "n_kv_head=2 in the base run: compare.py gives each variant its K/V heads by name"),
+    ("--window_pattern=SSL",
+     "window_pattern='SSL' in the base run: compare.py gives each variant its local layers by "
+     "name, e.g. --variants=[mha,mha-ssl64]"),
+    ("--q_lora_rank=8 --variants=[mha,mla16]",
+     "q_lora_rank=8 is an MLA key, and compare.py's base run"),
+    ("--latent_norm=False", "latent_norm=False is an MLA key, and compare.py's base run"),
+    # what a run cannot train on, before the first: the dataset's tokens, final_evals
+    ("--vocab_size=10", "mha-s1337: the model's vocab_size=10 is smaller than dataset"),
+    ("--final_evals=[induction] --block_size=7", "mha-s1337: final_evals=['induction']: "),
+    ("--final_evals=[position,mqar] --mode=plan",
+     "mha-s1337: final_evals=['position', 'mqar']: the mqar task reads an MQAR dataset"),
 ])
 def test_bad_sweep_settings_are_one_line_before_any_training(pycode_small: Path, tmp_path: Path, arg: str,
                                                               message: str) -> None:
@@ -552,3 +581,67 @@ def test_costs_table_lists_every_divisor(kv_dtype: str | None, nbytes: int) -> N
         assert int(row["attention params/layer"].replace(",", "")) == attn
         assert float(row["params (M)"]) == round(params / 1e6, 2)
         assert float(row[kv_column]) == round(kv / 2**20, 2)
+
+
+def trained_run(folder: Path, dataset: Path, iters: int, **schedule: object) -> bytes:
+    """A run's checkpoint as a sweep leaves it at iteration iters, trained with SWEEP's settings
+    but for schedule (a finished one: iters = max_iters); its bytes."""
+    train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))]
+    cfg = parse_config(TrainConfig, [f"--dataset={dataset}", *train_args])
+    cfg = dataclasses.replace(cfg, out_dir=str(folder), **schedule)
+    folder.mkdir(parents=True)
+    save_checkpoint(folder / "ckpt.pt", tiny_model(), iter_num=iters,
+                    config=dataclasses.asdict(cfg), data_meta=load_meta(dataset))
+    return (folder / "ckpt.pt").read_bytes()
+
+
+@pytest.mark.parametrize(("flags", "was", "now"), [
+    (["--max_iters=60"], "max_iters=30", "max_iters=60"),  # trained on: its lr would rise again
+    (["--max_iters=20"], "max_iters=30", "max_iters=20"),  # its final model past the budget
+    (["--warmup_iters=10"], "warmup_iters=5", "warmup_iters=10"),  # the same budget, not schedule
+    (["--lr_decay_iters=30", "--max_iters=30"], "lr_decay_iters=5000", "lr_decay_iters=30")])
+def test_a_sweep_over_runs_trained_at_another_budget_is_refused_before_any_training(
+        pycode_small: Path, tmp_path: Path, flags: list[str], was: str, now: str) -> None:
+    out = tmp_path / "cmp"
+    before = trained_run(out / "mha-s1337", pycode_small, 30)
+    r = cli(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP,
+             "--kv_heads=[4,1]", *flags])
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: mha-s1337 has a checkpoint of another budget (mha-s1337: "
+                               f"{was}; this sweep: {now}): resumed, a run would change its "
+                               f"learning-rate schedule midway")
+    assert "use another out_dir, or --extend=True to train such runs on to this budget" in r.stderr
+    assert "$ python train.py" not in r.stdout
+    assert (out / "mha-s1337" / "ckpt.pt").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["mha-s1337"]
+
+
+def test_extend_trains_runs_on_but_never_shortens_one_or_keeps_a_stale_conversion(
+        pycode_small: Path, tmp_path: Path) -> None:
+    """--extend=True plans to resume a run trained for fewer iterations (nothing refused), and
+    refuses a run trained past max_iters and conversions made of a model it would train on."""
+    import compare
+
+    out = tmp_path / "cmp"
+    trained_run(out / "mha-s1337", pycode_small, 30)
+    train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))]
+
+    def check(*flags: str) -> None:
+        argv = [f"--dataset={pycode_small}", f"--out_dir={out}", *train_args, *flags]
+        cfg, base = compare.parse(argv)
+        compare.check_runs(cfg, base, sweep.plan(cfg, base, 95, out))
+
+    check("--kv_heads=[4,1]", "--max_iters=60", "--extend=True")
+    shorter = ("extend=True trains runs on, and mha-s1337 is at iteration 30, past max_iters=20: "
+               "use another out_dir for a shorter budget")
+    with pytest.raises(UserError, match=shorter):
+        check("--kv_heads=[4,1]", "--max_iters=20", "--extend=True")
+    converted = out / "mha-to-mqa-mean-u0-s1337"
+    converted.mkdir()
+    (converted / "log.jsonl").write_text("")
+    conversion = ["--kv_heads=[4,1]", "--convert=True", "--uptrain_fractions=[0]"]
+    check(*conversion)  # the same budget: nothing to refuse
+    stale = ("extend=True trains on the models that mha-to-mqa-mean-u0-s1337 converted at their "
+             "old budget: delete those folders")
+    with pytest.raises(UserError, match=stale):
+        check(*conversion, "--max_iters=60", "--extend=True")

@@ -90,8 +90,9 @@ def load(folder: Path) -> tuple:
 def test_export_loads_in_transformers_and_decodes_as_sample_py(pycode_small: Path, tmp_path: Path, pos_encoding: str,
                                                               n_kv_head: int) -> None:
     out = tmp_path / "out"
+    theta = ["--rope_theta=500"] if pos_encoding == "rope" else []  # a rotary key: refused with learned positions
     run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--max_iters=60",
-         "--eval_interval=60", f"--pos_encoding={pos_encoding}", f"--n_kv_head={n_kv_head}", "--rope_theta=500"])
+         "--eval_interval=60", f"--pos_encoding={pos_encoding}", f"--n_kv_head={n_kv_head}", *theta])
     r = run(["export.py", f"--out_dir={out}"])
     folder = out / "hf"
     assert f"wrote {folder}" in r.stdout and {"config.json", "model.safetensors", "generation_config.json",
@@ -190,15 +191,22 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(char_run: Path, p
     run([*args, f"--to={dest}"])
     assert (dest / "smallgpt.json").is_file()
     refused(cli([*args, f"--to={dest}"]), "holds an earlier export: choose another --to, or --overwrite=True")
-    (dest / "stale.txt").write_text("left by the earlier export's user")
-    run([*args, f"--to={dest}", "--overwrite=True"])
-    assert (dest / "config.json").is_file() and not (dest / "stale.txt").exists()
+    (dest / "notes.md").write_text("the user's, put beside the export")
     shutil.copytree(char_run, dest / "run")  # a run put inside an export: a folder no export writes
     before = snapshot(dest)
-    refused(cli([*args, f"--to={dest}", "--overwrite=True"]), "holds an earlier export and folders no export writes")
+    refused(cli([*args, f"--to={dest}", "--overwrite=True"]), "holds an earlier export and notes.md, run, which no "
+                                                               "export wrote: move them out")
     assert snapshot(dest) == before
     shutil.rmtree(dest / "run")
-    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no temporary folder left
+    (dest / "notes.md").unlink()
+    # what an export killed by -9 left beside dest: removed by the next export there, and nothing else is
+    stale = tmp_path / ".export.smallgpt-0123abcd"
+    shutil.copytree(dest, stale)
+    (tmp_path / ".export-mine").write_text("a user's file, of a name like an old temp folder's")
+    run([*args, f"--to={dest}", "--overwrite=True"])
+    assert json.loads((dest / "smallgpt.json").read_text())["files"] == sorted(p.name for p in dest.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".export-mine", "export"]
+    (tmp_path / ".export-mine").unlink()
     # what is no export is never replaced, --overwrite or not: a folder of other files, a dataset, a file
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")

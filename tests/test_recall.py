@@ -4,6 +4,7 @@ eval.py prints them, and bad input is one line."""
 
 import json
 import math
+import shutil
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -140,3 +141,66 @@ def test_mqar_accuracy_is_one_for_a_model_that_looks_keys_up_and_chance_for_a_un
     perfect = recall.mqar(Copier(128, 31), batches, eval_iters=4)
     assert perfect == {"accuracy": 1.0, "correct": 4 * 16 * 8, "n": 4 * 16 * 8}
     assert recall.mqar(Uniform(128, 31), batches, eval_iters=4)["accuracy"] == 0.0
+
+
+def eval_rows(args: list[str]) -> list[dict]:
+    """eval.py's JSON lines for args (which must succeed)."""
+    r = cli(["eval.py", "--device=cpu", "--progress=False", *args])
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_eval_py_with_no_settings_prints_exactly_what_the_run_logged(pycode_small: Path,
+                                                                     tmp_path: Path) -> None:
+    """Its tasks, batch_size, eval_iters, seed, dtype and induction segment are the run's (its
+    --final_evals'): the same numbers, equal, not close (fp32 on CPU)."""
+    out = tmp_path / "run"
+    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--max_iters=4",
+         "--eval_interval=4", "--seed=7", "--final_evals=[induction,position]",
+         "--always_save_checkpoint=True"])  # the final model is the one saved
+    logged = next(x for x in read_log(out) if x["event"] == "recall")
+    for tasks in ([], ["--tasks=[induction,position]"]):  # left out: the run's final_evals
+        rows = eval_rows([f"--out_dir={out}", *tasks])
+        assert [x for x in rows if x["task"] == "induction"] == [
+            {"task": "induction", **d} for d in logged["induction"]]
+        assert next(x for x in rows if x["task"] == "position")["loss"] == logged["position"]
+
+
+def test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged(tmp_path: Path) -> None:
+    data = tmp_path / "mqar"
+    run(["data/mqar/prepare.py", f"--out_dir={data}", "--train_examples=200",
+         "--val_examples=100"])
+    out = tmp_path / "run"
+    run(["train.py", f"--dataset={data}", f"--out_dir={out}", "--block_size=31", "--n_layer=1",
+         "--n_head=2", "--n_embd=32", "--max_iters=4", "--eval_interval=4", "--eval_iters=3",
+         "--batch_size=5", "--device=cpu", "--dtype=float32", "--final_evals=[mqar,position]",
+         "--always_save_checkpoint=True"])
+    logged = next(x for x in read_log(out) if x["event"] == "recall")
+    rows = eval_rows([f"--out_dir={out}"])
+    assert next(x for x in rows if x["task"] == "mqar") == {"task": "mqar", **logged["mqar"]}
+    assert next(x for x in rows if x["task"] == "position")["loss"] == logged["position"]
+
+
+def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
+        pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dataset of the run's vocabulary size but other characters (its ids other tokens to the
+    model), and mqar beside induction on a dataset that is not MQAR: one line each, and no task
+    starts (induction runs first)."""
+    out = tmp_path / "run"
+    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--max_iters=2",
+         "--eval_interval=2"])
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(pycode_small, shuffled)
+    meta = json.loads((shuffled / "meta.json").read_text())
+    (shuffled / "meta.json").write_text(json.dumps(meta | {"chars": meta["chars"][::-1]}))
+    monkeypatch.setattr(recall, "induction", lambda *a, **k: pytest.fail("a task ran"))
+    monkeypatch.setattr(recall, "loss_by_position", lambda *a, **k: pytest.fail("a task ran"))
+    wrong_tokens = (f"error: dataset {shuffled} is not in the tokens of the run in {out} (the "
+                    f"checkpoint was trained on other tokens than dataset {shuffled}'s (its "
+                    f"tokenizer char, vocab_size {meta['vocab_size']})): evaluate it on a dataset "
+                    f"made with its tokenizer, e.g. its own {pycode_small} (leave --dataset out)")
+    for flags, message in [([f"--dataset={shuffled}"], wrong_tokens),
+                           (["--tasks=[induction,position,mqar]"], "the mqar task reads an MQAR")]:
+        r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", *flags])
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert message in r.stderr, r.stderr

@@ -156,23 +156,27 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(pycode_sma
                           "--batch_size=2", "--eval_iters=1", "--eval_interval=1", "--always_save_checkpoint=True",
                           "--max_iters=100000")],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tmp, ckpt = out / "ckpt.pt.tmp", out / "ckpt.pt"
+    ckpt = out / "ckpt.pt"
+    temps = []
     try:
         deadline = time.time() + 120
         while not ckpt.exists() and time.time() < deadline:  # a first checkpoint...
             time.sleep(0.01)
-        while not tmp.exists() and time.time() < deadline:  # ...then kill the process while it writes the next
+        while not temps and time.time() < deadline:  # ...then kill the process while it writes the next
+            temps = list(out.glob(".ckpt.pt.smallgpt-*"))
             time.sleep(0.0005)
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
     finally:
         p.kill()
-    assert tmp.exists(), "the kill did not land during a save"
+    assert temps and temps[0].exists(), "the kill did not land during a save"
+    (out / ".ckpt.pt.mine").write_text("a user's file beside the temp: never removed")
     state = load_checkpoint(ckpt)
     assert state["iter_num"] >= 1 and finite(state)
     r = run(train_args(pycode_small, out, "--n_layer=4", "--n_embd=384", "--batch_size=2", "--eval_iters=1",
                        "--init_from=resume", f"--max_iters={state['iter_num'] + 1}", "--eval_interval=1000"))
     assert f"iter {state['iter_num'] + 1}" in r.stdout
+    assert not temps[0].exists() and (out / ".ckpt.pt.mine").is_file()  # the stale temp removed, under the lock
 
 
 def test_out_dir_without_room_for_a_checkpoint_fails_up_front(tmp_path: Path) -> None:

@@ -204,3 +204,28 @@ def test_a_report_without_recall_records_has_no_recall_columns(tmp_path: Path) -
     out, _, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=2")
     assert not [k for k in rows["mqa"] if k.startswith(("induction", "mqar"))]
     assert "induction" not in out and "MQAR" not in out and "Wilson" not in out
+
+
+def test_runs_trained_for_other_iterations_than_their_comparison_are_marked(tmp_path: Path) -> None:
+    """gqa2 at seed 1338 was trained on to 40 iterations, the others to 20: its row is marked in the
+    table and named under it with its iterations, not paired silently; with one run at each count
+    (no most common), every run of the comparison is."""
+    for name, g in (("mha", 4), ("gqa2", 2)):
+        for seed in (1337, 1338):
+            longer = name == "gqa2" and seed == 1338
+            losses = {10: 2.0, 20: 1.5, 30: 1.4, 40: 1.3} if longer else {10: 2.0, 20: 1.5}
+            write_log(tmp_path / "a", name, g, seed, losses, max_iters=max(losses))
+    out, _, rows = report_of(tmp_path / "a", "--kv_heads=[4,2]", "--seeds=2")
+    assert (rows["gqa2"]["other_iters"], rows["mha"]["other_iters"]) == ("gqa2-s1338 40", "")
+    assert rows["gqa2"]["iters_by_seed"] == "20 40"
+    table = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| ")}
+    assert "| 20 it, 0.01M tok |" in table["| mha"]  # no mark
+    assert "| 20 it, 0.01M tok † |" in table["| gqa2"]
+    assert ("† Trained for other iterations than the rest of their comparison, so not comparable "
+            "with them: gqa2-s1338 40 iterations.") in out
+    write_log(tmp_path / "b", "mha", 4, 1337, {10: 2.0, 20: 1.5})
+    write_log(tmp_path / "b", "mqa", 1, 1337, {10: 2.0, 20: 1.5, 30: 1.4}, max_iters=30)
+    out, _, rows = report_of(tmp_path / "b", "--kv_heads=[4,1]")
+    marked = (rows["mha"]["other_iters"], rows["mqa"]["other_iters"])
+    assert marked == ("mha-s1337 20", "mqa-s1337 30")
+    assert "them: mha-s1337 20; mqa-s1337 30 iterations." in out

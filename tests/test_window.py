@@ -80,8 +80,8 @@ def test_cached_steps_chunks_and_padding_equal_recomputation_with_the_windows(ca
 @pytest.mark.parametrize("window", [1, 40])
 def test_a_ring_of_one_slot_or_of_the_whole_cache_equals_recomputation(window: int) -> None:
     """A window of 1 (a local layer sees only its own token) and one longer than the cache (its ring: the cache's
-    max_len slots, never turned)."""
-    m = windowed("gqa-rope", window=window, pattern="SSL", n_layer=3, block_size=32)
+    max_len slots, never turned; the window below block_size, as GPTConfig requires)."""
+    m = windowed("gqa-rope", window=window, pattern="SSL", n_layer=3, block_size=48)
     cached_chunks_match(m)
     padded_steps_match(m)
 
@@ -102,7 +102,7 @@ def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_laye
     B, max_len = 3, 32
     kept = 2 * min(window, max_len) + max_len  # the layers' positions
     for case, heads, k_width, v_width in [("gqa-rope", 2, 8, 8), ("mla-rope", 1, 20, 0)]:
-        m = windowed(case, window=window, pattern="SSL", n_layer=3)
+        m = windowed(case, window=window, pattern="SSL", n_layer=3, block_size=64)
         want = B * kept * heads * (k_width + v_width) * 4
         cache = m.make_kv_cache(B, max_len)
         assert cache.nbytes == m.config.kv_cache_bytes(B, max_len) == want, case
