@@ -257,3 +257,23 @@ def test_a_comparison_writes_only_into_a_folder_of_its_kind(pycode_small: Path, 
     one_line(cli(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={root}"]),
              f"{root} holds a comparison, not a dataset")
     assert files(root) == ["compare.json"]
+
+
+def test_a_failed_write_and_a_released_lock_remove_only_their_own(tmp_path: Path) -> None:
+    """atomic_open deletes its own temp on an error (the file and a user's file beside it stay); folder_lock
+    removes the folder it made only while that holds nothing but its lock."""
+    (tmp_path / "report.md").write_text("the last report")
+    (tmp_path / "notes.md").write_text("the user's")
+    with pytest.raises(RuntimeError, match="half way"):
+        with atomic_open(tmp_path / "report.md", "w") as f:
+            f.write("half a report")
+            raise RuntimeError("half way")
+    assert files(tmp_path) == ["notes.md", "report.md"]
+    assert (tmp_path / "report.md").read_text() == "the last report"
+    made = tmp_path / "new"
+    with folder_lock(made, "a test"):
+        pass
+    assert not made.exists()  # made for the lock, left empty: gone
+    with folder_lock(made, "a test"):
+        (made / "mine.txt").write_text("the user's, written while it was locked")
+    assert files(made) == [".lock", "mine.txt"]
