@@ -138,21 +138,27 @@ def check_out_dir(out_dir: Path, ckpt_bytes: int, keep_last: int = 0) -> None:
                         f"some space or choose another out_dir")
 
 
-def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, dataset: str) -> None:
-    """The model must have a row for each of the dataset's tokens, and a resumed one the tokens it was trained on."""
+DROP_VOCAB_SIZE = "drop vocab_size (the dataset's is the default) or raise it"
+
+
+def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, dataset: str,
+                     advice: str | None = None) -> None:
+    """The model must have a row for each of the dataset's tokens, and a resumed one the tokens it was trained on;
+    advice: what the error line tells to do (default: a training run's)."""
     if trained_on and any(trained_on.get(k) != meta.get(k) for k in ("tokenizer", "chars", "bpe")):
         raise UserError(f"the checkpoint was trained on other tokens than dataset {dataset}'s (its tokenizer "
-                        f"{trained_on.get('tokenizer')}, vocab_size {trained_on.get('vocab_size')}): resume on its "
-                        f"dataset, or use a new out_dir")
+                        f"{trained_on.get('tokenizer')}, vocab_size {trained_on.get('vocab_size')}): "
+                        f"{advice or 'resume on its dataset, or use a new out_dir'}")
     if vocab_size < meta["vocab_size"]:
         raise UserError(f"the model's vocab_size={vocab_size} is smaller than dataset {dataset}'s "
-                        f"{meta['vocab_size']} tokens: drop vocab_size (the dataset's is the default) or raise it")
+                        f"{meta['vocab_size']} tokens: {advice or DROP_VOCAB_SIZE}")
 
 
-def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str) -> None:
+def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str, advice: str | None = None) -> None:
     """Pretrained weights (GPT-2's, or a Hugging Face folder's) must be fine-tuned on text their own tokenizer
     numbers: GPT-2's on a GPT-2 BPE dataset; a folder's tokenizer (its tokenizer.json, else GPT-2's) must give the
-    dataset's own ids for the start of its val split."""
+    dataset's own ids for the start of its val split. advice: what the error line tells to do (default: a
+    fine-tuning run's)."""
     if not source.pretrained:
         return
     folder = Path(source.where)
@@ -161,7 +167,7 @@ def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str) -> None
             gpt2_folder_vocab(folder)  # GPT-2's BPE reads a GPT-2 folder only; any other is refused
         if meta.get("tokenizer") != "gpt2":
             raise UserError(f"{source} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
-                            f"-level: fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)")
+                            f"-level: {advice or 'fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)'}")
         return
     ids = open_tokens(data_dir(dataset), "val", meta)[:2000].tolist()
     text = load_tokenizer(meta).decode(ids)
@@ -171,7 +177,23 @@ def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str) -> None
         same = False
     if not same:
         raise UserError(f"the tokenizer of {folder} numbers dataset {dataset}'s text otherwise than the dataset "
-                        f"does: fine-tune on a dataset made with that tokenizer")
+                        f"does: {advice or 'fine-tune on a dataset made with that tokenizer'}")
+
+
+def check_no_other_log(out_dir: Path, config: dict, ignored: set[str]) -> None:
+    """A run from the start into an out_dir with a log but no checkpoint goes on only if that log is its own (a
+    run killed before its first save, started again with the same config, keys in ignored aside), never appending
+    to another run's."""
+    if not (out_dir / "log.jsonl").exists():
+        return
+    try:
+        logged = json.loads((out_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        logged = None
+    ours = {k: v for k, v in json.loads(json.dumps(config)).items() if k not in ignored}  # as JSON: lists
+    if not isinstance(logged, dict) or {k: logged.get(k) for k in ours} != ours:
+        raise UserError(f"{out_dir} holds another run's log.jsonl (with no checkpoint: it stopped before its first "
+                        f"save): choose another out_dir, or delete that one first")
 
 
 def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, model_state: dict | None = None,

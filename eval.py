@@ -78,15 +78,11 @@ def with_run_defaults(cfg: EvalConfig, run_config: dict) -> EvalConfig:
 def check_tokens(run: Run, source: Source, meta: dict, dataset: str, name: str) -> None:
     """The dataset must be in the model's own tokens, as train.py checks where it resumes or
     fine-tunes: another tokenizer's ids are other tokens to the model, or lie past its embedding."""
-    try:
-        checkpoint.check_pretrained_tokenizer(source, meta, dataset)
-        checkpoint.check_vocabulary(run.model.config.vocab_size, meta, run.meta, dataset)
-    except UserError as e:
-        reason = str(e).rsplit(": ", 1)[0]  # what is wrong, without its advice for training
-        own = run.config.get("dataset")
-        hint = f", e.g. its own {own} (leave --dataset out)" if own else ""
-        raise UserError(f"dataset {dataset} is not in the tokens of {name} ({reason}): evaluate "
-                        f"it on a dataset made with its tokenizer{hint}") from e
+    own = run.config.get("dataset")
+    hint = f", e.g. its own {own} (leave --dataset out)" if own else ""
+    advice = f"evaluate {name} on a dataset made with its tokenizer{hint}"
+    checkpoint.check_pretrained_tokenizer(source, meta, dataset, advice)
+    checkpoint.check_vocabulary(run.model.config.vocab_size, meta, run.meta, dataset, advice)
 
 
 def main(cfg: EvalConfig) -> None:

@@ -11,7 +11,6 @@ import configurator
 from errors import UserError
 
 # isort: split
-import json
 import math
 import os
 import signal
@@ -71,23 +70,6 @@ def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtyp
     return model, ckpt
 
 
-def check_no_other_log(cfg: TrainConfig, pretrained: bool) -> None:
-    """A run from the start into an out_dir with a log but no checkpoint goes on only if that log is its own (a
-    run killed before its first save, started again with the same config), never appending to another's."""
-    out = Path(cfg.out_dir)
-    if not (out / "log.jsonl").exists():
-        return
-    ignored = {"init_from"} | ({f.name for f in fields(GPTConfig)} if pretrained else set())
-    try:
-        logged = json.loads((out / "config.json").read_text())
-    except (OSError, ValueError):
-        logged = None
-    ours = {k: v for k, v in json.loads(json.dumps(asdict(cfg))).items() if k not in ignored}
-    if not isinstance(logged, dict) or {k: logged.get(k) for k in ours} != ours:
-        raise UserError(f"{out} holds another run's log.jsonl (with no checkpoint: it stopped before its first "
-                        f"save): choose another out_dir, or delete that one first")
-
-
 def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
                ) -> tuple[GPT | None, dict | None]:
     """init_model's model from weights and the checkpoint it resumes; no model if new or sharded."""
@@ -96,8 +78,9 @@ def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
     if source.kind != "resume" and existing.exists():  # never mix two runs' checkpoints or logs
         raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; "
                         f"to start a new run, choose another out_dir or delete that one first")
-    if source.kind != "resume":
-        check_no_other_log(cfg, source.pretrained)
+    if source.kind != "resume":  # pretrained weights set the model keys the run records
+        ignored = {"init_from"} | ({f.name for f in fields(GPTConfig)} if source.pretrained else set())
+        checkpoint.check_no_other_log(Path(cfg.out_dir), asdict(cfg), ignored)
     if source.kind == "scratch":
         return None, None
     if source.pretrained:

@@ -195,10 +195,10 @@ def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
     (shuffled / "meta.json").write_text(json.dumps(meta | {"chars": meta["chars"][::-1]}))
     monkeypatch.setattr(recall, "induction", lambda *a, **k: pytest.fail("a task ran"))
     monkeypatch.setattr(recall, "loss_by_position", lambda *a, **k: pytest.fail("a task ran"))
-    wrong_tokens = (f"error: dataset {shuffled} is not in the tokens of the run in {out} (the "
-                    f"checkpoint was trained on other tokens than dataset {shuffled}'s (its "
-                    f"tokenizer char, vocab_size {meta['vocab_size']})): evaluate it on a dataset "
-                    f"made with its tokenizer, e.g. its own {pycode_small} (leave --dataset out)")
+    wrong_tokens = (f"error: the checkpoint was trained on other tokens than dataset {shuffled}'s "
+                    f"(its tokenizer char, vocab_size {meta['vocab_size']}): evaluate the run in {out} "
+                    f"on a dataset made with its tokenizer, e.g. its own {pycode_small} (leave "
+                    f"--dataset out)")
     for flags, message in [([f"--dataset={shuffled}"], wrong_tokens),
                            (["--tasks=[induction,position,mqar]"], "the mqar task reads an MQAR")]:
         r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", *flags])
