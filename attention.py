@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from fast_paths import Linear, attention, joint_linear
+from smallgpt.fast_paths import Linear, attention, joint_linear
 
 NORM_EPS = 1e-5  # every RMSNorm's, as nn.LayerNorm's default (exported as Llama's rms_norm_eps)
 
@@ -250,7 +250,7 @@ class LatentAttention(nn.Module):
     features), so K and V of the heads are never rebuilt."""
 
     # Linears whose weight forward reads as a matrix: the absorbed step multiplies by kv_b's halves
-    # itself and never calls kv_b while decoding, so quantize.py keeps these in the model's dtype
+    # itself and never calls kv_b while decoding, so smallgpt/quantize.py keeps these in the model's dtype
     matrices: tuple[str, ...] = ("kv_b",)
 
     def __init__(self, layer: int, n_embd: int, n_head: int, kv_lora_rank: int, rope_dim: int,

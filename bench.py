@@ -12,7 +12,7 @@ The model, device and dtype come from train.py's config files and flags; the key
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
 from configurator import parse_config, run_cli, split_args
-from errors import UserError
+from smallgpt.errors import UserError
 
 # isort: split
 import copy
@@ -25,25 +25,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-import bench_peers
-import runtime
-import sharding
-from checkpoint import Source, load_run
-from configs import TrainConfig
-from dataset import Batches, data_dir, vocab_size_of
-from fast_paths import Linear
-from generation import generate
-from measure import default_kv_heads, step_ms, table, timed_decode
 from model import GPT, GPTConfig
-from quantize import quantize
-from runtime import Dist, autocast, keep_freed_memory, peak_flops, resolve_device, resolve_dtype
+from smallgpt import bench_peers, runtime, sharding
+from smallgpt.checkpoint import Source, load_run
+from smallgpt.configs import TrainConfig
+from smallgpt.data import Batches, data_dir, vocab_size_of
+from smallgpt.fast_paths import Linear
+from smallgpt.generation import generate
+from smallgpt.measure import default_kv_heads, step_ms, table, timed_decode
+from smallgpt.quantize import quantize
+from smallgpt.runtime import Dist, autocast, keep_freed_memory, peak_flops, resolve_device, resolve_dtype
 from train import train_step
 
 
 @dataclass(slots=True)
 class BenchConfig:
     # 'train', 'decode', 'memory' (DDP vs FSDP), 'int8' (a checkpoint in out_dir with int8 weights: val loss,
-    # greedy agreement, speed), or against peers (bench_peers.py): 'hf', 'nanogpt', 'gguf' (out_dir's checkpoint as
+    # greedy agreement, speed), or against peers (smallgpt/bench_peers.py): 'hf', 'nanogpt', 'gguf'
+    # (out_dir's checkpoint as
     # GGUF in llama.cpp: the same greedy text), 'recipes' (train.py config files one after another)
     mode: str = "decode"
     # train: every combination of these, on random tokens (speed does not depend on the data)
@@ -203,7 +202,8 @@ def header(mode: str, device: str, mcfg: GPTConfig) -> None:
 
 
 def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
-    """The trained checkpoint in base.out_dir in fp32 and with int8 weights (quantize.py): val loss over eval_iters
+    """The trained checkpoint in base.out_dir in fp32 and with int8 weights (smallgpt/quantize.py):
+    val loss over eval_iters
     batches of its dataset, the share of positions where the two predict the same next token (on those batches),
     greedy continuations of 4 val prompts (the share of tokens equal to fp32's), and batch-1 decoding tokens/s."""
     loaded = load_run(Source("resume"), base.out_dir, tokenizer=False)

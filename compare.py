@@ -27,7 +27,7 @@ schedule), and the report marks runs whose iterations differ from the rest of th
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
 from configurator import build, given_values, parse_config, run_cli, split_args
-from errors import UserError
+from smallgpt.errors import UserError
 
 # isort: split
 import dataclasses
@@ -39,25 +39,22 @@ from pathlib import Path
 
 import torch
 
-import recall
-import report
-import runtime
-import sweep
-from atomic import atomic_open, check_writes_into, folder_lock, lock_holder, remove_stale_temps
-from checkpoint import check_vocabulary, parse_source
-from configs import CompareConfig, TrainConfig, repeated
-from convert import check_latent_target
-from dataset import Batches, data_dir, load_meta, vocab_size_of
-from measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from model import GPT, GPTConfig
-from runtime import Placement
+from smallgpt import recall, report, runtime, sweep
+from smallgpt.atomic import atomic_open, check_writes_into, folder_lock, lock_holder, remove_stale_temps
+from smallgpt.checkpoint import check_vocabulary, parse_source
+from smallgpt.configs import CompareConfig, TrainConfig, repeated
+from smallgpt.convert import check_latent_target
+from smallgpt.data import Batches, data_dir, load_meta, vocab_size_of
+from smallgpt.measure import cached_step_throughput, default_kv_heads, table, training_seconds
+from smallgpt.runtime import Placement
 
 # the MLA keys that a variant's name leaves at their defaults: the base run is not MLA
 MLA_KEYS = ("qk_rope_head_dim", "q_lora_rank", "latent_norm")
 # a run's budget and learning-rate schedule: resumed with others, it changes its schedule midway
 SCHEDULE_KEYS = ("max_iters", "warmup_iters", "lr_decay_iters", "decay_lr")
 
-# What compare.py writes at the root of a comparison (beside its runs' folders); the first marks it (atomic.py)
+# What compare.py writes at the root of a comparison (beside its runs' folders); the first marks it (smallgpt/atomic.py)
 COMPARISON_FILES = ("compare.json", report.SPEED_FILE, "report.md", "report.csv", "report.png")
 COMPARISON_TEMPS = "|".join(map(re.escape, COMPARISON_FILES))  # those written through a temp file
 
@@ -330,7 +327,8 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
 
 
 def mark_comparison(root: Path) -> None:
-    """Write root/compare.json once, when the sweep makes the folder: what marks it as a comparison (atomic.py)."""
+    """Write root/compare.json once, when the sweep makes the folder: what marks it as a comparison
+    (smallgpt/atomic.py)."""
     marker = root / COMPARISON_FILES[0]
     if not marker.exists():
         with atomic_open(marker, "w") as f:

@@ -1,8 +1,8 @@
 """nanoGPT's command line, `python train.py config/a.py --key=value ...`, checked by a dataclass.
 
 Config files are trusted Python, run in a fresh namespace; their top-level names and the --key=value
-overrides are applied in order, each checked against the dataclass's field types (fieldtypes.py).
-Nothing here touches globals(). run_cli prints a UserError (errors.py) as one line."""
+overrides are applied in order, each checked against the dataclass's field types (smallgpt/fieldtypes.py).
+Nothing here touches globals(). run_cli prints a UserError (smallgpt/errors.py) as one line."""
 
 import ast
 import dataclasses
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from errors import USER_ERRORS, UserError, first_line
-from fieldtypes import NON_DECIMAL, checked_values
+from smallgpt.errors import USER_ERRORS, UserError, first_line
+from smallgpt.fieldtypes import NON_DECIMAL, checked_values
 
 T = TypeVar("T")
 

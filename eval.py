@@ -1,7 +1,7 @@
 """Measure what attention recalls: `python eval.py --out_dir=out-pycode-char` (or
 --init_from=hf:<folder>).
 
-Tasks (recall.py): induction (a random segment copied at several distances: loss and top-1
+Tasks (smallgpt/recall.py): induction (a random segment copied at several distances: loss and top-1
 accuracy on the copy), position (the val loss at each context position), mqar (exact-match recall
 on an MQAR dataset, data/mqar). Seeded: the same model gives the same numbers. A key left out is
 the run's, as its train.py --final_evals used it (tasks, batch_size, eval_iters, seed, dtype, the
@@ -12,18 +12,16 @@ measure at the end, as bench.py prints.
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
 from configurator import run_cli
-from errors import UserError
+from smallgpt.errors import UserError
 
 # isort: split
 import dataclasses
 import json
 from dataclasses import dataclass, field
 
-import checkpoint
-import recall
-import runtime
-from checkpoint import Run, Source, load_run, parse_source
-from dataset import Batches, data_dir, load_meta
+from smallgpt import checkpoint, recall, runtime
+from smallgpt.checkpoint import Run, Source, load_run, parse_source
+from smallgpt.data import Batches, data_dir, load_meta
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

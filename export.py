@@ -6,7 +6,7 @@
 DIR (default <out_dir>/hf; none with --gguf alone) then loads with transformers' own classes, no code of ours:
 AutoModelForCausalLM.from_pretrained(DIR) and AutoTokenizer.from_pretrained(DIR). It holds config.json,
 model.safetensors, generation_config.json, the dataset's tokenizer (char-level, GPT-2's BPE or its own), a README.md
-model card and smallgpt.json, the marker of an export. Which class holds which model: hf.py. The GGUF file is
+model card and smallgpt.json, the marker of an export. Which class holds which model: smallgpt/hf.py. The GGUF file is
 written by llama.cpp's own convert_hf_to_gguf.py from such a folder (byte-level BPE tokenizers only: llama.cpp has
 no char-level vocabulary). Each is written whole or not at all, under a lock on the folder it goes in.
 --overwrite=True replaces only an earlier export (a folder holding smallgpt.json, a file starting as a GGUF does),
@@ -15,7 +15,7 @@ never a run, a dataset or other files.
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
 from configurator import run_cli
-from errors import UserError
+from smallgpt.errors import UserError
 
 # isort: split
 import dataclasses
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hf
-from atomic import KIND_MARKERS, cannot_write, check_replaceable, remove_stale_temps, temp_path
-from checkpoint import Source, load_run, run_config
-from gguf import GGUF_TYPES, check_gguf_vocabulary, to_gguf
 from model import GPT, GPTConfig
-from runlog import read_run
+from smallgpt import hf
+from smallgpt.atomic import KIND_MARKERS, cannot_write, check_replaceable, remove_stale_temps, temp_path
+from smallgpt.checkpoint import Source, load_run, run_config
+from smallgpt.gguf import GGUF_TYPES, check_gguf_vocabulary, to_gguf
+from smallgpt.runlog import read_run
 
 MARKER = KIND_MARKERS["an export"][0]  # smallgpt.json: what folder_kind recognises an export by
 # What an export written before smallgpt.json listed its files may hold: transformers' and ours
@@ -189,7 +189,7 @@ def write_folder(dest: Path, replace: bool, model: GPT, hf_model: Any, tok: Any,
         hf.save(hf_model, tok, folder)
         (folder / "README.md").write_text(model_card(model, hf_model, run, ckpt))
         files = sorted([p.name for p in folder.iterdir()] + [MARKER])
-        with open(folder / MARKER, "w") as f:  # where it came from; marks the folder as an export (atomic.py)
+        with open(folder / MARKER, "w") as f:  # where it came from; marks the folder as an export (smallgpt/atomic.py)
             source = {"model_config": ckpt["model_config"], "iter_num": ckpt.get("iter_num"), "files": files}
             json.dump(source, f, indent=1)
         if old is not None:

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 import attention
 from attention import CausalSelfAttention, KVCache, LatentAttention, RMSNorm, Rope
-from fast_paths import Linear
+from smallgpt.fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
 

@@ -7,7 +7,7 @@ decoded as one left-padded batch. A single sample streams to the terminal; timin
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
 from configurator import run_cli
-from errors import UserError
+from smallgpt.errors import UserError
 
 # isort: split
 import sys
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-import runtime
-from checkpoint import load_run, parse_source
-from configs import SampleConfig
-from generation import left_pad, stream_text
 from model import GPT
-from prompts import encode_prompts, read_prompts
-from quantize import quantize
+from smallgpt import runtime
+from smallgpt.checkpoint import load_run, parse_source
+from smallgpt.configs import SampleConfig
+from smallgpt.generation import left_pad, stream_text
+from smallgpt.prompts import encode_prompts, read_prompts
+from smallgpt.quantize import quantize
 
 
 def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig

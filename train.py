@@ -3,12 +3,12 @@
 Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
 
-Keys: TrainConfig (configs.py, `--help`); from the command to the first step: docs/architecture.md
+Keys: TrainConfig (smallgpt/configs.py, `--help`); from the command to the first step: docs/architecture.md
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
 import configurator
-from errors import UserError
+from smallgpt.errors import UserError
 
 # isort: split
 import math
@@ -22,17 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import checkpoint
-import convert
-import recall
-import runtime
-import sharding
-from atomic import check_writes_into, folder_lock, remove_stale_temps
-from configs import TrainConfig, parse_train
-from dataset import Batches, data_dir
 from model import GPT, GPTConfig
-from optim import lr_at, make_optimizer, state_bytes
-from runlog import RunLog
+from smallgpt import checkpoint, convert, recall, runtime, sharding
+from smallgpt.atomic import check_writes_into, folder_lock, remove_stale_temps
+from smallgpt.configs import TrainConfig, parse_train
+from smallgpt.data import Batches, data_dir
+from smallgpt.optim import lr_at, make_optimizer, state_bytes
+from smallgpt.runlog import RunLog
 
 RUN_FILES = ("ckpt.pt", "log.jsonl", "config.json")  # in out_dir (also wandb/, ckpt-*.pt)
 RUN_TEMPS = r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"  # the files written through a temp (atomic.temp_path)
@@ -320,7 +316,7 @@ class Trainer:
         self.t_last = time.perf_counter()  # ms/iter leaves evaluation out
 
     def final_evals(self) -> None:
-        """recall.py's tasks on the final model (induction, position, MQAR), in one record."""
+        """smallgpt/recall.py's tasks on the final model (induction, position, MQAR), in one record."""
         cfg = self.cfg
         results = recall.run_tasks(cfg.final_evals, self.model, self.batches, cfg.eval_iters,
                                    batch_size=cfg.batch_size, seed=cfg.seed, amp=self.amp)

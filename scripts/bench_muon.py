@@ -7,16 +7,12 @@ batched step, on the block matrices of config/train_cpu_fast.py's 4x128 model, N
 
 import math
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from model import GPT, GPTConfig  # noqa: E402
-from optim import NS_COEFFICIENTS, Muon  # noqa: E402
+from model import GPT, GPTConfig
+from smallgpt.optim import NS_COEFFICIENTS, Muon
 
 
 def orthogonalised_one(grad: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:

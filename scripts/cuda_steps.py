@@ -2,18 +2,13 @@
 and greedy generation with and without CUDA graphs and on CPU, for local layers (rings) and MLA, fp32 and bf16.
 Called by `bash scripts/gpu_check.sh steps`; prints one line per check (docs/gpu.md has what it gave)."""
 
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from conftest import lively  # noqa: E402
-from generation import generate, left_pad  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from static_step import decode_static  # noqa: E402
+from conftest import lively  # tests/conftest.py: gpu_check.sh puts tests/ on PYTHONPATH
+from model import GPT, GPTConfig
+from smallgpt.generation import generate, left_pad
+from smallgpt.static_step import decode_static
 
 CASES = {"gqa SSSL w8": dict(n_kv_head=2, window=8, window_pattern="SSSL"),
          "mha-learned SL w5": dict(pos_encoding="learned", window=5, window_pattern="SL"),

@@ -11,16 +11,13 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import runtime  # noqa: E402
-from checkpoint import load_run, parse_source  # noqa: E402
-from dataset import Batches, data_dir  # noqa: E402
-from stats import t_quantile  # noqa: E402
+from smallgpt import runtime
+from smallgpt.checkpoint import load_run, parse_source
+from smallgpt.data import Batches, data_dir
+from smallgpt.stats import t_quantile
 
 
 def main(run_dir: str, n: int) -> None:

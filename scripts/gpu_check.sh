@@ -72,7 +72,7 @@ speedrun() {
 }
 
 steps() {
-  step $PY scripts/cuda_steps.py
+  PYTHONPATH=tests step $PY scripts/cuda_steps.py
   for pattern in L SSSL; do
     local window=""
     [ "$pattern" = L ] || window=--window=512

@@ -10,16 +10,13 @@ each part's FLOPs by formula, against the CPU's measured matmul peak (runtime.pe
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import runtime  # noqa: E402
-from configs import parse_train  # noqa: E402
-from model import GPT  # noqa: E402
-from optim import Muon, make_optimizer  # noqa: E402
+from model import GPT
+from smallgpt import runtime
+from smallgpt.configs import parse_train
+from smallgpt.optim import Muon, make_optimizer
 
 
 def newton_schulz_flops(model: GPT, steps: int = 5) -> int:

@@ -19,5 +19,12 @@ venv_setup() {
         .venv/bin/python -m compileall -q -j 0 -x '/tests?/' .venv/lib >/dev/null || true
         echo "$want" > "$stamp"
     fi
+    # The project itself, editable: its root scripts and smallgpt/ importable from any folder (data/*/prepare.py),
+    # with no sys.path edits. The venv's setuptools builds it where there is one (no download), else pip fetches it.
+    local python="$PWD/.venv/bin/python"
+    if ! (cd / && "$python" -c "import smallgpt, model" 2>/dev/null); then
+        .venv/bin/pip install -q --no-deps --no-build-isolation -e . 2>/dev/null ||
+            .venv/bin/pip install -q --no-deps -e .
+    fi
     export PATH="$PWD/.venv/bin:$PATH"
 }

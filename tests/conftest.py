@@ -12,9 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo's flat modules: model, train, ...
-
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig
 
 VARIANTS = {"MHA": 4, "GQA": 2, "MQA": 1}  # n_kv_head for n_head=4
 # The GPT-2-shaped model (as bench.py --mode=hf builds it) that the tests compiling a decode step use where they can
@@ -93,7 +91,7 @@ def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dic
 
 def assert_same_greedy_tokens(model: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, n: int = 20) -> None:
     """Our greedy continuation of prompt equals transformers' (generate), and is not one token repeated."""
-    from generation import generate
+    from smallgpt.generation import generate
 
     with torch.no_grad():
         mine = generate(model, prompt, n, temperature=0)
@@ -141,7 +139,7 @@ def cached_chunks_match(m: torch.nn.Module, atol: float = 1e-5) -> torch.Tensor:
 def padded_steps_match(m: torch.nn.Module, atol: float = 1e-5) -> None:
     """A left-padded batch of prompts of 3, 11, 1 and 7 tokens, prefilled, then 6 one-token steps: each row's
     logits are its prompt's alone, recomputed whole."""
-    from generation import left_pad
+    from smallgpt.generation import left_pad
 
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (3, 11, 1, 7)]
     idx, pad = left_pad(prompts, pad_token=5)
@@ -159,7 +157,7 @@ def static_steps_match(m: torch.nn.Module, steps: range, max_len: int) -> tuple[
     """static_step.decode_static, over the whole cache under a mask (what CUDA graphs replay) and over its filled
     length (the compiled CPU step's form), gives GPT.forward's one-token logits at each of steps, after a prefill of
     steps.start tokens; returns the three caches (forward's, and the two static ones) to compare."""
-    from static_step import decode_static
+    from smallgpt.static_step import decode_static
 
     idx = torch.randint(0, 61, (2, steps.stop))
     with torch.inference_mode():

@@ -87,8 +87,8 @@ def test_tokenizer_files_for_llama_cpp_encode_as_tiktoken(tmp_path: Path, monkey
     made from a tiktoken BPE must encode text as tiktoken does."""
     from transformers import AutoTokenizer, GPT2Config
 
-    import bench_peers
-    from tokenizer import gpt2_encoding
+    from smallgpt import bench_peers
+    from smallgpt.tokenizer import gpt2_encoding
 
     pieces = [bytes([i]) for i in range(256)] + [b"th", b"he", b"the", b" the", b"in", b"ing", b" th", b"  "]
     bpe = tmp_path / "tiny.tiktoken"

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY_TRAIN, cli, run
-from dataset import load_meta
-from tokenizer import load_tokenizer
+from smallgpt.data import load_meta
+from smallgpt.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def text() -> str:
     """Code with indentation runs and blank lines, and characters of 2-4 UTF-8 bytes, which BPE tokens split."""
-    src = "".join((ROOT / name).read_text() for name in ("dataset.py", "model.py", "generation.py"))
+    src = "".join((ROOT / name).read_text() for name in ("smallgpt/data.py", "model.py", "smallgpt/generation.py"))
     return src + "naïve café — 数据集 🚀 done\n\n\n    \t x  y\n" * 20
 
 

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import sweep
-from checkpoint import load_checkpoint, save_checkpoint
-from configs import CompareConfig, TrainConfig
 from configurator import parse_config
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
-from convert import convert_kv_heads
-from dataset import load_meta
-from errors import UserError
 from model import GPT, GPTConfig
-from runlog import read_run
-from sweep import matched_mlp_hidden
+from smallgpt import sweep
+from smallgpt.checkpoint import load_checkpoint, save_checkpoint
+from smallgpt.configs import CompareConfig, TrainConfig
+from smallgpt.convert import convert_kv_heads
+from smallgpt.data import load_meta
+from smallgpt.errors import UserError
+from smallgpt.runlog import read_run
+from smallgpt.sweep import matched_mlp_hidden
 
 SWEEP = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
          "--log_interval=10", "--device=cpu", "--max_iters=30", "--eval_interval=10", "--learning_rate=3e-3",
@@ -151,7 +151,7 @@ def test_params_match_widens_the_mlp_to_mhas_count_within_one_percent(n_kv_head:
 
 
 def test_student_t_interval_and_paired_difference_match_hand_computation() -> None:
-    import stats
+    from smallgpt import stats
 
     est = stats.mean_interval([1.50, 1.52, 1.55])
     mean = (1.50 + 1.52 + 1.55) / 3
@@ -173,7 +173,7 @@ def test_student_t_interval_and_paired_difference_match_hand_computation() -> No
 
 
 def test_speed_ratio_is_stated_only_when_the_paired_repeats_separate_it() -> None:
-    import stats
+    from smallgpt import stats
 
     same = stats.speed_ratio([10.0, 20.0, 30.0], [11.0, 22.0, 33.0])  # ranges overlap, every round 1/1.1: drift
     assert same.separated and same.ratio == pytest.approx(1 / 1.1) and same.low == pytest.approx(1 / 1.1)

@@ -6,7 +6,7 @@ import pytest
 
 from configurator import parse_config
 from conftest import ROOT, cli
-from errors import UserError
+from smallgpt.errors import UserError
 
 
 @dataclass(slots=True)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
-from convert import to_latent
-from dataset import Batches
-from errors import UserError
 from model import GPT
+from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint
+from smallgpt.convert import to_latent
+from smallgpt.data import Batches
+from smallgpt.errors import UserError
 from train import evaluate
 
 ATOL = 1e-5  # float32: the converted model computes the same scores through other products

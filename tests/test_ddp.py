@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import ROOT, SEED, TINY_TRAIN, read_log, run, worker_ranks
 from model import GPT, GPTConfig
+from smallgpt.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_run, parse_source, save_checkpoint
-from compiled_step import STEPS
 from conftest import COMPILES, COMPILES_2, cli, distinct, lively, tiny_model
-from errors import UserError
-from generation import generate, left_pad
-from hf import to_hf
 from model import GPT
-from quantize import Int8Linear, quantize
+from smallgpt.checkpoint import load_run, parse_source, save_checkpoint
+from smallgpt.compiled_step import STEPS
+from smallgpt.errors import UserError
+from smallgpt.generation import generate, left_pad
+from smallgpt.hf import to_hf
+from smallgpt.quantize import Int8Linear, quantize
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", bias=False, pos_encoding="rope")  # MLA exports with it
 # Each kind as it exports: Starcoder2 (MHA, GQA), GPTBigCode (MQA), DeepseekV3 (MLA), GraniteSWA

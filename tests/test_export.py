@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run
+from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint
 
 # llama.cpp's converter stand-in (the suite has no llama.cpp): one JSON line per run in calls.jsonl beside it (its
 # arguments and the files of the folder it converts), and a file that starts as a GGUF does
@@ -152,7 +152,7 @@ def test_gpt2_bpe_dataset_exports_its_bpe_tokenizer(tmp_path: Path) -> None:
     _, tok = load(tmp_path / "hf")
     import tiktoken  # noqa: F401  (the dataset's own encoding, through dataset.py)
 
-    from tokenizer import gpt2_encoding
+    from smallgpt.tokenizer import gpt2_encoding
     enc = gpt2_encoding(str(bpe))
     sample = "The rest is silence, the question. <|endoftext|>"
     assert tok(sample)["input_ids"] == enc.encode(sample, allowed_special="all")

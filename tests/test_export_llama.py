@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from attention import NORM_EPS
-from checkpoint import load_run, parse_source, save_checkpoint
 from conftest import assert_same_greedy_tokens, cli
-from errors import UserError
-from gguf import llama_cpp_folder
-from hf import from_hf, target_class, to_hf, tokenizer
-from hf_llama import HF_LATENT_EPS
 from model import GPT, GPTConfig
+from smallgpt.checkpoint import load_run, parse_source, save_checkpoint
+from smallgpt.errors import UserError
+from smallgpt.gguf import llama_cpp_folder
+from smallgpt.hf import from_hf, target_class, to_hf, tokenizer
+from smallgpt.hf_llama import HF_LATENT_EPS
 
 LLAMA = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, pos_encoding="rope", norm="rmsnorm",
              mlp="swiglu", bias=False)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import ROOT, SEED, TINY_TRAIN, cli, read_log, run, worker_ranks
-from generation import generate
 from model import GPT, GPTConfig
+from smallgpt.checkpoint import load_checkpoint
+from smallgpt.generation import generate
 
 pytestmark = pytest.mark.slow
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -152,7 +152,7 @@ def read_log_or_empty(out: Path) -> list[dict]:
 def test_per_rank_bytes_are_the_shards_of_fully_shard() -> None:
     """16 bytes a parameter (fp32 weight, gradient, two AdamW moments): whole under DDP; under FSDP rank 0 holds
     the first of world_size row chunks (torch.chunk, as FSDP2 shards dim 0) of each parameter."""
-    import sharding
+    from smallgpt import sharding
 
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=36, block_size=10, vocab_size=37)
     model = GPT(cfg)

@@ -4,11 +4,10 @@ import re
 import pytest
 import torch
 
-import compiled_step
-import fast_paths
-from compiled_step import STEPS, CompiledStep
 from conftest import COMPILES, COMPILES_2, DECODE, ROOT, VARIANTS, allowed, distinct, lively, sharpened, tiny_model
-from generation import generate, left_pad, sample_logits, stream
+from smallgpt import compiled_step, fast_paths
+from smallgpt.compiled_step import STEPS, CompiledStep
+from smallgpt.generation import generate, left_pad, sample_logits, stream
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])

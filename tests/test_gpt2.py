@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import ROOT, cli, run
-from generation import generate
-from hf import from_hf
+from smallgpt.checkpoint import load_checkpoint
+from smallgpt.generation import generate
+from smallgpt.hf import from_hf
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import assert_same_greedy_tokens, cli
-from errors import UserError
-from hf import from_hf, save, target_class, to_hf, tokenizer
 from model import GPT, GPTConfig
+from smallgpt.errors import UserError
+from smallgpt.hf import from_hf, save, target_class, to_hf, tokenizer
 
 
 def sharp_model(pos_encoding: str, n_kv_head: int, bias: bool, gelu: str = "exact", vocab_size: int = 61) -> GPT:

@@ -3,8 +3,8 @@ import torch
 
 from attention import KVCache
 from conftest import VARIANTS, tiny_model
-from generation import generate, left_pad
 from model import GPT
+from smallgpt.generation import generate, left_pad
 
 ATOL = 1e-5  # float32; the cached and recomputed paths differ only in summation order
 

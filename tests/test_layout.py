@@ -12,19 +12,31 @@ import pytest
 
 from conftest import ROOT, cli
 
-MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
+# The root's modules (model, train, ...) and the package's (smallgpt.checkpoint, ...), by their import names
+MODULES = sorted([p.stem for p in ROOT.glob("*.py")] + [f"smallgpt.{p.stem}" for p in (ROOT / "smallgpt").glob("*.py")
+                                                        if p.stem != "__init__"])
 SCRIPTS = {"train", "sample", "bench", "compare", "export", "eval"}
 
 
+def source_of(module: str) -> Path:
+    return ROOT / (module.replace(".", "/") + ".py")
+
+
 def project_imports(module: str) -> dict[str, set[str]]:
-    """{project module: names imported from it} for one top-level module, anywhere in its code."""
+    """{project module: names imported from it} for one of MODULES, anywhere in its code: `from smallgpt import x`
+    is an import of smallgpt.x."""
     deps: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse((ROOT / f"{module}.py").read_text())):
+    for node in ast.walk(ast.parse(source_of(module).read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                deps.setdefault(alias.name.split(".")[0], set()).add("<module>")
+                deps.setdefault(alias.name, set()).add("<module>")
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            deps.setdefault(node.module.split(".")[0], set()).update(a.name for a in node.names)
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if sub in MODULES:
+                    deps.setdefault(sub, set()).add("<module>")
+                else:
+                    deps.setdefault(node.module, set()).add(alias.name)
     return {m: names for m, names in deps.items() if m in MODULES and m != module}
 
 
@@ -44,8 +56,8 @@ def test_the_import_graph_has_no_cycle() -> None:
         visit(m, [])
     # the model is a leaf: model.py and attention.py import only the fast paths (and model.py attention.py), so the
     # engine imports the model, never the reverse
-    assert "model" in done and graph["model"] <= {"fast_paths", "attention"}
-    assert graph["attention"] <= {"fast_paths"}
+    assert "model" in done and graph["model"] <= {"smallgpt.fast_paths", "attention"}
+    assert graph["attention"] <= {"smallgpt.fast_paths"}
 
 
 def test_the_import_graph_in_the_docs_is_the_codes() -> None:
@@ -82,7 +94,7 @@ for module in ours:
     for node in ast.parse(open(importlib.util.find_spec(module).origin).read()).body:
         names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
             [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-        if names and all(name.split(".")[0] not in ours for name in names):
+        if names and all(name.split(".")[0] not in {m.split(".")[0] for m in ours} for name in names):
             exec(ast.unparse(node), {})
 forks = {}
 for module in ours:  # all forks at once: the cores share the imports

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import check_out_dir, save_checkpoint, size_estimate
 from configurator import parse_config
 from conftest import ROOT, TINY_TRAIN, cli, run, tiny_model
-from dataset import Batches, load_meta, write_dataset
-from errors import UserError
-from optim import make_optimizer, state_bytes
+from smallgpt.checkpoint import check_out_dir, save_checkpoint, size_estimate
+from smallgpt.data import Batches, load_meta, write_dataset
+from smallgpt.errors import UserError
+from smallgpt.optim import make_optimizer, state_bytes
 
 
 def one_line(r: object, message: str) -> None:
@@ -224,7 +224,7 @@ def test_the_decode_summary_finds_the_step_that_compiled_wherever_it_falls() -> 
     """The compiled step's 'ready after' is the end of the longest step, not the second (a compile that ran at a later
     step was reported as 'ready after 0.46 s, then 0 tok/s')."""
     from sample import SampleConfig, decode
-    from tokenizer import CharTokenizer
+    from smallgpt.tokenizer import CharTokenizer
 
     model, calls = tiny_model(), []
     model.register_forward_pre_hook(lambda *_: calls.append(1) or time.sleep(0.4 if len(calls) == 6 else 0))
@@ -253,7 +253,7 @@ def test_no_command_writes_into_a_folder_of_another_kind(pycode_small: Path, tmp
 
 
 def test_a_damaged_bpe_tokenizer_file_is_one_line_naming_it(tmp_path: Path) -> None:
-    from tokenizer import load_tokenizer
+    from smallgpt.tokenizer import load_tokenizer
 
     (tmp_path / "in.txt").write_text("abc abd abe " * 50)
     run(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={tmp_path / 'd'}", "--tokenizer=bpe",

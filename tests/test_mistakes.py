@@ -143,8 +143,8 @@ def test_a_long_sample_does_not_grow_memory(tiny_run: Path, capsys: pytest.Captu
     import torch
 
     import sample as sample_script
-    from checkpoint import load_checkpoint, model_from_checkpoint
-    from tokenizer import load_tokenizer
+    from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint
+    from smallgpt.tokenizer import load_tokenizer
 
     ckpt = load_checkpoint(tiny_run / "ckpt.pt")
     model, tok = model_from_checkpoint(ckpt).eval(), load_tokenizer(ckpt["data_meta"])
@@ -163,7 +163,7 @@ def test_a_long_sample_does_not_grow_memory(tiny_run: Path, capsys: pytest.Captu
 def test_convert_takes_the_source_model_keys(pycode_small: Path, tiny_run: Path, tmp_path: Path) -> None:
     run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'mqa'}", f"--init_from=convert:{tiny_run}",
          "--n_kv_head=1", "--max_iters=2", "--eval_interval=2", "--eval_iters=2", "--batch_size=4", "--device=cpu"])
-    from checkpoint import load_checkpoint
+    from smallgpt.checkpoint import load_checkpoint
 
     config = load_checkpoint(tmp_path / "mqa" / "ckpt.pt")["model_config"]
     assert config["n_kv_head"] == 1 and (config["n_layer"], config["n_embd"], config["block_size"]) == (2, 32, 32)

@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fast_paths
 from attention import CausalSelfAttention, rope_tables
 from conftest import VARIANTS, distinct, lively, static_steps_match, tiny_model
-from generation import generate
 from model import GPT, GPTConfig
+from smallgpt import fast_paths
+from smallgpt.generation import generate
 
 
 @pytest.mark.parametrize(("D", "H", "G"), [(64, 8, 8), (64, 8, 4), (64, 8, 2), (64, 8, 1), (96, 6, 3), (48, 4, 1)])

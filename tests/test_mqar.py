@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import cli, read_log, run
-from dataset import Batches, load_meta, open_tokens
-from errors import UserError
-from tokenizer import load_tokenizer
+from smallgpt.data import Batches, load_meta, open_tokens
+from smallgpt.errors import UserError
+from smallgpt.tokenizer import load_tokenizer
 
 SCRIPT = "data/mqar/prepare.py"
 FILES = ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin", "meta.json")

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from atomic import TEMP_MARK, atomic_open, folder_lock, remove_stale_temps, temp_path
-from checkpoint import keep_copy, save_checkpoint
 from conftest import TINY_TRAIN, cli, run, tiny_model
-from dataset import write_dataset
-from errors import UserError
 from export import ExportConfig, check_destinations
-from sharding import prune_sharded
+from smallgpt.atomic import TEMP_MARK, atomic_open, folder_lock, remove_stale_temps, temp_path
+from smallgpt.checkpoint import keep_copy, save_checkpoint
+from smallgpt.data import write_dataset
+from smallgpt.errors import UserError
+from smallgpt.sharding import prune_sharded
 
 
 def one_line(r: object, *parts: str) -> str:
@@ -220,7 +220,7 @@ def test_an_unwritable_destination_is_named_as_the_user_gave_it(tmp_path: Path) 
 
 
 def test_bench_replaces_only_the_links_it_made(pycode_small: Path, tmp_path: Path) -> None:
-    from bench_peers import nanogpt_dataset
+    from smallgpt.bench_peers import nanogpt_dataset
 
     name = nanogpt_dataset(tmp_path, str(pycode_small))
     linked = tmp_path / "data" / name

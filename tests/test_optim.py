@@ -1,10 +1,10 @@
-"""optim.py: Muon against torch.optim.Muon, the chained optimizer, the learning-rate schedule."""
+"""smallgpt/optim.py: Muon against torch.optim.Muon, the chained optimizer, the learning-rate schedule."""
 
 import pytest
 import torch
 
 from conftest import tiny_model
-from optim import Muon, lr_at, make_optimizer, orthogonalised
+from smallgpt.optim import Muon, lr_at, make_optimizer, orthogonalised
 
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is in torch >= 2.9")

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, cli, run
-from dataset import load_meta, open_tokens, write_dataset
-from errors import UserError
-from tokenizer import CharTokenizer, load_tokenizer
+from smallgpt.data import load_meta, open_tokens, write_dataset
+from smallgpt.errors import UserError
+from smallgpt.tokenizer import CharTokenizer, load_tokenizer
 
 
 def test_pycode_char_is_deterministic_and_round_trips(tmp_path: Path) -> None:

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import save_checkpoint
-from compiled_step import STEPS
 from conftest import COMPILES, DECODE, cli, distinct, lively, run, tiny_model
-from dataset import Batches, write_dataset
-from generation import generate
 from model import GPT, GPTConfig
-from quantize import Int8Linear, quantize
+from smallgpt.checkpoint import save_checkpoint
+from smallgpt.compiled_step import STEPS
+from smallgpt.data import Batches, write_dataset
+from smallgpt.generation import generate
+from smallgpt.quantize import Int8Linear, quantize
 
 
 @pytest.mark.parametrize("bias", [True, False])

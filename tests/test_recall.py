@@ -1,4 +1,5 @@
-"""recall.py's evaluations against hand-built oracles: a model that copies perfectly scores 100% on induction and
+"""smallgpt/recall.py's evaluations against hand-built oracles: a model that copies perfectly
+scores 100% on induction and
 one that knows nothing scores chance; loss by position averages to the val loss; train.py --final_evals logs them,
 eval.py prints them, and bad input is one line."""
 
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import recall
 from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
-from dataset import Batches
-from errors import UserError
-from runlog import read_run, unfinished
+from smallgpt import recall
+from smallgpt.data import Batches
+from smallgpt.errors import UserError
+from smallgpt.runlog import read_run, unfinished
 from train import evaluate
 
 

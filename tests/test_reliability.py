@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import check_out_dir, load_checkpoint
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run, worker_ranks
-from dataset import Batches
-from errors import UserError
 from model import GPT, GPTConfig
-from runlog import read_run
-from runtime import Dist
+from smallgpt.checkpoint import check_out_dir, load_checkpoint
+from smallgpt.data import Batches
+from smallgpt.errors import UserError
+from smallgpt.runlog import read_run
+from smallgpt.runtime import Dist
 from train import train_step
 
 
@@ -140,7 +140,7 @@ def test_smallgpt_debug_shows_a_user_errors_traceback(tmp_path: Path) -> None:
     assert plain.returncode == 2 and len(plain.stderr.splitlines()) == 1
     assert plain.stderr.startswith(f"error: no dataset at {tmp_path / 'none'} (missing meta.json)")
     assert debug.returncode == 1 and debug.stderr.startswith("Traceback (most recent call last):")
-    assert debug.stderr.splitlines()[-1].startswith(f"errors.UserError: no dataset at {tmp_path / 'none'}")
+    assert debug.stderr.splitlines()[-1].startswith(f"smallgpt.errors.UserError: no dataset at {tmp_path / 'none'}")
 
 
 def log_so_far(out: Path) -> list[dict]:
@@ -253,7 +253,7 @@ def test_a_log_line_cut_short_by_a_kill_stays_apart_from_the_resume(tmp_path: Pa
     """A kill mid-write leaves log.jsonl's last line cut short: the resume's RunLog starts on a new line, and read_run
     skips the cut line, keeps one record per iteration and adds each attempt's time once (one attempt was killed
     before logging anything)."""
-    from runlog import RunLog
+    from smallgpt.runlog import RunLog
     from train import TrainConfig
 
     def record(**r: object) -> str:

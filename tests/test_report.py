@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import report
-import stats
-from atomic import folder_lock
 from conftest import cli
 from model import GPTConfig
+from smallgpt import report, stats
+from smallgpt.atomic import folder_lock
 from train import TrainConfig
 
 T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from conftest import COMPILES, DECODE, VARIANTS, Result, allowed, cli, distinct, lively, run, sharpened
-from generation import generate
 from model import GPT, GPTConfig
-from tokenizer import CharTokenizer
+from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from smallgpt.generation import generate
+from smallgpt.tokenizer import CharTokenizer
 
 CHARS = CharTokenizer.from_text("".join(chr(c) for c in range(32, 127)) + "\n")
 

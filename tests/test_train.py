@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import ROOT, TINY_TRAIN, Result, cli, read_log, run
-from dataset import load_meta
-from errors import UserError
+from smallgpt.checkpoint import load_checkpoint
+from smallgpt.data import load_meta
+from smallgpt.errors import UserError
 
 
 def train(data: Path, out: Path, *extra: str, env: dict | None = None, fresh: bool = False) -> Result:
@@ -232,7 +232,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_cleanly(pycode_small: Path, t
 
 
 FAULTS_PER_STEP = """
-import resource, statistics, sys, torch, runtime
+import resource, statistics, sys, torch
+from smallgpt import runtime
 from model import GPT, GPTConfig
 if sys.argv[1] == "keep":
     runtime.keep_freed_memory()
@@ -267,7 +268,7 @@ def test_an_mfu_over_100_percent_probes_the_cpu_peak_again(pycode_small: Path, t
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU peak probe run while another process had the cores measures too low a rate, and MFU comes out over
     100%: the first log step that sees it probes again and keeps the higher rate, so no MFU over 100% is logged."""
-    import runtime
+    from smallgpt import runtime
 
     probes, real = [], runtime.peak_flops
 
@@ -298,7 +299,7 @@ def test_dtype_auto_trains_in_bf16_only_where_its_products_measure_faster(native
     choice and its reason are printed, and the run trains exactly as with that dtype named. The CPU's flags and
     speeds are set here (as on a CPU with AMX, and as on one whose bf16 is slow or missing); the probe is the real
     one in test_bf16_speedup_probe_measures_both_dtypes."""
-    import runtime
+    from smallgpt import runtime
 
     monkeypatch.setattr(runtime, "native_bf16", lambda: native)
     monkeypatch.setattr(runtime, "bf16_speedup", lambda width: 3.0 if width >= 64 else 0.8)
@@ -321,7 +322,7 @@ def test_dtype_auto_trains_in_bf16_only_where_its_products_measure_faster(native
 
 
 def test_bf16_speedup_probe_measures_both_dtypes() -> None:
-    import runtime
+    from smallgpt import runtime
 
     speedup = runtime.bf16_speedup(32, rows=64)
     assert math.isfinite(speedup) and 0.01 < speedup < 100  # a ratio of two measured times, whatever this CPU is
@@ -329,7 +330,7 @@ def test_bf16_speedup_probe_measures_both_dtypes() -> None:
 
 def test_dtype_auto_decodes_in_bf16_only_with_the_compiled_step_on_a_native_bf16_cpu(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import runtime
+    from smallgpt import runtime
 
     for native in (False, True):
         monkeypatch.setattr(runtime, "native_bf16", lambda native=native: native)
@@ -342,7 +343,7 @@ def test_dtype_auto_decodes_in_bf16_only_with_the_compiled_step_on_a_native_bf16
 def test_gpu_peaks_are_found_by_the_most_specific_name() -> None:
     """MFU's denominator: an H100 PCIe (756 TFLOP/s bf16) is not the SXM (989), an L40S not an L40, an A100 not an
     A10; names as torch.cuda.get_device_name gives them."""
-    import runtime
+    from smallgpt import runtime
 
     bf16, fp32 = torch.bfloat16, torch.float32
     assert runtime.gpu_peak_flops("NVIDIA H100 80GB HBM3", bf16) == 989e12
@@ -358,7 +359,7 @@ def test_gpu_peaks_are_found_by_the_most_specific_name() -> None:
 def test_each_rank_restores_its_own_generators_and_an_older_checkpoint_still_loads() -> None:
     """runtime.set_rng_states: a rank takes its own entry of the checkpoint's list; a rank it has none for (resumed
     on more processes) starts as that rank of a new run (seed_rank); an older checkpoint's one dict is rank 0's."""
-    import runtime
+    from smallgpt import runtime
 
     ranks = [runtime.Dist(r, r, 3, "cpu", r == 0) for r in range(3)]
     saved, draws = [], []

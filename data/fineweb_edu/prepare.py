@@ -5,14 +5,11 @@ num_proc processes), GPT-2's BPE. With no network, --input takes local parquet/j
     python data/fineweb_edu/prepare.py [--max_docs=1000000] [--subset=sample-100BT] [--input=PATH]
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
-
-from configurator import run_cli  # noqa: E402
-from corpus import CorpusConfig, prepare_hub_corpus  # noqa: E402
+from configurator import run_cli
+from smallgpt.corpus import CorpusConfig, prepare_hub_corpus
 
 
 @dataclass(slots=True)

@@ -6,19 +6,16 @@ Each example of seq_len tokens: P key-value pairs `k1 v1 ... kP vP`, seq_len - 2
 mask is 1 exactly at the answers a_j; no val example equals a train example. Train with --block_size=<seq_len - 1>.
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
-
-from configurator import run_cli  # noqa: E402  (first: a Ctrl-C while the libraries import is then one line)
+from configurator import run_cli  # first: a Ctrl-C while the libraries import is then one line
 
 # isort: split
-import numpy as np  # noqa: E402
+import numpy as np
 
-from dataset import writing_dataset  # noqa: E402
-from errors import UserError  # noqa: E402
+from smallgpt.data import writing_dataset
+from smallgpt.errors import UserError
 
 MAX_VOCAB = 20000  # token id i is the character chr(0x4E00 + i), a CJK ideograph (U+4E00..U+9FFF)
 ROUNDS = 100  # val draws of val_examples each, before giving up on examples unlike every train example

@@ -5,14 +5,11 @@ GPT-2's BPE. With no network, --input takes local parquet/json/text files. Usage
     python data/openwebtext/prepare.py [--num_proc=8] [--streaming=True] [--input=PATH] [--max_docs=N]
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
-
-from configurator import run_cli  # noqa: E402
-from corpus import CorpusConfig, prepare_hub_corpus  # noqa: E402
+from configurator import run_cli
+from smallgpt.corpus import CorpusConfig, prepare_hub_corpus
 
 
 @dataclass(slots=True)

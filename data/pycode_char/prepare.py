@@ -10,15 +10,13 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
-
-from configurator import run_cli  # noqa: E402  (first: a Ctrl-C while the libraries import is then one line)
+from configurator import run_cli  # first: a Ctrl-C while the libraries import is then one line
 
 # isort: split
-from tqdm import tqdm  # noqa: E402
+from tqdm import tqdm
 
-from dataset import split_ids, write_dataset  # noqa: E402
-from tokenizer import CharTokenizer  # noqa: E402
+from smallgpt.data import split_ids, write_dataset
+from smallgpt.tokenizer import CharTokenizer
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 

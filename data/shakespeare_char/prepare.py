@@ -4,14 +4,11 @@ Downloads the text when online; with no network, pass a local copy: --input=path
 Usage: python data/shakespeare_char/prepare.py [--input=FILE] [--out_dir=data/shakespeare_char]
 """
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for dataset.py and configurator.py
-
-from configurator import run_cli  # noqa: E402
-from dataset import download_text, prepare_text, read_text  # noqa: E402
+from configurator import run_cli
+from smallgpt.data import download_text, prepare_text, read_text
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 

@@ -1,7 +1,7 @@
 """The attention-variant comparison's report (compare.py), from the runs' log.jsonl files and the stored speed
 measurements alone: each variant x size x conversion over its seeds (mean val loss with its 95% interval, the
 seed-paired difference to MHA, recall accuracies pooled with Wilson intervals), the GQA paper's conversion tables,
-a verdict per size, and report.md, report.csv, report.png (plots.py) and (with wandb_log) a wandb Table."""
+a verdict per size, and report.md, report.csv, report.png (smallgpt/plots.py) and (with wandb_log) a wandb Table."""
 
 import csv
 import dataclasses
@@ -13,17 +13,16 @@ from pathlib import Path
 
 import torch
 
-import stats
-import sweep
-from atomic import atomic_open
-from checkpoint import parse_source
-from configs import CompareConfig, TrainConfig
-from convert import CONVERT_METHODS
-from errors import UserError
-from measure import table
 from model import GPT, GPTConfig
-from plots import conversion_target, plot
-from runlog import read_run, start_wandb, unfinished
+from smallgpt import stats, sweep
+from smallgpt.atomic import atomic_open
+from smallgpt.checkpoint import parse_source
+from smallgpt.configs import CompareConfig, TrainConfig
+from smallgpt.convert import CONVERT_METHODS
+from smallgpt.errors import UserError
+from smallgpt.measure import table
+from smallgpt.plots import conversion_target, plot
+from smallgpt.runlog import read_run, start_wandb, unfinished
 
 SPEED_FILE = "speed.json"
 OTHER_BUDGET = "†"  # marks a row with a run trained for other iterations than its comparison's

@@ -1,6 +1,7 @@
 """Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming decode loop with its
 sliding window, and the faster one-token step on CUDA, a CUDA graph replayed (the one on CPU, compiled ahead of time
-by AOTInductor, is compiled_step.py's). The engine imports the model, never the reverse: generate(model, idx, n).
+by AOTInductor, is smallgpt/compiled_step.py's). The engine imports the model, never the reverse:
+generate(model, idx, n).
 """
 
 import codecs
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-from static_step import decode_static
+from smallgpt.static_step import decode_static
 
 
 def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
@@ -133,7 +134,7 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
     """Yield the next token of every row, (B,), up to max_new_tokens times, from a GPT; see generate()."""
     check_sampling(temperature, top_k, top_p)
     if compile_step:  # inductor's import (~1 s of CPU) only where the compiled step is asked for
-        import compiled_step
+        from smallgpt import compiled_step
     B, T0 = idx.shape
     bs = model.config.block_size
     keep = max(1, bs // 2)

@@ -1,4 +1,4 @@
-"""GGUF files for llama.cpp, made by llama.cpp's own convert_hf_to_gguf.py from the transformers folder hf.py
+"""GGUF files for llama.cpp, made by llama.cpp's own convert_hf_to_gguf.py from the transformers folder smallgpt/hf.py
 writes (byte-level BPE vocabularies only: llama.cpp has no char-level one).
 """
 
@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from atomic import cannot_write, temp_path
-from errors import UserError
-from hf import save, to_hf, update_json
 from model import GPT
+from smallgpt.atomic import cannot_write, temp_path
+from smallgpt.errors import UserError
+from smallgpt.hf import save, to_hf, update_json
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Runs llama.cpp's converter (argv: converter, its arguments). The converter names a BPE pre-tokenizer by a hash of

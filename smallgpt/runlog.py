@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from atomic import atomic_open
-from configs import TrainConfig
-from errors import UserError, first_line
 from model import GPTConfig
+from smallgpt.atomic import atomic_open
+from smallgpt.configs import TrainConfig
+from smallgpt.errors import UserError, first_line
 
 
 class RunLog:
@@ -102,7 +102,7 @@ def unreachable(url: str, timeout: float = 3.0) -> str | None:
 def versions() -> dict[str, str | None]:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).parent).stdout.strip() or None
+                             cwd=Path(__file__).resolve().parent.parent).stdout.strip() or None
     except OSError:
         sha = None
     return {"git_sha": sha, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
@@ -139,7 +139,7 @@ def read_run(run_dir: Path) -> dict:
             for kept in (evals, trains):
                 for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
                     del kept[it]
-        elif r["event"] == "recall":  # recall.py's tasks at the final evaluation (train.py --final_evals)
+        elif r["event"] == "recall":  # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
             recalls[r["iter"]] = r
         else:
             last = r["elapsed_s"]

@@ -22,12 +22,12 @@ from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn import functional as F
 
-from atomic import atomic_open
 from attention import KVCache
-from errors import UserError
-from fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
-from quantize import Int8Linear
-from static_step import decode_static
+from smallgpt.atomic import atomic_open
+from smallgpt.errors import UserError
+from smallgpt.fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
+from smallgpt.quantize import Int8Linear
+from smallgpt.static_step import decode_static
 
 # Products of weights up to this size run inductor's CPU GEMM template inside the compiled step, faster than MKL's
 # for these small products; larger ones (GPT-2's lm_head) keep Linear's split product, which streams them faster

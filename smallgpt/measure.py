@@ -1,4 +1,4 @@
-"""What bench.py, bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA variants of a model,
+"""What bench.py, smallgpt/bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA variants of a model,
 timed decoding (from a prompt, and cached steps at long context), timed training steps (a sweep's plan), and
 markdown tables.
 """
@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-from generation import stream
 from model import GPT, GPTConfig
-from optim import make_optimizer
-from runtime import Placement, synchronize
+from smallgpt.generation import stream
+from smallgpt.optim import make_optimizer
+from smallgpt.runtime import Placement, synchronize
 
 
 def default_kv_heads(n_head: int) -> list[int]:

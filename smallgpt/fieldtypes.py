@@ -12,7 +12,7 @@ import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from errors import UserError
+from smallgpt.errors import UserError
 
 T = TypeVar("T")
 

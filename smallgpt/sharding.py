@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import KEPT_NAME
-from errors import UserError, first_line
 from model import GPT, GPTConfig
+from smallgpt.checkpoint import KEPT_NAME
+from smallgpt.errors import UserError, first_line
 
 
 def loaded_class(module: str, name: str) -> type | None:

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import torch
 
-from errors import UserError
 from model import GPT, GPTConfig
+from smallgpt.errors import UserError
 
 
 def for_finetuning(model: GPT, name: str, vocab_size: int, dropout: float, block_size: int,

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from errors import UserError
+from smallgpt.errors import UserError
 
 # Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
 # The longest name found in torch.cuda.get_device_name() wins (gpu_peak_flops): "A100" over "A10", "H100 PCIe"

@@ -2,7 +2,7 @@
 positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel (MHA; GQA with each K/V
 head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA);
 Llama's block as LlamaForCausalLM (with local layers: GraniteSWAForCausalLM), MLA as DeepseekV3ForCausalLM
-(hf_llama.py).
+(smallgpt/hf_llama.py).
 The weight mapping, the tokenizer as a transformers one, and llama.cpp's converter from such a folder to GGUF;
 export.py writes the folder with a model card. Dropout is training's only: the exported model has none.
 """
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from errors import UserError, first_line
-from hf_llama import MODEL_TYPES, deepseek, from_llama_block, granite_swa, llama, llama_class
 from model import GPT, GPTConfig
-from tokenizer import EOT, gpt2_encoding
+from smallgpt.errors import UserError, first_line
+from smallgpt.hf_llama import MODEL_TYPES, deepseek, from_llama_block, granite_swa, llama, llama_class
+from smallgpt.tokenizer import EOT, gpt2_encoding
 
 # a block's modules: ours -> Starcoder2's
 STARCODER2_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",

@@ -3,9 +3,9 @@ checked against the model's block_size."""
 
 from typing import Any
 
-from dataset import read_text
-from errors import UserError
-from tokenizer import encode_prompt
+from smallgpt.data import read_text
+from smallgpt.errors import UserError
+from smallgpt.tokenizer import encode_prompt
 
 
 def read_prompts(start: str) -> list[str]:

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from checkpoint import Source, load_checkpoint, run_config
-from configs import VARIANT, CompareConfig, TrainConfig, size_of
-from errors import UserError
-from measure import default_kv_heads
 from model import GPT, GPTConfig
-from runlog import read_run, unfinished
+from smallgpt.checkpoint import Source, load_checkpoint, run_config
+from smallgpt.configs import VARIANT, CompareConfig, TrainConfig, size_of
+from smallgpt.errors import UserError
+from smallgpt.measure import default_kv_heads
+from smallgpt.runlog import read_run, unfinished
 
 STARTUP_S = 6.0  # a train.py process's start (imports, data, model) and end, in the plan's estimate
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -240,7 +240,7 @@ def launch_all(runs: list[Run], timings: dict[tuple, tuple[float, float]], eval_
         args = train_args(run)
         print(f"$ python train.py {' '.join(args)}", flush=True)
         stop.where = f"in {run.dir} (run {i} of the {len(todo)} left)"
-        if stop.wait([sys.executable, str(Path(__file__).with_name("train.py")), *args]):
+        if stop.wait([sys.executable, str(Path(__file__).resolve().parent.parent / "train.py"), *args]):
             raise UserError(f"the training run into {run.dir} failed: see its output above")
         stop.where = "between runs"
         spent, expected = spent + time.perf_counter() - start, expected + estimated_seconds(run, timings, eval_iters)

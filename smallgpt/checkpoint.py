@@ -1,6 +1,6 @@
 """Where a run's weights come from, read once: init_from parsed into a Source, and load_run, the one way in for every
 script (a checkpoint, OpenAI's GPT-2 through Hugging Face, or an exported folder). Checkpoints: the only code that
-knows their format. Conversions of the weights (K/V heads, fine-tuning fits) are convert.py's.
+knows their format. Conversions of the weights (K/V heads, fine-tuning fits) are smallgpt/convert.py's.
 
 A checkpoint is {'model': state_dict, 'model_config': asdict(GPTConfig), **state} with plain data only, written
 atomically and loaded with weights_only=True (it cannot run code).
@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from atomic import atomic_open, temp_path
-from dataset import data_dir, load_meta, open_tokens
-from errors import UserError, first_line
-from hf import GPT2_NAMES, from_hf
 from model import GPT, GPTConfig
-from tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer
+from smallgpt.atomic import atomic_open, temp_path
+from smallgpt.data import data_dir, load_meta, open_tokens
+from smallgpt.errors import UserError, first_line
+from smallgpt.hf import GPT2_NAMES, from_hf
+from smallgpt.tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer
 
 KEPT_NAME = re.compile(r"ckpt-(\d{7,})\.pt")  # the names keep_last writes: ckpt-<iteration, zero-padded to 7>.pt
 SOURCES = f"'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', {', '.join(GPT2_NAMES)} or 'hf:<folder>'"

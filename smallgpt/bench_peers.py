@@ -26,17 +26,19 @@ from typing import Any
 
 import torch
 
-import hf
-from checkpoint import Source, load_run
-from dataset import data_dir, load_meta
-from errors import UserError
-from generation import generate
-from gguf import check_gguf_vocabulary, convert_folder, to_gguf
 from model import GPTConfig
-from quantize import quantize
-from runlog import read_run
-from runtime import synchronize
-from tokenizer import gpt2_encoding
+from smallgpt import hf
+from smallgpt.checkpoint import Source, load_run
+from smallgpt.data import data_dir, load_meta
+from smallgpt.errors import UserError
+from smallgpt.generation import generate
+from smallgpt.gguf import check_gguf_vocabulary, convert_folder, to_gguf
+from smallgpt.quantize import quantize
+from smallgpt.runlog import read_run
+from smallgpt.runtime import synchronize
+from smallgpt.tokenizer import gpt2_encoding
+
+REPO = Path(__file__).resolve().parent.parent  # where train.py and the configs are
 
 # nanoGPT's README: "I have a GPU" (its config as it is: bf16 where supported, compiled) and "I only have a macbook"
 NANOGPT_GPU_RECIPE = ["config/train_shakespeare_char.py"]
@@ -91,7 +93,7 @@ def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new
                 device: str, llama: Callable[[int], float] | None) -> list[dict]:
     """bench_hf's rows for one dtype: Hugging Face, ours eager and compiled, and llama.cpp (given its runner) taking
     turns in each repeat, so a slow spell of the machine falls on all of them. 'int8' is our fp32 model with int8
-    weights (quantize.py), beside llama.cpp's Q8_0, its tokens compared to fp32's."""
+    weights (smallgpt/quantize.py), beside llama.cpp's Q8_0, its tokens compared to fp32's."""
     int8 = dtype_name == "int8"
     dtype = torch.float32 if int8 else getattr(torch, dtype_name)
     hf, ours = hf.to(device, dtype), ours.to(device, dtype)
@@ -222,7 +224,7 @@ def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], device: s
     wall time against our last val loss and wall time; and the 6x384 step's ms/iter (nanoGPT as its recipe runs;
     ours eager and compiled: our_step_ms gives {compiled: ms})."""
     root = Path(nanogpt_dir).resolve()
-    if root == Path(__file__).resolve().parent:
+    if root == REPO:
         raise UserError(f"--nanogpt_dir={nanogpt_dir} is this repository: pass a karpathy/nanoGPT checkout outside it")
     if not (root / "train.py").is_file():
         raise UserError(f"no nanoGPT checkout at {root}: git clone https://github.com/karpathy/nanoGPT there "
@@ -235,7 +237,7 @@ def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], device: s
         t_ref, out = run_timed(["train.py", *recipe, f"--dataset={name}", f"--out_dir={tmp}/nanogpt"], root)
         ref_loss = min(float(v) for v in re.findall(r"val loss ([\d.]+)", out))
         t_ours, _ = run_timed(["train.py", *our_args, f"--device={device}", f"--dataset={data_dir(dataset)}",
-                               f"--out_dir={tmp}/ours"], Path(__file__).parent)
+                               f"--out_dir={tmp}/ours"], REPO)
         our_loss = read_run(Path(tmp) / "ours")["evals"][-1]["val_loss"]
         _, out = run_timed(["train.py", *STEP_SHAPE, f"--device={device}", f"--compile={gpu}", f"--dataset={name}",
                             "--max_iters=12", "--eval_iters=1", "--eval_interval=1000", f"--out_dir={tmp}/step"], root)
@@ -292,7 +294,7 @@ def bench_recipes(configs: list[str], train_args: list[str]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, config in enumerate(configs):
-            seconds, _ = run_timed(["train.py", config, *train_args, f"--out_dir={tmp}/{i}"], Path(__file__).parent)
+            seconds, _ = run_timed(["train.py", config, *train_args, f"--out_dir={tmp}/{i}"], REPO)
             run = read_run(Path(tmp) / str(i))
             rows.append({"mode": "recipes", "config": config, "iters": run["evals"][-1]["iter"],
                          "val_loss": run["evals"][-1]["val_loss"], "eval_iters": run["config"]["eval_iters"],

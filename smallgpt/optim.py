@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from model import GPT
-from runtime import device_type, native_bf16
+from smallgpt.runtime import device_type, native_bf16
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (and Keller Jordan's) quintic iteration
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dataset import writing_dataset
-from errors import UserError, first_line
-from tokenizer import gpt2_encoding
+from smallgpt.data import writing_dataset
+from smallgpt.errors import UserError, first_line
+from smallgpt.tokenizer import gpt2_encoding
 
 
 @contextmanager

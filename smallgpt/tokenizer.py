@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from errors import UserError, first_line
+from smallgpt.errors import UserError, first_line
 
 BPE_FILE = "tokenizer.json"  # a 'bpe' dataset's tokenizer, beside its meta.json; an exported folder's
 EOT = "<|endoftext|>"

@@ -1,6 +1,7 @@
 """Llama's block (norm='rmsnorm', mlp='swiglu') as stock transformers classes: rotary MHA/GQA/MQA as LlamaForCausalLM,
 with local layers (window) as GraniteSWAForCausalLM, MLA (kv_lora_rank) as a dense DeepseekV3ForCausalLM. The weight
-mappings both ways, and what no class holds, refused in one line; hf.py calls these (docs/export.md "Llama's block and
+mappings both ways, and what no class holds, refused in one line; smallgpt/hf.py calls these
+(docs/export.md "Llama's block and
 MLA", "Local layers").
 """
 
@@ -10,8 +11,8 @@ from typing import Any
 import torch
 
 from attention import NORM_EPS
-from errors import UserError
 from model import GPTConfig
+from smallgpt.errors import UserError
 
 # a block's modules: ours -> Llama's (SwiGLU's gate, up and down are c_gate, c_fc and c_proj)
 LLAMA_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
@@ -33,7 +34,8 @@ LATENT_SCALE = math.sqrt(HF_LATENT_EPS / NORM_EPS)
 
 def llama_class(c: GPTConfig) -> str | None:
     """LlamaForCausalLM (GraniteSWAForCausalLM with local layers) or DeepseekV3ForCausalLM where c has Llama's block
-    or MLA, None for GPT-2's block (hf.py's classes); a model no stock class holds exactly is refused in one line
+    or MLA, None for GPT-2's block (smallgpt/hf.py's classes); a model no stock class holds exactly
+    is refused in one line
     naming the keys that would make it one."""
     llama_block, windowed = (c.norm, c.mlp) == ("rmsnorm", "swiglu"), c.window is not None
     if c.kv_lora_rank is not None:

@@ -4,16 +4,16 @@ naming the numbers, said by configurator.py as one line), importable by the modu
 import re
 from dataclasses import dataclass, field, fields
 
-from checkpoint import Source, parse_source, start_from
 from configurator import build, given_values
-from convert import CONVERT_METHODS
-from errors import UserError
-from fieldtypes import checked_values, with_fields_of
-from generation import check_sampling
-from hf import GPT2_NAMES
 from model import GPTConfig
-from quantize import QUANTIZE
-from recall import task_problems
+from smallgpt.checkpoint import Source, parse_source, start_from
+from smallgpt.convert import CONVERT_METHODS
+from smallgpt.errors import UserError
+from smallgpt.fieldtypes import checked_values, with_fields_of
+from smallgpt.generation import check_sampling
+from smallgpt.hf import GPT2_NAMES
+from smallgpt.quantize import QUANTIZE
+from smallgpt.recall import task_problems
 
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
 
@@ -60,7 +60,8 @@ class TrainConfig:
     # a NaN/inf loss: 'stop' (seen at log steps, no extra host sync; the last good checkpoint stays)
     # or 'skip' (drop each step whose gradient is not finite: one host sync a step)
     nonfinite: str = "stop"
-    # recall.py's tasks on the final model, logged at the last evaluation: induction, position, mqar (an MQAR dataset)
+    # smallgpt/recall.py's tasks on the final model, logged at the last evaluation: induction,
+    # position, mqar (an MQAR dataset)
     final_evals: list[str] = field(default_factory=list)
     decay_lr: bool = True
     warmup_iters: int = 100
@@ -163,7 +164,7 @@ class SampleConfig:
     kv_cache: bool = True  # False recomputes the whole context every token, for comparison
     cuda_graph: bool = True  # on CUDA, replay each one-token step as a CUDA graph (docs/gpu.md)
     compile: bool = False  # on CPU, compile the one-token step (faster after a compile)
-    quantize: str = ""  # 'int8': int8 weights, one scale per output feature (quantize.py)
+    quantize: str = ""  # 'int8': int8 weights, one scale per output feature (smallgpt/quantize.py)
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.top_k, self.top_p)  # a ValueError: one line

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from errors import UserError
+from smallgpt.errors import UserError
 
 TEMP_MARK = ".smallgpt-"  # a temp file or folder is .<name>.smallgpt-<8 hex digits>, beside <name>
 

@@ -1,4 +1,5 @@
-"""report.png for the attention-variant comparison (report.py): val loss by iteration, the gap to MHA against size,
+"""report.png for the attention-variant comparison (smallgpt/report.py): val loss by iteration, the
+gap to MHA against size,
 conversions by uptraining and, for runs trained with --final_evals, the loss by context position and the induction
 accuracy by distance (MQAR beside it).
 """

@@ -11,8 +11,8 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
-from dataset import Batches
-from errors import UserError
+from smallgpt.data import Batches
+from smallgpt.errors import UserError
 
 TASKS = ("induction", "position", "mqar")
 
