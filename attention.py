@@ -19,39 +19,62 @@ NORM_EPS = 1e-5  # every RMSNorm's, as nn.LayerNorm's default (exported as Llama
 class Cache(Protocol):
     """What attention needs of a cache: KVCache, or static_step's StaticKVView."""
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def latent_problems(kv_lora_rank: int | None, qk_rope_head_dim: int | None, q_lora_rank: int | None,
-                    latent_norm: bool, pos_encoding: str, n_kv_head: int, n_head: int, n_embd: int
-                    ) -> list[str]:
+def latent_problems(
+    kv_lora_rank: int | None,
+    qk_rope_head_dim: int | None,
+    q_lora_rank: int | None,
+    latent_norm: bool,
+    pos_encoding: str,
+    n_kv_head: int,
+    n_head: int,
+    n_embd: int,
+) -> list[str]:
     """What is wrong with GPTConfig's MLA keys, a key that would change nothing included."""
     if kv_lora_rank is None:
         given = {"qk_rope_head_dim": qk_rope_head_dim, "q_lora_rank": q_lora_rank}
         if latent_norm is not True:  # its default: anything else asks for a latent's norm
             given["latent_norm"] = latent_norm
-        return [f"{k}={v} is an MLA key: set kv_lora_rank too" for k, v in given.items() if v is not None]
+        return [
+            f"{k}={v} is an MLA key: set kv_lora_rank too"
+            for k, v in given.items()
+            if v is not None
+        ]
     problems = []
     for key, value in (("kv_lora_rank", kv_lora_rank), ("q_lora_rank", q_lora_rank)):
         if value is not None and (type(value) is not int or value < 1):
             problems.append(f"{key}={value!r} must be a positive integer")
     rope = qk_rope_head_dim
     if type(rope) is not int or rope < 0 or (rope == 0) != (pos_encoding == "learned"):
-        problems.append(f"qk_rope_head_dim={rope!r} must be a positive integer with pos_encoding='rope', 0 with "
-                        "'learned'")
+        problems.append(
+            f"qk_rope_head_dim={rope!r} must be a positive integer with pos_encoding='rope', 0 with "
+            "'learned'"
+        )
     if n_kv_head != n_head:
-        problems.append(f"n_kv_head={n_kv_head} does not apply to MLA (every head has its own K and V, made from the "
-                        "latent): leave it out")
+        problems.append(
+            f"n_kv_head={n_kv_head} does not apply to MLA (every head has its own K and V, made from the "
+            "latent): leave it out"
+        )
     if problems or type(n_embd) is not int or type(n_head) is not int or n_head < 1:
         return problems
     head_dim = n_embd // n_head
     if rope > head_dim:
-        problems.append(f"qk_rope_head_dim={rope} is wider than a head (head_dim={head_dim}): give at most "
-                        f"{head_dim}")
-    elif kv_lora_rank + rope >= 2 * n_embd:  # MHA caches K and V: 2 n_embd features a token and layer
-        problems.append(f"kv_lora_rank={kv_lora_rank} with qk_rope_head_dim={rope} caches {kv_lora_rank + rope} "
-                        f"features a token, not fewer than the {2 * n_embd} of the K and V it replaces (2 n_embd): "
-                        f"give kv_lora_rank below {2 * n_embd - rope}")
+        problems.append(
+            f"qk_rope_head_dim={rope} is wider than a head (head_dim={head_dim}): give at most "
+            f"{head_dim}"
+        )
+    elif (
+        kv_lora_rank + rope >= 2 * n_embd
+    ):  # MHA caches K and V: 2 n_embd features a token and layer
+        problems.append(
+            f"kv_lora_rank={kv_lora_rank} with qk_rope_head_dim={rope} caches {kv_lora_rank + rope} "
+            f"features a token, not fewer than the {2 * n_embd} of the K and V it replaces (2 n_embd): "
+            f"give kv_lora_rank below {2 * n_embd - rope}"
+        )
     return problems
 
 
@@ -60,20 +83,32 @@ def window_problems(window: int | None, pattern: str, block_size: int) -> list[s
     some layer is local)."""
     if isinstance(pattern, str) and pattern and set(pattern) <= {"s", "l", "S", "L"}:
         if pattern != pattern.upper():
-            return [f"window_pattern={pattern!r}: its letters are upper case, window_pattern={pattern.upper()!r} "
-                    "(compare.py's variant names spell them lower case, e.g. mha-sl8)"]
+            return [
+                f"window_pattern={pattern!r}: its letters are upper case, window_pattern={pattern.upper()!r} "
+                "(compare.py's variant names spell them lower case, e.g. mha-sl8)"
+            ]
     else:
-        return [f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), e.g. 'SSSL'"]
+        return [
+            f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), e.g. 'SSSL'"
+        ]
     if window is None:
-        return [f"window_pattern={pattern!r} has local layers (S): give their window"] if "S" in pattern else []
+        return (
+            [f"window_pattern={pattern!r} has local layers (S): give their window"]
+            if "S" in pattern
+            else []
+        )
     if type(window) is not int or window < 1:
         return [f"window={window!r} must be a positive integer (the tokens a local layer sees)"]
     if "S" not in pattern:
-        return [f"window={window} with window_pattern={pattern!r}: no layer is local; give a pattern with S, e.g. "
-                "'SSSL' (the last layer is always global)"]
+        return [
+            f"window={window} with window_pattern={pattern!r}: no layer is local; give a pattern with S, e.g. "
+            "'SSSL' (the last layer is always global)"
+        ]
     if type(block_size) is int and window >= block_size:
-        return [f"window={window} is not below block_size={block_size}, so a local layer would see what a global "
-                f"one sees: give a window below {block_size}, or leave window out"]
+        return [
+            f"window={window} is not below block_size={block_size}, so a local layer would see what a global "
+            f"one sees: give a window below {block_size}, or leave window out"
+        ]
     return []
 
 
@@ -96,11 +131,20 @@ class KVCache:
     that it holds the newest positions, all its window sees. `pos` counts positions written; GPT.forward advances it
     once per call, after the last layer. zeros() makes an empty one."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
-                 windows: list[int | None]) -> None:
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring_k: torch.Tensor,
+        ring_v: torch.Tensor,
+        windows: list[int | None],
+    ) -> None:
         self.k, self.v, self.ring_k, self.ring_v = k, v, ring_k, ring_v
         self.max_len, self.ring = k.size(3), ring_k.size(3)
-        self.where, counts = [], [0, 0]  # each layer's (local?, index in its tensors); layers so far, global and local
+        self.where, counts = (
+            [],
+            [0, 0],
+        )  # each layer's (local?, index in its tensors); layers so far, global and local
         for window in windows:
             local = window is not None
             self.where.append((local, counts[local]))
@@ -108,22 +152,35 @@ class KVCache:
         self.pos = 0
 
     @classmethod
-    def zeros(cls, windows: list[int | None], batch_size: int, max_len: int, heads: int, k_width: int,
-              v_width: int, device: torch.device | str, dtype: torch.dtype) -> "KVCache":
+    def zeros(
+        cls,
+        windows: list[int | None],
+        batch_size: int,
+        max_len: int,
+        heads: int,
+        k_width: int,
+        v_width: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> "KVCache":
         """An empty cache of max_len positions for layers of these windows (None: global; the local ones share one)."""
         local = [w for w in windows if w is not None]
         assert len(set(local)) <= 1, f"one window for every local layer, not {sorted(set(local))}"
         ring = min(local[0], max_len) if local else 0
-        tensors = [torch.zeros(n, batch_size, heads, length, width, device=device, dtype=dtype)
-                   for n, length in ((len(windows) - len(local), max_len), (len(local), ring))
-                   for width in (k_width, v_width)]
+        tensors = [
+            torch.zeros(n, batch_size, heads, length, width, device=device, dtype=dtype)
+            for n, length in ((len(windows) - len(local), max_len), (len(local), ring))
+            for width in (k_width, v_width)
+        ]
         return cls(*tensors, windows)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k, self.v, self.ring_k, self.ring_v))
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, heads, T, width) at pos; return the keys and values the layer attends over: a global
         layer's from 0 to pos + T; a local layer's ring in slot order (their positions: attention_mask's `ring`),
         after the write for one token, before it and then the chunk's own for a chunk (whose writes would overwrite
@@ -131,19 +188,23 @@ class KVCache:
         local, i = self.where[layer]
         start, T = self.pos, k.size(2)
         if not local:
-            self.k[i, :, :, start:start + T] = k
-            self.v[i, :, :, start:start + T] = v
-            return self.k[i, :, :, :start + T], self.v[i, :, :, :start + T]  # (B, heads, start + T, width)
+            self.k[i, :, :, start : start + T] = k
+            self.v[i, :, :, start : start + T] = v
+            return self.k[i, :, :, : start + T], self.v[
+                i, :, :, : start + T
+            ]  # (B, heads, start + T, width)
         ring_k, ring_v = self.ring_k[i], self.ring_v[i]  # (B, heads, ring, width)
         if T == 1:
             ring_k[:, :, start % self.ring] = k[:, :, 0]
             ring_v[:, :, start % self.ring] = v[:, :, 0]
             return (k, v) if start == 0 else (ring_k, ring_v)
-        seen = (k, v) if start == 0 else (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
+        seen = (
+            (k, v) if start == 0 else (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
+        )
         n = min(T, self.ring)  # the chunk's newest n tokens are kept
         slots = torch.arange(start + T - n, start + T, device=k.device) % self.ring
-        ring_k.index_copy_(2, slots, k[:, :, T - n:])
-        ring_v.index_copy_(2, slots, v[:, :, T - n:])
+        ring_k.index_copy_(2, slots, k[:, :, T - n :])
+        ring_v.index_copy_(2, slots, v[:, :, T - n :])
         return seen
 
 
@@ -172,16 +233,26 @@ def ring_positions(end: int | torch.Tensor, ring: int, device: torch.device) -> 
     return last - (last - torch.arange(ring, device=device)).remainder(ring)  # (ring,)
 
 
-def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.device, window: int | None = None,
-                   ring: int | None = None) -> Mask:
+def attention_mask(
+    T: int,
+    start: int,
+    pad: torch.Tensor | None,
+    device: torch.device,
+    window: int | None = None,
+    ring: int | None = None,
+) -> Mask:
     """The mask (B or 1, 1, T, Tk) of queries at start..start+T-1 over the keys at 0..start+T-1, or None where none is
     needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal aligns top-left), that
     no window cuts. Left padding (pad[b] slots in row b) is hidden from real queries; a pad query sees only itself,
     so no row is fully masked (which gives NaNs). window (a local layer's): a query sees only itself and the
     window - 1 slots before it. ring: the slots of a local layer's cache (KVCache), whose keys are then the ring's
     slots, for a chunk followed by its own."""
-    if ring is not None and start > 0:  # the keys KVCache.update returns: the ring's slots (then a chunk's own)
-        if T == 1 and pad is None and start + 1 >= ring:  # every slot written: all of them in the window
+    if (
+        ring is not None and start > 0
+    ):  # the keys KVCache.update returns: the ring's slots (then a chunk's own)
+        if (
+            T == 1 and pad is None and start + 1 >= ring
+        ):  # every slot written: all of them in the window
             return None
         key_pos = ring_positions(start + (T == 1), ring, device)
         if T > 1:
@@ -204,7 +275,9 @@ def attention_mask(T: int, start: int, pad: torch.Tensor | None, device: torch.d
 class CausalSelfAttention(nn.Module):
     """n_head query heads over n_kv_head K/V heads: MHA (equal), GQA (a divisor), MQA (one)."""
 
-    def __init__(self, layer: int, n_embd: int, n_head: int, n_kv_head: int, bias: bool, dropout: float) -> None:
+    def __init__(
+        self, layer: int, n_embd: int, n_head: int, n_kv_head: int, bias: bool, dropout: float
+    ) -> None:
         super().__init__()
         self.layer, self.n_head, self.n_kv_head = layer, n_head, n_kv_head
         self.head_dim = n_embd // n_head
@@ -216,15 +289,25 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
+    ) -> torch.Tensor:
         B, T, C = x.shape  # C is n_embd
         H, G, hd = self.n_head, self.n_kv_head, self.head_dim
-        if kv_cache is None and rope is not None:  # q, k and v as one product, q and k rotated as one
-            qkv = joint_linear(x, self.c_q, self.c_k, self.c_v).view(B, T, H + 2 * G, hd).transpose(1, 2)
+        if (
+            kv_cache is None and rope is not None
+        ):  # q, k and v as one product, q and k rotated as one
+            qkv = (
+                joint_linear(x, self.c_q, self.c_k, self.c_v)
+                .view(B, T, H + 2 * G, hd)
+                .transpose(1, 2)
+            )
             qk, v = qkv.split((H + G, G), dim=1)
             q, k = apply_rope(qk, *rope).split((H, G), dim=1)
         else:  # each Linear on its own: decoding's few-row products (fast_paths.Linear), and faster on CUDA without
-            q = self.c_q(x).view(B, T, H, hd).transpose(1, 2)  # RoPE (docs/performance-cpu.md "Training")
+            q = (
+                self.c_q(x).view(B, T, H, hd).transpose(1, 2)
+            )  # RoPE (docs/performance-cpu.md "Training")
             k = self.c_k(x).view(B, T, G, hd).transpose(1, 2)
             v = self.c_v(x).view(B, T, G, hd).transpose(1, 2)
             if rope is not None:
@@ -253,13 +336,25 @@ class LatentAttention(nn.Module):
     # itself and never calls kv_b while decoding, so smallgpt/quantize.py keeps these in the model's dtype
     matrices: tuple[str, ...] = ("kv_b",)
 
-    def __init__(self, layer: int, n_embd: int, n_head: int, kv_lora_rank: int, rope_dim: int,
-                 q_lora_rank: int | None, latent_norm: bool, bias: bool, dropout: float) -> None:
+    def __init__(
+        self,
+        layer: int,
+        n_embd: int,
+        n_head: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        q_lora_rank: int | None,
+        latent_norm: bool,
+        bias: bool,
+        dropout: float,
+    ) -> None:
         super().__init__()
         self.layer, self.n_head, self.head_dim = layer, n_head, n_embd // n_head
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
-        q_dim = n_head * (self.head_dim + rope_dim)  # each head: head_dim features for the latent's keys, rope_dim
+        q_dim = n_head * (
+            self.head_dim + rope_dim
+        )  # each head: head_dim features for the latent's keys, rope_dim
         if q_lora_rank is None:
             self.c_q = Linear(n_embd, q_dim, bias=bias)
         else:
@@ -268,32 +363,51 @@ class LatentAttention(nn.Module):
             self.q_b = Linear(q_lora_rank, q_dim, bias=False)
         self.kv_a = Linear(n_embd, kv_lora_rank + rope_dim, bias=bias)  # [latent | rotary key]
         self.kv_norm = RMSNorm(kv_lora_rank) if latent_norm else nn.Identity()
-        self.kv_b = Linear(kv_lora_rank, 2 * n_embd, bias=False)  # each head's [k | v], head_dim each
+        self.kv_b = Linear(
+            kv_lora_rank, 2 * n_embd, bias=False
+        )  # each head's [k | v], head_dim each
         self.c_proj = Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
+    ) -> torch.Tensor:
         B, T, C = x.shape
         H, hd, R = self.n_head, self.head_dim, self.kv_lora_rank
         q = self.c_q(x) if self.q_lora_rank is None else self.q_b(self.q_norm(self.q_a(x)))
         q = q.view(B, T, H, hd + self.rope_dim).transpose(1, 2)  # (B, H, T, head_dim + rope_dim)
         q, q_rope = q.split((hd, self.rope_dim), dim=-1)
-        latent, k_rope = self.kv_a(x).split((R, self.rope_dim), dim=-1)  # (B, T, R), (B, T, rope_dim)
-        latent, k_rope = self.kv_norm(latent), k_rope[:, None]  # the rotary key: one head, (B, 1, T, rope_dim)
+        latent, k_rope = self.kv_a(x).split(
+            (R, self.rope_dim), dim=-1
+        )  # (B, T, R), (B, T, rope_dim)
+        latent, k_rope = (
+            self.kv_norm(latent),
+            k_rope[:, None],
+        )  # the rotary key: one head, (B, 1, T, rope_dim)
         if rope is not None:
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
         dropout_p = self.dropout if self.training else 0.0
         scale = (hd + self.rope_dim) ** -0.5  # as if K held head_dim + rope_dim features a head
         if kv_cache is None:  # K and V of every head from the latent
-            k, v = self.kv_b(latent).view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, T, head_dim)
+            k, v = (
+                self.kv_b(latent).view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)
+            )  # (B, H, T, head_dim)
             k = torch.cat((k, k_rope.expand(B, H, T, self.rope_dim)), dim=-1)
-            y = attention(torch.cat((q, q_rope), dim=-1), k, v, mask, dropout_p, cached=False, scale=scale)
+            y = attention(
+                torch.cat((q, q_rope), dim=-1), k, v, mask, dropout_p, cached=False, scale=scale
+            )
         else:  # absorbed: q . (W_uk latent) = (q W_uk) . latent, and softmax-weighted latents times W_uv
             key = torch.cat((latent[:, None], k_rope), dim=-1)  # (B, 1, T, R + rope_dim)
-            key, _ = kv_cache.update(self.layer, key, key[..., :0])  # (B, 1, Tk, R + rope_dim), V: nothing
-            w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(1)  # each head's key and value maps, (H, hd, R)
+            key, _ = kv_cache.update(
+                self.layer, key, key[..., :0]
+            )  # (B, 1, Tk, R + rope_dim), V: nothing
+            w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(
+                1
+            )  # each head's key and value maps, (H, hd, R)
             q = torch.cat((q @ w_uk, q_rope), dim=-1)  # (B, H, T, R + rope_dim)
-            y = attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale) @ w_uv.mT  # (B,H,T,hd)
+            y = (
+                attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale) @ w_uv.mT
+            )  # (B,H,T,hd)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y))

@@ -41,7 +41,13 @@ import torch
 
 from model import GPT, GPTConfig
 from smallgpt import recall, report, runtime, sweep
-from smallgpt.atomic import atomic_open, check_writes_into, folder_lock, lock_holder, remove_stale_temps
+from smallgpt.atomic import (
+    atomic_open,
+    check_writes_into,
+    folder_lock,
+    lock_holder,
+    remove_stale_temps,
+)
 from smallgpt.checkpoint import check_vocabulary, parse_source
 from smallgpt.configs import CompareConfig, TrainConfig, repeated
 from smallgpt.convert import check_latent_target
@@ -61,26 +67,42 @@ COMPARISON_TEMPS = "|".join(map(re.escape, COMPARISON_FILES))  # those written t
 
 def variant(base: TrainConfig, name: str, vocab_size: int = 1) -> GPTConfig:
     """The base run's model as the variant name says (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>; -sssl64...)."""
-    return sweep.variant_config(dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head), name)
+    return sweep.variant_config(
+        dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head), name
+    )
 
 
-def timings(runs: list[sweep.Run], base: TrainConfig, place: Placement) -> dict[tuple, tuple[float, float]]:
+def timings(
+    runs: list[sweep.Run], base: TrainConfig, place: Placement
+) -> dict[tuple, tuple[float, float]]:
     """Each shape's seconds per training step and per evaluation batch (measure.training_seconds: 5 timed steps)."""
     shapes = {r.shape: r.model for r in runs}
-    return {k: training_seconds(m, base.batch_size, base.optimizer, place) for k, m in shapes.items()}
+    return {
+        k: training_seconds(m, base.batch_size, base.optimizer, place) for k, m in shapes.items()
+    }
 
 
-def show_plan(runs: list[sweep.Run], times: dict[tuple, tuple[float, float]], base: TrainConfig,
-              device: str) -> str:
+def show_plan(
+    runs: list[sweep.Run], times: dict[tuple, tuple[float, float]], base: TrainConfig, device: str
+) -> str:
     """The runs a sweep makes, their tokens and estimated times, and the total."""
     waiting = [r for r in runs if not sweep.finished(r)]
-    rows = [{"run": r.dir.name, "iters": r.iters, "tokens": r.iters * r.tokens_per_iter,
-             "estimated s": round(sweep.estimated_seconds(r, times, base.eval_iters)),
-             "state": "to run" if r in waiting else "finished"} for r in runs]
+    rows = [
+        {
+            "run": r.dir.name,
+            "iters": r.iters,
+            "tokens": r.iters * r.tokens_per_iter,
+            "estimated s": round(sweep.estimated_seconds(r, times, base.eval_iters)),
+            "state": "to run" if r in waiting else "finished",
+        }
+        for r in runs
+    ]
     todo = sum(sweep.estimated_seconds(r, times, base.eval_iters) for r in waiting)
-    text = (f"{table(rows)}\n\n{len(runs)} runs, {len(waiting)} to run: about {sweep.clock(todo)} on "
-            f"{device} (5 timed training steps and 3 evaluation batches per shape, plus "
-            f"{sweep.STARTUP_S:.0f} s per run to start train.py), plus the decode-speed measurement")
+    text = (
+        f"{table(rows)}\n\n{len(runs)} runs, {len(waiting)} to run: about {sweep.clock(todo)} on "
+        f"{device} (5 timed training steps and 3 evaluation batches per shape, plus "
+        f"{sweep.STARTUP_S:.0f} s per run to start train.py), plus the decode-speed measurement"
+    )
     print(text)
     return text
 
@@ -90,16 +112,25 @@ def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device
     the shapes (so drift on a shared machine spreads over all of them), into root/speed.json."""
     path = root / report.SPEED_FILE
     stored = json.loads(path.read_text()) if path.is_file() else {}
-    shapes = {report.speed_key(r.model, cfg.decode_context, cfg.decode_batch): r.model for r in runs}
+    shapes = {
+        report.speed_key(r.model, cfg.decode_context, cfg.decode_batch): r.model for r in runs
+    }
     todo = {k: m for k, m in shapes.items() if len(stored.get(k, [])) < cfg.speed_repeats}
     if not todo:
         return
-    print(f"decode speed of {len(todo)} shapes, batch {cfg.decode_batch} at {cfg.decode_context} positions, "
-          f"{cfg.speed_repeats} repeats ...", flush=True)
+    print(
+        f"decode speed of {len(todo)} shapes, batch {cfg.decode_batch} at {cfg.decode_context} positions, "
+        f"{cfg.speed_repeats} repeats ...",
+        flush=True,
+    )
     t0, fresh = time.perf_counter(), {k: [] for k in todo}
     for _ in range(cfg.speed_repeats):
         for k, m in todo.items():
-            fresh[k].append(cached_step_throughput(m, cfg.decode_batch, cfg.decode_context, cfg.decode_steps, device))
+            fresh[k].append(
+                cached_step_throughput(
+                    m, cfg.decode_batch, cfg.decode_context, cfg.decode_steps, device
+                )
+            )
     with atomic_open(path, "w") as f:
         json.dump(stored | fresh, f, indent=1)
     print(f"measured in {time.perf_counter() - t0:.0f} s: {path}")
@@ -111,16 +142,28 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
     vocab = vocab_size_of(base.dataset) or 50304  # GPT-2's, padded
     rows = []
     divisors = sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True)
-    for name in [f"gqa{g}" for g in divisors] + [n for n in cfg.variants if n.startswith("mla") or "-" in n]:
+    for name in [f"gqa{g}" for g in divisors] + [
+        n for n in cfg.variants if n.startswith("mla") or "-" in n
+    ]:
         mcfg = variant(base, name, vocab)
         with torch.device("meta"):
             model = GPT(mcfg)
         kv = mcfg.kv_cache_bytes(1, mcfg.block_size, getattr(torch, cfg.kv_dtype))
-        kind = f"MLA (kv_lora_rank={mcfg.kv_lora_rank})" if mcfg.kv_lora_rank else mcfg.attention_kind
+        kind = (
+            f"MLA (kv_lora_rank={mcfg.kv_lora_rank})" if mcfg.kv_lora_rank else mcfg.attention_kind
+        )
         kind += f", window {mcfg.window} in {mcfg.window_pattern}" if mcfg.window else ""
-        rows.append({"n_kv_head": mcfg.n_kv_head, "kind": kind, "params (M)": round(model.num_params() / 1e6, 2),
-                     "attention params/layer": model.attention_params_per_layer(),
-                     f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(kv / 2**20, 2)})
+        rows.append(
+            {
+                "n_kv_head": mcfg.n_kv_head,
+                "kind": kind,
+                "params (M)": round(model.num_params() / 1e6, 2),
+                "attention params/layer": model.attention_params_per_layer(),
+                f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(
+                    kv / 2**20, 2
+                ),
+            }
+        )
     text = table(rows)
     print(text)
     return text
@@ -134,28 +177,36 @@ def check_base_keys(given: dict) -> None:
     if "n_kv_head" in changed:
         n_kv_head = changed["n_kv_head"]
         heads = sorted({given.get("n_head", defaults["n_head"]), n_kv_head}, reverse=True)
-        raise UserError(f"n_kv_head={n_kv_head} in the base run: compare.py gives each variant "
-                        f"its K/V heads by name (mha, gqa<n_kv_head>, mqa) or by --kv_heads, "
-                        f"e.g. --kv_heads=[{','.join(map(str, heads))}]; leave n_kv_head out")
+        raise UserError(
+            f"n_kv_head={n_kv_head} in the base run: compare.py gives each variant "
+            f"its K/V heads by name (mha, gqa<n_kv_head>, mqa) or by --kv_heads, "
+            f"e.g. --kv_heads=[{','.join(map(str, heads))}]; leave n_kv_head out"
+        )
     if "kv_lora_rank" in changed:
         rank = changed["kv_lora_rank"]
-        raise UserError(f"kv_lora_rank={rank} in the base run: compare.py makes MLA a variant "
-                        f"of its own, named mla<kv_lora_rank>, e.g. --variants=[mha,mla{rank}]; "
-                        f"leave kv_lora_rank out")
+        raise UserError(
+            f"kv_lora_rank={rank} in the base run: compare.py makes MLA a variant "
+            f"of its own, named mla<kv_lora_rank>, e.g. --variants=[mha,mla{rank}]; "
+            f"leave kv_lora_rank out"
+        )
     for key in ("window", "window_pattern"):
         if key in changed:
             pattern = str(given.get("window_pattern", "SL")).lower()
             if "s" not in pattern or not set(pattern) <= {"s", "l"}:
                 pattern = "sl"
             example = f"mha-{pattern}{given.get('window') or 64}"
-            raise UserError(f"{key}={changed[key]!r} in the base run: compare.py gives each "
-                            f"variant its local layers by name, e.g. --variants=[mha,{example}] "
-                            f"(lower case); leave window and window_pattern out")
+            raise UserError(
+                f"{key}={changed[key]!r} in the base run: compare.py gives each "
+                f"variant its local layers by name, e.g. --variants=[mha,{example}] "
+                f"(lower case); leave window and window_pattern out"
+            )
     for key in MLA_KEYS:
         if key in changed:
-            raise UserError(f"{key}={changed[key]!r} is an MLA key, and compare.py's base run, "
-                            f"which every variant starts from, is not MLA (its mla<kv_lora_rank> "
-                            f"variants are, with MLA's defaults): leave {key} out")
+            raise UserError(
+                f"{key}={changed[key]!r} is an MLA key, and compare.py's base run, "
+                f"which every variant starts from, is not MLA (its mla<kv_lora_rank> "
+                f"variants are, with MLA's defaults): leave {key} out"
+            )
 
 
 def check_variants(cfg: CompareConfig, base: TrainConfig, names: list[str], key: str) -> None:
@@ -176,14 +227,17 @@ def check_variants(cfg: CompareConfig, base: TrainConfig, names: list[str], key:
             other = seen.setdefault(shape, name)
             if other != name:
                 windows = f", layer windows {model.layer_windows}" if model.window else ""
-                raise UserError(f"{listed}: {other} and {name} are the same model at {size} "
-                                f"({model.attention_kind}, {model.kv_sizes}{windows}): list one of "
-                                f"them")
+                raise UserError(
+                    f"{listed}: {other} and {name} are the same model at {size} "
+                    f"({model.attention_kind}, {model.kv_sizes}{windows}): list one of "
+                    f"them"
+                )
         for name, model in models.items():
             canonical = sweep.variant_name(model)
             if canonical != name:
-                raise UserError(f"{listed}: {name} is {canonical} at n_head={model.n_head}: name "
-                                f"it {canonical}")
+                raise UserError(
+                    f"{listed}: {name} is {canonical} at n_head={model.n_head}: name it {canonical}"
+                )
             if cfg.convert and model.kv_lora_rank is not None:  # and each MLA conversion possible
                 try:
                     check_latent_target(model)
@@ -201,16 +255,25 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
     names, key = sweep.variant_names(cfg, base.n_head), "variants" if cfg.variants else "kv_heads"
     given = given_values(CompareConfig, ours)
-    if not cfg.convert and (steer := [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale")
-                                      if k in given]):
-        raise UserError(f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them")
+    if not cfg.convert and (
+        steer := [
+            k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale") if k in given
+        ]
+    ):
+        raise UserError(
+            f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them"
+        )
     if cfg.convert and "mha" not in names:
-        raise UserError(f"convert=True converts the MHA runs: {key}={getattr(cfg, key)} must hold "
-                        + (f"n_head={base.n_head}" if key == "kv_heads" else "mha"))
+        raise UserError(
+            f"convert=True converts the MHA runs: {key}={getattr(cfg, key)} must hold "
+            + (f"n_head={base.n_head}" if key == "kv_heads" else "mha")
+        )
     same = repeated([round(f * base.max_iters) for f in cfg.uptrain_fractions])
     if cfg.convert and same is not None:
-        raise UserError(f"uptrain_fractions={cfg.uptrain_fractions} give {same} of max_iters={base.max_iters} "
-                        f"iterations twice: the same uptraining twice; give fractions 1/{base.max_iters} apart or more")
+        raise UserError(
+            f"uptrain_fractions={cfg.uptrain_fractions} give {same} of max_iters={base.max_iters} "
+            f"iterations twice: the same uptraining twice; give fractions 1/{base.max_iters} apart or more"
+        )
     check_variants(cfg, base, names, key)
     return cfg, base
 
@@ -241,8 +304,13 @@ def check_runs(cfg: CompareConfig, base: TrainConfig, runs: list[sweep.Run]) -> 
     check_budgets(cfg, runs, planned, meta, base.dataset)
 
 
-def check_budgets(cfg: CompareConfig, runs: list[sweep.Run], planned: dict[Path, TrainConfig],
-                  meta: dict | None, dataset: str) -> None:
+def check_budgets(
+    cfg: CompareConfig,
+    runs: list[sweep.Run],
+    planned: dict[Path, TrainConfig],
+    meta: dict | None,
+    dataset: str,
+) -> None:
     """Refuse to resume a run trained at another budget (SCHEDULE_KEYS) unless --extend=True asks
     for it: it would change its learning-rate schedule midway (the rate rises again) and the
     report set it beside runs of another budget. With extend, refuse what extending cannot do:
@@ -259,8 +327,9 @@ def check_budgets(cfg: CompareConfig, runs: list[sweep.Run], planned: dict[Path,
         except UserError as e:
             raise UserError(f"{run.dir.name}: {e}") from e
         now = planned[run.dir]
-        was = {k: v for k, v in stored["config"].items()
-               if k in SCHEDULE_KEYS and v != getattr(now, k)}
+        was = {
+            k: v for k, v in stored["config"].items() if k in SCHEDULE_KEYS and v != getattr(now, k)
+        }
         if was:
             changed[run.dir] = was
             trained_to[run.dir] = stored["iter_num"]
@@ -273,15 +342,19 @@ def check_budgets(cfg: CompareConfig, runs: list[sweep.Run], planned: dict[Path,
     if len(changed) > 1:
         who = f"{first.name} and {len(changed) - 1} other runs have checkpoints"
     if not cfg.extend:
-        raise UserError(f"{who} of another budget ({first.name}: {was}; this sweep: {now}): "
-                        f"resumed, a run would change its learning-rate schedule midway, and the "
-                        f"report would set it beside runs of another budget; use another out_dir, "
-                        f"or --extend=True to train such runs on to this budget")
+        raise UserError(
+            f"{who} of another budget ({first.name}: {was}; this sweep: {now}): "
+            f"resumed, a run would change its learning-rate schedule midway, and the "
+            f"report would set it beside runs of another budget; use another out_dir, "
+            f"or --extend=True to train such runs on to this budget"
+        )
     for folder, iters in trained_to.items():
         if iters > planned[folder].max_iters:
-            raise UserError(f"extend=True trains runs on, and {folder.name} is at iteration "
-                            f"{iters}, past max_iters={planned[folder].max_iters}: use another "
-                            f"out_dir for a shorter budget")
+            raise UserError(
+                f"extend=True trains runs on, and {folder.name} is at iteration "
+                f"{iters}, past max_iters={planned[folder].max_iters}: use another "
+                f"out_dir for a shorter budget"
+            )
     stale = []  # the conversions of a model that extend would train on
     for run in runs:
         source = parse_source(planned[run.dir].init_from)
@@ -289,9 +362,11 @@ def check_budgets(cfg: CompareConfig, runs: list[sweep.Run], planned: dict[Path,
         if converted and (run.dir / "log.jsonl").exists():
             stale.append(run.dir.name)
     if stale:
-        raise UserError(f"extend=True trains on the models that {', '.join(stale)} converted at "
-                        f"their old budget: delete those folders, and the sweep converts the "
-                        f"models trained on")
+        raise UserError(
+            f"extend=True trains on the models that {', '.join(stale)} converted at "
+            f"their old budget: delete those folders, and the sweep converts the "
+            f"models trained on"
+        )
 
 
 def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
@@ -299,30 +374,49 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
     and ends, one line says where the sweep stopped, and it exits 143 or 130; run the same command to resume."""
     vocab = vocab_size_of(base.dataset)
     if vocab is None and cfg.mode != "plan":
-        load_meta(data_dir(base.dataset))  # a sweep stops here: the missing dataset's one-line error
-    runs = sweep.plan(cfg, base, vocab or 50304, root)  # a plan needs no data: GPT-2's padded vocabulary stands in
+        load_meta(
+            data_dir(base.dataset)
+        )  # a sweep stops here: the missing dataset's one-line error
+    runs = sweep.plan(
+        cfg, base, vocab or 50304, root
+    )  # a plan needs no data: GPT-2's padded vocabulary stands in
     check_runs(cfg, base, runs)  # before any work: a run that cannot train, or would mix budgets
     if "mha" not in sweep.variant_names(cfg, base.n_head):
         key, add = ("variants", "mha") if cfg.variants else ("kv_heads", base.n_head)
-        print(f"no MHA in {key}={getattr(cfg, key)} (n_head={base.n_head}): the report compares these variants but "
-              f"shows no difference to MHA; add {add} to {key} for that", flush=True)
+        print(
+            f"no MHA in {key}={getattr(cfg, key)} (n_head={base.n_head}): the report compares these variants but "
+            f"shows no difference to MHA; add {add} to {key} for that",
+            flush=True,
+        )
     with sweep.Stop() as stop:
         try:
-            place = runtime.place(base.device, base.dtype, base.n_embd)  # as each run's train.py decides
-            timed = runs if cfg.mode == "plan" else [r for r in runs if not sweep.finished(r)]  # to estimate
+            place = runtime.place(
+                base.device, base.dtype, base.n_embd
+            )  # as each run's train.py decides
+            timed = (
+                runs if cfg.mode == "plan" else [r for r in runs if not sweep.finished(r)]
+            )  # to estimate
             times = timings(timed, base, place)
             if cfg.mode == "plan":
                 show_plan(runs, times, base, place.device)
                 return
-            with folder_lock(root, "compare.py"):  # one sweep in a folder at a time (each run locks its own too)
-                remove_stale_temps(root, COMPARISON_TEMPS)  # what a killed compare.py left half-written
+            with folder_lock(
+                root, "compare.py"
+            ):  # one sweep in a folder at a time (each run locks its own too)
+                remove_stale_temps(
+                    root, COMPARISON_TEMPS
+                )  # what a killed compare.py left half-written
                 mark_comparison(root)
                 sweep.launch_all(runs, times, base.eval_iters, stop)
                 stop.where = "while measuring the decode speeds"
                 measure_speeds(cfg, runs, root, place.device)
         except sweep.Stopped as e:
-            print(f"{e}: {sum(map(sweep.finished, runs))} of {len(runs)} runs finished; run the same command again "
-                  f"to resume (a run cut short goes on from its checkpoint)", file=sys.stderr, flush=True)
+            print(
+                f"{e}: {sum(map(sweep.finished, runs))} of {len(runs)} runs finished; run the same command again "
+                f"to resume (a run cut short goes on from its checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
             sys.exit(128 + e.signum)
 
 
@@ -340,8 +434,10 @@ def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | Non
     if (holder := lock_holder(root)) is None:
         return None
     runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
-    return (f"The sweep is still running ({holder}): {sum(map(sweep.finished, runs))} of {len(runs)} runs "
-            f"finished. This report shows those finished so far; make it again when the sweep ends.")
+    return (
+        f"The sweep is still running ({holder}): {sum(map(sweep.finished, runs))} of {len(runs)} runs "
+        f"finished. This report shows those finished so far; make it again when the sweep ends."
+    )
 
 
 def main(config: tuple[CompareConfig, TrainConfig]) -> None:

@@ -44,8 +44,11 @@ def _read_file(path: str) -> dict[str, Any]:
         error = f"{type(e).__name__}: {first_line(e)}"
         raise UserError(f"config file {path} line {line}: {error}") from e
     not_settings = types.ModuleType | types.FunctionType | type
-    return {name: value for name, value in namespace.items()
-            if not name.startswith("_") and not isinstance(value, not_settings)}
+    return {
+        name: value
+        for name, value in namespace.items()
+        if not name.startswith("_") and not isinstance(value, not_settings)
+    }
 
 
 def parse_config(cls: type[T], argv: list[str]) -> T:
@@ -73,8 +76,10 @@ def given_values(cls: type, argv: list[str]) -> dict[str, Any]:
             default = next((f.default for f in dataclasses.fields(cls) if f.name == key), None)
             # e.g. --out_dir=$UNSET means a mistake, not "the current folder"
             if raw == "" and isinstance(default, str) and default:
-                raise UserError(f"{arg} gives {key} an empty value (an unset shell variable?): "
-                                f"give one, or leave the flag out for the default {default!r}")
+                raise UserError(
+                    f"{arg} gives {key} an empty value (an unset shell variable?): "
+                    f"give one, or leave the flag out for the default {default!r}"
+                )
             try:
                 value = ast.literal_eval(raw)
             except (ValueError, SyntaxError):
@@ -102,8 +107,12 @@ def print_config(cfg: Any) -> None:
         print(f"  {f.name:<{width}} = {getattr(cfg, f.name)!r}")
 
 
-def run_cli(main: Callable[[T], Any], config: type[T] | Callable[[list[str]], T],
-            argv: list[str] | None = None, keys: tuple[type, ...] = ()) -> None:
+def run_cli(
+    main: Callable[[T], Any],
+    config: type[T] | Callable[[list[str]], T],
+    argv: list[str] | None = None,
+    keys: tuple[type, ...] = (),
+) -> None:
     """Parse the command line (into the dataclass `config`, or by the function `config`, whose keys
     are those of the dataclasses `keys`) and run main on it. A user error (USER_ERRORS) ends the
     process with one `error: ...` line and exit 2 (SMALLGPT_DEBUG=1 shows its traceback); anything

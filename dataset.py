@@ -1,6 +1,6 @@
 """Turn any local UTF-8 text file into a dataset (smallgpt/data.py's layout: train.bin, val.bin, meta.json):
 
-    python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=char   # or gpt2, or bpe --vocab_size=N
+python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=char   # or gpt2, or bpe --vocab_size=N
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
@@ -25,9 +25,13 @@ class TextConfig:
 
 def main(cfg: TextConfig) -> None:
     if not cfg.input or not cfg.out_dir:
-        raise UserError("usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2|bpe "
-                        "--vocab_size=N]")
-    prepare_text(read_text(cfg.input), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction, cfg.vocab_size)
+        raise UserError(
+            "usage: python dataset.py --input=FILE --out_dir=data/NAME [--tokenizer=char|gpt2|bpe "
+            "--vocab_size=N]"
+        )
+    prepare_text(
+        read_text(cfg.input), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction, cfg.vocab_size
+    )
 
 
 if __name__ == "__main__":

@@ -86,8 +86,10 @@ def check_tokens(run: Run, source: Source, meta: dict, dataset: str, name: str) 
 def main(cfg: EvalConfig) -> None:
     source = parse_source(cfg.init_from)
     if source.kind not in ("resume", "gpt2", "hf"):
-        raise UserError(f"init_from={cfg.init_from!r}: eval.py reads a run (resume) or pretrained "
-                        f"weights (gpt2*, hf:<folder>)")
+        raise UserError(
+            f"init_from={cfg.init_from!r}: eval.py reads a run (resume) or pretrained "
+            f"weights (gpt2*, hf:<folder>)"
+        )
     run = load_run(source, cfg.out_dir, "cpu")
     cfg = with_run_defaults(cfg, run.config)
     model = run.model
@@ -96,8 +98,10 @@ def main(cfg: EvalConfig) -> None:
     dataset = cfg.dataset or run.config.get("dataset", "")
     reads_data = [t for t in cfg.tasks if t in ("position", "mqar")]
     if reads_data and not dataset:
-        raise UserError(f"tasks {', '.join(reads_data)} read a dataset's val split and "
-                        f"{cfg.init_from} names none: give --dataset=...")
+        raise UserError(
+            f"tasks {', '.join(reads_data)} read a dataset's val split and "
+            f"{cfg.init_from} names none: give --dataset=..."
+        )
     data = data_dir(dataset) if reads_data else None
     if data is not None:  # before any work: the model's own tokens, and a dataset the tasks fit
         meta = load_meta(data)
@@ -112,9 +116,20 @@ def main(cfg: EvalConfig) -> None:
         batches = Batches(data, block_size, cfg.batch_size, seed, place.device)
     # GPT-2's embedding rows past its 50257 tokens are padding
     vocab = min(run.tokenizer.n_vocab, model.config.vocab_size)
-    results = recall.run_tasks(cfg.tasks, model, batches, cfg.eval_iters, vocab,
-                               cfg.distances or None, cfg.induction_length, cfg.examples,
-                               cfg.batch_size, cfg.seed, place.autocast(), cfg.progress)
+    results = recall.run_tasks(
+        cfg.tasks,
+        model,
+        batches,
+        cfg.eval_iters,
+        vocab,
+        cfg.distances or None,
+        cfg.induction_length,
+        cfg.examples,
+        cfg.batch_size,
+        cfg.seed,
+        place.autocast(),
+        cfg.progress,
+    )
     for row in measures(results):
         print(json.dumps(row))
 

@@ -32,16 +32,24 @@ from typing import Any
 
 from model import GPT, GPTConfig
 from smallgpt import hf
-from smallgpt.atomic import KIND_MARKERS, cannot_write, check_replaceable, remove_stale_temps, temp_path
+from smallgpt.atomic import (
+    KIND_MARKERS,
+    cannot_write,
+    check_replaceable,
+    remove_stale_temps,
+    temp_path,
+)
 from smallgpt.checkpoint import Source, load_run, run_config
 from smallgpt.gguf import GGUF_TYPES, check_gguf_vocabulary, to_gguf
 from smallgpt.runlog import read_run
 
 MARKER = KIND_MARKERS["an export"][0]  # smallgpt.json: what folder_kind recognises an export by
 # What an export written before smallgpt.json listed its files may hold: transformers' and ours
-OLD_EXPORT_FILES = re.compile(r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
-                              r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json"
-                              r"|chat_template\.jinja|vocab\.json|merges\.txt|README\.md")
+OLD_EXPORT_FILES = re.compile(
+    r"config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors"
+    r"|model\.safetensors\.index\.json|tokenizer(_config)?\.json|special_tokens_map\.json"
+    r"|chat_template\.jinja|vocab\.json|merges\.txt|README\.md"
+)
 
 
 @dataclass(slots=True)
@@ -49,7 +57,9 @@ class ExportConfig:
     out_dir: str = "out"  # the run to export: its ckpt.pt, and its dataset's tokenizer
     to: str = ""  # the folder to write; '': <out_dir>/hf
     overwrite: bool = False  # replace an earlier export (a folder holding smallgpt.json; a GGUF file): nothing else
-    gguf: str = ""  # also write this GGUF file, by llama.cpp's converter (without --to, no folder is kept)
+    gguf: str = (
+        ""  # also write this GGUF file, by llama.cpp's converter (without --to, no folder is kept)
+    )
     llama_cpp: str = ""  # gguf: a llama.cpp source folder (its convert_hf_to_gguf.py and gguf-py)
     gguf_type: str = "f32"  # gguf: the converter's --outtype: f32, f16, bf16 or q8_0
 
@@ -57,55 +67,88 @@ class ExportConfig:
         if self.gguf_type not in GGUF_TYPES:
             raise ValueError(f"gguf_type={self.gguf_type!r} must be one of {', '.join(GGUF_TYPES)}")
         if bool(self.gguf) != bool(self.llama_cpp):
-            raise ValueError("--gguf=FILE and --llama_cpp=DIR go together: the file is made by llama.cpp's converter")
+            raise ValueError(
+                "--gguf=FILE and --llama_cpp=DIR go together: the file is made by llama.cpp's converter"
+            )
 
 
 def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
     """README.md: what the model is, what it scored, how to load it."""
     c = model.config
     evals = run.get("evals") or []
-    lines = [f"# {Path(run.get('dir', 'model')).name}", "",
-             "A GPT trained with smallgpt, exported to a stock transformers class (no remote code).", "",
-             "| | |", "|---|---|", f"| class | `{type(hf_model).__name__}` |",
-             f"| attention | {c.attention_kind} (n_head={c.n_head}, {c.kv_sizes}) |",
-             f"| shape | {c.n_layer} layers, {c.n_embd} wide, MLP {c.mlp_hidden}, block_size {c.block_size}, "
-             f"{c.pos_encoding} positions |", f"| parameters | {model.num_params():,} |",
-             f"| KV cache per token (fp32, as exported) | {hf_kv_bytes(c):,} bytes (this model: "
-             f"{c.kv_cache_bytes(1, 1):,}) |",
-             f"| dataset | {run_config(ckpt).get('dataset', '?')} ({ckpt.get('data_meta', {}).get('tokenizer', '?')} "
-             f"tokens, vocab {c.vocab_size}) |",
-             f"| trained | {ckpt.get('iter_num', '?')} iterations; val loss "
-             f"{evals[-1]['val_loss']:.4f} at iteration {evals[-1]['iter']} |" if evals else "| trained | - |"]
+    lines = [
+        f"# {Path(run.get('dir', 'model')).name}",
+        "",
+        "A GPT trained with smallgpt, exported to a stock transformers class (no remote code).",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| class | `{type(hf_model).__name__}` |",
+        f"| attention | {c.attention_kind} (n_head={c.n_head}, {c.kv_sizes}) |",
+        f"| shape | {c.n_layer} layers, {c.n_embd} wide, MLP {c.mlp_hidden}, block_size {c.block_size}, "
+        f"{c.pos_encoding} positions |",
+        f"| parameters | {model.num_params():,} |",
+        f"| KV cache per token (fp32, as exported) | {hf_kv_bytes(c):,} bytes (this model: "
+        f"{c.kv_cache_bytes(1, 1):,}) |",
+        f"| dataset | {run_config(ckpt).get('dataset', '?')} ({ckpt.get('data_meta', {}).get('tokenizer', '?')} "
+        f"tokens, vocab {c.vocab_size}) |",
+        f"| trained | {ckpt.get('iter_num', '?')} iterations; val loss "
+        f"{evals[-1]['val_loss']:.4f} at iteration {evals[-1]['iter']} |"
+        if evals
+        else "| trained | - |",
+    ]
     if c.pos_encoding == "learned" and c.attention_kind == "GQA":
-        lines += ["", f"GPT-2 has no GQA: each of the {c.n_kv_head} K/V heads is repeated for its group of "
-                      f"{c.n_head // c.n_kv_head} query heads. The logits are exact, but the cache is MHA's size."]
+        lines += [
+            "",
+            f"GPT-2 has no GQA: each of the {c.n_kv_head} K/V heads is repeated for its group of "
+            f"{c.n_head // c.n_kv_head} query heads. The logits are exact, but the cache is MHA's size.",
+        ]
     if c.window is not None:
         local = [i for i, w in enumerate(c.layer_windows) if w]
-        lines += ["", f"Local layers {local} of {c.n_layer} (window_pattern={c.window_pattern!r}) attend over their "
-                      f"last {c.window} tokens (the class's layer_types, sliding_window={c.window}), so their cache "
-                      f"stays at the window however long the text; the others see the whole context."]
-    lines += ["", past_block_size(c), "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
-              "model = AutoModelForCausalLM.from_pretrained(DIR)", "tok = AutoTokenizer.from_pretrained(DIR)",
-              "ids = model.generate(**tok(\"def \", return_tensors=\"pt\"), max_new_tokens=50, do_sample=False)",
-              "print(tok.decode(ids[0]))", "```"]
+        lines += [
+            "",
+            f"Local layers {local} of {c.n_layer} (window_pattern={c.window_pattern!r}) attend over their "
+            f"last {c.window} tokens (the class's layer_types, sliding_window={c.window}), so their cache "
+            f"stays at the window however long the text; the others see the whole context.",
+        ]
+    lines += [
+        "",
+        past_block_size(c),
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "model = AutoModelForCausalLM.from_pretrained(DIR)",
+        "tok = AutoTokenizer.from_pretrained(DIR)",
+        'ids = model.generate(**tok("def ", return_tensors="pt"), max_new_tokens=50, do_sample=False)',
+        "print(tok.decode(ids[0]))",
+        "```",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def past_block_size(c: GPTConfig) -> str:
     """What the model does past the block_size tokens it was trained on, in transformers and in llama.cpp."""
     if c.pos_encoding == "learned":
-        return (f"Context: at most {c.block_size} tokens (block_size). Its positions are learned, one per place: "
-                f"transformers cannot go past n_positions={c.block_size}, nor llama.cpp past n_ctx={c.block_size}; "
-                f"for longer text, keep the last {c.block_size} tokens yourself.")
-    return (f"Context: trained on {c.block_size} tokens (block_size). Its positions are rotary (computed): "
-            f"transformers and llama.cpp both run past {c.block_size} tokens, but the model never saw such positions "
-            f"in training, so what it does there is unknown.")
+        return (
+            f"Context: at most {c.block_size} tokens (block_size). Its positions are learned, one per place: "
+            f"transformers cannot go past n_positions={c.block_size}, nor llama.cpp past n_ctx={c.block_size}; "
+            f"for longer text, keep the last {c.block_size} tokens yourself."
+        )
+    return (
+        f"Context: trained on {c.block_size} tokens (block_size). Its positions are rotary (computed): "
+        f"transformers and llama.cpp both run past {c.block_size} tokens, but the model never saw such positions "
+        f"in training, so what it does there is unknown."
+    )
 
 
 def hf_kv_bytes(c: GPTConfig) -> int:
     """KV-cache bytes per token of the exported model (GPT-2 holds a GQA model's K/V heads repeated)."""
     repeated = c.pos_encoding == "learned" and c.attention_kind == "GQA"
-    return dataclasses.replace(c, n_kv_head=c.n_head).kv_cache_bytes(1, 1) if repeated else c.kv_cache_bytes(1, 1)
+    return (
+        dataclasses.replace(c, n_kv_head=c.n_head).kv_cache_bytes(1, 1)
+        if repeated
+        else c.kv_cache_bytes(1, 1)
+    )
 
 
 def export(cfg: ExportConfig) -> None:
@@ -113,9 +156,13 @@ def export(cfg: ExportConfig) -> None:
     # --gguf alone writes no folder: the GGUF is converted from one of its own, in a temporary folder
     dest = Path(cfg.to) if cfg.to else None if cfg.gguf else out / "hf"
     if cfg.gguf and not (Path(cfg.llama_cpp) / "convert_hf_to_gguf.py").is_file():
-        raise UserError(f"no convert_hf_to_gguf.py in --llama_cpp={cfg.llama_cpp}: pass a llama.cpp source folder "
-                        f"(e.g. the one vendored in the llama-cpp-python sdist)")
-    check_destinations(cfg, dest)  # before the checkpoint is read; again under the lock, before anything is replaced
+        raise UserError(
+            f"no convert_hf_to_gguf.py in --llama_cpp={cfg.llama_cpp}: pass a llama.cpp source folder "
+            f"(e.g. the one vendored in the llama-cpp-python sdist)"
+        )
+    check_destinations(
+        cfg, dest
+    )  # before the checkpoint is read; again under the lock, before anything is replaced
     loaded = load_run(Source("resume"), out)
     ckpt, meta, model = loaded.ckpt, loaded.meta, loaded.model.float().eval()
     tok, hf_model = hf.tokenizer(meta), hf.to_hf(model)
@@ -133,8 +180,10 @@ def export(cfg: ExportConfig) -> None:
         replace = check_destinations(cfg, dest)
         if dest:
             write_folder(dest, replace, model, hf_model, tok, run, ckpt)
-            print(f"wrote {dest}: {type(hf_model).__name__} ({model.config.attention_kind}), "
-                  f"{model.num_params():,} parameters, {meta.get('tokenizer')} tokenizer")
+            print(
+                f"wrote {dest}: {type(hf_model).__name__} ({model.config.attention_kind}), "
+                f"{model.num_params():,} parameters, {meta.get('tokenizer')} tokenizer"
+            )
         if gguf:
             to_gguf(model, tok, gguf, cfg.llama_cpp, cfg.gguf_type, name=out.resolve().name)
             print(f"wrote {gguf}: {cfg.gguf_type}, by llama.cpp's convert_hf_to_gguf.py")
@@ -145,17 +194,27 @@ def check_destinations(cfg: ExportConfig, dest: Path | None) -> bool:
     other files, the working directory or the run itself, an export with folders put in it, or a GGUF file's place
     holding another file) is refused."""
     replace = dest is not None and check_replaceable(dest, "an export", keep=(cfg.out_dir,))
-    if replace and (others := sorted(p.name for p in dest.iterdir() if p.name not in export_files(dest))):
-        raise UserError(f"{dest} holds an earlier export and {', '.join(others)}, which no export wrote: move "
-                        f"{'them' if len(others) > 1 else 'it'} out or choose another --to (nothing was deleted)")
+    if replace and (
+        others := sorted(p.name for p in dest.iterdir() if p.name not in export_files(dest))
+    ):
+        raise UserError(
+            f"{dest} holds an earlier export and {', '.join(others)}, which no export wrote: move "
+            f"{'them' if len(others) > 1 else 'it'} out or choose another --to (nothing was deleted)"
+        )
     if replace and not cfg.overwrite:
-        raise UserError(f"{dest} holds an earlier export: choose another --to, or --overwrite=True to replace it")
+        raise UserError(
+            f"{dest} holds an earlier export: choose another --to, or --overwrite=True to replace it"
+        )
     gguf = Path(cfg.gguf)
     if cfg.gguf and (gguf.is_dir() or gguf.exists() and not is_gguf(gguf)):
-        raise UserError(f"{gguf} is there and is not a GGUF file: choose another --gguf (--overwrite replaces only a "
-                        f"GGUF file; nothing was deleted)")
+        raise UserError(
+            f"{gguf} is there and is not a GGUF file: choose another --gguf (--overwrite replaces only a "
+            f"GGUF file; nothing was deleted)"
+        )
     if cfg.gguf and gguf.exists() and not cfg.overwrite:
-        raise UserError(f"{gguf} is there: choose another --gguf, or --overwrite=True to replace it")
+        raise UserError(
+            f"{gguf} is there: choose another --gguf, or --overwrite=True to replace it"
+        )
     return replace
 
 
@@ -178,19 +237,29 @@ def is_gguf(file: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
-def write_folder(dest: Path, replace: bool, model: GPT, hf_model: Any, tok: Any, run: dict, ckpt: dict) -> None:
+def write_folder(
+    dest: Path, replace: bool, model: GPT, hf_model: Any, tok: Any, run: dict, ckpt: dict
+) -> None:
     """The transformers folder, its model card and its marker (smallgpt.json, which lists the files written), made
     beside dest and renamed over it: dest is replaced only once the new folder is whole. Of the earlier export
     only the files it listed are deleted (check_destinations refused a folder holding any other)."""
     folder = temp_path(dest)
-    old = temp_path(dest) if replace else None  # where the earlier export waits for the new one's rename
+    old = (
+        temp_path(dest) if replace else None
+    )  # where the earlier export waits for the new one's rename
     try:
         folder.mkdir()
         hf.save(hf_model, tok, folder)
         (folder / "README.md").write_text(model_card(model, hf_model, run, ckpt))
         files = sorted([p.name for p in folder.iterdir()] + [MARKER])
-        with open(folder / MARKER, "w") as f:  # where it came from; marks the folder as an export (smallgpt/atomic.py)
-            source = {"model_config": ckpt["model_config"], "iter_num": ckpt.get("iter_num"), "files": files}
+        with open(
+            folder / MARKER, "w"
+        ) as f:  # where it came from; marks the folder as an export (smallgpt/atomic.py)
+            source = {
+                "model_config": ckpt["model_config"],
+                "iter_num": ckpt.get("iter_num"),
+                "files": files,
+            }
             json.dump(source, f, indent=1)
         if old is not None:
             os.replace(dest, old)
@@ -226,8 +295,10 @@ def export_lock(folders: list[Path]) -> Iterator[None]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise UserError(f"{folder} is being written by another export ({lock_holder(fd)}): wait for it to end, "
-                                f"or choose another destination") from None
+                raise UserError(
+                    f"{folder} is being written by another export ({lock_holder(fd)}): wait for it to end, "
+                    f"or choose another destination"
+                ) from None
         yield
 
 

@@ -58,28 +58,45 @@ class GPTConfig:
         if self.kv_lora_rank is not None and self.qk_rope_head_dim is None and sizes_known:
             self.qk_rope_head_dim = self.head_dim // 2 if self.pos_encoding == "rope" else 0
         problems: list[str] = []
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
-                     "mlp_hidden"):
+        for name in (
+            "block_size",
+            "vocab_size",
+            "n_layer",
+            "n_head",
+            "n_kv_head",
+            "n_embd",
+            "mlp_hidden",
+        ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        problems += attention.latent_problems(self.kv_lora_rank, self.qk_rope_head_dim,
-                                              self.q_lora_rank, self.latent_norm,
-                                              self.pos_encoding, self.n_kv_head, self.n_head,
-                                              self.n_embd)
+        problems += attention.latent_problems(
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            self.q_lora_rank,
+            self.latent_norm,
+            self.pos_encoding,
+            self.n_kv_head,
+            self.n_head,
+            self.n_embd,
+        )
         problems += attention.window_problems(self.window, self.window_pattern, self.block_size)
         if not problems and self.window is not None and not any(self.layer_windows):
-            problems.append(f"window_pattern={self.window_pattern!r} on n_layer={self.n_layer} "
-                            f"makes no layer local (the last layer is always global), so "
-                            f"window={self.window} would change nothing: give a pattern with "
-                            f"S among the first {self.n_layer - 1} layers, or leave window out")
+            problems.append(
+                f"window_pattern={self.window_pattern!r} on n_layer={self.n_layer} "
+                f"makes no layer local (the last layer is always global), so "
+                f"window={self.window} would change nothing: give a pattern with "
+                f"S among the first {self.n_layer - 1} layers, or leave window out"
+            )
         if not problems:  # the sizes are integers, so their ratios can be checked
             if self.n_embd % self.n_head:
                 problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
             if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
-                problems.append(f"n_head={self.n_head} must be divisible by "
-                                f"n_kv_head={self.n_kv_head} (1 <= n_kv_head <= n_head; "
-                                "n_head: MHA, 1: MQA, a divisor in between: GQA)")
+                problems.append(
+                    f"n_head={self.n_head} must be divisible by "
+                    f"n_kv_head={self.n_kv_head} (1 <= n_kv_head <= n_head; "
+                    "n_head: MHA, 1: MQA, a divisor in between: GQA)"
+                )
         if not (isinstance(self.dropout, int | float) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be a number in [0, 1)")
         if self.pos_encoding not in POS_ENCODINGS:
@@ -103,11 +120,14 @@ class GPTConfig:
         """Keys set away from their defaults where this model has no use for them."""
         unused = []
         if self.pos_encoding == "learned" and self.rope_theta != 10000.0:
-            unused.append(f"rope_theta={self.rope_theta} applies to rotary positions: "
-                          "set pos_encoding='rope', or leave rope_theta out")
+            unused.append(
+                f"rope_theta={self.rope_theta} applies to rotary positions: "
+                "set pos_encoding='rope', or leave rope_theta out"
+            )
         if self.mlp == "swiglu" and self.gelu != "exact":
-            unused.append(f"gelu={self.gelu!r} applies to mlp='gelu' (SwiGLU gates with SiLU): "
-                          "leave gelu out")
+            unused.append(
+                f"gelu={self.gelu!r} applies to mlp='gelu' (SwiGLU gates with SiLU): leave gelu out"
+            )
         return unused
 
     @property
@@ -117,7 +137,7 @@ class GPTConfig:
     @property
     def layer_windows(self) -> list[int | None]:
         """Each layer's window (None: global): window_pattern repeated, the last layer global."""
-        letters = (self.window_pattern * self.n_layer)[:self.n_layer - 1]
+        letters = (self.window_pattern * self.n_layer)[: self.n_layer - 1]
         return [self.window if letter == "S" else None for letter in letters] + [None]
 
     @property
@@ -140,8 +160,10 @@ class GPTConfig:
         """The keys that size K and V besides n_head: n_kv_head, or MLA's latents."""
         if self.kv_lora_rank is None:
             return f"n_kv_head={self.n_kv_head}"
-        return (f"kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}, "
-                f"q_lora_rank={self.q_lora_rank}")
+        return (
+            f"kv_lora_rank={self.kv_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}, "
+            f"q_lora_rank={self.q_lora_rank}"
+        )
 
     @property
     def cache_layout(self) -> tuple[int, int, int]:
@@ -151,8 +173,9 @@ class GPTConfig:
             return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
         return self.n_kv_head, self.head_dim, self.head_dim
 
-    def kv_cache_bytes(self, batch_size: int, seq_len: int,
-                       dtype: torch.dtype = torch.float32) -> int:
+    def kv_cache_bytes(
+        self, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32
+    ) -> int:
         """Bytes of the cache in every layer for batch_size sequences of seq_len positions: 2
         n_kv_head head_dim values a token and layer, or MLA's kv_lora_rank + qk_rope_head_dim, a
         local layer keeping at most its window of tokens."""
@@ -165,8 +188,17 @@ def attention_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAtten
     """The attention kind the config names: MLA where kv_lora_rank is set, else MHA/GQA/MQA."""
     if c.kv_lora_rank is None:
         return CausalSelfAttention(layer, c.n_embd, c.n_head, c.n_kv_head, c.bias, c.dropout)
-    return LatentAttention(layer, c.n_embd, c.n_head, c.kv_lora_rank, c.rope_dim, c.q_lora_rank,
-                           c.latent_norm, c.bias, c.dropout)
+    return LatentAttention(
+        layer,
+        c.n_embd,
+        c.n_head,
+        c.kv_lora_rank,
+        c.rope_dim,
+        c.q_lora_rank,
+        c.latent_norm,
+        c.bias,
+        c.dropout,
+    )
 
 
 def norm_for(config: GPTConfig, width: int) -> nn.LayerNorm | RMSNorm:
@@ -209,8 +241,9 @@ class Block(nn.Module):
         self.ln_2 = norm_for(config, config.n_embd)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
-                kv_cache: KVCache | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
@@ -219,12 +252,14 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
-            ln_f=norm_for(config, config.n_embd),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
+                ln_f=norm_for(config, config.n_embd),
+            )
+        )
         if config.pos_encoding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # derived from the config, so kept out of the state_dict
@@ -246,9 +281,11 @@ class GPT(nn.Module):
             self.rope_sin.copy_(sin)
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None,
-                     assign: Callable[[torch.Tensor, torch.Tensor], Any] = torch.Tensor.copy_
-                     ) -> None:
+    def init_weights(
+        self,
+        seed: int | None = None,
+        assign: Callable[[torch.Tensor, torch.Tensor], Any] = torch.Tensor.copy_,
+    ) -> None:
         """GPT-2's initialisation: weights N(0, 0.02) (c_proj's std / sqrt(2 * n_layer)), zero
         biases, LayerNorm weights one, stored by assign(param, values); meta parameters skipped.
         Given a seed, each is drawn whole on CPU from a generator seeded by (seed, its name): models
@@ -282,16 +319,27 @@ class GPT(nn.Module):
     def attention_params_per_layer(self) -> int:
         return sum(p.numel() for p in self.transformer.h[0].attn.parameters())
 
-    def make_kv_cache(self, batch_size: int, max_len: int | None = None,
-                      dtype: torch.dtype | None = None) -> KVCache:
+    def make_kv_cache(
+        self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None
+    ) -> KVCache:
         """An empty cache of max_len (default block_size) positions, a local layer's its window."""
         weight, c = self.transformer.wte.weight, self.config
-        return KVCache.zeros(c.layer_windows, batch_size, max_len or c.block_size, *c.cache_layout,
-                             weight.device, dtype or weight.dtype)
+        return KVCache.zeros(
+            c.layer_windows,
+            batch_size,
+            max_len or c.block_size,
+            *c.cache_layout,
+            weight.device,
+            dtype or weight.dtype,
+        )
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, pad: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        pad: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size) and the loss, or without targets the last position's logits.
 
         idx (B, T) continues kv_cache (if any). pad (B,) counts each row's left-padding tokens (the
@@ -311,8 +359,10 @@ class GPT(nn.Module):
         x = self.transformer.drop(x)
         windows = self.config.layer_windows  # a local layer's mask cuts its window (and its ring)
         ring = None if kv_cache is None else kv_cache.ring
-        masks = {w: attention.attention_mask(T, start, pad, idx.device, w, w and ring)
-                 for w in set(windows)}
+        masks = {
+            w: attention.attention_mask(T, start, pad, idx.device, w, w and ring)
+            for w in set(windows)
+        }
         for block, window in zip(self.transformer.h, windows, strict=True):
             x = block(x, rope, masks[window], kv_cache)
         if kv_cache is not None:
@@ -337,17 +387,24 @@ class GPT(nn.Module):
         sin = self.rope_sin[pos].view(-1, 1, T, half_dim)
         return x, (cos, sin)
 
-    def configure_optimizers(self, weight_decay: float, learning_rate: float,
-                             betas: tuple[float, float], device_type: str,
-                             params: list[nn.Parameter] | None = None) -> torch.optim.AdamW:
+    def configure_optimizers(
+        self,
+        weight_decay: float,
+        learning_rate: float,
+        betas: tuple[float, float],
+        device_type: str,
+        params: list[nn.Parameter] | None = None,
+    ) -> torch.optim.AdamW:
         """AdamW over params (default: all), decaying matrices (embeddings included) only."""
         if params is None:
             params = list(self.parameters())
         trainable = [p for p in params if p.requires_grad]
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         # CPU: torch's default loop (foreach was no faster); fused drifts gloo ranks apart (performance-cpu.md)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
@@ -362,7 +419,8 @@ class GPT(nn.Module):
         seq_len = seq_len or c.block_size
         return 6 * matmul_weights + 6 * c.n_layer * seq_len * (query_width + c.n_embd)
 
-    def estimate_mfu(self, tokens_per_iter: int, dt: float, peak_flops: float,
-                     seq_len: int | None = None) -> float:
+    def estimate_mfu(
+        self, tokens_per_iter: int, dt: float, peak_flops: float, seq_len: int | None = None
+    ) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the device's dense peak_flops."""
         return self.flops_per_token(seq_len) * tokens_per_iter / dt / peak_flops

@@ -25,8 +25,9 @@ from smallgpt.prompts import encode_prompts, read_prompts
 from smallgpt.quantize import quantize
 
 
-def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig
-           ) -> tuple[list[str], int, list[tuple[float, int]]]:
+def decode(
+    model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cfg: SampleConfig
+) -> tuple[list[str], int, list[tuple[float, int]]]:
     """Each row's new text (a batch of one row streams to stdout instead and keeps none), the
     number of tokens decoded, and (seconds since the start, tokens so far) after the first step,
     the longest step after it (where a step compiles) and the last: memory does not grow."""
@@ -37,10 +38,21 @@ def decode(model: GPT, tok: Any, idx: torch.Tensor, pad: torch.Tensor | None, cf
     longest = 0.0
     generator = torch.Generator(idx.device).manual_seed(cfg.seed)
     t0 = time.perf_counter()
-    for pieces in stream_text(model, tok, idx, cfg.max_new_tokens, cfg.stop,
-                              temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                              use_cache=cfg.kv_cache, pad=pad, generator=generator,
-                              cuda_graph=cfg.cuda_graph, compile_step=cfg.compile):
+    for pieces in stream_text(
+        model,
+        tok,
+        idx,
+        cfg.max_new_tokens,
+        cfg.stop,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        use_cache=cfg.kv_cache,
+        pad=pad,
+        generator=generator,
+        cuda_graph=cfg.cuda_graph,
+        compile_step=cfg.compile,
+    ):
         n_tokens += sum(p is not None for p in pieces)
         if B == 1:
             print(pieces[0] or "", end="", flush=True)
@@ -63,9 +75,11 @@ def main(cfg: SampleConfig) -> None:
     model, tok = run.model, run.tokenizer
     del run  # the checkpoint's other tensors
     if tok.n_vocab > model.config.vocab_size:  # e.g. its dataset prepared again since
-        raise UserError(f"the tokenizer has {tok.n_vocab} tokens, the model only "
-                        f"{model.config.vocab_size}: not the dataset this checkpoint was trained "
-                        f"on")
+        raise UserError(
+            f"the tokenizer has {tok.n_vocab} tokens, the model only "
+            f"{model.config.vocab_size}: not the dataset this checkpoint was trained "
+            f"on"
+        )
     model = quantize(model.to(device=device, dtype=dtype), cfg.quantize).eval()
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
     idx, pad = left_pad(encode_prompts(tok, prompts, model.config.block_size), device=device)
@@ -81,8 +95,15 @@ def main(cfg: SampleConfig) -> None:
     summary(model, cfg, idx, n_new, times, dtype, compiled_step=cfg.compile and not padded)
 
 
-def summary(model: GPT, cfg: SampleConfig, idx: torch.Tensor, n_new: int,
-            times: list[tuple[float, int]], dtype: torch.dtype, compiled_step: bool) -> None:
+def summary(
+    model: GPT,
+    cfg: SampleConfig,
+    idx: torch.Tensor,
+    n_new: int,
+    times: list[tuple[float, int]],
+    dtype: torch.dtype,
+    compiled_step: bool,
+) -> None:
     """One line on stderr: tokens, speed (after the compile, if a step compiled), the KV cache."""
     c = model.config
     B = idx.size(0)
@@ -96,8 +117,11 @@ def summary(model: GPT, cfg: SampleConfig, idx: torch.Tensor, n_new: int,
         if n_new > ready_n:
             rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
             speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"
-    print(f"{n_new} tokens in {elapsed:.2f} s ({speed}), batch {B}, {c.attention_kind} "
-          f"({c.kv_sizes}), KV cache {kv:,} bytes, {dtype}", file=sys.stderr)
+    print(
+        f"{n_new} tokens in {elapsed:.2f} s ({speed}), batch {B}, {c.attention_kind} "
+        f"({c.kv_sizes}), KV cache {kv:,} bytes, {dtype}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

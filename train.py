@@ -31,12 +31,15 @@ from smallgpt.optim import lr_at, make_optimizer, state_bytes
 from smallgpt.runlog import RunLog
 
 RUN_FILES = ("ckpt.pt", "log.jsonl", "config.json")  # in out_dir (also wandb/, ckpt-*.pt)
-RUN_TEMPS = r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"  # the files written through a temp (atomic.temp_path)
+RUN_TEMPS = (
+    r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"  # the files written through a temp (atomic.temp_path)
+)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: Batches, eval_iters: int,
-             amp: AbstractContextManager) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module, batches: Batches, eval_iters: int, amp: AbstractContextManager
+) -> dict[str, float]:
     """Mean train and val loss over eval_iters fixed batches each."""
     model.eval()
     out = {}
@@ -51,8 +54,9 @@ def evaluate(model: torch.nn.Module, batches: Batches, eval_iters: int,
     return out
 
 
-def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtype,
-               ckpt: dict | None = None) -> tuple[GPT, dict | None]:
+def init_model(
+    cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtype, ckpt: dict | None = None
+) -> tuple[GPT, dict | None]:
     """The model to train on device (sharded under FSDP), and the checkpoint it resumes, if any."""
     fsdp = cfg.parallel == "fsdp"
     model, ckpt = load_model(cfg, vocab_size, ckpt)
@@ -66,23 +70,29 @@ def init_model(cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtyp
     return model, ckpt
 
 
-def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
-               ) -> tuple[GPT | None, dict | None]:
+def load_model(
+    cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
+) -> tuple[GPT | None, dict | None]:
     """init_model's model from weights and the checkpoint it resumes; no model if new or sharded."""
     source = checkpoint.parse_source(cfg.init_from).resolved(cfg.out_dir)
     existing = Path(cfg.out_dir) / "ckpt.pt"
     if source.kind != "resume" and existing.exists():  # never mix two runs' checkpoints or logs
-        raise UserError(f"{existing} holds another run: --init_from=resume (or auto) continues it; "
-                        f"to start a new run, choose another out_dir or delete that one first")
+        raise UserError(
+            f"{existing} holds another run: --init_from=resume (or auto) continues it; "
+            f"to start a new run, choose another out_dir or delete that one first"
+        )
     if source.kind != "resume":  # pretrained weights set the model keys the run records
-        ignored = {"init_from"} | ({f.name for f in fields(GPTConfig)} if source.pretrained else set())
+        ignored = {"init_from"} | (
+            {f.name for f in fields(GPTConfig)} if source.pretrained else set()
+        )
         checkpoint.check_no_other_log(Path(cfg.out_dir), asdict(cfg), ignored)
     if source.kind == "scratch":
         return None, None
     if source.pretrained:
         model = checkpoint.load_run(source, tokenizer=False).model
-        return convert.for_finetuning(model, str(source), vocab_size, cfg.dropout, cfg.block_size,
-                                      cfg.n_kv_head), None
+        return convert.for_finetuning(
+            model, str(source), vocab_size, cfg.dropout, cfg.block_size, cfg.n_kv_head
+        ), None
     resume = source.kind == "resume"
     if ckpt is None:
         ckpt = checkpoint.load_checkpoint(source.checkpoint_path(cfg.out_dir), "cpu", mmap=True)
@@ -101,8 +111,10 @@ def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
         action = "resume" if resume else "convert"
         where = cfg.out_dir if resume else source.where
         hint = " or use a new out_dir" if resume else ""
-        raise UserError(f"cannot {action} {where}: the config asks for another model "
-                        f"({'; '.join(differ)}); drop those overrides{hint}")
+        raise UserError(
+            f"cannot {action} {where}: the config asks for another model "
+            f"({'; '.join(differ)}); drop those overrides{hint}"
+        )
     if resume and "sharded" in ckpt and cfg.parallel == "fsdp":
         return None, ckpt
     model = checkpoint.load_run(source, cfg.out_dir, tokenizer=False, ckpt=ckpt).model
@@ -111,10 +123,19 @@ def load_model(cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
     return convert.for_uptraining(model, wanted, cfg.convert_method, cfg.seed), None
 
 
-def train_step(model: torch.nn.Module, raw_model: GPT, optimizer: torch.optim.Optimizer,
-               scaler: torch.amp.GradScaler, batches: Batches, it: int, proc: runtime.Dist,
-               accum: int, amp: AbstractContextManager, grad_clip: float,
-               skip_nonfinite: bool = False) -> tuple[torch.Tensor, bool]:
+def train_step(
+    model: torch.nn.Module,
+    raw_model: GPT,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    batches: Batches,
+    it: int,
+    proc: runtime.Dist,
+    accum: int,
+    amp: AbstractContextManager,
+    grad_clip: float,
+    skip_nonfinite: bool = False,
+) -> tuple[torch.Tensor, bool]:
     """One step over this rank's accum micro-batches: their mean loss (no sync), and if taken."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro in range(accum):
@@ -153,7 +174,9 @@ class Trainer:
         data = data_dir(cfg.dataset)
         self.batches = Batches(data, cfg.block_size, cfg.batch_size, cfg.seed, proc.device)
         meta = self.batches.meta
-        recall.check_dataset(cfg.final_evals, meta, cfg.block_size, str(data))  # not after the training
+        recall.check_dataset(
+            cfg.final_evals, meta, cfg.block_size, str(data)
+        )  # not after the training
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards in place)
@@ -163,8 +186,15 @@ class Trainer:
         ckpt_meta = ckpt.get("data_meta") if ckpt is not None else None
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, meta, ckpt_meta, cfg.dataset)
         betas = (cfg.beta1, cfg.beta2)
-        self.optimizer = make_optimizer(self.raw_model, cfg.optimizer, cfg.weight_decay,
-                                        cfg.learning_rate, betas, proc.device, cfg.muon_lr)
+        self.optimizer = make_optimizer(
+            self.raw_model,
+            cfg.optimizer,
+            cfg.weight_decay,
+            cfg.learning_rate,
+            betas,
+            proc.device,
+            cfg.muon_lr,
+        )
         self.scaler = torch.amp.GradScaler(proc.device_type, enabled=dtype == torch.float16)
         self.iter_num = 0
         self.best_val = math.inf
@@ -198,8 +228,10 @@ class Trainer:
         skip = ""
         if self.cfg.nonfinite != "skip":
             skip = ", or set --nonfinite=skip to drop such steps"
-        return UserError(f"{what} is {value} at iteration {self.iter_num}: training diverged; "
-                         f"{kept}; lower learning_rate (or raise warmup_iters){skip}")
+        return UserError(
+            f"{what} is {value} at iteration {self.iter_num}: training diverged; "
+            f"{kept}; lower learning_rate (or raise warmup_iters){skip}"
+        )
 
     def restore(self, ckpt: dict) -> None:
         """Continue a checkpointed run: optimizer (and sharded weights), scaler, iteration, RNGs."""
@@ -228,21 +260,27 @@ class Trainer:
         log = RunLog(cfg, model_cfg, self.iter_num)  # iter_num > 0: resumed
         params = self.raw_model.num_params() / 1e6
         heads = f"n_head={model_cfg.n_head}, {model_cfg.kv_sizes}"
-        print(f"model: {params:.2f}M parameters, {model_cfg.attention_kind} ({heads}), "
-              f"{model_cfg.pos_encoding} positions")
+        print(
+            f"model: {params:.2f}M parameters, {model_cfg.attention_kind} ({heads}), "
+            f"{model_cfg.pos_encoding} positions"
+        )
         return log
 
     def run(self) -> None:
         """Train to max_iters; on SIGTERM or SIGINT (pre-emption, Ctrl-C) save after the step."""
         if self.finished:  # e.g. --init_from=auto run again after the end
             if self.proc.is_master:
-                print(f"{Path(self.cfg.out_dir) / 'ckpt.pt'} is at iteration {self.iter_num}, "
-                      f"max_iters={self.cfg.max_iters}: nothing to train (raise --max_iters to "
-                      f"train on, or --eval_only=True to evaluate)")
+                print(
+                    f"{Path(self.cfg.out_dir) / 'ckpt.pt'} is at iteration {self.iter_num}, "
+                    f"max_iters={self.cfg.max_iters}: nothing to train (raise --max_iters to "
+                    f"train on, or --eval_only=True to evaluate)"
+                )
             return
         signals: list[int] = []
-        previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum))
-                    for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {
+            sig: signal.signal(sig, lambda signum, _: signals.append(signum))
+            for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             self.train_loop(signals)
         finally:
@@ -256,8 +294,14 @@ class Trainer:
         cfg = self.cfg
         proc = self.proc
         while True:
-            lr = lr_at(self.iter_num, cfg.learning_rate, cfg.min_lr, cfg.warmup_iters,
-                       cfg.lr_decay_iters, cfg.decay_lr)
+            lr = lr_at(
+                self.iter_num,
+                cfg.learning_rate,
+                cfg.min_lr,
+                cfg.warmup_iters,
+                cfg.lr_decay_iters,
+                cfg.decay_lr,
+            )
             for group in self.optimizer.param_groups:  # a checkpoint from before lr_scale has none
                 group["lr"] = lr * group.get("lr_scale", 1.0)
             skip_first = self.iter_num == 0 and not cfg.eval_at_start
@@ -283,9 +327,19 @@ class Trainer:
 
     def step(self) -> None:
         skip_nonfinite = self.cfg.nonfinite == "skip"
-        loss, taken = train_step(self.ddp_model, self.raw_model, self.optimizer, self.scaler,
-                                 self.batches, self.iter_num, self.proc, self.accum, self.amp,
-                                 self.cfg.grad_clip, skip_nonfinite)
+        loss, taken = train_step(
+            self.ddp_model,
+            self.raw_model,
+            self.optimizer,
+            self.scaler,
+            self.batches,
+            self.iter_num,
+            self.proc,
+            self.accum,
+            self.amp,
+            self.cfg.grad_clip,
+            skip_nonfinite,
+        )
         self.iter_num += 1
         if taken:
             self.loss_sum += loss
@@ -304,8 +358,14 @@ class Trainer:
             raise self.diverged("the val loss", val)
         if self.proc.is_master:
             print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {val:.4f}")
-            self.log.write(event="eval", iter=self.iter_num, train_loss=losses["train"],
-                           val_loss=val, lr=lr, elapsed_s=time.perf_counter() - self.t_start)
+            self.log.write(
+                event="eval",
+                iter=self.iter_num,
+                train_loss=losses["train"],
+                val_loss=val,
+                lr=lr,
+                elapsed_s=time.perf_counter() - self.t_start,
+            )
         improved = val < self.best_val or cfg.always_save_checkpoint
         # not before the first step, nor again at the iteration it resumed from (saved)
         if self.iter_num not in (0, self.saved) and not cfg.eval_only and improved:
@@ -318,8 +378,15 @@ class Trainer:
     def final_evals(self) -> None:
         """smallgpt/recall.py's tasks on the final model (induction, position, MQAR), in one record."""
         cfg = self.cfg
-        results = recall.run_tasks(cfg.final_evals, self.model, self.batches, cfg.eval_iters,
-                                   batch_size=cfg.batch_size, seed=cfg.seed, amp=self.amp)
+        results = recall.run_tasks(
+            cfg.final_evals,
+            self.model,
+            self.batches,
+            cfg.eval_iters,
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+            amp=self.amp,
+        )
         if self.proc.is_master:
             print(f"step {self.iter_num}: {recall.summary_line(results)}")
             elapsed = time.perf_counter() - self.t_start
@@ -357,9 +424,17 @@ class Trainer:
         if self.skipped:
             progress += f", {self.skipped} non-finite steps skipped so far"
         print(progress)
-        self.log.write(event="train", iter=self.iter_num, loss=train_loss, lr=lr,
-                       ms_per_iter=dt * 1000, tokens_per_s=tok_s, mfu=mfu, skipped=self.skipped,
-                       elapsed_s=now - self.t_start)
+        self.log.write(
+            event="train",
+            iter=self.iter_num,
+            loss=train_loss,
+            lr=lr,
+            ms_per_iter=dt * 1000,
+            tokens_per_s=tok_s,
+            mfu=mfu,
+            skipped=self.skipped,
+            elapsed_s=now - self.t_start,
+        )
 
     def save(self, rng: list[dict]) -> None:
         """Write out_dir/ckpt.pt with every rank's RNG states (FSDP: after the sharded one)."""
@@ -369,10 +444,18 @@ class Trainer:
             raise self.diverged("a weight", math.nan)
         state = sharding.checkpoint_state(out, self.iter_num, model, self.optimizer)  # collective
         if self.proc.is_master:
-            checkpoint.save_checkpoint(out / "ckpt.pt", model, keep_last=self.cfg.keep_last,
-                                       scaler=self.scaler.state_dict(), iter_num=self.iter_num,
-                                       best_val_loss=self.best_val, config=asdict(self.cfg),
-                                       data_meta=self.batches.meta, rng=rng, **state)
+            checkpoint.save_checkpoint(
+                out / "ckpt.pt",
+                model,
+                keep_last=self.cfg.keep_last,
+                scaler=self.scaler.state_dict(),
+                iter_num=self.iter_num,
+                best_val_loss=self.best_val,
+                config=asdict(self.cfg),
+                data_meta=self.batches.meta,
+                rng=rng,
+                **state,
+            )
             sharding.prune_sharded(out, self.iter_num)  # also an FSDP run's, resumed without FSDP
             print(f"saved checkpoint to {out / 'ckpt.pt'}")
         self.saved = self.iter_num
@@ -384,8 +467,10 @@ def main(cfg: TrainConfig, ckpt: dict | None = None) -> None:
     accum = cfg.gradient_accumulation_steps
     if accum % processes:
         fits = math.ceil(accum / processes) * processes
-        raise UserError(f"gradient_accumulation_steps={accum} is not divisible by the {processes} "
-                        f"processes (it is the total over them), e.g. {fits}")
+        raise UserError(
+            f"gradient_accumulation_steps={accum} is not divisible by the {processes} "
+            f"processes (it is the total over them), e.g. {fits}"
+        )
     proc = runtime.setup_distributed(cfg.device, alone=cfg.parallel == "fsdp")
     try:
         lock = folder_lock(cfg.out_dir, "train.py") if proc.rank == 0 else nullcontext()

@@ -15,7 +15,9 @@ from model import GPT, GPTConfig
 from smallgpt.optim import NS_COEFFICIENTS, Muon
 
 
-def orthogonalised_one(grad: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalised_one(
+    grad: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7
+) -> torch.Tensor:
     a, b, c = NS_COEFFICIENTS
     x = grad.to(dtype)
     tall = x.size(0) > x.size(1)
@@ -41,10 +43,26 @@ class MuonOne(Muon):
                 p.add_(update, alpha=-group["lr"] * math.sqrt(max(1.0, p.size(0) / p.size(1))))
 
 
-model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=128, pos_encoding="rope", bias=False))
+model = GPT(
+    GPTConfig(
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        block_size=64,
+        vocab_size=128,
+        pos_encoding="rope",
+        bias=False,
+    )
+)
 inner = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")]
-print(torch.__version__, torch.get_num_threads(), "threads,", len(inner), "matrices:",
-      sorted({tuple(p.shape) for p in inner}))
+print(
+    torch.__version__,
+    torch.get_num_threads(),
+    "threads,",
+    len(inner),
+    "matrices:",
+    sorted({tuple(p.shape) for p in inner}),
+)
 for dtype in (torch.float32, torch.bfloat16):
     res = {}
     for name, cls in (("one at a time", MuonOne), ("batched", Muon)):
@@ -58,5 +76,8 @@ for dtype in (torch.float32, torch.bfloat16):
             opt.step()
             times.append(time.perf_counter() - t0)
         res[name] = statistics.median(times[10:]) * 1000
-    print(f"{dtype}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in res.items()) +
-          f", speed-up {res['one at a time'] / res['batched']:.2f}x")
+    print(
+        f"{dtype}: "
+        + ", ".join(f"{k} {v:.2f} ms" for k, v in res.items())
+        + f", speed-up {res['one at a time'] / res['batched']:.2f}x"
+    )

@@ -2,7 +2,6 @@
 and greedy generation with and without CUDA graphs and on CPU, for local layers (rings) and MLA, fp32 and bf16.
 Called by `bash scripts/gpu_check.sh steps`; prints one line per check (docs/gpu.md has what it gave)."""
 
-
 import torch
 
 from conftest import lively  # tests/conftest.py: gpu_check.sh puts tests/ on PYTHONPATH
@@ -10,15 +9,20 @@ from model import GPT, GPTConfig
 from smallgpt.generation import generate, left_pad
 from smallgpt.static_step import decode_static
 
-CASES = {"gqa SSSL w8": dict(n_kv_head=2, window=8, window_pattern="SSSL"),
-         "mha-learned SL w5": dict(pos_encoding="learned", window=5, window_pattern="SL"),
-         "mla": dict(kv_lora_rank=32),
-         "mla SSSL w8": dict(kv_lora_rank=32, window=8, window_pattern="SSSL")}
+CASES = {
+    "gqa SSSL w8": dict(n_kv_head=2, window=8, window_pattern="SSSL"),
+    "mha-learned SL w5": dict(pos_encoding="learned", window=5, window_pattern="SL"),
+    "mla": dict(kv_lora_rank=32),
+    "mla SSSL w8": dict(kv_lora_rank=32, window=8, window_pattern="SSSL"),
+}
 
 
 def model(overrides: dict) -> GPT:
     torch.manual_seed(0)
-    config = dict(block_size=64, vocab_size=96, n_layer=4, n_head=4, n_embd=64, pos_encoding="rope") | overrides
+    config = (
+        dict(block_size=64, vocab_size=96, n_layer=4, n_head=4, n_embd=64, pos_encoding="rope")
+        | overrides
+    )
     m = lively(GPT(GPTConfig(**config)).eval())
     with torch.no_grad():  # MLA's keys as sharp as its queries (tests/test_window.py's windowed)
         for name, p in m.named_parameters():
@@ -36,8 +40,8 @@ def static_against_eager(m: GPT, dtype: torch.dtype) -> float:
     m(idx[:, :1], kv_cache=ref), m(idx[:, :1], kv_cache=static)
     worst = 0.0
     for t in range(1, 61):
-        want, _ = m(idx[:, t:t + 1], kv_cache=ref)
-        got = decode_static(m, idx[:, t:t + 1], torch.tensor([t], device="cuda"), static)
+        want, _ = m(idx[:, t : t + 1], kv_cache=ref)
+        got = decode_static(m, idx[:, t : t + 1], torch.tensor([t], device="cuda"), static)
         worst = max(worst, (got.float() - want.float()).abs().max().item())
     return worst
 
@@ -49,7 +53,9 @@ def greedy(m: GPT, device: str, graph: bool) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 96, (2, 3), generator=gen).to(device)
     out = generate(m, idx, 150, temperature=0, cuda_graph=graph)[:, 3:].tolist()
-    p_idx, pad = left_pad([torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 2)], device=device)
+    p_idx, pad = left_pad(
+        [torch.randint(0, 96, (n,), generator=gen).tolist() for n in (9, 2)], device=device
+    )
     return out + generate(m, p_idx, 100, temperature=0, pad=pad, cuda_graph=graph)[:, 9:].tolist()
 
 
@@ -59,12 +65,16 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             worst = static_against_eager(model(overrides), dtype)
             print(f"{name} {dtype}: static step vs eager, max |logit diff| {worst:.2e}")
-        cpu, eager, graph = greedy(model(overrides), "cpu", False), *(greedy(model(overrides), "cuda", g)
-                                                                      for g in (False, True))
+        cpu, eager, graph = (
+            greedy(model(overrides), "cpu", False),
+            *(greedy(model(overrides), "cuda", g) for g in (False, True)),
+        )
         agree = lambda a, b: sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))  # noqa: E731
         total = sum(map(len, cpu))
-        print(f"{name} fp32 greedy, {total} tokens ({len(set(sum(cpu, [])))} distinct): graph = eager "
-              f"{agree(graph, eager)}, cuda eager = cpu {agree(eager, cpu)}")
+        print(
+            f"{name} fp32 greedy, {total} tokens ({len(set(sum(cpu, [])))} distinct): graph = eager "
+            f"{agree(graph, eager)}, cuda eager = cpu {agree(eager, cpu)}"
+        )
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from smallgpt.stats import t_quantile
 def main(run_dir: str, n: int) -> None:
     run = load_run(parse_source("resume"), run_dir, tokenizer=False)
     cfg, model = run.config, run.model.eval()
-    batches = Batches(data_dir(cfg["dataset"]), cfg["block_size"], cfg["batch_size"], cfg["seed"], "cpu")
+    batches = Batches(
+        data_dir(cfg["dataset"]), cfg["block_size"], cfg["batch_size"], cfg["seed"], "cpu"
+    )
     dtype = runtime.resolve_dtype(cfg["dtype"], "cpu", cfg["n_embd"])[0]
     amp = runtime.autocast("cpu", dtype)
     for split in ("val", "train"):
@@ -38,9 +40,13 @@ def main(run_dir: str, n: int) -> None:
         sd, first = statistics.stdev(losses), cfg["eval_iters"]
         means = f"mean of {first} {statistics.fmean(losses[:first]):.4f}, of {n} {statistics.fmean(losses):.4f}"
         half = t_quantile(first - 1) * sd / math.sqrt(first)
-        needed = math.ceil((t_quantile(n - 1) * sd / 0.005) ** 2)  # t at the n measured, about the normal's 1.96
-        print(f"{split}: {means}; per-batch sd {sd:.4f}; 95% half-width at {first}: {half:.4f}; batches for 0.005: "
-              f"{needed}; {1000 * statistics.median(times):.1f} ms a batch ({dtype})")
+        needed = math.ceil(
+            (t_quantile(n - 1) * sd / 0.005) ** 2
+        )  # t at the n measured, about the normal's 1.96
+        print(
+            f"{split}: {means}; per-batch sd {sd:.4f}; 95% half-width at {first}: {half:.4f}; batches for 0.005: "
+            f"{needed}; {1000 * statistics.median(times):.1f} ms a batch ({dtype})"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def newton_schulz_flops(model: GPT, steps: int = 5) -> int:
     for name, p in model.named_parameters():
         if p.dim() == 2 and name.startswith("transformer.h."):
             r, c = sorted(p.shape)
-            total += steps * (4 * r * r * c + 2 * r ** 3)
+            total += steps * (4 * r * r * c + 2 * r**3)
     return total
 
 
@@ -36,8 +36,15 @@ def main() -> None:
     dtype = runtime.resolve_dtype(cfg.dtype, "cpu", cfg.n_embd)[0]
     torch.manual_seed(0)
     model = GPT(cfg.model_config(222))
-    opt = make_optimizer(model, cfg.optimizer, cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), "cpu",
-                         cfg.muon_lr)
+    opt = make_optimizer(
+        model,
+        cfg.optimizer,
+        cfg.weight_decay,
+        cfg.learning_rate,
+        (cfg.beta1, cfg.beta2),
+        "cpu",
+        cfg.muon_lr,
+    )
     amp = runtime.autocast("cpu", dtype)
     x = torch.randint(0, 222, (cfg.batch_size, cfg.block_size))  # pycode_char's 222 symbols
     parts = {"forward": [], "backward": [], "optimizer": []}
@@ -56,21 +63,30 @@ def main() -> None:
             for part, seconds in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 parts[part].append(seconds)
     tokens = cfg.batch_size * cfg.block_size
-    model_flops = model.flops_per_token(cfg.block_size) * tokens  # forward + backward (PaLM's 6N + attention)
+    model_flops = (
+        model.flops_per_token(cfg.block_size) * tokens
+    )  # forward + backward (PaLM's 6N + attention)
     muon = [o for o in getattr(opt, "optimizers", [opt]) if isinstance(o, Muon)]
     optimizer = f"Newton-Schulz in {muon[0].ns_dtype}" if muon else "AdamW (its FLOPs left out)"
-    flops = {"forward": model_flops / 3, "backward": 2 * model_flops / 3,
-             "optimizer": newton_schulz_flops(model) if muon else 0}
+    flops = {
+        "forward": model_flops / 3,
+        "backward": 2 * model_flops / 3,
+        "optimizer": newton_schulz_flops(model) if muon else 0,
+    }
     peak = runtime.peak_flops("cpu", dtype)
-    print(f"# {config}: {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch_size} x {cfg.block_size}, {dtype}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, matmul peak {peak / 1e9:.0f} GFLOP/s; "
-          f"{optimizer}")
+    print(
+        f"# {config}: {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch_size} x {cfg.block_size}, {dtype}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, matmul peak {peak / 1e9:.0f} GFLOP/s; "
+        f"{optimizer}"
+    )
     print("| part | ms (median of 20) | GFLOP | GFLOP/s | of peak |")
     print("|---|---|---|---|---|")
     for part, times in parts.items():
         ms = 1000 * statistics.median(times)
         rate = flops[part] / (ms / 1000)
-        print(f"| {part} | {ms:.1f} | {flops[part] / 1e9:.3f} | {rate / 1e9:.1f} | {rate / peak:.1%} |")
+        print(
+            f"| {part} | {ms:.1f} | {flops[part] / 1e9:.3f} | {rate / 1e9:.1f} | {rate / peak:.1%} |"
+        )
     print(f"| step | {1000 * sum(statistics.median(t) for t in parts.values()):.1f} | | | |")
 
 

@@ -46,7 +46,9 @@ def remove_stale_temps(folder: str | Path, names: str) -> None:
 
 def cannot_write(path: Path, e: OSError) -> UserError:
     """The one line for a file or folder that the system refused to create at path (read-only, a file in the way)."""
-    return UserError(f"cannot write {path} ({e.strerror or e}): is {path.parent} a folder you can write?")
+    return UserError(
+        f"cannot write {path} ({e.strerror or e}): is {path.parent} a folder you can write?"
+    )
 
 
 @contextmanager
@@ -89,11 +91,15 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            raise UserError(f"{folder} is in use by {f.read().strip() or 'another process'}: wait for it to end, or "
-                            f"choose another out_dir") from None
+            raise UserError(
+                f"{folder} is in use by {f.read().strip() or 'another process'}: wait for it to end, or "
+                f"choose another out_dir"
+            ) from None
         f.seek(0)
         f.truncate()
-        f.write(f"{what} (pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+        f.write(
+            f"{what} (pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})"
+        )
         f.flush()
         try:
             yield
@@ -122,8 +128,12 @@ def lock_holder(folder: Path) -> str | None:
 # What this project writes into a folder, by the file that marks each kind (a run's checkpoint or log, a dataset's
 # meta.json, an export's smallgpt.json, a comparison's compare.json, written when compare.py makes it, or its
 # measures): the rule for any command that writes into or replaces a folder.
-KIND_MARKERS = {"a run": ("ckpt.pt", "log.jsonl"), "a dataset": ("meta.json",), "an export": ("smallgpt.json",),
-                "a comparison": ("compare.json", "speed.json", "report.md")}
+KIND_MARKERS = {
+    "a run": ("ckpt.pt", "log.jsonl"),
+    "a dataset": ("meta.json",),
+    "an export": ("smallgpt.json",),
+    "a comparison": ("compare.json", "speed.json", "report.md"),
+}
 
 
 def folder_kind(folder: str | Path) -> str:
@@ -146,13 +156,17 @@ def check_replaceable(dest: str | Path, kind: str, keep: tuple[str | Path, ...] 
         path = path.resolve()
         if path == dest or dest in path.parents:
             what = "the working directory" if path == Path.cwd().resolve() else str(path)
-            raise UserError(f"{dest} is or contains {what}: choose another destination (nothing was deleted)")
+            raise UserError(
+                f"{dest} is or contains {what}: choose another destination (nothing was deleted)"
+            )
     held = folder_kind(dest) if not dest.is_file() else "a file"
     if held == "nothing":
         return False
     if held != kind:
-        raise UserError(f"{dest} holds {held}, not {kind} written by this project: --overwrite replaces only {kind}; "
-                        f"choose another destination (nothing was deleted)")
+        raise UserError(
+            f"{dest} holds {held}, not {kind} written by this project: --overwrite replaces only {kind}; "
+            f"choose another destination (nothing was deleted)"
+        )
     return True
 
 
@@ -163,4 +177,6 @@ def check_writes_into(folder: str | Path, kind: str, writes: tuple[str, ...]) ->
     clobbered = [name for name in writes if (Path(folder) / name).exists()]
     if held not in ("nothing", kind) and (held != "other files" or clobbered):
         what = f"; its {', '.join(clobbered)} would be replaced" if clobbered else ""
-        raise UserError(f"{folder} holds {held}, not {kind}{what}: choose another folder (nothing was written)")
+        raise UserError(
+            f"{folder} holds {held}, not {kind}{what}: choose another folder (nothing was written)"
+        )

@@ -42,11 +42,30 @@ REPO = Path(__file__).resolve().parent.parent  # where train.py and the configs 
 
 # nanoGPT's README: "I have a GPU" (its config as it is: bf16 where supported, compiled) and "I only have a macbook"
 NANOGPT_GPU_RECIPE = ["config/train_shakespeare_char.py"]
-NANOGPT_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
-                      "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
-                      "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
-STEP_SHAPE = ["--n_layer=6", "--n_head=6", "--n_embd=384", "--block_size=256", "--batch_size=8", "--dropout=0.0",
-              "--gradient_accumulation_steps=1"]
+NANOGPT_CPU_RECIPE = [
+    "config/train_shakespeare_char.py",
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--max_iters=2000",
+    "--lr_decay_iters=2000",
+    "--dropout=0.0",
+]
+STEP_SHAPE = [
+    "--n_layer=6",
+    "--n_head=6",
+    "--n_embd=384",
+    "--block_size=256",
+    "--batch_size=8",
+    "--dropout=0.0",
+    "--gradient_accumulation_steps=1",
+]
 
 
 def timed(fn: Any) -> tuple[float, Any]:
@@ -57,8 +76,14 @@ def timed(fn: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats: int, device: str = "cpu",
-             llama_cpp: str = "") -> list[dict]:
+def bench_hf(
+    mcfg: GPTConfig,
+    new_tokens: list[int],
+    dtypes: list[str],
+    repeats: int,
+    device: str = "cpu",
+    llama_cpp: str = "",
+) -> list[dict]:
     """tokens/s of GPT.generate and of generate(GPT2LMHeadModel, use_cache=True) on the same weights (and of
     llama.cpp's llama-bench on them, converted to GGUF, when llama_cpp names its folder)."""
     try:
@@ -69,28 +94,53 @@ def bench_hf(mcfg: GPTConfig, new_tokens: list[int], dtypes: list[str], repeats:
     logging.set_verbosity_error()
     tools = llama_cpp_tools(llama_cpp) if llama_cpp else None  # checked before any work
     torch.manual_seed(0)
-    hf_cfg = GPT2Config(vocab_size=mcfg.vocab_size, n_positions=mcfg.block_size, n_embd=mcfg.n_embd,
-                        n_layer=mcfg.n_layer, n_head=mcfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0)
+    hf_cfg = GPT2Config(
+        vocab_size=mcfg.vocab_size,
+        n_positions=mcfg.block_size,
+        n_embd=mcfg.n_embd,
+        n_layer=mcfg.n_layer,
+        n_head=mcfg.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     hf = GPT2LMHeadModel(hf_cfg).eval()
     with tempfile.TemporaryDirectory() as d:  # through the GPT-2 loader users would use
         hf.save_pretrained(d)
         ours = load_run(Source("hf", d), tokenizer=False).model.eval()
         llama = llama_cpp_runners(Path(d), *tools, dtypes) if tools else {}
         if not tools:
-            print("# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
-                  file=sys.stderr)
-        rows = [row for dtype_name in dtypes for row in bench_dtype(hf, ours, dtype_name, new_tokens, repeats,
-                                                                     device, llama.get(dtype_name))]
+            print(
+                "# llama.cpp skipped: pass --llama_cpp=DIR, a llama.cpp folder with build/bin/llama-bench",
+                file=sys.stderr,
+            )
+        rows = [
+            row
+            for dtype_name in dtypes
+            for row in bench_dtype(
+                hf, ours, dtype_name, new_tokens, repeats, device, llama.get(dtype_name)
+            )
+        ]
     bad = [r for r in rows if r["dtype"] == "float32" and not r["same_tokens"]]
     if bad:
-        raise RuntimeError(f"greedy fp32 tokens differ from Hugging Face's at {[r['new_tokens'] for r in bad]} "
-                           f"new tokens: the two models do not compute the same function")
+        raise RuntimeError(
+            f"greedy fp32 tokens differ from Hugging Face's at {[r['new_tokens'] for r in bad]} "
+            f"new tokens: the two models do not compute the same function"
+        )
     return rows
 
 
-def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new_tokens: list[int], repeats: int,
-                device: str, llama: Callable[[int], float] | None) -> list[dict]:
+def bench_dtype(
+    hf: torch.nn.Module,
+    ours: torch.nn.Module,
+    dtype_name: str,
+    new_tokens: list[int],
+    repeats: int,
+    device: str,
+    llama: Callable[[int], float] | None,
+) -> list[dict]:
     """bench_hf's rows for one dtype: Hugging Face, ours eager and compiled, and llama.cpp (given its runner) taking
     turns in each repeat, so a slow spell of the machine falls on all of them. 'int8' is our fp32 model with int8
     weights (smallgpt/quantize.py), beside llama.cpp's Q8_0, its tokens compared to fp32's."""
@@ -101,8 +151,15 @@ def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new
     idx, rows = torch.tensor([[1]], device=device), []
 
     def run_hf(n: int) -> torch.Tensor:
-        return hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, use_cache=True, pad_token_id=0)[0, 1:]
+        return hf.generate(
+            idx,
+            attention_mask=torch.ones_like(idx),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
+        )[0, 1:]
 
     def run_ours(n: int, compiled: bool = False) -> torch.Tensor:
         return generate(model, idx, n, temperature=0.0, compile_step=compiled)[0, 1:]
@@ -117,13 +174,23 @@ def bench_dtype(hf: torch.nn.Module, ours: torch.nn.Module, dtype_name: str, new
                 our_runs.append(timed(lambda: run_ours(n)))
                 compiled_runs.append(timed(lambda: run_ours(n, True)))
                 llama_tok_s += [llama(n)] if llama else []
-            hf_s, our_s, compiled_s = (statistics.median(t for t, _ in runs)
-                                       for runs in (hf_runs, our_runs, compiled_runs))
-            row = {"mode": "hf", "device": device, "dtype": dtype_name, "new_tokens": n,
-                   "hf_tok_s": None if int8 else n / hf_s, "ours_tok_s": n / our_s, "compiled_tok_s": n / compiled_s,
-                   "speedup": None if int8 else hf_s / compiled_s,
-                   "same_tokens": all(torch.equal(hf_runs[0][1], r[0][1]) for r in (our_runs, compiled_runs)),
-                   "agreement": (hf_runs[0][1] == compiled_runs[0][1]).float().mean().item()}
+            hf_s, our_s, compiled_s = (
+                statistics.median(t for t, _ in runs) for runs in (hf_runs, our_runs, compiled_runs)
+            )
+            row = {
+                "mode": "hf",
+                "device": device,
+                "dtype": dtype_name,
+                "new_tokens": n,
+                "hf_tok_s": None if int8 else n / hf_s,
+                "ours_tok_s": n / our_s,
+                "compiled_tok_s": n / compiled_s,
+                "speedup": None if int8 else hf_s / compiled_s,
+                "same_tokens": all(
+                    torch.equal(hf_runs[0][1], r[0][1]) for r in (our_runs, compiled_runs)
+                ),
+                "agreement": (hf_runs[0][1] == compiled_runs[0][1]).float().mean().item(),
+            }
             if llama_tok_s:
                 row["llama_cpp_tok_s"] = statistics.median(llama_tok_s)
                 row["vs_llama_cpp"] = n / compiled_s / row["llama_cpp_tok_s"]
@@ -157,13 +224,16 @@ def llama_cpp_tools(llama_cpp: str, program: str = "llama-bench") -> tuple[Path,
     root = Path(llama_cpp).resolve()
     convert, binary = root / "convert_hf_to_gguf.py", root / "build" / "bin" / program
     if not (convert.is_file() and binary.is_file()):
-        raise UserError(f"--llama_cpp={llama_cpp}: no convert_hf_to_gguf.py and build/bin/{program} there ({root}); "
-                        f"build it there with cmake --build build --target {program} (docs/export.md)")
+        raise UserError(
+            f"--llama_cpp={llama_cpp}: no convert_hf_to_gguf.py and build/bin/{program} there ({root}); "
+            f"build it there with cmake --build build --target {program} (docs/export.md)"
+        )
     return convert, binary
 
 
-def llama_cpp_runners(hf_dir: Path, convert: Path, binary: Path, dtypes: list[str]
-                      ) -> dict[str, Callable[[int], float]]:
+def llama_cpp_runners(
+    hf_dir: Path, convert: Path, binary: Path, dtypes: list[str]
+) -> dict[str, Callable[[int], float]]:
     """For each dtype, the Hugging Face GPT-2 folder hf_dir converted by llama.cpp's convert_hf_to_gguf.py
     (llama_cpp_tools gives it and llama-bench) and llama_bench on that file, n new tokens to go."""
     write_gpt2_tokenizer(hf_dir)
@@ -179,8 +249,25 @@ def llama_cpp_runners(hf_dir: Path, convert: Path, binary: Path, dtypes: list[st
 
 def llama_bench(binary: Path, gguf: Path, n: int) -> float:
     """Generation tokens/s of one llama-bench run of n new tokens on gguf, as many threads as torch uses."""
-    r = subprocess.run([binary, "-m", gguf, "-p", "0", "-n", str(n), "-t", str(torch.get_num_threads()), "-r", "1",
-                        "-o", "json"], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            binary,
+            "-m",
+            gguf,
+            "-p",
+            "0",
+            "-n",
+            str(n),
+            "-t",
+            str(torch.get_num_threads()),
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         raise UserError(f"llama-bench failed on {gguf.name}: {r.stderr.strip().splitlines()[-1:]}")
     return json.loads(r.stdout)[0]["avg_ts"]
@@ -191,7 +278,9 @@ def run_timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, *cmd], cwd=cwd, capture_output=True, text=True)
     if r.returncode:
-        raise UserError(f"{' '.join(cmd[:2])} in {cwd} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        raise UserError(
+            f"{' '.join(cmd[:2])} in {cwd} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+        )
     return time.perf_counter() - t0, r.stdout
 
 
@@ -206,7 +295,9 @@ def nanogpt_dataset(nanogpt_dir: Path, dataset: str) -> str:
     for split in ("train.bin", "val.bin"):
         link = dst / split
         if link.exists() and not link.is_symlink():  # only the links made here are replaced
-            raise UserError(f"{link} is a file, not the link to {src / split} this benchmark makes: move it away")
+            raise UserError(
+                f"{link} is a file, not the link to {src / split} this benchmark makes: move it away"
+            )
         link.unlink(missing_ok=True)
         link.symlink_to((src / split).resolve())
     (dst / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": meta["vocab_size"]}))
@@ -215,38 +306,88 @@ def nanogpt_dataset(nanogpt_dir: Path, dataset: str) -> str:
 
 def ms_per_iter(stdout: str, skip: int = 3) -> float:
     """Median of nanoGPT's 'iter N: loss X, time Yms' lines after the first few."""
-    return statistics.median(float(m) for m in re.findall(r"^iter \d+: .*time ([\d.]+)ms", stdout, re.M)[skip:])
+    return statistics.median(
+        float(m) for m in re.findall(r"^iter \d+: .*time ([\d.]+)ms", stdout, re.M)[skip:]
+    )
 
 
-def bench_nanogpt(nanogpt_dir: str, dataset: str, our_args: list[str], device: str,
-                  our_step_ms: Callable[[], dict[bool, float]]) -> list[dict]:
+def bench_nanogpt(
+    nanogpt_dir: str,
+    dataset: str,
+    our_args: list[str],
+    device: str,
+    our_step_ms: Callable[[], dict[bool, float]],
+) -> list[dict]:
     """nanoGPT's recipe for the device (its README's GPU or CPU command) vs ours on `dataset`: its best val loss and
     wall time against our last val loss and wall time; and the 6x384 step's ms/iter (nanoGPT as its recipe runs;
     ours eager and compiled: our_step_ms gives {compiled: ms})."""
     root = Path(nanogpt_dir).resolve()
     if root == REPO:
-        raise UserError(f"--nanogpt_dir={nanogpt_dir} is this repository: pass a karpathy/nanoGPT checkout outside it")
+        raise UserError(
+            f"--nanogpt_dir={nanogpt_dir} is this repository: pass a karpathy/nanoGPT checkout outside it"
+        )
     if not (root / "train.py").is_file():
-        raise UserError(f"no nanoGPT checkout at {root}: git clone https://github.com/karpathy/nanoGPT there "
-                        f"(outside this repository) and pass --nanogpt_dir")
+        raise UserError(
+            f"no nanoGPT checkout at {root}: git clone https://github.com/karpathy/nanoGPT there "
+            f"(outside this repository) and pass --nanogpt_dir"
+        )
     name = nanogpt_dataset(root, dataset)
     gpu = device.startswith("cuda")
     recipe = NANOGPT_GPU_RECIPE if gpu else NANOGPT_CPU_RECIPE
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        t_ref, out = run_timed(["train.py", *recipe, f"--dataset={name}", f"--out_dir={tmp}/nanogpt"], root)
+        t_ref, out = run_timed(
+            ["train.py", *recipe, f"--dataset={name}", f"--out_dir={tmp}/nanogpt"], root
+        )
         ref_loss = min(float(v) for v in re.findall(r"val loss ([\d.]+)", out))
-        t_ours, _ = run_timed(["train.py", *our_args, f"--device={device}", f"--dataset={data_dir(dataset)}",
-                               f"--out_dir={tmp}/ours"], REPO)
+        t_ours, _ = run_timed(
+            [
+                "train.py",
+                *our_args,
+                f"--device={device}",
+                f"--dataset={data_dir(dataset)}",
+                f"--out_dir={tmp}/ours",
+            ],
+            REPO,
+        )
         our_loss = read_run(Path(tmp) / "ours")["evals"][-1]["val_loss"]
-        _, out = run_timed(["train.py", *STEP_SHAPE, f"--device={device}", f"--compile={gpu}", f"--dataset={name}",
-                            "--max_iters=12", "--eval_iters=1", "--eval_interval=1000", f"--out_dir={tmp}/step"], root)
-    rows.append({"mode": "nanogpt", "what": "time to loss", "nanogpt_val_loss": ref_loss, "nanogpt_s": t_ref,
-                 "ours_val_loss": our_loss, "ours_s": t_ours, "ratio": t_ref / t_ours})
+        _, out = run_timed(
+            [
+                "train.py",
+                *STEP_SHAPE,
+                f"--device={device}",
+                f"--compile={gpu}",
+                f"--dataset={name}",
+                "--max_iters=12",
+                "--eval_iters=1",
+                "--eval_interval=1000",
+                f"--out_dir={tmp}/step",
+            ],
+            root,
+        )
+    rows.append(
+        {
+            "mode": "nanogpt",
+            "what": "time to loss",
+            "nanogpt_val_loss": ref_loss,
+            "nanogpt_s": t_ref,
+            "ours_val_loss": our_loss,
+            "ours_s": t_ours,
+            "ratio": t_ref / t_ours,
+        }
+    )
     ref_ms = ms_per_iter(out)
     for compiled, ms in our_step_ms().items():
-        rows.append({"mode": "nanogpt", "what": "6x384 step ms", "nanogpt_ms": ref_ms, "ours_compile": compiled,
-                     "ours_ms": ms, "ratio": ref_ms / ms})
+        rows.append(
+            {
+                "mode": "nanogpt",
+                "what": "6x384 step ms",
+                "nanogpt_ms": ref_ms,
+                "ours_compile": compiled,
+                "ours_ms": ms,
+                "ratio": ref_ms / ms,
+            }
+        )
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
@@ -256,7 +397,9 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     """The checkpoint in out_dir through export's GGUF path (to_gguf, f32) into llama.cpp's llama-simple, greedy,
     against this project's greedy decoding of the same prompt: the same tokens give the same text."""
     if not llama_cpp:
-        print("# gguf check skipped: pass --llama_cpp=DIR, a llama.cpp source folder with build/bin/llama-simple")
+        print(
+            "# gguf check skipped: pass --llama_cpp=DIR, a llama.cpp source folder with build/bin/llama-simple"
+        )
         return []
     _, binary = llama_cpp_tools(llama_cpp, "llama-simple")
     loaded = load_run(Source("resume"), out_dir)
@@ -265,21 +408,38 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     check_gguf_vocabulary(hf_tok)  # before any decoding: a char-level run has no GGUF
     c = model.config
     ids = tok.encode(prompt)
-    n = min(new_tokens, c.block_size - len(ids))  # llama.cpp slides no window: stay within the positions
-    new = generate(model, torch.tensor([ids]), n, temperature=0)[0, len(ids):].tolist()
-    new = new[:new.index(tok.eot_token)] if tok.eot_token in new else new  # llama.cpp stops there, silently
+    n = min(
+        new_tokens, c.block_size - len(ids)
+    )  # llama.cpp slides no window: stay within the positions
+    new = generate(model, torch.tensor([ids]), n, temperature=0)[0, len(ids) :].tolist()
+    new = (
+        new[: new.index(tok.eot_token)] if tok.eot_token in new else new
+    )  # llama.cpp stops there, silently
     ours = tok.decode(ids + new)
     with tempfile.TemporaryDirectory() as tmp:
         gguf = Path(tmp) / "model.gguf"
         to_gguf(model, hf_tok, gguf, llama_cpp, "f32")
-        r = subprocess.run([str(binary), "-m", str(gguf), "-n", str(n), prompt], capture_output=True, text=True)
+        r = subprocess.run(
+            [str(binary), "-m", str(gguf), "-n", str(n), prompt], capture_output=True, text=True
+        )
     if r.returncode:
-        raise UserError(f"llama-simple failed: {(r.stderr.strip() or 'no output').splitlines()[-1]}")
+        raise UserError(
+            f"llama-simple failed: {(r.stderr.strip() or 'no output').splitlines()[-1]}"
+        )
     theirs = r.stdout.removesuffix("\n")
-    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    row = {"mode": "gguf", "model": f"{c.pos_encoding} {c.attention_kind} ({c.kv_sizes})", "class": hf.target_class(c),
-           "tokenizer": meta.get("tokenizer"), "new_tokens": len(new), "same_text": ours == theirs,
-           "chars_agreeing": agree, "chars": len(ours)}
+    agree = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+    )
+    row = {
+        "mode": "gguf",
+        "model": f"{c.pos_encoding} {c.attention_kind} ({c.kv_sizes})",
+        "class": hf.target_class(c),
+        "tokenizer": meta.get("tokenizer"),
+        "new_tokens": len(new),
+        "same_text": ours == theirs,
+        "chars_agreeing": agree,
+        "chars": len(ours),
+    }
     print(json.dumps(row), flush=True)
     if ours != theirs:
         print(f"# ours:      {ours!r}\n# llama.cpp: {theirs!r}", flush=True)
@@ -296,8 +456,16 @@ def bench_recipes(configs: list[str], train_args: list[str]) -> list[dict]:
         for i, config in enumerate(configs):
             seconds, _ = run_timed(["train.py", config, *train_args, f"--out_dir={tmp}/{i}"], REPO)
             run = read_run(Path(tmp) / str(i))
-            rows.append({"mode": "recipes", "config": config, "iters": run["evals"][-1]["iter"],
-                         "val_loss": run["evals"][-1]["val_loss"], "eval_iters": run["config"]["eval_iters"],
-                         "wall_s": seconds, "vs_first": seconds / rows[0]["wall_s"] if rows else 1.0})
+            rows.append(
+                {
+                    "mode": "recipes",
+                    "config": config,
+                    "iters": run["evals"][-1]["iter"],
+                    "val_loss": run["evals"][-1]["val_loss"],
+                    "eval_iters": run["config"]["eval_iters"],
+                    "wall_s": seconds,
+                    "vs_first": seconds / rows[0]["wall_s"] if rows else 1.0,
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     return rows

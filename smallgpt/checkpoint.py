@@ -26,7 +26,9 @@ from smallgpt.errors import UserError, first_line
 from smallgpt.hf import GPT2_NAMES, from_hf
 from smallgpt.tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer
 
-KEPT_NAME = re.compile(r"ckpt-(\d{7,})\.pt")  # the names keep_last writes: ckpt-<iteration, zero-padded to 7>.pt
+KEPT_NAME = re.compile(
+    r"ckpt-(\d{7,})\.pt"
+)  # the names keep_last writes: ckpt-<iteration, zero-padded to 7>.pt
 SOURCES = f"'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', {', '.join(GPT2_NAMES)} or 'hf:<folder>'"
 
 
@@ -70,9 +72,9 @@ def parse_source(init_from: str) -> Source:
         return Source("gpt2", init_from)
     for prefix in ("convert", "hf"):
         if init_from.startswith(f"{prefix}:"):
-            if not init_from[len(prefix) + 1:]:
+            if not init_from[len(prefix) + 1 :]:
                 raise ValueError(f"init_from={init_from!r} names no folder: give {prefix}:<folder>")
-            return Source(prefix, os.path.expanduser(init_from[len(prefix) + 1:]))  # hf:~/x
+            return Source(prefix, os.path.expanduser(init_from[len(prefix) + 1 :]))  # hf:~/x
     raise ValueError(f"init_from={init_from!r} must be {SOURCES}")
 
 
@@ -92,8 +94,13 @@ class Run:
         return run_config(self.ckpt) if self.ckpt is not None else {}
 
 
-def load_run(source: Source, out_dir: str | Path = "", device: str = "cpu", tokenizer: bool = True,
-             ckpt: dict[str, Any] | None = None) -> Run:
+def load_run(
+    source: Source,
+    out_dir: str | Path = "",
+    device: str = "cpu",
+    tokenizer: bool = True,
+    ckpt: dict[str, Any] | None = None,
+) -> Run:
     """The one way in for a run's weights (train.py, sample.py, export.py, the benchmarks): a checkpoint (resume:
     out_dir's; convert: the source's, as it is: train.py converts it), or GPT-2's or a Hugging Face folder's weights;
     with the tokenizer its text was numbered by. ckpt: the checkpoint, where the caller has read it already."""
@@ -106,7 +113,9 @@ def load_run(source: Source, out_dir: str | Path = "", device: str = "cpu", toke
     if ckpt is None:
         ckpt = load_checkpoint(source.checkpoint_path(out_dir), device, mmap=device == "cpu")
     meta = ckpt.get("data_meta")
-    if tokenizer and not meta:  # an older checkpoint: its dataset's meta, if the dataset is still there
+    if (
+        tokenizer and not meta
+    ):  # an older checkpoint: its dataset's meta, if the dataset is still there
         meta = load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
     return Run(model_from_checkpoint(ckpt), load_tokenizer(meta) if tokenizer else None, meta, ckpt)
 
@@ -114,7 +123,12 @@ def load_run(source: Source, out_dir: str | Path = "", device: str = "cpu", toke
 def size_estimate(model: GPT, optimizer_bytes: int, data_meta: dict) -> int:
     """The bytes of a checkpoint of model: its weights, the optimizer's state, the dataset's meta (a BPE's whole
     tokenizer) and a few small things (config, RNG states)."""
-    return sum(p.nbytes for p in model.parameters()) + optimizer_bytes + len(json.dumps(data_meta)) + 2**16
+    return (
+        sum(p.nbytes for p in model.parameters())
+        + optimizer_bytes
+        + len(json.dumps(data_meta))
+        + 2**16
+    )
 
 
 def check_out_dir(out_dir: Path, ckpt_bytes: int, keep_last: int = 0) -> None:
@@ -128,33 +142,44 @@ def check_out_dir(out_dir: Path, ckpt_bytes: int, keep_last: int = 0) -> None:
         with tempfile.TemporaryFile(dir=out_dir):
             pass
     except OSError as e:  # said of out_dir, not of the probe's temp name
-        raise UserError(f"cannot write into out_dir {out_dir} ({e.strerror or e}): choose a folder you can "
-                        f"write") from e
+        raise UserError(
+            f"cannot write into out_dir {out_dir} ({e.strerror or e}): choose a folder you can "
+            f"write"
+        ) from e
     existing = (out_dir / "ckpt.pt").stat().st_size if (out_dir / "ckpt.pt").is_file() else 0
     need, free = (max(keep_last, 1) + 1) * ckpt_bytes - existing, shutil.disk_usage(out_dir).free
     if free < need:
-        raise UserError(f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but the run's checkpoints need about "
-                        f"{need / 2**20:,.1f} MiB ({ckpt_bytes / 2**20:,.1f} MiB each, keep_last={keep_last}): free "
-                        f"some space or choose another out_dir")
+        raise UserError(
+            f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but the run's checkpoints need about "
+            f"{need / 2**20:,.1f} MiB ({ckpt_bytes / 2**20:,.1f} MiB each, keep_last={keep_last}): free "
+            f"some space or choose another out_dir"
+        )
 
 
 DROP_VOCAB_SIZE = "drop vocab_size (the dataset's is the default) or raise it"
 
 
-def check_vocabulary(vocab_size: int, meta: dict, trained_on: dict | None, dataset: str,
-                     advice: str | None = None) -> None:
+def check_vocabulary(
+    vocab_size: int, meta: dict, trained_on: dict | None, dataset: str, advice: str | None = None
+) -> None:
     """The model must have a row for each of the dataset's tokens, and a resumed one the tokens it was trained on;
     advice: what the error line tells to do (default: a training run's)."""
     if trained_on and any(trained_on.get(k) != meta.get(k) for k in ("tokenizer", "chars", "bpe")):
-        raise UserError(f"the checkpoint was trained on other tokens than dataset {dataset}'s (its tokenizer "
-                        f"{trained_on.get('tokenizer')}, vocab_size {trained_on.get('vocab_size')}): "
-                        f"{advice or 'resume on its dataset, or use a new out_dir'}")
+        raise UserError(
+            f"the checkpoint was trained on other tokens than dataset {dataset}'s (its tokenizer "
+            f"{trained_on.get('tokenizer')}, vocab_size {trained_on.get('vocab_size')}): "
+            f"{advice or 'resume on its dataset, or use a new out_dir'}"
+        )
     if vocab_size < meta["vocab_size"]:
-        raise UserError(f"the model's vocab_size={vocab_size} is smaller than dataset {dataset}'s "
-                        f"{meta['vocab_size']} tokens: {advice or DROP_VOCAB_SIZE}")
+        raise UserError(
+            f"the model's vocab_size={vocab_size} is smaller than dataset {dataset}'s "
+            f"{meta['vocab_size']} tokens: {advice or DROP_VOCAB_SIZE}"
+        )
 
 
-def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str, advice: str | None = None) -> None:
+def check_pretrained_tokenizer(
+    source: Source, meta: dict, dataset: str, advice: str | None = None
+) -> None:
     """Pretrained weights (GPT-2's, or a Hugging Face folder's) must be fine-tuned on text their own tokenizer
     numbers: GPT-2's on a GPT-2 BPE dataset; a folder's tokenizer (its tokenizer.json, else GPT-2's) must give the
     dataset's own ids for the start of its val split. advice: what the error line tells to do (default: a
@@ -163,11 +188,15 @@ def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str, advice:
         return
     folder = Path(source.where)
     if source.kind == "gpt2" or not (folder / "tokenizer.json").exists():
-        if source.kind == "hf" and (folder / "config.json").is_file():  # else from_hf says what is missing
+        if (
+            source.kind == "hf" and (folder / "config.json").is_file()
+        ):  # else from_hf says what is missing
             gpt2_folder_vocab(folder)  # GPT-2's BPE reads a GPT-2 folder only; any other is refused
         if meta.get("tokenizer") != "gpt2":
-            raise UserError(f"{source} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
-                            f"-level: {advice or 'fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)'}")
+            raise UserError(
+                f"{source} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
+                f"-level: {advice or 'fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)'}"
+            )
         return
     ids = open_tokens(data_dir(dataset), "val", meta)[:2000].tolist()
     text = load_tokenizer(meta).decode(ids)
@@ -176,8 +205,10 @@ def check_pretrained_tokenizer(source: Source, meta: dict, dataset: str, advice:
     except UserError:  # characters its vocabulary lacks
         same = False
     if not same:
-        raise UserError(f"the tokenizer of {folder} numbers dataset {dataset}'s text otherwise than the dataset "
-                        f"does: {advice or 'fine-tune on a dataset made with that tokenizer'}")
+        raise UserError(
+            f"the tokenizer of {folder} numbers dataset {dataset}'s text otherwise than the dataset "
+            f"does: {advice or 'fine-tune on a dataset made with that tokenizer'}"
+        )
 
 
 def check_no_other_log(out_dir: Path, config: dict, ignored: set[str]) -> None:
@@ -190,25 +221,38 @@ def check_no_other_log(out_dir: Path, config: dict, ignored: set[str]) -> None:
         logged = json.loads((out_dir / "config.json").read_text())
     except (OSError, ValueError):
         logged = None
-    ours = {k: v for k, v in json.loads(json.dumps(config)).items() if k not in ignored}  # as JSON: lists
+    ours = {
+        k: v for k, v in json.loads(json.dumps(config)).items() if k not in ignored
+    }  # as JSON: lists
     if not isinstance(logged, dict) or {k: logged.get(k) for k in ours} != ours:
-        raise UserError(f"{out_dir} holds another run's log.jsonl (with no checkpoint: it stopped before its first "
-                        f"save): choose another out_dir, or delete that one first")
+        raise UserError(
+            f"{out_dir} holds another run's log.jsonl (with no checkpoint: it stopped before its first "
+            f"save): choose another out_dir, or delete that one first"
+        )
 
 
-def save_checkpoint(path: str | Path, model: GPT, keep_last: int = 0, model_state: dict | None = None,
-                    **state: Any) -> None:
+def save_checkpoint(
+    path: str | Path, model: GPT, keep_last: int = 0, model_state: dict | None = None, **state: Any
+) -> None:
     """Write {'model', 'model_config', **state} atomically (atomic_open): a crash mid-write leaves the previous
     checkpoint intact. 'model' is model_state (default: model's state_dict); state holds plain data only.
     keep_last > 0 also keeps the file as ckpt-<state's iter_num>.pt beside it, and only the keep_last newest."""
     path = Path(path)
     try:
         with atomic_open(path) as f:
-            torch.save({"model": model.state_dict() if model_state is None else model_state,
-                        "model_config": asdict(model.config), **state}, f)
+            torch.save(
+                {
+                    "model": model.state_dict() if model_state is None else model_state,
+                    "model_config": asdict(model.config),
+                    **state,
+                },
+                f,
+            )
     except (OSError, RuntimeError) as e:  # torch's writer says a full disk as a RuntimeError
-        raise UserError(f"cannot write checkpoint {path} ({first_line(e)}): the disk may be full; any previous "
-                        f"checkpoint is kept: free some space and resume with --init_from=resume") from e
+        raise UserError(
+            f"cannot write checkpoint {path} ({first_line(e)}): the disk may be full; any previous "
+            f"checkpoint is kept: free some space and resume with --init_from=resume"
+        ) from e
     if keep_last:
         keep_copy(path, state["iter_num"], keep_last)
 
@@ -219,7 +263,9 @@ def keep_copy(path: Path, iter_num: int, keep_last: int) -> None:
     kept = path.with_name(f"ckpt-{iter_num:07d}.pt")
     part = temp_path(kept)
     try:
-        os.link(path, part)  # no extra disk: path is replaced by the next save, never rewritten in place
+        os.link(
+            path, part
+        )  # no extra disk: path is replaced by the next save, never rewritten in place
     except OSError:  # a file system without hard links
         shutil.copyfile(path, part)
     os.replace(part, kept)
@@ -229,31 +275,52 @@ def keep_copy(path: Path, iter_num: int, keep_last: int) -> None:
         old.unlink()
 
 
-def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = False
-                    ) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = False
+) -> dict[str, Any]:
     """A checkpoint written by save_checkpoint, loaded with weights_only=True (mmap: its tensors are read from the
     file when used)."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path} is a folder, not a checkpoint file")
     if not path.is_file():
-        raise UserError(f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir")
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; its directory is at the end of the file
-        raise UserError(f"checkpoint {path} is corrupt or truncated (not a whole torch.save archive)")
+        raise UserError(
+            f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir"
+        )
+    if not zipfile.is_zipfile(
+        path
+    ):  # torch.save writes a zip archive; its directory is at the end of the file
+        raise UserError(
+            f"checkpoint {path} is corrupt or truncated (not a whole torch.save archive)"
+        )
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         # torch names a refused global one of two ways (a blocked module such as os: the second)
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)|unsupported GLOBAL (\S+) whose module", str(e))
-        if unsafe is None:  # torch's message advises weights_only=False first: quote the unpickler's reason
+        unsafe = re.search(
+            r"Unsupported global: GLOBAL (\S+)|unsupported GLOBAL (\S+) whose module", str(e)
+        )
+        if (
+            unsafe is None
+        ):  # torch's message advises weights_only=False first: quote the unpickler's reason
             reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
-            raise UserError(f"checkpoint {path} is corrupt ({reason[1].strip() if reason else first_line(e)})") from e
-        raise UserError(f"refusing to load {path}: it holds {unsafe[1] or unsafe[2]}, not only tensors and plain data, "
-                        f"and loading it could run code") from e
+            raise UserError(
+                f"checkpoint {path} is corrupt ({reason[1].strip() if reason else first_line(e)})"
+            ) from e
+        raise UserError(
+            f"refusing to load {path}: it holds {unsafe[1] or unsafe[2]}, not only tensors and plain data, "
+            f"and loading it could run code"
+        ) from e
     except (RuntimeError, EOFError, OSError) as e:
         raise UserError(f"checkpoint {path} is corrupt or truncated ({first_line(e)})") from e
-    if not isinstance(ckpt, dict) or "model" not in ckpt or not isinstance(ckpt.get("model_config"), dict):
-        raise UserError(f"{path} is not a checkpoint written by this project (no 'model' and 'model_config')")
+    if (
+        not isinstance(ckpt, dict)
+        or "model" not in ckpt
+        or not isinstance(ckpt.get("model_config"), dict)
+    ):
+        raise UserError(
+            f"{path} is not a checkpoint written by this project (no 'model' and 'model_config')"
+        )
     return ckpt
 
 
@@ -262,7 +329,9 @@ def run_config(ckpt: dict[str, Any]) -> dict[str, Any]:
     return ckpt["config"] if isinstance(ckpt.get("config"), dict) else {}
 
 
-def start_from(source: Source, out_dir: str | Path) -> tuple[dict[str, Any] | None, dict[str, Any], str]:
+def start_from(
+    source: Source, out_dir: str | Path
+) -> tuple[dict[str, Any] | None, dict[str, Any], str]:
     """The checkpoint a run from source starts from, read here once (train.py passes it on), the config keys it
     gives the run, and where they come from. To resume ('resume', or 'auto' with a checkpoint in out_dir): the run's
     config and its model's (a fine-tuned GPT-2 keeps GPT-2's shape), out_dir and init_from aside; to convert: the
@@ -270,11 +339,19 @@ def start_from(source: Source, out_dir: str | Path) -> tuple[dict[str, Any] | No
     source, path = source.resolved(out_dir), source.checkpoint_path(out_dir)
     if source.kind == "resume" and path.is_file():
         ckpt = load_checkpoint(path, "cpu", mmap=True)
-        keys = {k: v for k, v in (run_config(ckpt) | ckpt["model_config"]).items() if k not in ("out_dir", "init_from")}
+        keys = {
+            k: v
+            for k, v in (run_config(ckpt) | ckpt["model_config"]).items()
+            if k not in ("out_dir", "init_from")
+        }
         return ckpt, keys, f"the run config in {path}"
     if source.kind == "convert" and path.is_file():
         ckpt = load_checkpoint(path, "cpu", mmap=True)
-        return ckpt, {k: v for k, v in ckpt["model_config"].items() if k != "n_kv_head"}, f"the model in {path}"
+        return (
+            ckpt,
+            {k: v for k, v in ckpt["model_config"].items() if k != "n_kv_head"},
+            f"the model in {path}",
+        )
     return None, {}, ""
 
 

@@ -36,9 +36,13 @@ TEMPLATE_MAX_BYTES = SPLIT_COPY_BYTES
 # The template is picked per product shape by timing it against ATen's product (inductor's autotuning). The package
 # first holds the weights it was compiled with in a side folder: that is where the blocked layouts are read from.
 # The timings of each choice stay out of the user's terminal.
-TEMPLATE_CONFIGS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
-                    "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+TEMPLATE_CONFIGS = {
+    "max_autotune_gemm": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "aot_inductor.package_constants_on_disk_format": "pickle_weights",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
 
 
 class SplitStep(nn.Module):
@@ -53,18 +57,32 @@ class SplitStep(nn.Module):
         self.model = model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
         self.unsplit = [m for m in linears if template and m.weight.nbytes <= TEMPLATE_MAX_BYTES]
-        self.int8 = [m for m in model.modules() if template and isinstance(m, Int8Linear)
-                     and m.weight.nbytes <= TEMPLATE_MAX_BYTES]
-        self.template = bool(self.unsplit or self.int8)  # compiled with the template among its choices
-        self.linears = [m for m in linears if m.split is not None and all(m is not u for u in self.unsplit)]
+        self.int8 = [
+            m
+            for m in model.modules()
+            if template and isinstance(m, Int8Linear) and m.weight.nbytes <= TEMPLATE_MAX_BYTES
+        ]
+        self.template = bool(
+            self.unsplit or self.int8
+        )  # compiled with the template among its choices
+        self.linears = [
+            m for m in linears if m.split is not None and all(m is not u for u in self.unsplit)
+        ]
         for i, m in enumerate(self.linears):
             rest = m.split.rest or (None, None)
             for name, t in zip("wbrs", (m.split.weight, m.split.bias, *rest)):
                 if t is not None:  # (export miscounts buffers that are None)
                     self.register_buffer(f"split{i}_{name}", t, persistent=False)
 
-    def forward(self, idx: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ring_k: torch.Tensor, ring_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ring_k: torch.Tensor,
+        ring_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits (B, 1, vocab) and each row's greedy token (B,); the local layers' rings in ring_k, ring_v."""
         made = [(m, m.split) for m in self.linears + self.unsplit]
         try:
@@ -75,14 +93,18 @@ class SplitStep(nn.Module):
                 m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
             cache = KVCache(k, v, ring_k, ring_v, self.model.config.layer_windows)
             logits = decode_static(self.model, idx, positions[-1:], cache, positions.size(0))
-            return logits, logits[:, -1].argmax(dim=-1)  # inside the graph: ~10x faster than ATen's CPU argmax
+            return logits, logits[:, -1].argmax(
+                dim=-1
+            )  # inside the graph: ~10x faster than ATen's CPU argmax
         finally:
             for m, split in made:
                 m.split = split
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Every tensor the step reads besides its inputs, by name (a tied weight under each of its names)."""
-        return dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
+        return dict(self.named_parameters(remove_duplicate=False)) | dict(
+            self.named_buffers(remove_duplicate=False)
+        )
 
 
 def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
@@ -92,7 +114,12 @@ def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
     n, k = weight.shape
     parts = -(-n // block)
     w = F.pad(weight, (0, 0, 0, parts * block - n)).view(parts, block, k).transpose(1, 2)
-    return w.reshape(parts, k // vnni, vnni, block).transpose(2, 3).reshape(parts, k, block).contiguous()
+    return (
+        w.reshape(parts, k // vnni, vnni, block)
+        .transpose(2, 3)
+        .reshape(parts, k, block)
+        .contiguous()
+    )
 
 
 def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
@@ -104,7 +131,9 @@ def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
     return nn.Parameter(p, requires_grad=False) if isinstance(weight, nn.Parameter) else p
 
 
-def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> dict[str, list] | None:
+def blocked_sources(
+    package: bytes, probes: list[tuple[str, torch.Tensor]]
+) -> dict[str, list] | None:
     """{constant: [name of the weight, block, vnni]} for every constant that inductor made at compile time (the
     package's weights besides the probes and the step's other tensors): the probe that it is blocked(probe, block,
     vnni) of, among those with its first element; None if one is anything else."""
@@ -120,10 +149,20 @@ def blocked_sources(package: bytes, probes: list[tuple[str, torch.Tensor]]) -> d
             t = torch.load(io.BytesIO(z.read(folder + file)), weights_only=True)
             if t.dim() != 3:
                 return None
-            candidates = [(source, p) for source, p in probes
-                          if p.dtype == t.dtype and p.size(1) == shape[1] and p.view(-1)[0] == t.view(-1)[0]]
-            found = next(([source, shape[2], n] for source, p in candidates for n in (1, 2, 4)
-                          if shape[1] % n == 0 and torch.equal(t, blocked(p, shape[2], n))), None)
+            candidates = [
+                (source, p)
+                for source, p in probes
+                if p.dtype == t.dtype and p.size(1) == shape[1] and p.view(-1)[0] == t.view(-1)[0]
+            ]
+            found = next(
+                (
+                    [source, shape[2], n]
+                    for source, p in candidates
+                    for n in (1, 2, 4)
+                    if shape[1] % n == 0 and torch.equal(t, blocked(p, shape[2], n))
+                ),
+                None,
+            )
             if found is None:
                 return None
             sources[name] = found
@@ -135,7 +174,9 @@ def without_weights(package: bytes) -> bytes:
     out = io.BytesIO()
     with zipfile.ZipFile(io.BytesIO(package)) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
-            if "/data/weights/" not in info.filename and not info.filename.endswith("/weights_config.json"):
+            if "/data/weights/" not in info.filename and not info.filename.endswith(
+                "/weights_config.json"
+            ):
                 dst.writestr(info, src.read(info))
     return out.getvalue()
 
@@ -143,10 +184,14 @@ def without_weights(package: bytes) -> bytes:
 def package_key(what: str) -> str:
     """The cache name of a compiled step: a hash of its program and settings, without the program's source comments
     ('# File: /path/model.py:291 in forward, ...'), so that a checkout elsewhere finds the packages compiled here."""
-    return hashlib.sha256(re.sub(r"^\s*# File: .*$", "", what, flags=re.M).encode()).hexdigest()[:40]
+    return hashlib.sha256(re.sub(r"^\s*# File: .*$", "", what, flags=re.M).encode()).hexdigest()[
+        :40
+    ]
 
 
-def compile_step(step: SplitStep, idx: torch.Tensor, cache: KVCache, block_size: int) -> tuple[Any, dict] | None:
+def compile_step(
+    step: SplitStep, idx: torch.Tensor, cache: KVCache, block_size: int
+) -> tuple[Any, dict] | None:
     """step exported for inputs shaped as idx and as the cache's tensors (MLA's v: no width), with any number of
     filled positions and of cache positions in [2, block_size] (the first at most the second; a local layer's ring
     as the cache's), compiled by AOTInductor
@@ -154,40 +199,76 @@ def compile_step(step: SplitStep, idx: torch.Tensor, cache: KVCache, block_size:
     map are kept in inductor's cache folder under a hash of the exported program, for later processes. None where the
     template made a constant that is not a blocked weight (then compile the step without it)."""
     top = max(block_size, 3)
-    length, slots = torch.export.Dim("length", min=2, max=top), torch.export.Dim("cache", min=2, max=top)
+    length, slots = (
+        torch.export.Dim("length", min=2, max=top),
+        torch.export.Dim("cache", min=2, max=top),
+    )
     # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
-    example = (idx, torch.arange(2, device=idx.device),
-               *[t.new_zeros(*t.shape[:3], 3, t.size(4)) for t in (cache.k, cache.v)], cache.ring_k, cache.ring_v)
-    program = torch.export.export(step, example, dynamic_shapes=(None, {0: length}, {3: slots}, {3: slots}, None,
-                                                                 None), strict=False)
-    configs = {"aot_inductor.package_constants_in_so": False} | (TEMPLATE_CONFIGS if step.template else {})
-    what = (f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
-            f"{configs}\n{program}")
+    example = (
+        idx,
+        torch.arange(2, device=idx.device),
+        *[t.new_zeros(*t.shape[:3], 3, t.size(4)) for t in (cache.k, cache.v)],
+        cache.ring_k,
+        cache.ring_v,
+    )
+    program = torch.export.export(
+        step,
+        example,
+        dynamic_shapes=(None, {0: length}, {3: slots}, {3: slots}, None, None),
+        strict=False,
+    )
+    configs = {"aot_inductor.package_constants_in_so": False} | (
+        TEMPLATE_CONFIGS if step.template else {}
+    )
+    what = (
+        f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
+        f"{configs}\n{program}"
+    )
     path = Path(cache_dir()) / "smallgpt" / f"step-{package_key(what)}.pt2"
-    if zipfile.is_zipfile(path) and path.with_suffix(".json").exists():  # torch warns on a cut-short one
+    if (
+        zipfile.is_zipfile(path) and path.with_suffix(".json").exists()
+    ):  # torch warns on a cut-short one
         try:
-            return torch._inductor.aoti_load_package(str(path)), json.loads(path.with_suffix(".json").read_text())
+            return torch._inductor.aoti_load_package(str(path)), json.loads(
+                path.with_suffix(".json").read_text()
+            )
         except (RuntimeError, ValueError):  # unreadable: compiled again below
             pass
     try:
         cpp_builder.get_cpp_compiler()
     except InvalidCxxCompiler as e:
-        raise UserError("compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set CXX), "
-                        "or decode without compile") from e
+        raise UserError(
+            "compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set CXX), "
+            "or decode without compile"
+        ) from e
     # compiled on stand-ins of the matrices the template may block (any, as a split's odd rows can be one), each
     # telling which it is in its blocked layout
-    probes = [(tensors, name, t) for tensors in (program.state_dict, program.constants)
-              for name, t in tensors.items() if t.dim() == 2 and (t.is_floating_point() or t.dtype == torch.int8)]
+    probes = [
+        (tensors, name, t)
+        for tensors in (program.state_dict, program.constants)
+        for name, t in tensors.items()
+        if t.dim() == 2 and (t.is_floating_point() or t.dtype == torch.int8)
+    ]
     probes = [(tensors, name, probe(t, i)) for i, (tensors, name, t) in enumerate(probes)]
     for tensors, name, p in probes:
         tensors[name] = p
     package = io.BytesIO()
-    with warnings.catch_warnings():  # torch's own, nothing the user can act on: pickling the program's tree specs,
+    with (
+        warnings.catch_warnings()
+    ):  # torch's own, nothing the user can act on: pickling the program's tree specs,
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
         warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # autotuning,
-        warnings.filterwarnings("ignore", "No complete tensor found", UserWarning)  # packing weights that are views
-        torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=configs)
-    sources = blocked_sources(package.getvalue(), [(name, p) for _, name, p in probes]) if step.template else {}
+        warnings.filterwarnings(
+            "ignore", "No complete tensor found", UserWarning
+        )  # packing weights that are views
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=package, inductor_configs=configs
+        )
+    sources = (
+        blocked_sources(package.getvalue(), [(name, p) for _, name, p in probes])
+        if step.template
+        else {}
+    )
     if sources is None:
         return None
     package = without_weights(package.getvalue()) if step.template else package.getvalue()
@@ -199,7 +280,9 @@ def compile_step(step: SplitStep, idx: torch.Tensor, cache: KVCache, block_size:
     return torch._inductor.aoti_load_package(io.BytesIO(package)), sources
 
 
-def lend(weights: dict[str, torch.Tensor], sources: dict[str, list], before: dict[str, tuple]) -> dict[str, tuple]:
+def lend(
+    weights: dict[str, torch.Tensor], sources: dict[str, list], before: dict[str, tuple]
+) -> dict[str, tuple]:
     """What a compiled step reads, by name, as (tensor, what it was made from): the step's weights, and for each
     blocked constant the blocked copy of its weight, reused from `before` while that weight is the same tensor
     unchanged (weights made under inference_mode have no version to tell that by)."""
@@ -207,13 +290,19 @@ def lend(weights: dict[str, torch.Tensor], sources: dict[str, list], before: dic
     for name, (source, *layout) in sources.items():
         w = weights[source]
         made = (w.data_ptr(), None if w.is_inference() else w._version, *layout)
-        lent[name] = before[name] if name in before and before[name][1] == made else (blocked(w, *layout), made)
+        lent[name] = (
+            before[name]
+            if name in before and before[name][1] == made
+            else (blocked(w, *layout), made)
+        )
     return lent
 
 
 # Each model's compiled steps by what else their code depends on (CompiledStep.__call__): the package, its blocked
 # constants' sources, and the tensors last lent
-STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict, dict]]]" = weakref.WeakKeyDictionary()
+STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict, dict]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class CompiledStep:
@@ -238,12 +327,16 @@ class CompiledStep:
         """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward, and
         each row's greedy token (B,) where the compiled step computed it (None after an eager step)."""
         length = self.cache.pos + 1
-        if length < 2:  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
+        if (
+            length < 2
+        ):  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
             return self.model(idx, kv_cache=self.cache)[0], None
         if self.run is None:
             self.run = self.load()
         c = self.cache
-        logits, greedy = self.run([self.idx.copy_(idx), self.positions[:length], c.k, c.v, c.ring_k, c.ring_v])
+        logits, greedy = self.run(
+            [self.idx.copy_(idx), self.positions[:length], c.k, c.v, c.ring_k, c.ring_v]
+        )
         self.cache.pos += 1
         return logits, greedy
 
@@ -251,19 +344,41 @@ class CompiledStep:
         """The compiled step for this model, batch size and thread count (compiled on first use), lent its tensors."""
         steps = STEPS.setdefault(self.model, {})
         found = None
-        while found is None:  # the step's code depends on these besides the model: compiled once for each
+        while (
+            found is None
+        ):  # the step's code depends on these besides the model: compiled once for each
             weights = self.step.weights()
-            key = (tuple(self.idx.shape), self.cache.k.dtype, self.cache.ring, torch.get_num_threads(),
-                   tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),
-                   tuple(name for name, m in self.model.named_modules()
-                         if any(m is u for u in self.step.unsplit + self.step.int8)))
-            found = steps[key][:2] if key in steps else compile_step(self.step, self.idx, self.cache,
-                                                                      self.model.config.block_size)
-            if found is None:  # the template made a constant that is not a blocked weight: the step without it
+            key = (
+                tuple(self.idx.shape),
+                self.cache.k.dtype,
+                self.cache.ring,
+                torch.get_num_threads(),
+                tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),
+                tuple(
+                    name
+                    for name, m in self.model.named_modules()
+                    if any(m is u for u in self.step.unsplit + self.step.int8)
+                ),
+            )
+            found = (
+                steps[key][:2]
+                if key in steps
+                else compile_step(self.step, self.idx, self.cache, self.model.config.block_size)
+            )
+            if (
+                found is None
+            ):  # the template made a constant that is not a blocked weight: the step without it
                 self.step = SplitStep(self.model, template=False)
         package, sources = found
         lent = lend(weights, sources, steps[key][2] if key in steps else {})
-        package.load_constants({name: lent[name][0] for name in package.get_constant_fqns()},
-                               check_full_update=True, user_managed=True)
-        steps[key] = (package, sources, lent)  # the step points into these tensors: kept while it may run
+        package.load_constants(
+            {name: lent[name][0] for name in package.get_constant_fqns()},
+            check_full_update=True,
+            user_managed=True,
+        )
+        steps[key] = (
+            package,
+            sources,
+            lent,
+        )  # the step points into these tensors: kept while it may run
         return package.loader.boxed_run

@@ -18,7 +18,9 @@ from smallgpt.recall import task_problems
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
 
 
-@with_fields_of(GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False, vocab_size=None)
+@with_fields_of(
+    GPTConfig, block_size=256, n_layer=6, n_head=6, n_embd=384, bias=False, vocab_size=None
+)
 @dataclass(slots=True)
 class TrainConfig:
     """train.py's keys: these, then GPTConfig's (the model), its defaults but for those above."""
@@ -37,7 +39,9 @@ class TrainConfig:
     # ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or 'hf:<local folder>' (GPT-2, or export.py's
     # Starcoder2/GPTBigCode): pretrained weights decide the model but for PRETRAINED_KEYS
     init_from: str = "scratch"
-    convert_method: str = "mean"  # a K/V group's head: its heads' 'mean', 'first' or 'random' (MLA: SVD)
+    convert_method: str = (
+        "mean"  # a K/V group's head: its heads' 'mean', 'first' or 'random' (MLA: SVD)
+    )
     # logging: wandb honours WANDB_MODE (online, offline, disabled); log.jsonl is always written
     wandb_log: bool = False
     wandb_project: str = "smallgpt"
@@ -79,12 +83,26 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for key in ("eval_interval", "log_interval", "eval_iters", "gradient_accumulation_steps",
-                    "batch_size", "block_size"):
+        for key in (
+            "eval_interval",
+            "log_interval",
+            "eval_iters",
+            "gradient_accumulation_steps",
+            "batch_size",
+            "block_size",
+        ):
             if getattr(self, key) < 1:
                 problems.append(f"{key}={getattr(self, key)} must be positive")
-        for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr",
-                    "weight_decay", "grad_clip", "keep_last"):
+        for key in (
+            "max_iters",
+            "warmup_iters",
+            "lr_decay_iters",
+            "learning_rate",
+            "min_lr",
+            "weight_decay",
+            "grad_clip",
+            "keep_last",
+        ):
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)} must not be negative")
         problems += task_problems("final_evals", self.final_evals)
@@ -96,22 +114,30 @@ class TrainConfig:
             problems.append(str(e))
             source = Source("scratch")
         if self.convert_method not in CONVERT_METHODS:
-            problems.append(f"convert_method={self.convert_method!r} must be one of {', '.join(CONVERT_METHODS)}")
+            problems.append(
+                f"convert_method={self.convert_method!r} must be one of {', '.join(CONVERT_METHODS)}"
+            )
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
         if self.optimizer not in ("adamw", "muon"):
             problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon'")
         elif self.optimizer == "muon" and self.parallel == "fsdp":
-            problems.append("optimizer='muon' does not go with parallel='fsdp' (Muon orthogonalises whole matrices, "
-                            "FSDP shards them): use optimizer='adamw', or parallel='ddp'")
+            problems.append(
+                "optimizer='muon' does not go with parallel='fsdp' (Muon orthogonalises whole matrices, "
+                "FSDP shards them): use optimizer='adamw', or parallel='ddp'"
+            )
         if self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
         if self.decay_lr and self.min_lr > self.learning_rate:
-            problems.append(f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: "
-                            f"the rate would rise as it decays")
+            problems.append(
+                f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: "
+                f"the rate would rise as it decays"
+            )
         if self.decay_lr and self.lr_decay_iters < self.warmup_iters:
-            problems.append(f"lr_decay_iters={self.lr_decay_iters} is below warmup_iters="
-                            f"{self.warmup_iters}: the decay would end before the warm-up does")
+            problems.append(
+                f"lr_decay_iters={self.lr_decay_iters} is below warmup_iters="
+                f"{self.warmup_iters}: the decay would end before the warm-up does"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
         if problems:
@@ -138,9 +164,11 @@ def parse_train(argv: list[str]) -> tuple[TrainConfig, dict | None]:
     model_keys = [k for k in given if k in GPTConfig.__dataclass_fields__]
     fixed = [f"--{k}" for k in model_keys if k not in PRETRAINED_KEYS]
     if source.pretrained and fixed:  # the weights decide the model: a shape key would not train
-        raise UserError(f"init_from={init_from} trains its weights' own model: drop "
-                        f"{', '.join(fixed)} (of the model keys only {', '.join(PRETRAINED_KEYS)} "
-                        f"apply to pretrained weights)")
+        raise UserError(
+            f"init_from={init_from} trains its weights' own model: drop "
+            f"{', '.join(fixed)} (of the model keys only {', '.join(PRETRAINED_KEYS)} "
+            f"apply to pretrained weights)"
+        )
     ckpt, stored, where = start_from(source, given.get("out_dir", default["out_dir"]))
     from_run = {k: v for k, v in stored.items() if k in default}
     given = checked_values(TrainConfig, from_run, where) | given
@@ -181,18 +209,22 @@ class SampleConfig:
             problems.append(str(e))
             kind = "resume"
         if kind not in ("resume", "gpt2", "hf"):
-            problems.append(f"init_from={self.init_from!r} must be 'resume' (out_dir/ckpt.pt), "
-                            f"{', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'")
+            problems.append(
+                f"init_from={self.init_from!r} must be 'resume' (out_dir/ckpt.pt), "
+                f"{', '.join(GPT2_NAMES)} or 'hf:<folder from save_pretrained>'"
+            )
         if self.stop == "":
-            problems.append("stop='' would end every sample at once: give a string, or leave stop "
-                            "out")
+            problems.append(
+                "stop='' would end every sample at once: give a string, or leave stop out"
+            )
         if self.stop:  # typed in a shell, --stop='\n' is a backslash and an n: the newline meant
             self.stop = re.sub(r"\\([nt\\])", lambda match: ESCAPES[match[1]], self.stop)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be auto, float32, bfloat16 or float16")
         if self.compile and not self.kv_cache:
-            problems.append("compile=True compiles the cached one-token step: not with "
-                            "kv_cache=False")
+            problems.append(
+                "compile=True compiles the cached one-token step: not with kv_cache=False"
+            )
         if self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
         if problems:
@@ -202,26 +234,40 @@ class SampleConfig:
 # a variant's name, all lower case: its kind and size (mha, gqa<n_kv_head>, mqa,
 # mla<kv_lora_rank>), then its local layers' pattern and window, if any (mha-sssl64:
 # window_pattern='SSSL', window=64). The names' one grammar: sweep.variant_config reads its groups
-VARIANT = re.compile(r"(?P<kind>mha|mqa|gqa(?P<n_kv_head>[1-9][0-9]*)"
-                     r"|mla(?P<kv_lora_rank>[1-9][0-9]*))"
-                     r"(?:-(?P<pattern>[sl]+)(?P<window>[1-9][0-9]*))?")
+VARIANT = re.compile(
+    r"(?P<kind>mha|mqa|gqa(?P<n_kv_head>[1-9][0-9]*)"
+    r"|mla(?P<kv_lora_rank>[1-9][0-9]*))"
+    r"(?:-(?P<pattern>[sl]+)(?P<window>[1-9][0-9]*))?"
+)
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
 
 
 @dataclass(slots=True)
 class CompareConfig:
     mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
-    kv_heads: list[int] = field(default_factory=list)  # the variants; empty: n_head, a middle divisor, 1
-    variants: list[str] = field(default_factory=list)  # or by name (VARIANT): mha, gqa2, mqa, mla32, mha-sssl64...
+    kv_heads: list[int] = field(
+        default_factory=list
+    )  # the variants; empty: n_head, a middle divisor, 1
+    variants: list[str] = field(
+        default_factory=list
+    )  # or by name (VARIANT): mha, gqa2, mqa, mla32, mha-sssl64...
     seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
     # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters); 'params': the
     # GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both: each variant twice
     match: list[str] = field(default_factory=lambda: ["width"])
-    sizes: list[tuple[int, int] | str] = field(default_factory=list)  # (n_layer, n_embd), 'LxD' or a preset name
+    sizes: list[tuple[int, int] | str] = field(
+        default_factory=list
+    )  # (n_layer, n_embd), 'LxD' or a preset name
     convert: bool = False  # also convert each seed's MHA model to each GQA/MQA/MLA variant (all global), uptrain it
-    convert_methods: list[str] = field(default_factory=lambda: ["mean"])  # K/V heads: mean, first or random
-    uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])  # of the base run's max_iters (0: none)
-    uptrain_lr_scale: float = 1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
+    convert_methods: list[str] = field(
+        default_factory=lambda: ["mean"]
+    )  # K/V heads: mean, first or random
+    uptrain_fractions: list[float] = field(
+        default_factory=lambda: [0.1]
+    )  # of the base run's max_iters (0: none)
+    uptrain_lr_scale: float = (
+        1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
+    )
     # True: train the runs trained at another budget (max_iters, warmup_iters, lr_decay_iters,
     # decay_lr) on to this one, from their checkpoints; False: refuse to, before any training
     extend: bool = False
@@ -235,26 +281,42 @@ class CompareConfig:
     decode_context: int = 4096
     decode_steps: int = 16
     speed_repeats: int = 3
-    train_args: list[str] = field(default_factory=list)  # filled from the command line: files and train.py flags
+    train_args: list[str] = field(
+        default_factory=list
+    )  # filled from the command line: files and train.py flags
 
     def __post_init__(self) -> None:
         problems = []
-        for key, choices in (("mode", ("train", "report", "all", "plan", "costs")),
-                             ("kv_dtype", ("float32", "bfloat16", "float16"))):
+        for key, choices in (
+            ("mode", ("train", "report", "all", "plan", "costs")),
+            ("kv_dtype", ("float32", "bfloat16", "float16")),
+        ):
             if getattr(self, key) not in choices:
                 problems.append(f"{key}={getattr(self, key)!r} must be one of {', '.join(choices)}")
-        sizes = ("seeds", "kv_seq_len", "kv_batch", "decode_batch", "decode_context", "decode_steps", "speed_repeats")
+        sizes = (
+            "seeds",
+            "kv_seq_len",
+            "kv_batch",
+            "decode_batch",
+            "decode_context",
+            "decode_steps",
+            "speed_repeats",
+        )
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
             problems.append(f"{', '.join(bad)}: must be positive")
         if min(self.kv_heads, default=1) < 1:
             problems.append(f"kv_heads={self.kv_heads} must be positive")
         if self.kv_heads and self.variants:
-            problems.append(f"kv_heads={self.kv_heads} and variants={self.variants}: give one of them")
+            problems.append(
+                f"kv_heads={self.kv_heads} and variants={self.variants}: give one of them"
+            )
         problems += variant_problems(self.variants)
         if not self.match or any(m not in ("width", "params") for m in self.match):
             problems.append(f"match={self.match} must be width, params or [width,params]")
         if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):
-            problems.append(f"convert_methods={self.convert_methods}: each must be one of {', '.join(CONVERT_METHODS)}")
+            problems.append(
+                f"convert_methods={self.convert_methods}: each must be one of {', '.join(CONVERT_METHODS)}"
+            )
         if not self.uptrain_fractions or any(not 0 <= f <= 1 for f in self.uptrain_fractions):
             problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
         if not self.uptrain_lr_scale > 0:
@@ -271,13 +333,20 @@ class CompareConfig:
                 sizes.append("{}x{}".format(*size_of(size)))
             except ValueError as e:
                 problems.append(str(e))
-        named = {"kv_heads": self.kv_heads, "variants": self.variants, "match": self.match, "sizes": sizes,
-                 "uptrain_fractions": [f"{f:g}" for f in self.uptrain_fractions],  # as in folders
-                 "convert_methods": self.convert_methods}
+        named = {
+            "kv_heads": self.kv_heads,
+            "variants": self.variants,
+            "match": self.match,
+            "sizes": sizes,
+            "uptrain_fractions": [f"{f:g}" for f in self.uptrain_fractions],  # as in folders
+            "convert_methods": self.convert_methods,
+        }
         for key, items in named.items():
             if (again := repeated(items)) is not None:
-                problems.append(f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "
-                                f"a repeat would train the same runs again; list it once")
+                problems.append(
+                    f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "
+                    f"a repeat would train the same runs again; list it once"
+                )
         return problems
 
 
@@ -288,13 +357,17 @@ def variant_problems(names: list[str]) -> list[str]:
     cased = [name for name in bad if VARIANT.fullmatch(name.lower())]
     if cased:
         lower = ", ".join(name.lower() for name in cased)
-        problems.append(f"variants: {', '.join(cased)}: variant names are lower case: {lower} "
-                        f"(train.py's --window_pattern=SL is -sl<window> here)")
+        problems.append(
+            f"variants: {', '.join(cased)}: variant names are lower case: {lower} "
+            f"(train.py's --window_pattern=SL is -sl<window> here)"
+        )
     unknown = [name for name in bad if name not in cased]
     if unknown:
-        problems.append(f"variants: {', '.join(unknown)} is not mha, gqa<n_kv_head>, mqa or "
-                        f"mla<kv_lora_rank>, each with -<window_pattern><window> for local layers "
-                        f"or without (e.g. mha-sssl64)")
+        problems.append(
+            f"variants: {', '.join(unknown)} is not mha, gqa<n_kv_head>, mqa or "
+            f"mla<kv_lora_rank>, each with -<window_pattern><window> for local layers "
+            f"or without (e.g. mha-sssl64)"
+        )
     return problems
 
 
@@ -315,8 +388,8 @@ def size_of(size: str | list[int] | tuple[int, ...]) -> tuple[int, int]:
         pair = int(match[1]), int(match[2])
     if len(pair) != 2 or min(pair) < 1:
         presets = ", ".join(f"{k}={L}x{D}" for k, (L, D) in SIZE_PRESETS.items())
-        raise ValueError(f"sizes: {size!r} is neither n_layer x n_embd (two positive decimal integers, e.g. 4x128, or "
-                         f"a pair (4, 128)) nor a preset ({presets})")
+        raise ValueError(
+            f"sizes: {size!r} is neither n_layer x n_embd (two positive decimal integers, e.g. 4x128, or "
+            f"a pair (4, 128)) nor a preset ({presets})"
+        )
     return pair
-
-

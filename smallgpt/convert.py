@@ -12,25 +12,37 @@ from model import GPT, GPTConfig
 from smallgpt.errors import UserError
 
 
-def for_finetuning(model: GPT, name: str, vocab_size: int, dropout: float, block_size: int,
-                   n_kv_head: int | None) -> GPT:
+def for_finetuning(
+    model: GPT, name: str, vocab_size: int, dropout: float, block_size: int, n_kv_head: int | None
+) -> GPT:
     """Pretrained weights (GPT-2's, an exported model's; name: where they came from) with a run's dropout, cropped
     to its block_size, and pooled to its n_kv_head if given."""
     if vocab_size > model.config.vocab_size:
-        raise UserError(f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
-                        f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)")
+        raise UserError(
+            f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
+            f"fine-tune GPT-2 on a GPT-2 BPE dataset (e.g. data/shakespeare)"
+        )
     learned = model.config.pos_encoding == "learned"
     if learned and block_size > model.config.block_size:
-        raise UserError(f"block_size={block_size} is beyond the {model.config.block_size} positions {name}'s "
-                        f"weights learned: give block_size <= {model.config.block_size}")
-    config = replace(model.config, dropout=dropout, block_size=min(block_size, model.config.block_size) if learned
-                     else block_size)  # rotary positions are computed, not learned: any block_size
+        raise UserError(
+            f"block_size={block_size} is beyond the {model.config.block_size} positions {name}'s "
+            f"weights learned: give block_size <= {model.config.block_size}"
+        )
+    config = replace(
+        model.config,
+        dropout=dropout,
+        block_size=min(block_size, model.config.block_size) if learned else block_size,
+    )  # rotary positions are computed, not learned: any block_size
     state = model.state_dict()
     if "transformer.wpe.weight" in state:
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state)
-    return convert_kv_heads(model, n_kv_head) if n_kv_head and n_kv_head != model.config.n_kv_head else model
+    return (
+        convert_kv_heads(model, n_kv_head)
+        if n_kv_head and n_kv_head != model.config.n_kv_head
+        else model
+    )
 
 
 CONVERT_METHODS = ("mean", "first", "random")
@@ -46,8 +58,10 @@ def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int
     except ValueError as e:
         raise UserError(f"cannot convert the model to n_kv_head={n_kv_head}: {e}") from e
     if old % n_kv_head:
-        raise UserError(f"cannot pool the model's {old} K/V heads into n_kv_head={n_kv_head} groups: "
-                        f"n_kv_head must divide {old}")
+        raise UserError(
+            f"cannot pool the model's {old} K/V heads into n_kv_head={n_kv_head} groups: "
+            f"n_kv_head must divide {old}"
+        )
     converted = GPT(config).to(next(model.parameters()).device)
     if method == "random":
         converted.init_weights(seed)
@@ -57,7 +71,11 @@ def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int
             # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...) -> one head per group
             grouped = t.view(n_kv_head, old // n_kv_head, config.head_dim, *t.shape[1:])
             pooled = {"mean": grouped.mean(dim=1), "first": grouped[:, 0], "random": None}[method]
-            state[name] = fresh[name] if pooled is None else pooled.reshape(n_kv_head * config.head_dim, *t.shape[1:])
+            state[name] = (
+                fresh[name]
+                if pooled is None
+                else pooled.reshape(n_kv_head * config.head_dim, *t.shape[1:])
+            )
     converted.load_state_dict(state)
     return converted
 
@@ -71,12 +89,18 @@ def for_uptraining(model: GPT, target: GPTConfig, method: str, seed: int) -> GPT
     sets kv_lora_rank (to_latent), else target.n_kv_head K/V heads pooled by method (convert_kv_heads)."""
     if target.kv_lora_rank is None:
         return convert_kv_heads(model, target.n_kv_head, method, seed)
-    if target.latent_norm:  # an RMSNorm on the latent has no MHA counterpart: the converted model has none
-        raise UserError("converting to MLA (kv_lora_rank) gives a model without the latent's RMSNorm: add "
-                        "--latent_norm=False")
+    if (
+        target.latent_norm
+    ):  # an RMSNorm on the latent has no MHA counterpart: the converted model has none
+        raise UserError(
+            "converting to MLA (kv_lora_rank) gives a model without the latent's RMSNorm: add "
+            "--latent_norm=False"
+        )
     if method != "mean":
-        raise UserError(f"convert_method={method!r} pools K/V heads; MLA's conversion is MHA2MLA's joint SVD, "
-                        f"which has no method to choose: leave convert_method out")
+        raise UserError(
+            f"convert_method={method!r} pools K/V heads; MLA's conversion is MHA2MLA's joint SVD, "
+            f"which has no method to choose: leave convert_method out"
+        )
     return to_latent(model, target.kv_lora_rank, target.qk_rope_head_dim)
 
 
@@ -87,11 +111,18 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
     (section 3.2, SVD_joint). With learned positions it is exact at kv_lora_rank = n_embd (docs/compare.md)."""
     source = model.config
     if source.attention_kind != "MHA":
-        raise UserError(f"MLA conversion starts from an MHA model, and this one is {source.attention_kind} "
-                        f"(n_head={source.n_head}, n_kv_head={source.n_kv_head}): convert the MHA run instead")
+        raise UserError(
+            f"MLA conversion starts from an MHA model, and this one is {source.attention_kind} "
+            f"(n_head={source.n_head}, n_kv_head={source.n_kv_head}): convert the MHA run instead"
+        )
     try:
-        config = replace(source, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, q_lora_rank=None,
-                         latent_norm=False)
+        config = replace(
+            source,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_head_dim=qk_rope_head_dim,
+            q_lora_rank=None,
+            latent_norm=False,
+        )
     except ValueError as e:
         raise UserError(f"cannot convert the model to MLA: {e}") from e
     check_latent_target(config)
@@ -99,7 +130,11 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
     state = model.state_dict()
     for layer in range(config.n_layer):
         prefix = f"transformer.h.{layer}.attn."
-        mha = {name.removeprefix(prefix): state.pop(name) for name in list(state) if name.startswith(prefix)}
+        mha = {
+            name.removeprefix(prefix): state.pop(name)
+            for name in list(state)
+            if name.startswith(prefix)
+        }
         state |= {prefix + name: t for name, t in latent_attention(mha, config).items()}
     converted.load_state_dict(state)
     return converted
@@ -111,11 +146,15 @@ def check_latent_target(config: GPTConfig) -> None:
     head_dim, rope_dim, rank = config.head_dim, config.qk_rope_head_dim, config.kv_lora_rank
     if rope_dim and head_dim % rope_dim:
         fits = [d for d in range(2, head_dim + 1, 2) if head_dim % d == 0]
-        raise UserError(f"qk_rope_head_dim={rope_dim} does not divide head_dim={head_dim}: MLA's rotary "
-                        f"frequencies are MHA's only for one of {fits}")
+        raise UserError(
+            f"qk_rope_head_dim={rope_dim} does not divide head_dim={head_dim}: MLA's rotary "
+            f"frequencies are MHA's only for one of {fits}"
+        )
     if rank > config.n_embd:
-        raise UserError(f"kv_lora_rank={rank} exceeds n_embd={config.n_embd}, the most the joint key and "
-                        f"value map's rank can be: give kv_lora_rank <= {config.n_embd}")
+        raise UserError(
+            f"kv_lora_rank={rank} exceeds n_embd={config.n_embd}, the most the joint key and "
+            f"value map's rank can be: give kv_lora_rank <= {config.n_embd}"
+        )
 
 
 def rotary_features(head_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,18 +187,25 @@ def latent_attention(mha: dict[str, torch.Tensor], config: GPTConfig) -> dict[st
     H, hd, R, r = config.n_head, config.head_dim, config.kv_lora_rank, config.qk_rope_head_dim
     rope, nope = rotary_features(hd, r)
     q_scale = math.sqrt((hd + r) / hd)
-    heads = {name: t.unflatten(0, (H, hd)) for name, t in mha.items() if not name.startswith("c_proj")}
+    heads = {
+        name: t.unflatten(0, (H, hd)) for name, t in mha.items() if not name.startswith("c_proj")
+    }
 
     def query(t: torch.Tensor) -> torch.Tensor:  # (H, hd, ...) -> (H * (hd + r), ...)
         return q_scale * torch.cat((padded(t[:, nope], hd), t[:, rope]), dim=1).flatten(0, 1)
 
     k, v = heads["c_k.weight"], heads["c_v.weight"]  # (H, hd, n_embd)
-    w_kv = torch.stack((padded(k[:, nope], hd), v), dim=1).flatten(0, 2)  # (2 * n_embd, n_embd), kv_b's rows
+    w_kv = torch.stack((padded(k[:, nope], hd), v), dim=1).flatten(
+        0, 2
+    )  # (2 * n_embd, n_embd), kv_b's rows
     u, s, vh = torch.linalg.svd(w_kv.double(), full_matrices=False)
     root = s[:R].sqrt()
-    out = {"c_q.weight": query(heads["c_q.weight"]), "c_proj.weight": mha["c_proj.weight"],
-           "kv_a.weight": torch.cat(((root[:, None] * vh[:R]).to(k.dtype), k[:, rope].mean(0))),
-           "kv_b.weight": (u[:, :R] * root).to(k.dtype)}
+    out = {
+        "c_q.weight": query(heads["c_q.weight"]),
+        "c_proj.weight": mha["c_proj.weight"],
+        "kv_a.weight": torch.cat(((root[:, None] * vh[:R]).to(k.dtype), k[:, rope].mean(0))),
+        "kv_b.weight": (u[:, :R] * root).to(k.dtype),
+    }
     if "c_q.bias" in mha:
         k_rope_bias = heads["c_k.bias"][:, rope].mean(0)
         out["c_q.bias"] = query(heads["c_q.bias"])

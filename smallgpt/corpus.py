@@ -26,14 +26,23 @@ def reading(source: str, local: bool) -> Iterator[None]:
 
     try:
         yield
-    except (ConnectionError, OSError, ValueError, StopIteration, pyarrow.ArrowException,
-            datasets.exceptions.DatasetGenerationError) as e:
+    except (
+        ConnectionError,
+        OSError,
+        ValueError,
+        StopIteration,
+        pyarrow.ArrowException,
+        datasets.exceptions.DatasetGenerationError,
+    ) as e:
         root = e  # datasets wraps the reader's error (pyarrow's) in its own
         while root.__cause__ is not None:
             root = root.__cause__
         why = type(root).__name__ + (f": {first_line(root)}" if str(root).strip() else "")
-        hint = ("are they empty, or not of the kind their names say?" if local else
-                "with no network, pass local parquet/json/text files as --input=PATH")
+        hint = (
+            "are they empty, or not of the kind their names say?"
+            if local
+            else "with no network, pass local parquet/json/text files as --input=PATH"
+        )
         raise UserError(f"cannot load {source} ({why}); {hint}") from e
 
 
@@ -41,17 +50,31 @@ def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: boo
     """A Hugging Face text corpus: from the hub, or from local parquet/json/text files (a path or a glob)."""
     import datasets
 
-    if local and "://" not in local and not glob.glob(local):  # (datasets says "Couldn't find cache for ...")
+    if (
+        local and "://" not in local and not glob.glob(local)
+    ):  # (datasets says "Couldn't find cache for ...")
         raise UserError(f"no file matches --input={local}")
     with reading(local or hub_id, bool(local)):
         if local:
-            kind = {"jsonl": "json", "txt": "text"}.get(local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1])
+            kind = {"jsonl": "json", "txt": "text"}.get(
+                local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1]
+            )
             return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
-        return datasets.load_dataset(hub_id, name, split="train", streaming=streaming, trust_remote_code=False)
+        return datasets.load_dataset(
+            hub_id, name, split="train", streaming=streaming, trust_remote_code=False
+        )
 
 
-def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int = 2000, max_docs: int | None = None,
-                   text_field: str = "text", source: str = "the corpus", local: bool = True) -> None:
+def prepare_corpus(
+    ds: object,
+    out_dir: Path,
+    num_proc: int = 1,
+    val_every: int = 2000,
+    max_docs: int | None = None,
+    text_field: str = "text",
+    source: str = "the corpus",
+    local: bool = True,
+) -> None:
     """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every val_every-th document
     into val.bin and the others into train.bin (uint16), through dataset.writing_dataset: an interrupted or failed run
     leaves the previous dataset intact; a re-run starts over."""
@@ -65,11 +88,21 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
         return {"ids": [*enc.encode_ordinary(text), enc.eot_token]}
 
     streaming = not hasattr(ds, "__len__")
-    if ds.column_names is not None and text_field not in ds.column_names:  # None: a stream that does not say
-        raise UserError(f"the corpus has no {text_field!r} column (its columns: {', '.join(ds.column_names)})")
+    if (
+        ds.column_names is not None and text_field not in ds.column_names
+    ):  # None: a stream that does not say
+        raise UserError(
+            f"the corpus has no {text_field!r} column (its columns: {', '.join(ds.column_names)})"
+        )
     if not streaming and len(ds) == 0:
         raise UserError("the corpus has no documents")
-    ds = ds.take(max_docs) if streaming and max_docs else ds.select(range(min(max_docs, len(ds)))) if max_docs else ds
+    ds = (
+        ds.take(max_docs)
+        if streaming and max_docs
+        else ds.select(range(min(max_docs, len(ds))))
+        if max_docs
+        else ds
+    )
     ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
     counts, i = {"train": 0, "val": 0}, -1
     # the files are renamed into place only after the last document: an error leaves a dataset in out_dir as it was
@@ -81,10 +114,17 @@ def prepare_corpus(ds: object, out_dir: Path, num_proc: int = 1, val_every: int 
         if i < 0:
             raise UserError(f"{source} has no documents")
         if not all(counts.values()):
-            raise UserError(f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
-                            f"smaller val_every")
-        meta.update(tokenizer="gpt2", vocab_size=enc.n_vocab, dtype="uint16", train_tokens=counts["train"],
-                    val_tokens=counts["val"])
+            raise UserError(
+                f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
+                f"smaller val_every"
+            )
+        meta.update(
+            tokenizer="gpt2",
+            vocab_size=enc.n_vocab,
+            dtype="uint16",
+            train_tokens=counts["train"],
+            val_tokens=counts["val"],
+        )
     print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
 
 
@@ -101,12 +141,25 @@ class CorpusConfig:
     subset: str | None = None  # the hub dataset's configuration, if it has several
 
     def __post_init__(self) -> None:
-        if self.val_every < 2 or self.num_proc < 1 or (self.max_docs is not None and self.max_docs < 1):
-            raise ValueError(f"val_every={self.val_every} must be at least 2, num_proc={self.num_proc} and "
-                             f"max_docs={self.max_docs} positive")
+        if (
+            self.val_every < 2
+            or self.num_proc < 1
+            or (self.max_docs is not None and self.max_docs < 1)
+        ):
+            raise ValueError(
+                f"val_every={self.val_every} must be at least 2, num_proc={self.num_proc} and "
+                f"max_docs={self.max_docs} positive"
+            )
 
 
 def prepare_hub_corpus(cfg: CorpusConfig, hub_id: str) -> None:
     ds = load_corpus(hub_id, cfg.subset, cfg.input, cfg.streaming)
-    prepare_corpus(ds, Path(cfg.out_dir), cfg.num_proc, cfg.val_every, cfg.max_docs, source=cfg.input or hub_id,
-                   local=bool(cfg.input))
+    prepare_corpus(
+        ds,
+        Path(cfg.out_dir),
+        cfg.num_proc,
+        cfg.val_every,
+        cfg.max_docs,
+        source=cfg.input or hub_id,
+        local=bool(cfg.input),
+    )

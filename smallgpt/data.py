@@ -35,16 +35,25 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 @contextmanager
-def writing_dataset(out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.bin")) -> Iterator[tuple[dict, dict]]:
+def writing_dataset(
+    out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.bin")
+) -> Iterator[tuple[dict, dict]]:
     """Write a dataset folder: the block writes the named files ({name: binary temp file}) and fills the meta dict;
     then meta.json is removed, the files are renamed into place and meta.json is written, last. A failure in the block
     leaves a dataset in out_dir as it was; a folder without meta.json is never taken as complete (load_meta)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder: choose another --out_dir")
-    check_writes_into(out_dir, "a dataset", (*names, "meta.json"))  # e.g. not into a run or an export
+    check_writes_into(
+        out_dir, "a dataset", (*names, "meta.json")
+    )  # e.g. not into a run or an export
     meta: dict = {}
-    with folder_lock(out_dir, "a dataset's preparation"), ExitStack() as stack:  # one writer at a time
-        remove_stale_temps(out_dir, "|".join(map(re.escape, (*names, "meta.json"))))  # a killed one's
+    with (
+        folder_lock(out_dir, "a dataset's preparation"),
+        ExitStack() as stack,
+    ):  # one writer at a time
+        remove_stale_temps(
+            out_dir, "|".join(map(re.escape, (*names, "meta.json")))
+        )  # a killed one's
         # the temp files are renamed when the stack closes, after meta.json is gone
         yield {name: stack.enter_context(atomic_open(out_dir / name)) for name in names}, meta
         (out_dir / "meta.json").unlink(missing_ok=True)
@@ -56,31 +65,49 @@ def writing_dataset(out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.b
 def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
     """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json (writing_dataset)."""
     dtype, bpe = token_dtype(meta["vocab_size"]), meta.get("bpe")
-    with writing_dataset(out_dir, ("train.bin", "val.bin") + (BPE_FILE,) * (bpe is not None)) as (files, written):
+    with writing_dataset(out_dir, ("train.bin", "val.bin") + (BPE_FILE,) * (bpe is not None)) as (
+        files,
+        written,
+    ):
         if bpe is not None:
             files[BPE_FILE].write(bpe.encode())
         for split, ids in (("train", train_ids), ("val", val_ids)):
             files[f"{split}.bin"].write(np.asarray(ids, dtype=dtype).tobytes())
-        written.update({k: v for k, v in meta.items() if k != "bpe"}, dtype=dtype.name,
-                       train_tokens=int(len(train_ids)), val_tokens=int(len(val_ids)))
-    print(f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size {meta['vocab_size']}")
+        written.update(
+            {k: v for k, v in meta.items() if k != "bpe"},
+            dtype=dtype.name,
+            train_tokens=int(len(train_ids)),
+            val_tokens=int(len(val_ids)),
+        )
+    print(
+        f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size {meta['vocab_size']}"
+    )
 
 
 def load_meta(path: Path) -> dict:
     file = path / "meta.json"
     if not file.is_file():
-        hint = (f"run python data/{path.name}/prepare.py first" if (DATA_ROOT / path.name / "prepare.py").is_file()
-                else "prepare it first (python dataset.py --help)")
+        hint = (
+            f"run python data/{path.name}/prepare.py first"
+            if (DATA_ROOT / path.name / "prepare.py").is_file()
+            else "prepare it first (python dataset.py --help)"
+        )
         raise UserError(f"no dataset at {path} (missing meta.json): {hint}")
     try:
         meta = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
     if problems := meta_problems(meta):
-        raise UserError(f"{file} is damaged or not a dataset's meta ({'; '.join(problems)}): prepare the dataset again")
-    if meta.get("tokenizer") == "bpe":  # the tokenizer travels with the meta (into checkpoints, to export.py)
+        raise UserError(
+            f"{file} is damaged or not a dataset's meta ({'; '.join(problems)}): prepare the dataset again"
+        )
+    if (
+        meta.get("tokenizer") == "bpe"
+    ):  # the tokenizer travels with the meta (into checkpoints, to export.py)
         if not (path / BPE_FILE).is_file():
-            raise UserError(f"{path / BPE_FILE} is missing (the dataset's BPE tokenizer); prepare the dataset again")
+            raise UserError(
+                f"{path / BPE_FILE} is missing (the dataset's BPE tokenizer); prepare the dataset again"
+            )
         meta["bpe"] = (path / BPE_FILE).read_text(encoding="utf-8")
     return meta
 
@@ -90,33 +117,51 @@ def meta_problems(meta: object) -> list[str]:
     if not isinstance(meta, dict):
         return ["not a JSON object"]
     counts = ("vocab_size", "train_tokens", "val_tokens")
-    problems = [f"{k} is {meta.get(k)!r}, not a whole number" for k in counts
-                if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool) or meta[k] < 0]
+    problems = [
+        f"{k} is {meta.get(k)!r}, not a whole number"
+        for k in counts
+        if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool) or meta[k] < 0
+    ]
     if meta.get("dtype") not in ("uint16", "uint32"):
         problems.append(f"dtype is {meta.get('dtype')!r}, not uint16 or uint32")
-    elif isinstance(meta.get("vocab_size"), int) and meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1:
+    elif (
+        isinstance(meta.get("vocab_size"), int)
+        and meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1
+    ):
         problems.append(f"vocab_size {meta['vocab_size']} does not fit {meta['dtype']}")
-    examples = meta.get("example_tokens")  # a dataset of whole examples, each its own training row (data/mqar)
+    examples = meta.get(
+        "example_tokens"
+    )  # a dataset of whole examples, each its own training row (data/mqar)
     if examples is not None:
         whole = isinstance(examples, int) and examples > 1
         splits = [meta.get(k) for k in ("train_tokens", "val_tokens")]
         if not whole or any(isinstance(n, int) and n % examples for n in splits):
-            problems.append(f"example_tokens is {examples!r}, not a whole number above 1 that divides both splits")
+            problems.append(
+                f"example_tokens is {examples!r}, not a whole number above 1 that divides both splits"
+            )
     if meta.get("tokenizer") not in ("char", "gpt2", "bpe"):
         problems.append(f"tokenizer is {meta.get('tokenizer')!r}, not char, gpt2 or bpe")
     elif meta["tokenizer"] == "char":
         chars = meta.get("chars")
-        if not isinstance(chars, list) or not all(isinstance(c, str) and len(c) == 1 for c in chars):
+        if not isinstance(chars, list) or not all(
+            isinstance(c, str) and len(c) == 1 for c in chars
+        ):
             problems.append("a char dataset without its list of characters")
         elif len(set(chars)) != len(chars) or len(chars) != meta.get("vocab_size"):
-            problems.append(f"{len(chars)} characters ({len(set(chars))} distinct) for vocab_size "
-                            f"{meta.get('vocab_size')}")
+            problems.append(
+                f"{len(chars)} characters ({len(set(chars))} distinct) for vocab_size "
+                f"{meta.get('vocab_size')}"
+            )
     return problems
 
 
 def vocab_size_of(dataset: str) -> int | None:
     """The dataset's vocab_size if it has been prepared, else None."""
-    return load_meta(data_dir(dataset))["vocab_size"] if (data_dir(dataset) / "meta.json").is_file() else None
+    return (
+        load_meta(data_dir(dataset))["vocab_size"]
+        if (data_dir(dataset) / "meta.json").is_file()
+        else None
+    )
 
 
 def open_tokens(path: Path, split: str, meta: dict, mask: bool = False) -> np.memmap:
@@ -129,9 +174,11 @@ def open_tokens(path: Path, split: str, meta: dict, mask: bool = False) -> np.me
     size = file.stat().st_size
     expected = meta[f"{split}_tokens"]
     if size != expected * dtype.itemsize:
-        raise UserError(f"{file} has {size:,} bytes, but meta.json says {expected:,} tokens of {dtype.name} "
-                        f"({expected * dtype.itemsize:,} bytes): the file is truncated or from another preparation; "
-                        f"prepare the dataset again")
+        raise UserError(
+            f"{file} has {size:,} bytes, but meta.json says {expected:,} tokens of {dtype.name} "
+            f"({expected * dtype.itemsize:,} bytes): the file is truncated or from another preparation; "
+            f"prepare the dataset again"
+        )
     return np.memmap(file, dtype=dtype, mode="r")
 
 
@@ -141,19 +188,31 @@ class Batches:
     mask says the token is not one to learn. The batch of (iteration, micro-step) depends on the seed alone, so a run
     draws the same data with any number of DDP ranks, and again when resumed."""
 
-    def __init__(self, path: Path, block_size: int, batch_size: int, seed: int, device: str) -> None:
-        self.path, self.block_size, self.batch_size, self.seed, self.device = path, block_size, batch_size, seed, device
+    def __init__(
+        self, path: Path, block_size: int, batch_size: int, seed: int, device: str
+    ) -> None:
+        self.path, self.block_size, self.batch_size, self.seed, self.device = (
+            path,
+            block_size,
+            batch_size,
+            seed,
+            device,
+        )
         self.meta = load_meta(path)
         self.example = self.meta.get("example_tokens")
         if self.example and block_size + 1 != self.example:
-            raise UserError(f"{path} holds examples of {self.example} tokens, each a row of its own: train with "
-                            f"block_size={self.example - 1} (block_size={block_size} was given)")
+            raise UserError(
+                f"{path} holds examples of {self.example} tokens, each a row of its own: train with "
+                f"block_size={self.example - 1} (block_size={block_size} was given)"
+            )
         self.stamps = {}  # each split's file as this run first read it: another preparation replaces the file
         for split in ("train", "val"):
             n = len(open_tokens(path, split, self.meta))
             if n <= block_size:
-                raise UserError(f"the {split} split of {path} has {n} tokens, fewer than block_size+1="
-                                f"{block_size + 1}; lower block_size or use more data")
+                raise UserError(
+                    f"the {split} split of {path} has {n} tokens, fewer than block_size+1="
+                    f"{block_size + 1}; lower block_size or use more data"
+                )
             self.stamps[split] = stamp(path / f"{split}.bin")
             if self.example:
                 open_tokens(path, split, self.meta, mask=True)  # there, and as long as the tokens
@@ -161,24 +220,32 @@ class Batches:
     def get(self, split: str, *key: int) -> tuple[torch.Tensor, torch.Tensor]:
         file = self.path / f"{split}.bin"
         if stamp(file) != self.stamps[split]:
-            raise UserError(f"{file} was replaced while this run read it (the dataset was prepared again): its "
-                            f"tokens are no longer the ones the run started on; resume it on the new data "
-                            f"(--init_from=resume) or restart it")
-        data = open_tokens(self.path, split, self.meta)  # a fresh memmap each time avoids a slow memory build-up
+            raise UserError(
+                f"{file} was replaced while this run read it (the dataset was prepared again): its "
+                f"tokens are no longer the ones the run started on; resume it on the new data "
+                f"(--init_from=resume) or restart it"
+            )
+        data = open_tokens(
+            self.path, split, self.meta
+        )  # a fresh memmap each time avoids a slow memory build-up
         rng = np.random.default_rng([self.seed, *key])
         T = self.block_size
         if self.example:  # whole examples, their first tokens at multiples of T + 1
             ix = rng.integers(0, len(data) // (T + 1), size=self.batch_size) * (T + 1)
         else:
             ix = rng.integers(0, len(data) - T, size=self.batch_size)
-        ids = np.stack([data[i:i + T + 1] for i in ix])  # (B, T + 1)
-        if (top := int(ids.max())) >= self.meta["vocab_size"]:  # an embedding lookup would fail with no file named
-            raise UserError(f"{file} holds token id {top}, beyond the vocab_size {self.meta['vocab_size']} of its "
-                            f"meta.json: the file is damaged or from another tokenizer; prepare the dataset again")
+        ids = np.stack([data[i : i + T + 1] for i in ix])  # (B, T + 1)
+        if (top := int(ids.max())) >= self.meta[
+            "vocab_size"
+        ]:  # an embedding lookup would fail with no file named
+            raise UserError(
+                f"{file} holds token id {top}, beyond the vocab_size {self.meta['vocab_size']} of its "
+                f"meta.json: the file is damaged or from another tokenizer; prepare the dataset again"
+            )
         buf = torch.from_numpy(ids.astype(np.int64))
         if self.example:  # targets the mask leaves out: -1, which the loss ignores
             mask = open_tokens(self.path, split, self.meta, mask=True)
-            learn = torch.from_numpy(np.stack([mask[i:i + T + 1] for i in ix]).astype(bool))
+            learn = torch.from_numpy(np.stack([mask[i : i + T + 1] for i in ix]).astype(bool))
             buf = torch.cat([buf[:, :-1], torch.where(learn, buf, -1)[:, 1:]], dim=1)
         if self.device.startswith("cuda"):
             buf = buf.pin_memory().to(self.device, non_blocking=True)
@@ -189,7 +256,9 @@ class Batches:
     def train(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get("train", 0, it, micro)
 
-    def eval(self, split: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # the same batches at every eval
+    def eval(
+        self, split: str, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the same batches at every eval
         return self.get(split, 1, ("train", "val").index(split), k)
 
 
@@ -202,8 +271,10 @@ def stamp(file: Path) -> tuple[int, int, int]:
 def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     n = int(len(ids) * (1 - val_fraction))
     if not 0 < val_fraction < 1 or not 0 < n < len(ids):
-        raise UserError(f"{len(ids)} tokens at val_fraction={val_fraction} leave a split empty: val_fraction must be "
-                        f"in (0, 1), and the text long enough for both")
+        raise UserError(
+            f"{len(ids)} tokens at val_fraction={val_fraction} leave a split empty: val_fraction must be "
+            f"in (0, 1), and the text long enough for both"
+        )
     return ids[:n], ids[n:]
 
 
@@ -222,18 +293,27 @@ def download_text(url: str) -> str:
         with urllib.request.urlopen(url, timeout=30) as r:
             return r.read().decode("utf-8")
     except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
-        raise UserError(f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
-                        f"as --input=FILE") from e
+        raise UserError(
+            f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
+            f"as --input=FILE"
+        ) from e
 
 
-def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction: float = 0.1,
-                 vocab_size: int | None = None) -> None:
+def prepare_text(
+    text: str,
+    out_dir: Path,
+    tokenizer: str = "char",
+    val_fraction: float = 0.1,
+    vocab_size: int | None = None,
+) -> None:
     """Tokenise one text (char-level, GPT-2 BPE, or a BPE of vocab_size trained on it) and write it as a dataset
     with a train/val split."""
     if not text:
         raise UserError("the text is empty: nothing to make a dataset of")
     if vocab_size is not None and tokenizer != "bpe":
-        raise UserError(f"vocab_size is for tokenizer='bpe'; a {tokenizer} dataset's vocabulary is fixed")
+        raise UserError(
+            f"vocab_size is for tokenizer='bpe'; a {tokenizer} dataset's vocabulary is fixed"
+        )
     if tokenizer == "char":
         tok = CharTokenizer.from_text(text)
         ids, meta = tok.encode_array(text), tok.meta()
@@ -246,9 +326,14 @@ def prepare_text(text: str, out_dir: Path, tokenizer: str = "char", val_fraction
             raise UserError("tokenizer='bpe' needs --vocab_size=N, the number of tokens to train")
         tok = train_bpe(text, vocab_size)
         if tok.n_vocab < vocab_size:  # BPE stops when no pair of tokens is left to merge
-            print(f"note: the text allows only {tok.n_vocab:,} BPE tokens, not the {vocab_size:,} asked for: the "
-                  f"dataset's vocab_size is {tok.n_vocab:,} (more text makes more merges possible)")
-        ids, meta = tok.encode_array(text), {"tokenizer": "bpe", "vocab_size": tok.n_vocab, "bpe": tok.tok.to_str()}
+            print(
+                f"note: the text allows only {tok.n_vocab:,} BPE tokens, not the {vocab_size:,} asked for: the "
+                f"dataset's vocab_size is {tok.n_vocab:,} (more text makes more merges possible)"
+            )
+        ids, meta = (
+            tok.encode_array(text),
+            {"tokenizer": "bpe", "vocab_size": tok.n_vocab, "bpe": tok.tok.to_str()},
+        )
     else:
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char', 'gpt2' or 'bpe'")
 

@@ -17,8 +17,9 @@ class UserError(Exception):
 def _quiet_interrupt(hook: Callable) -> Callable:
     """A sys.excepthook that says a Ctrl-C in one line, as run_cli does; the rest go to hook."""
 
-    def excepthook(kind: type[BaseException], value: BaseException,
-                   tb: types.TracebackType | None) -> None:
+    def excepthook(
+        kind: type[BaseException], value: BaseException, tb: types.TracebackType | None
+    ) -> None:
         if issubclass(kind, KeyboardInterrupt):
             print("interrupted", file=sys.stderr)
         else:

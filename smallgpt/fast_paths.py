@@ -24,22 +24,41 @@ SPLIT_COPY_BYTES = 32 * 2**20
 SPLIT_COPY_WIDE = True
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout_p: float,
-              cached: bool, scale: float | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    cached: bool,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Causal attention of q (B, n_head, T, hd) over k (B, n_kv_head, Tk, hd) and v (B, n_kv_head, Tk, hd_v), each
     K/V head serving n_head / n_kv_head query heads without copies; scores scaled by `scale` (default hd ** -0.5).
     mask None means a plain causal block (Tk == T) or one query that sees every key; otherwise the boolean mask
     (B or 1, 1, T, Tk) says what each query sees. cached: k and v come from a KV cache (their length changes every
     call)."""
     if q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled():
-        return matmul_attention(q, k, v, mask, dropout_p, scale)  # SDPA's CPU flash kernel is slower in bf16 training
+        return matmul_attention(
+            q, k, v, mask, dropout_p, scale
+        )  # SDPA's CPU flash kernel is slower in bf16 training
     B, H, T, hd = q.shape
     # and 3-5x slower for one query over a bf16 cache; for MLA's absorbed step (V narrower than K) 1.3-1.7x slower
     # in fp32 too (docs/compare.md "MLA")
-    if q.is_cpu and (q.dtype == torch.bfloat16 or v.size(-1) != hd) and T == 1 and mask is None and not dropout_p:
+    if (
+        q.is_cpu
+        and (q.dtype == torch.bfloat16 or v.size(-1) != hd)
+        and T == 1
+        and mask is None
+        and not dropout_p
+    ):
         return one_query_attention(q, k, v, scale)
-    if q.is_cuda and T == 1 and cached and not dropout_p:  # SDPA's kernels take 4-9x longer over a long cache
-        return one_query_attention(q, k, v, scale, mask)  # (few blocks, each walking every key: docs/gpu.md)
+    if (
+        q.is_cuda and T == 1 and cached and not dropout_p
+    ):  # SDPA's kernels take 4-9x longer over a long cache
+        return one_query_attention(
+            q, k, v, scale, mask
+        )  # (few blocks, each walking every key: docs/gpu.md)
     G = k.size(1)
     with sdpa_kernel(CACHE_SDPA_BACKENDS) if cached and q.is_cuda else nullcontext():
         if G != H and T == 1 and (mask is not None or q.is_cpu):
@@ -47,15 +66,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             # call. Under a mask enable_gqa falls back to CUDA's math kernel (docs/gpu.md); on CPU the flash
             # kernel reads each K/V head once per query head, so GQA/MQA would not gain their smaller cache's
             # speed (docs/compare.md).
-            y = F.scaled_dot_product_attention(q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p,
-                                               scale=scale)
-            return y.reshape(B, H, 1, v.size(-1))  # CUDA gives (B, G, H // G, hd) strided as (B, H // G, G, hd)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                              dropout_p=dropout_p, enable_gqa=G != H, scale=scale)
+            y = F.scaled_dot_product_attention(
+                q.view(B, G, H // G, hd), k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale
+            )
+            return y.reshape(
+                B, H, 1, v.size(-1)
+            )  # CUDA gives (B, G, H // G, hd) strided as (B, H // G, G, hd)
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and T > 1,
+            dropout_p=dropout_p,
+            enable_gqa=G != H,
+            scale=scale,
+        )
 
 
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+def one_query_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """attention() of one query per head, q (B, n_head, 1, hd), over the keys of k, v that mask (B or 1, 1, 1, Tk)
     lets it see (None: all): two matmuls and a softmax in fp32, each K/V head's queries as its rows (no copies for
     GQA/MQA). For bf16 on CPU, where SDPA's kernel takes 3-5x longer at a long context: eager in fp32 (torch's
@@ -64,14 +99,22 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     B, H, _, hd = q.shape
     G = k.size(1)
     dtype = q.dtype if torch.compiler.is_compiling() or q.is_cuda else torch.float32
-    scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).float() * (scale or hd**-0.5)
+    scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).float() * (
+        scale or hd**-0.5
+    )
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(dim=-1).to(dtype) @ v.to(dtype)).to(q.dtype).view(B, H, 1, v.size(-1))
 
 
-def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     dropout_p: float, scale: float | None = None) -> torch.Tensor:
+def matmul_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None = None,
+) -> torch.Tensor:
     """attention() as two batched matmuls and a softmax, the mask added to the scores inside the first (baddbmm):
     faster than SDPA's flash kernel for bf16 training on CPU, not in fp32 (docs/performance-cpu.md). Each K/V head's
     queries are stacked as one batch entry, so GQA/MQA need no copies of K/V."""
@@ -83,11 +126,23 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     elif mask is not None and mask.size(0) == 1:
         mask = mask[0, 0]  # (T, Tk)
     bias = q.new_zeros(())
-    if mask is not None:  # 0 where a query sees a key, -inf where not: (rep * T, Tk), or one per batch entry
-        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
-        bias = bias.repeat(rep, 1) if mask.dim() == 2 else bias.expand(B, G * rep, T, Tk).reshape(B * G, rep * T, Tk)
-    att = torch.baddbmm(bias, q.reshape(B * G, rep * T, hd), k.reshape(B * G, Tk, hd).transpose(1, 2),
-                        alpha=scale or hd**-0.5).softmax(dim=-1)  # (B * G, rep * T, Tk)
+    if (
+        mask is not None
+    ):  # 0 where a query sees a key, -inf where not: (rep * T, Tk), or one per batch entry
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, float("-inf")
+        )
+        bias = (
+            bias.repeat(rep, 1)
+            if mask.dim() == 2
+            else bias.expand(B, G * rep, T, Tk).reshape(B * G, rep * T, Tk)
+        )
+    att = torch.baddbmm(
+        bias,
+        q.reshape(B * G, rep * T, hd),
+        k.reshape(B * G, Tk, hd).transpose(1, 2),
+        alpha=scale or hd**-0.5,
+    ).softmax(dim=-1)  # (B * G, rep * T, Tk)
     att = F.dropout(att, dropout_p) if dropout_p else att
     return (att.type_as(v) @ v.reshape(B * G, Tk, -1)).view(B, H, T, v.size(-1))
 
@@ -96,11 +151,19 @@ class SplitWeight(NamedTuple):
     """Linear's weight and bias cut into one slice of output features per thread, made once per weight."""
 
     key: tuple  # what they were made from: thread count, the weight's (and bias's) memory, its version if copied
-    weight: torch.Tensor  # (parts, in, out // parts), a view of the weight, or an (in, out) copy padded with zeros
-    bias: torch.Tensor  # (parts, 1, out // parts), zeros for a Linear without bias (baddbmm compiles to MKL's
+    weight: (
+        torch.Tensor
+    )  # (parts, in, out // parts), a view of the weight, or an (in, out) copy padded with zeros
+    bias: (
+        torch.Tensor
+    )  # (parts, 1, out // parts), zeros for a Linear without bias (baddbmm compiles to MKL's
     # product where a one-row bmm would become inductor's slower reduction)
-    rest: tuple[torch.Tensor, torch.Tensor | None] | None  # weight and bias of the last out % parts features
-    source: torch.Tensor  # holds the weight's memory, so no other tensor can reuse its address and match the key
+    rest: (
+        tuple[torch.Tensor, torch.Tensor | None] | None
+    )  # weight and bias of the last out % parts features
+    source: (
+        torch.Tensor
+    )  # holds the weight's memory, so no other tensor can reuse its address and match the key
 
 
 class Linear(nn.Linear):
@@ -118,7 +181,9 @@ class Linear(nn.Linear):
         output than input features (remade when the weight changes in place; weights made under inference_mode have
         no version to tell that by), padded with zero features to a multiple of parts, so nothing is left over."""
         w, b = self.weight, self.bias
-        copy = w.nbytes > SPLIT_COPY_BYTES or (SPLIT_COPY_WIDE and self.out_features > self.in_features)
+        copy = w.nbytes > SPLIT_COPY_BYTES or (
+            SPLIT_COPY_WIDE and self.out_features > self.in_features
+        )
         version = w._version if copy and not w.is_inference() else None
         key = (parts, w.data_ptr(), version, None if b is None else b.data_ptr())
         if self.split is None or self.split.key != key:
@@ -127,9 +192,9 @@ class Linear(nn.Linear):
                 m = -(-self.out_features // parts)
                 ws, bs = w.new_zeros(parts, self.in_features, m), w.new_zeros(parts, 1, m)
                 for p, chunk in enumerate(w.detach().split(m)):
-                    ws[p, :, :chunk.size(0)] = chunk.T
+                    ws[p, :, : chunk.size(0)] = chunk.T
                 for p, chunk in enumerate(() if b is None else b.detach().split(m)):
-                    bs[p, 0, :chunk.size(0)] = chunk
+                    bs[p, 0, : chunk.size(0)] = chunk
                 rest = None
             else:  # views: the features past a multiple of parts are multiplied on their own
                 n = self.out_features // parts * parts
@@ -140,10 +205,18 @@ class Linear(nn.Linear):
         return self.split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (torch.is_grad_enabled() or not x.is_cpu or x.dtype != torch.float32 or self.weight.dtype != torch.float32
-                or x.numel() > self.split_max_rows * self.in_features or torch.is_autocast_enabled("cpu")):
+        if (
+            torch.is_grad_enabled()
+            or not x.is_cpu
+            or x.dtype != torch.float32
+            or self.weight.dtype != torch.float32
+            or x.numel() > self.split_max_rows * self.in_features
+            or torch.is_autocast_enabled("cpu")
+        ):
             return super().forward(x)
-        if torch.compiler.is_compiling():  # the split made before compiling (prepare_splits): a graph cannot check it
+        if (
+            torch.compiler.is_compiling()
+        ):  # the split made before compiling (prepare_splits): a graph cannot check it
             split = self.split
         else:
             split = self.split_weight(parts) if (parts := torch.get_num_threads()) >= 2 else None
@@ -152,11 +225,13 @@ class Linear(nn.Linear):
         rows, parts = x.numel() // self.in_features, split.weight.size(0)
         xs = x.reshape(1, rows, -1).expand(parts, -1, -1)  # (parts, rows, in_features)
         y = torch.baddbmm(split.bias, xs, split.weight)
-        y = y.transpose(0, 1).reshape(rows, -1)  # (rows, parts * (out // parts)), or the padded copy's features
+        y = y.transpose(0, 1).reshape(
+            rows, -1
+        )  # (rows, parts * (out // parts)), or the padded copy's features
         if split.rest is not None:
             y = torch.cat((y, F.linear(x.reshape(rows, -1), *split.rest)), dim=1)
         elif y.size(1) > self.out_features:
-            y = y[:, :self.out_features]
+            y = y[:, : self.out_features]
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -176,5 +251,8 @@ def prepare_splits(model: nn.Module) -> None:
     parts = torch.get_num_threads()
     for m in model.modules():
         if isinstance(m, Linear):
-            m.split = m.split_weight(parts) if parts >= 2 and m.split_max_rows and m.weight.dtype == torch.float32 \
+            m.split = (
+                m.split_weight(parts)
+                if parts >= 2 and m.split_max_rows and m.weight.dtype == torch.float32
                 else None
+            )

@@ -17,10 +17,13 @@ from smallgpt.errors import UserError
 T = TypeVar("T")
 
 
-def coerce(key: str, value: Any, hint: Any, source: str, raw: str | None,
-            expected: str = "") -> Any:
+def coerce(
+    key: str, value: Any, hint: Any, source: str, raw: str | None, expected: str = ""
+) -> Any:
     """value converted to the type hint, or a UserError naming key, value, type and source."""
-    if hint in (int, float) and isinstance(value, str) and not _finite(value):  # nan, inf, -infinity
+    if (
+        hint in (int, float) and isinstance(value, str) and not _finite(value)
+    ):  # nan, inf, -infinity
         raise OutOfRange(f"{key}={value} (from {source}) must be a finite number")
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
@@ -74,8 +77,10 @@ def coerce(key: str, value: Any, hint: Any, source: str, raw: str | None,
             return os.path.expanduser(value) if key in PATH_KEYS else value
     name = expected or _name(hint)
     given = raw if raw is not None else repr(value)
-    raise UserError(f"{key}={given} (from {source}) has the wrong type: "
-                    f"expected {name}, got {type(value).__name__}")
+    raise UserError(
+        f"{key}={given} (from {source}) has the wrong type: "
+        f"expected {name}, got {type(value).__name__}"
+    )
 
 
 # The keys that name a file or folder: a leading ~ is the home folder, as a shell reads ~ at a word's start
@@ -96,8 +101,10 @@ def _in_range(key: str, value: int | float, source: str) -> int | float:
     and numpy, floats at least float32 (model tensors, learning rates in fp32 optimizer state)."""
     if isinstance(value, int):
         if abs(value) > INT64_MAX:
-            raise OutOfRange(f"{key}={value} (from {source}) does not fit a 64-bit integer "
-                             f"(at most {INT64_MAX:,})")
+            raise OutOfRange(
+                f"{key}={value} (from {source}) does not fit a 64-bit integer "
+                f"(at most {INT64_MAX:,})"
+            )
         return value
     if not math.isfinite(value):
         raise OutOfRange(f"{key}={value} (from {source}) must be a finite number")
@@ -105,9 +112,11 @@ def _in_range(key: str, value: int | float, source: str) -> int | float:
         too_large = abs(value) > 1
         size = "large" if too_large else "small"
         becomes = "infinity" if too_large else "zero"
-        raise OutOfRange(f"{key}={value} (from {source}) is too {size} for float32, "
-                         f"the precision it is used in (it would become {becomes}): "
-                         "give a size between 1.5e-45 and 3.4e38, or 0")
+        raise OutOfRange(
+            f"{key}={value} (from {source}) is too {size} for float32, "
+            f"the precision it is used in (it would become {becomes}): "
+            "give a size between 1.5e-45 and 3.4e38, or 0"
+        )
     return value
 
 
@@ -123,7 +132,6 @@ def _name(hint: Any) -> str:
     if hint is type(None):
         return "None"
     return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-
 
 
 def with_fields_of(source: type, **defaults: Any) -> Callable[[type[T]], type[T]]:
@@ -153,8 +161,9 @@ def with_fields_of(source: type, **defaults: Any) -> Callable[[type[T]], type[T]
     return extend
 
 
-def checked_values(cls: type, items: dict[str, Any], source: str, raws: dict[str, str] | None = None
-                   ) -> dict[str, Any]:
+def checked_values(
+    cls: type, items: dict[str, Any], source: str, raws: dict[str, str] | None = None
+) -> dict[str, Any]:
     """items (fields of cls, from source) checked and coerced to the fields' types, as given_values
     does (raws: the text typed on the command line for a key)."""
     hints = typing.get_type_hints(cls)
@@ -163,8 +172,9 @@ def checked_values(cls: type, items: dict[str, Any], source: str, raws: dict[str
         if key not in hints:  # '' too: --=5
             raise unknown_key(key, known, source)
     typed = raws or {}
-    return {key: coerce(key, value, hints[key], source, typed.get(key))
-            for key, value in items.items()}
+    return {
+        key: coerce(key, value, hints[key], source, typed.get(key)) for key, value in items.items()
+    }
 
 
 def unknown_key(key: str, known: list[str], source: str) -> UserError:

@@ -13,31 +13,43 @@ import torch.nn as nn
 from smallgpt.static_step import decode_static
 
 
-def sample_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_logits(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Draw one token per row from logits (B, V): temperature 0 is argmax; top_k and top_p (nucleus) restrict the
     candidates to the k most likely, and to the fewest whose probability sums to at least top_p."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float()
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # the top one 0: no inf/inf at a tiny one
+    logits = (
+        logits - logits.amax(dim=-1, keepdim=True)
+    ) / temperature  # the top one 0: no inf/inf at a tiny one
     if top_k is not None:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, [-1]]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        outside = probs.cumsum(dim=-1) - probs >= top_p  # mass before this token already reaches top_p
+        outside = (
+            probs.cumsum(dim=-1) - probs >= top_p
+        )  # mass before this token already reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(outside, float("-inf")))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def left_pad(prompts: list[list[int]], pad_token: int = 0, device: torch.device | str = "cpu"
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: list[list[int]], pad_token: int = 0, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists of unequal length into idx (B, max_len) and pad (B,), the pad count of each row."""
     width = max(len(p) for p in prompts)
-    idx = torch.tensor([[pad_token] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    idx = torch.tensor(
+        [[pad_token] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device
+    )
     pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long, device=device)
     return idx, pad
 
@@ -50,7 +62,9 @@ class CUDAGraphStep:
     def __init__(self, model: nn.Module, kv_cache: object, batch_size: int) -> None:
         device, self.cache = kv_cache.k.device, kv_cache
         self.idx = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        self.pos = torch.full((1,), kv_cache.pos, dtype=torch.long, device=device)  # warm-up writes the next slot
+        self.pos = torch.full(
+            (1,), kv_cache.pos, dtype=torch.long, device=device
+        )  # warm-up writes the next slot
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -74,32 +88,47 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
     """ValueError for sampling settings that mean nothing: temperature < 0, top_k < 1, top_p outside (0, 1]."""
     problems = [f"temperature={temperature} must be >= 0 (0 is greedy)"] * (temperature < 0)
     problems += [f"top_k={top_k} must be >= 1 (or None)"] * (top_k is not None and top_k < 1)
-    problems += [f"top_p={top_p} must be in (0, 1] (or None)"] * (top_p is not None and not 0 < top_p <= 1)
+    problems += [f"top_p={top_p} must be in (0, 1] (or None)"] * (
+        top_p is not None and not 0 < top_p <= 1
+    )
     if problems:
         raise ValueError("; ".join(problems))
 
 
-def window(tokens: torch.Tensor, start: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def window(
+    tokens: torch.Tensor, start: list[int], n: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every row's window tokens[b, start[b]:n] as one left-padded batch: idx (B, width) and pad (B,) (None: none)."""
     first = min(start)
     pad = [s - first for s in start]
     return tokens[:, first:n], torch.tensor(pad, device=tokens.device) if any(pad) else None
 
 
-def refill_rows(model: nn.Module, kv_cache: object, tokens: torch.Tensor, rows: list[int], n: int, keep: int,
-                pad: torch.Tensor | None) -> torch.Tensor:
+def refill_rows(
+    model: nn.Module,
+    kv_cache: object,
+    tokens: torch.Tensor,
+    rows: list[int],
+    n: int,
+    keep: int,
+    pad: torch.Tensor | None,
+) -> torch.Tensor:
     """The rows whose window slid get their new window but its newest token (tokens[b, n - keep:n - 1]) prefilled on
     their own and written into the batch's cache right-aligned at its position, the slots before it hidden by pad;
     the next one-token step appends token n - 1 to every row; a local layer's ring gets the newest of them at their
     slots (the older ones that slots still hold are before the pad). Returns the new pad."""
     pos, w = kv_cache.pos, keep - 1
-    pad = torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device) if pad is None else pad.clone()
+    pad = (
+        torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device)
+        if pad is None
+        else pad.clone()
+    )
     at = torch.tensor(rows, device=tokens.device)
     if w > 0:
         own = model.make_kv_cache(len(rows), w)
-        model(tokens[at, n - keep:n - 1], kv_cache=own)
-        kv_cache.k[:, at, :, pos - w:pos] = own.k
-        kv_cache.v[:, at, :, pos - w:pos] = own.v
+        model(tokens[at, n - keep : n - 1], kv_cache=own)
+        kv_cache.k[:, at, :, pos - w : pos] = own.k
+        kv_cache.v[:, at, :, pos - w : pos] = own.v
         if own.ring:  # own's ring holds the batch's positions pos - w + held
             held = torch.arange(w - own.ring, w, device=tokens.device)
             for mine, theirs in ((kv_cache.ring_k, own.ring_k), (kv_cache.ring_v, own.ring_v)):
@@ -117,7 +146,7 @@ def compact(kv_cache: object, pad: torch.Tensor | None) -> torch.Tensor | None:
     assert shift > 0, "a row's window fills the cache: it should have slid"
     end = kv_cache.pos
     for t in (kv_cache.k, kv_cache.v):
-        t[..., :end - shift, :] = t[..., shift:end, :].clone()
+        t[..., : end - shift, :] = t[..., shift:end, :].clone()
     if kv_cache.ring:
         for t in (kv_cache.ring_k, kv_cache.ring_v):
             t.copy_(t.roll(-shift, dims=3))
@@ -127,10 +156,20 @@ def compact(kv_cache: object, pad: torch.Tensor | None) -> torch.Tensor | None:
 
 
 @torch.inference_mode()
-def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-           top_k: int | None = None, top_p: float | None = None, eos: int | None = None, use_cache: bool = True,
-           pad: torch.Tensor | None = None, generator: torch.Generator | None = None, cuda_graph: bool = True,
-           compile_step: bool = False) -> Iterator[torch.Tensor]:
+def stream(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos: int | None = None,
+    use_cache: bool = True,
+    pad: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    cuda_graph: bool = True,
+    compile_step: bool = False,
+) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), up to max_new_tokens times, from a GPT; see generate()."""
     check_sampling(temperature, top_k, top_p)
     if compile_step:  # inductor's import (~1 s of CPU) only where the compiled step is asked for
@@ -139,7 +178,9 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
     bs = model.config.block_size
     keep = max(1, bs // 2)
     # the tokens so far, moved left when full (to what windows reach, at most bs + 1): bounded however many are asked
-    tokens = torch.empty(B, T0 + min(max_new_tokens, 2 * bs + 1), dtype=idx.dtype, device=idx.device)
+    tokens = torch.empty(
+        B, T0 + min(max_new_tokens, 2 * bs + 1), dtype=idx.dtype, device=idx.device
+    )
     tokens[:, :T0] = idx
     # row b's window, what the model sees of it, is tokens[b, start[b]:n]: its newest real tokens, at most bs
     start = [max(p, T0 - bs) for p in ([0] * B if pad is None else pad.tolist())]
@@ -148,17 +189,23 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
     for _ in range(max_new_tokens):
         if n == tokens.size(1):  # full: keep what a window still reaches
             drop = min(start)
-            tokens[:, :n - drop] = tokens[:, drop:n].clone()
+            tokens[:, : n - drop] = tokens[:, drop:n].clone()
             start, n = [s - drop for s in start], n - drop
         greedy = None  # the greedy tokens, where the step computed them
-        slid = [b for b in range(B) if n - start[b] > bs]  # full: keep the newest `keep` tokens, prefill them again
+        slid = [
+            b for b in range(B) if n - start[b] > bs
+        ]  # full: keep the newest `keep` tokens, prefill them again
         for b in slid:
             start[b] = n - keep
         if not use_cache:
             x, x_pad = window(tokens, start, n)
             logits, _ = model(x, pad=x_pad)
-        elif kv_cache is None or len(slid) == B:  # the first step, or every row slid: one prefill for all
-            kv_cache = kv_cache or model.make_kv_cache(B, min(bs, T0 + max_new_tokens - 1 - min(start)))
+        elif (
+            kv_cache is None or len(slid) == B
+        ):  # the first step, or every row slid: one prefill for all
+            kv_cache = kv_cache or model.make_kv_cache(
+                B, min(bs, T0 + max_new_tokens - 1 - min(start))
+            )
             kv_cache.pos = 0
             x, cache_pad = window(tokens, start, n)
             logits, _ = model(x, kv_cache=kv_cache, pad=cache_pad)
@@ -169,14 +216,17 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
                 cache_pad = compact(kv_cache, cache_pad)
             if cuda_graph and idx.is_cuda and cache_pad is None:
                 graph = graph or CUDAGraphStep(model, kv_cache, B)
-                logits = graph(tokens[:, n - 1:n])
+                logits = graph(tokens[:, n - 1 : n])
             elif compile_step and not idx.is_cuda and cache_pad is None:
                 graph = graph or compiled_step.CompiledStep(model, kv_cache)
-                logits, greedy = graph(tokens[:, n - 1:n])
+                logits, greedy = graph(tokens[:, n - 1 : n])
             else:
-                logits, _ = model(tokens[:, n - 1:n], kv_cache=kv_cache, pad=cache_pad)
-        nxt = greedy if greedy is not None and temperature == 0 else \
-            sample_logits(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+                logits, _ = model(tokens[:, n - 1 : n], kv_cache=kv_cache, pad=cache_pad)
+        nxt = (
+            greedy
+            if greedy is not None and temperature == 0
+            else sample_logits(logits[:, -1], temperature, top_k, top_p, generator)
+        )  # (B,)
         if eos is not None:
             nxt = torch.where(done, eos, nxt)
             done |= nxt == eos
@@ -187,13 +237,22 @@ def stream(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, temperature
             return
 
 
-def stream_text(model: nn.Module, tok: object, idx: torch.Tensor, max_new_tokens: int, stop: str | None = None,
-                **options: object) -> Iterator[list[str | None]]:
+def stream_text(
+    model: nn.Module,
+    tok: object,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    stop: str | None = None,
+    **options: object,
+) -> Iterator[list[str | None]]:
     """stream() as text: each step's new text of every row, None for a row that had ended. A row ends at the
     tokenizer's end-of-text token (tok.eot_token) or just after the stop string (kept); its tokens decode as one UTF-8
     stream (tok.decode_bytes), as a BPE token can end inside a character."""
     B = idx.size(0)
-    tails, done = [""] * B, [False] * B  # each row's last len(stop) - 1 characters: memory does not grow
+    tails, done = (
+        [""] * B,
+        [False] * B,
+    )  # each row's last len(stop) - 1 characters: memory does not grow
     utf8 = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in range(B)]
     for step in stream(model, idx, max_new_tokens, eos=tok.eot_token, **options):
         pieces: list[str | None] = [None] * B
@@ -206,14 +265,16 @@ def stream_text(model: nn.Module, tok: object, idx: torch.Tensor, max_new_tokens
                 window = tails[b] + piece
                 if stop in window:
                     piece, done[b] = piece[: window.index(stop) + len(stop) - len(tails[b])], True
-                tails[b] = window[len(window) - len(stop) + 1:] if len(stop) > 1 else ""
+                tails[b] = window[len(window) - len(stop) + 1 :] if len(stop) > 1 else ""
             pieces[b] = piece
         yield pieces
         if all(done):
             return
 
 
-def generate(model: nn.Module, idx: torch.Tensor, max_new_tokens: int, **options: object) -> torch.Tensor:
+def generate(
+    model: nn.Module, idx: torch.Tensor, max_new_tokens: int, **options: object
+) -> torch.Tensor:
     """Continue idx (B, T) by up to max_new_tokens tokens from a GPT; returns (B, T + new tokens).
 
     The cache is prefilled once and then fed one token per step; use_cache=False recomputes the whole window every

@@ -47,8 +47,10 @@ def check_gguf_vocabulary(tok: Any) -> None:
     """llama.cpp reads byte-level BPE vocabularies only: anything else (char-level) is refused before its converter
     runs, not inside it."""
     if type(tok.backend_tokenizer.model).__name__ != "BPE":
-        raise UserError("GGUF needs a byte-level BPE vocabulary (llama.cpp has no char-level one): train on a "
-                        "dataset prepared with --tokenizer=bpe or gpt2")
+        raise UserError(
+            "GGUF needs a byte-level BPE vocabulary (llama.cpp has no char-level one): train on a "
+            "dataset prepared with --tokenizer=bpe or gpt2"
+        )
 
 
 def to_gguf(model: GPT, tok: Any, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:
@@ -84,9 +86,22 @@ def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name:
     """llama.cpp's convert_hf_to_gguf.py (in the source folder llama_cpp) on a transformers folder, into file; name:
     the model's name in the GGUF (general.name), which the converter otherwise takes from the folder's name."""
     named = ["--model-name", name] if name else []
-    r = subprocess.run([sys.executable, "-c", CONVERT, str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
-                        str(folder), "--outfile", str(file), "--outtype", outtype, *named],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CONVERT,
+            str(Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"),
+            str(folder),
+            "--outfile",
+            str(file),
+            "--outtype",
+            outtype,
+            *named,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode or not file.is_file():
         last = (r.stderr.strip() or r.stdout.strip() or "no output").splitlines()[-1]
         raise UserError(f"llama.cpp's convert_hf_to_gguf.py failed: {last}")

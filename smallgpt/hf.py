@@ -16,16 +16,36 @@ import torch
 
 from model import GPT, GPTConfig
 from smallgpt.errors import UserError, first_line
-from smallgpt.hf_llama import MODEL_TYPES, deepseek, from_llama_block, granite_swa, llama, llama_class
+from smallgpt.hf_llama import (
+    MODEL_TYPES,
+    deepseek,
+    from_llama_block,
+    granite_swa,
+    llama,
+    llama_class,
+)
 from smallgpt.tokenizer import EOT, gpt2_encoding
 
 # a block's modules: ours -> Starcoder2's
-STARCODER2_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
-                    "attn.c_proj": "self_attn.o_proj", "mlp.c_fc": "mlp.c_fc", "mlp.c_proj": "mlp.c_proj",
-                    "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+STARCODER2_LAYER = {
+    "attn.c_q": "self_attn.q_proj",
+    "attn.c_k": "self_attn.k_proj",
+    "attn.c_v": "self_attn.v_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "mlp.c_fc": "mlp.c_fc",
+    "mlp.c_proj": "mlp.c_proj",
+    "ln_1": "input_layernorm",
+    "ln_2": "post_attention_layernorm",
+}
 
 
-GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # OpenAI's GPT-2 on the Hugging Face hub
+GPT2_NAMES = (
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+)  # OpenAI's GPT-2 on the Hugging Face hub
+
 
 def target_class(config: Any) -> str:
     """The transformers class that holds a model of config (a GPTConfig); one that none holds: a UserError."""
@@ -50,15 +70,20 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
         cls_name, hf_config, state = (llama if kind == "LlamaForCausalLM" else granite_swa)(c, sd)
     else:
         if llama_cpp and c.pos_encoding == "rope" and not c.bias:
-            sd |= {k.replace(".weight", ".bias"): torch.zeros(v.shape[0]) for k, v in sd.items()
-                   if k.startswith("transformer.h.") and k.endswith(".weight") and ".ln_" not in k}
+            sd |= {
+                k.replace(".weight", ".bias"): torch.zeros(v.shape[0])
+                for k, v in sd.items()
+                if k.startswith("transformer.h.") and k.endswith(".weight") and ".ln_" not in k
+            }
             c = dataclasses.replace(c, bias=True)
         cls_name, hf_config, state = (starcoder2 if c.pos_encoding == "rope" else gpt2)(c, sd)
     hf = getattr(transformers, cls_name)(hf_config)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
     if missing or unexpected:
-        raise AssertionError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
+        raise AssertionError(
+            f"weight mapping incomplete: missing {missing}, unexpected {unexpected}"
+        )
     hf.tie_weights()
     return hf.eval()
 
@@ -69,16 +94,29 @@ def starcoder2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str,
     import transformers
 
     config = transformers.Starcoder2Config(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        hidden_act="gelu" if c.gelu == "exact" else "gelu_pytorch_tanh", max_position_embeddings=c.block_size,
-        norm_epsilon=1e-5, use_bias=c.bias, tie_word_embeddings=True, rope_theta=c.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, sliding_window=None,
-        bos_token_id=None, eos_token_id=None)
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.mlp_hidden,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head,
+        hidden_act="gelu" if c.gelu == "exact" else "gelu_pytorch_tanh",
+        max_position_embeddings=c.block_size,
+        norm_epsilon=1e-5,
+        use_bias=c.bias,
+        tie_word_embeddings=True,
+        rope_theta=c.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        sliding_window=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     zeros = torch.zeros(c.n_embd)
-    state = {"model.embed_tokens.weight": sd["transformer.wte.weight"],
-             "model.norm.weight": sd["transformer.ln_f.weight"],
-             "model.norm.bias": sd.get("transformer.ln_f.bias", zeros)}
+    state = {
+        "model.embed_tokens.weight": sd["transformer.wte.weight"],
+        "model.norm.weight": sd["transformer.ln_f.weight"],
+        "model.norm.bias": sd.get("transformer.ln_f.bias", zeros),
+    }
     for i in range(c.n_layer):
         for ours, theirs in STARCODER2_LAYER.items():
             for kind in ("weight", "bias"):
@@ -96,29 +134,71 @@ def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch
     import transformers
 
     mqa = c.attention_kind == "MQA"
-    common = dict(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd, n_layer=c.n_layer,
-                  n_head=c.n_head, n_inner=c.mlp_hidden, activation_function="gelu" if c.gelu == "exact" else
-                  "gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
-                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=None)
+    common = dict(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=c.mlp_hidden,
+        activation_function="gelu" if c.gelu == "exact" else "gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     # n_ctx: GPT-2's old name for n_positions, which llama.cpp's converter reads
-    config = transformers.GPTBigCodeConfig(multi_query=True, **common) if mqa else transformers.GPT2Config(
-        n_ctx=c.block_size, **common)
+    config = (
+        transformers.GPTBigCodeConfig(multi_query=True, **common)
+        if mqa
+        else transformers.GPT2Config(n_ctx=c.block_size, **common)
+    )
     group = c.n_head // c.n_kv_head
     conv = (lambda t: t) if mqa else (lambda t: t.t())  # GPT-2's Conv1D stores (in, out)
 
-    def kv(t: torch.Tensor) -> torch.Tensor:  # GPT-2 holds every head: each K/V head repeated for its group
-        return t if mqa else t.view(c.n_kv_head, c.head_dim, *t.shape[1:]).repeat_interleave(group, 0).reshape(
-            c.n_embd, *t.shape[1:])
+    def kv(
+        t: torch.Tensor,
+    ) -> torch.Tensor:  # GPT-2 holds every head: each K/V head repeated for its group
+        return (
+            t
+            if mqa
+            else t.view(c.n_kv_head, c.head_dim, *t.shape[1:])
+            .repeat_interleave(group, 0)
+            .reshape(c.n_embd, *t.shape[1:])
+        )
 
-    state = {k: sd[k] for k in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight")}
+    state = {
+        k: sd[k]
+        for k in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight")
+    }
     state["transformer.ln_f.bias"] = sd.get("transformer.ln_f.bias", torch.zeros(c.n_embd))
     for i in range(c.n_layer):
         p = f"transformer.h.{i}."
-        w = {n: sd[p + f"{n}.weight"] for n in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc",
-                                                "mlp.c_proj", "ln_1", "ln_2")}
+        w = {
+            n: sd[p + f"{n}.weight"]
+            for n in (
+                "attn.c_q",
+                "attn.c_k",
+                "attn.c_v",
+                "attn.c_proj",
+                "mlp.c_fc",
+                "mlp.c_proj",
+                "ln_1",
+                "ln_2",
+            )
+        }
         b = {n: sd.get(p + f"{n}.bias", torch.zeros(t.shape[0])) for n, t in w.items()}
-        state |= {p + "attn.c_attn.weight": conv(torch.cat([w["attn.c_q"], kv(w["attn.c_k"]), kv(w["attn.c_v"])])),
-                  p + "attn.c_attn.bias": torch.cat([b["attn.c_q"], kv(b["attn.c_k"]), kv(b["attn.c_v"])])}
+        state |= {
+            p + "attn.c_attn.weight": conv(
+                torch.cat([w["attn.c_q"], kv(w["attn.c_k"]), kv(w["attn.c_v"])])
+            ),
+            p + "attn.c_attn.bias": torch.cat(
+                [b["attn.c_q"], kv(b["attn.c_k"]), kv(b["attn.c_v"])]
+            ),
+        }
         for n in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj", "ln_1", "ln_2"):
             state |= {p + f"{n}.weight": conv(w[n]) if "." in n else w[n], p + f"{n}.bias": b[n]}
     return "GPTBigCodeForCausalLM" if mqa else "GPT2LMHeadModel", config, state
@@ -137,38 +217,73 @@ def from_transformers(folder: str) -> GPT:
         config, state = from_llama_block(folder, c, sd)
         return with_weights(GPT(config), state)
     act = getattr(c, "hidden_act", None) or getattr(c, "activation_function", None)
-    window, eps = getattr(c, "sliding_window", None), getattr(c, "norm_epsilon", getattr(c, "layer_norm_epsilon", 0))
+    window, eps = (
+        getattr(c, "sliding_window", None),
+        getattr(c, "norm_epsilon", getattr(c, "layer_norm_epsilon", 0)),
+    )
     rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
     ln_bias = any(sd[k].any() for k in sd if k.endswith(("layernorm.bias", "model.norm.bias")))
-    problems = {f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
-                f"hidden_act={act!r}": act not in ("gelu", "gelu_pytorch_tanh", "gelu_new"),
-                f"sliding_window={window}": window is not None and window < getattr(c, "max_position_embeddings", 0),
-                f"norm epsilon {eps}": eps != 1e-5, f"rope_type={rope!r}": rope != "default",
-                "multi_query=False": c.model_type == "gpt_bigcode" and not c.multi_query,
-                "LayerNorm biases with use_bias=False": c.model_type == "starcoder2" and not c.use_bias and ln_bias}
+    problems = {
+        f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
+        f"hidden_act={act!r}": act not in ("gelu", "gelu_pytorch_tanh", "gelu_new"),
+        f"sliding_window={window}": window is not None
+        and window < getattr(c, "max_position_embeddings", 0),
+        f"norm epsilon {eps}": eps != 1e-5,
+        f"rope_type={rope!r}": rope != "default",
+        "multi_query=False": c.model_type == "gpt_bigcode" and not c.multi_query,
+        "LayerNorm biases with use_bias=False": c.model_type == "starcoder2"
+        and not c.use_bias
+        and ln_bias,
+    }
     if bad := [what for what, true in problems.items() if true]:
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
     gelu = "exact" if act == "gelu" else "tanh"
     state = {}
     if c.model_type == "starcoder2":
-        config = GPTConfig(block_size=c.max_position_embeddings, vocab_size=c.vocab_size, n_layer=c.num_hidden_layers,
-                           n_head=c.num_attention_heads, n_kv_head=c.num_key_value_heads, n_embd=c.hidden_size,
-                           bias=c.use_bias, pos_encoding="rope", rope_theta=float(c.rope_parameters["rope_theta"]),
-                           gelu=gelu, mlp_hidden=c.intermediate_size)
-        names = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight",
-                 "transformer.ln_f.bias": "model.norm.bias"}
-        names |= {f"transformer.h.{i}.{ours}.{kind}": f"model.layers.{i}.{theirs}.{kind}"
-                  for i in range(c.num_hidden_layers) for ours, theirs in STARCODER2_LAYER.items()
-                  for kind in ("weight", "bias")}
+        config = GPTConfig(
+            block_size=c.max_position_embeddings,
+            vocab_size=c.vocab_size,
+            n_layer=c.num_hidden_layers,
+            n_head=c.num_attention_heads,
+            n_kv_head=c.num_key_value_heads,
+            n_embd=c.hidden_size,
+            bias=c.use_bias,
+            pos_encoding="rope",
+            rope_theta=float(c.rope_parameters["rope_theta"]),
+            gelu=gelu,
+            mlp_hidden=c.intermediate_size,
+        )
+        names = {
+            "transformer.wte.weight": "model.embed_tokens.weight",
+            "transformer.ln_f.weight": "model.norm.weight",
+            "transformer.ln_f.bias": "model.norm.bias",
+        }
+        names |= {
+            f"transformer.h.{i}.{ours}.{kind}": f"model.layers.{i}.{theirs}.{kind}"
+            for i in range(c.num_hidden_layers)
+            for ours, theirs in STARCODER2_LAYER.items()
+            for kind in ("weight", "bias")
+        }
     else:  # multi-query GPTBigCode: Q, K and V in one c_attn (nn.Linear), every bias
-        config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                           n_kv_head=1, n_embd=c.n_embd, bias=True, pos_encoding="learned", gelu=gelu,
-                           mlp_hidden=c.n_inner or 4 * c.n_embd)
+        config = GPTConfig(
+            block_size=c.n_positions,
+            vocab_size=c.vocab_size,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_kv_head=1,
+            n_embd=c.n_embd,
+            bias=True,
+            pos_encoding="learned",
+            gelu=gelu,
+            mlp_hidden=c.n_inner or 4 * c.n_embd,
+        )
         names = {k: k for k in sd if "c_attn" not in k and k != "lm_head.weight"}
         for i in range(c.n_layer):
             for kind in ("weight", "bias"):
                 p = f"transformer.h.{i}.attn."
-                q, k, v = sd[f"{p}c_attn.{kind}"].split([c.n_embd, config.head_dim, config.head_dim])
+                q, k, v = sd[f"{p}c_attn.{kind}"].split(
+                    [c.n_embd, config.head_dim, config.head_dim]
+                )
                 state |= {f"{p}c_q.{kind}": q, f"{p}c_k.{kind}": k, f"{p}c_v.{kind}": v}
     model = GPT(config)
     wanted = model.state_dict().keys()
@@ -196,21 +311,31 @@ def tokenizer(meta: dict) -> Any:
         # the unknown token is in no vocabulary of single characters: a character outside the dataset's is refused
         # (tokenizers raises), never read as one of its characters
         tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=UNKNOWN))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+        tok.pre_tokenizer = pre_tokenizers.Split(
+            Regex(r"[\s\S]"), behavior="isolated"
+        )  # every character
         tok.decoder = decoders.Fuse()  # joined with nothing between
         return PreTrainedTokenizerFast(tokenizer_object=tok)
     if meta.get("tokenizer") == "gpt2":
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
         enc = gpt2_encoding()
-        specials = sorted(enc._special_tokens, key=enc._special_tokens.get)  # each numbered after the ranks
-        assert [enc._special_tokens[t] for t in specials] == list(range(len(enc._mergeable_ranks), enc.n_vocab))
+        specials = sorted(
+            enc._special_tokens, key=enc._special_tokens.get
+        )  # each numbered after the ranks
+        assert [enc._special_tokens[t] for t in specials] == list(
+            range(len(enc._mergeable_ranks), enc.n_vocab)
+        )
         converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=specials)
-        converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # the ranks tiktoken holds, from any file
+        converter.load_tiktoken_bpe = lambda _: (
+            enc._mergeable_ranks
+        )  # the ranks tiktoken holds, from any file
         eot = {"eos_token": EOT, "bos_token": EOT} if enc.eot_token is not None else {}
         return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), **eot)
     if meta.get("tokenizer") == "bpe":
-        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(meta["bpe"]), eos_token=EOT, bos_token=EOT)
+        return PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_str(meta["bpe"]), eos_token=EOT, bos_token=EOT
+        )
     raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in the checkpoint's dataset meta")
 
 
@@ -228,7 +353,9 @@ def save(hf_model: Any, tok: Any, folder: Path) -> None:
 
 def update_json(file: Path, fields: dict) -> None:
     """The JSON object in file with fields set."""
-    file.write_text(json.dumps(json.loads(file.read_text()) | fields, indent=2, sort_keys=True) + "\n")
+    file.write_text(
+        json.dumps(json.loads(file.read_text()) | fields, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def check_weights(folder: Path) -> None:
@@ -241,7 +368,9 @@ def check_weights(folder: Path) -> None:
             with safe_open(file, "pt"):
                 pass
         except (SafetensorError, OSError) as e:
-            raise UserError(f"{file} is damaged or truncated ({e}): copy or save the folder again") from e
+            raise UserError(
+                f"{file} is damaged or truncated ({e}): copy or save the folder again"
+            ) from e
 
 
 def from_hf(name_or_path: str) -> GPT:
@@ -254,36 +383,59 @@ def from_hf(name_or_path: str) -> GPT:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    if name_or_path not in GPT2_NAMES:  # a local folder: from_pretrained would take a wrong one for a hub id
+    if (
+        name_or_path not in GPT2_NAMES
+    ):  # a local folder: from_pretrained would take a wrong one for a hub id
         folder = Path(name_or_path)
         if not (folder / "config.json").is_file():
-            raise UserError(f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved by "
-                            f"save_pretrained, or one of {', '.join(GPT2_NAMES)}")
+            raise UserError(
+                f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved by "
+                f"save_pretrained, or one of {', '.join(GPT2_NAMES)}"
+            )
         check_weights(folder)  # a truncated copy: one line naming the file
         try:
             kind = json.loads((folder / "config.json").read_text()).get("model_type")
         except (ValueError, AttributeError):
             kind = None
-        if kind in ("starcoder2", "gpt_bigcode", *MODEL_TYPES):  # what export.py writes for all but GPT-2
+        if kind in (
+            "starcoder2",
+            "gpt_bigcode",
+            *MODEL_TYPES,
+        ):  # what export.py writes for all but GPT-2
             return from_transformers(name_or_path)
         if kind != "gpt2":
-            raise UserError(f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained, nor "
-                            f"a Llama or DeepSeek-V3 one (config.json's model_type is {kind!r}); a checkpoint of this "
-                            f"project loads with init_from=resume and out_dir")
+            raise UserError(
+                f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained, nor "
+                f"a Llama or DeepSeek-V3 one (config.json's model_type is {kind!r}); a checkpoint of this "
+                f"project loads with init_from=resume and out_dir"
+            )
     try:
         hf = GPT2LMHeadModel.from_pretrained(name_or_path)
     except OSError as e:  # what transformers raises for no network, no cache or a bad folder
-        raise UserError(f"cannot load GPT-2 weights {name_or_path!r} ({first_line(e)}): with no network, "
-                        f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained") from e
+        raise UserError(
+            f"cannot load GPT-2 weights {name_or_path!r} ({first_line(e)}): with no network, "
+            f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained"
+        ) from e
     c = hf.config
-    model = GPT(GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
-                          n_embd=c.n_embd, bias=True, gelu="tanh" if c.activation_function == "gelu_new" else "exact",
-                          mlp_hidden=c.n_inner))  # None: 4 * n_embd, as GPT-2's own
+    model = GPT(
+        GPTConfig(
+            block_size=c.n_positions,
+            vocab_size=c.vocab_size,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_embd=c.n_embd,
+            bias=True,
+            gelu="tanh" if c.activation_function == "gelu_new" else "exact",
+            mlp_hidden=c.n_inner,
+        )
+    )  # None: 4 * n_embd, as GPT-2's own
     state = {}
     for name, t in hf.state_dict().items():
         if ".attn.c_attn." in name:
             for part, piece in zip(("c_q", "c_k", "c_v"), t.split(c.n_embd, dim=-1), strict=True):
-                state[name.replace("c_attn", part)] = piece.t() if name.endswith("weight") else piece
+                state[name.replace("c_attn", part)] = (
+                    piece.t() if name.endswith("weight") else piece
+                )
         else:
             state[name] = t.t() if name.endswith(("c_proj.weight", "c_fc.weight")) else t
     model.load_state_dict(state)

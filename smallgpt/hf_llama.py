@@ -15,13 +15,25 @@ from model import GPTConfig
 from smallgpt.errors import UserError
 
 # a block's modules: ours -> Llama's (SwiGLU's gate, up and down are c_gate, c_fc and c_proj)
-LLAMA_LAYER = {"attn.c_q": "self_attn.q_proj", "attn.c_k": "self_attn.k_proj", "attn.c_v": "self_attn.v_proj",
-               "attn.c_proj": "self_attn.o_proj", "mlp.c_gate": "mlp.gate_proj", "mlp.c_fc": "mlp.up_proj",
-               "mlp.c_proj": "mlp.down_proj", "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm"}
+LLAMA_LAYER = {
+    "attn.c_q": "self_attn.q_proj",
+    "attn.c_k": "self_attn.k_proj",
+    "attn.c_v": "self_attn.v_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "mlp.c_gate": "mlp.gate_proj",
+    "mlp.c_fc": "mlp.up_proj",
+    "mlp.c_proj": "mlp.down_proj",
+    "ln_1": "input_layernorm",
+    "ln_2": "post_attention_layernorm",
+}
 DEEPSEEK_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k not in ("attn.c_k", "attn.c_v")} | {
-    "attn.q_a": "self_attn.q_a_proj", "attn.q_norm": "self_attn.q_a_layernorm", "attn.q_b": "self_attn.q_b_proj",
-    "attn.kv_a": "self_attn.kv_a_proj_with_mqa", "attn.kv_norm": "self_attn.kv_a_layernorm",
-    "attn.kv_b": "self_attn.kv_b_proj"}
+    "attn.q_a": "self_attn.q_a_proj",
+    "attn.q_norm": "self_attn.q_a_layernorm",
+    "attn.q_b": "self_attn.q_b_proj",
+    "attn.kv_a": "self_attn.kv_a_proj_with_mqa",
+    "attn.kv_norm": "self_attn.kv_a_layernorm",
+    "attn.kv_b": "self_attn.kv_b_proj",
+}
 MODEL_TYPES = ("llama", "deepseek_v3", "granite_swa")
 # GraniteSWA's per-head attention sink: this logit beside the scores leaves their softmax as it is (exp(-1e4) is 0)
 NO_SINK = -1e4
@@ -39,36 +51,54 @@ def llama_class(c: GPTConfig) -> str | None:
     naming the keys that would make it one."""
     llama_block, windowed = (c.norm, c.mlp) == ("rmsnorm", "swiglu"), c.window is not None
     if c.kv_lora_rank is not None:
-        needs = {"norm='rmsnorm' and mlp='swiglu'": not llama_block, "pos_encoding='rope'": c.pos_encoding != "rope",
-                 "bias=False": c.bias, "latent_norm=True": not c.latent_norm, "no window": windowed}
+        needs = {
+            "norm='rmsnorm' and mlp='swiglu'": not llama_block,
+            "pos_encoding='rope'": c.pos_encoding != "rope",
+            "bias=False": c.bias,
+            "latent_norm=True": not c.latent_norm,
+            "no window": windowed,
+        }
         if missing := [key for key, needed in needs.items() if needed]:
-            raise UserError(f"export needs {', '.join(missing)} for MLA (DeepseekV3ForCausalLM: Llama's block, "
-                            f"rotary positions, no biases, an RMSNorm on the latent)")
+            raise UserError(
+                f"export needs {', '.join(missing)} for MLA (DeepseekV3ForCausalLM: Llama's block, "
+                f"rotary positions, no biases, an RMSNorm on the latent)"
+            )
         return "DeepseekV3ForCausalLM"
     if windowed and not (llama_block and c.pos_encoding == "rope"):
-        raise UserError(f"exporting local layers (window) needs norm='rmsnorm', mlp='swiglu' and pos_encoding='rope' "
-                        f"(GraniteSWAForCausalLM: Llama's block with per-layer sliding windows); no stock class holds "
-                        f"norm={c.norm!r}, mlp={c.mlp!r}, pos_encoding={c.pos_encoding!r} with a window")
+        raise UserError(
+            f"exporting local layers (window) needs norm='rmsnorm', mlp='swiglu' and pos_encoding='rope' "
+            f"(GraniteSWAForCausalLM: Llama's block with per-layer sliding windows); no stock class holds "
+            f"norm={c.norm!r}, mlp={c.mlp!r}, pos_encoding={c.pos_encoding!r} with a window"
+        )
     if (c.norm, c.mlp) == ("layernorm", "gelu"):
         return None
     if not llama_block:
-        raise UserError(f"no stock transformers class holds norm={c.norm!r} with mlp={c.mlp!r}: export needs "
-                        f"norm='rmsnorm' with mlp='swiglu' (LlamaForCausalLM) or norm='layernorm' with mlp='gelu' "
-                        f"(Starcoder2ForCausalLM, GPT2LMHeadModel)")
+        raise UserError(
+            f"no stock transformers class holds norm={c.norm!r} with mlp={c.mlp!r}: export needs "
+            f"norm='rmsnorm' with mlp='swiglu' (LlamaForCausalLM) or norm='layernorm' with mlp='gelu' "
+            f"(Starcoder2ForCausalLM, GPT2LMHeadModel)"
+        )
     if c.pos_encoding != "rope":
-        raise UserError("export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM); learned positions "
-                        "export with norm='layernorm' and mlp='gelu' (GPT2LMHeadModel, GPTBigCodeForCausalLM)")
+        raise UserError(
+            "export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM); learned positions "
+            "export with norm='layernorm' and mlp='gelu' (GPT2LMHeadModel, GPTBigCodeForCausalLM)"
+        )
     return "GraniteSWAForCausalLM" if windowed else "LlamaForCausalLM"
 
 
-def renamed(sd: dict[str, torch.Tensor], n_layer: int, layer: dict[str, str], prefixes: tuple[str, str]
-            ) -> dict[str, torch.Tensor]:
+def renamed(
+    sd: dict[str, torch.Tensor], n_layer: int, layer: dict[str, str], prefixes: tuple[str, str]
+) -> dict[str, torch.Tensor]:
     """sd's tensors under the other side's names: prefixes (ours, theirs) is ('transformer.', 'model.') out and
     the reverse in; what sd lacks (a bias) is left out."""
     ours, theirs = prefixes
     names = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight"}
-    names |= {f"h.{i}.{a}.{kind}": f"layers.{i}.{b}.{kind}" for i in range(n_layer) for a, b in layer.items()
-              for kind in ("weight", "bias")}
+    names |= {
+        f"h.{i}.{a}.{kind}": f"layers.{i}.{b}.{kind}"
+        for i in range(n_layer)
+        for a, b in layer.items()
+        for kind in ("weight", "bias")
+    }
     if ours != "transformer.":
         names = {b: a for a, b in names.items()}
     return {theirs + b: sd[ours + a] for a, b in names.items() if ours + a in sd}
@@ -76,7 +106,10 @@ def renamed(sd: dict[str, torch.Tensor], n_layer: int, layer: dict[str, str], pr
 
 def rope_config(c: GPTConfig) -> dict[str, Any]:
     """The rotary base, as transformers 5 (rope_parameters) and 4.57 (rope_theta) read it."""
-    return dict(rope_theta=c.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta})
+    return dict(
+        rope_theta=c.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+    )
 
 
 def llama(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
@@ -85,30 +118,62 @@ def llama(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, hidden_act="silu",
-        max_position_embeddings=c.block_size, rms_norm_eps=NORM_EPS, attention_bias=c.bias, mlp_bias=c.bias,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, **rope_config(c))
-    return "LlamaForCausalLM", config, renamed(sd, c.n_layer, LLAMA_LAYER, ("transformer.", "model."))
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.mlp_hidden,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head,
+        head_dim=c.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=NORM_EPS,
+        attention_bias=c.bias,
+        mlp_bias=c.bias,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        **rope_config(c),
+    )
+    return (
+        "LlamaForCausalLM",
+        config,
+        renamed(sd, c.n_layer, LLAMA_LAYER, ("transformer.", "model.")),
+    )
 
 
-def granite_swa(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
+def granite_swa(
+    c: GPTConfig, sd: dict[str, torch.Tensor]
+) -> tuple[str, Any, dict[str, torch.Tensor]]:
     """Local layers: IBM's GraniteSWA, Llama's layers with a sliding window in those layer_types names (a query sees
     itself and window - 1 before it, as ours), its multipliers at Llama's (scores scaled by head_dim ** -0.5, the
     others 1) and its attention sinks at NO_SINK. llama.cpp's granite_swa reads the same pattern."""
     import transformers
 
     _, llama_config, state = llama(c, sd)
-    keys = {k: v for k, v in llama_config.to_dict().items() if k not in ("head_dim", "model_type", "architectures")}
-    config = transformers.GraniteSWAConfig(**keys | dict(
-        attention_multiplier=c.head_dim ** -0.5, sliding_window=c.window,
-        layer_types=["sliding_attention" if w else "full_attention" for w in c.layer_windows]))
-    state |= {f"model.layers.{i}.self_attn.sinks": torch.full((c.n_head,), NO_SINK) for i in range(c.n_layer)}
+    keys = {
+        k: v
+        for k, v in llama_config.to_dict().items()
+        if k not in ("head_dim", "model_type", "architectures")
+    }
+    config = transformers.GraniteSWAConfig(
+        **keys
+        | dict(
+            attention_multiplier=c.head_dim**-0.5,
+            sliding_window=c.window,
+            layer_types=["sliding_attention" if w else "full_attention" for w in c.layer_windows],
+        )
+    )
+    state |= {
+        f"model.layers.{i}.self_attn.sinks": torch.full((c.n_head,), NO_SINK)
+        for i in range(c.n_layer)
+    }
     return "GraniteSWAForCausalLM", config, state
 
 
-def deepseek(c: GPTConfig, sd: dict[str, torch.Tensor], llama_cpp: bool = False
-             ) -> tuple[str, Any, dict[str, torch.Tensor]]:
+def deepseek(
+    c: GPTConfig, sd: dict[str, torch.Tensor], llama_cpp: bool = False
+) -> tuple[str, Any, dict[str, torch.Tensor]]:
     """MLA: DeepSeek-V3's config, dense (first_k_dense_replace = n_layer: every MLP is Llama's, no expert is built),
     and weights. Each head's query is [nope | rope] and kv_b's rows each head's [k | v], as ours. llama_cpp: the folder
     llama.cpp's converter reads, whose deepseek2 rotates pairs (rope_interleave=True, the rotary rows permuted to
@@ -116,13 +181,35 @@ def deepseek(c: GPTConfig, sd: dict[str, torch.Tensor], llama_cpp: bool = False
     import transformers
 
     config = transformers.DeepseekV3Config(
-        vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden, num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head, num_key_value_heads=c.n_head, hidden_act="silu",
-        max_position_embeddings=c.block_size, rms_norm_eps=NORM_EPS, attention_bias=False, tie_word_embeddings=True,
-        kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim,
-        qk_nope_head_dim=c.head_dim, v_head_dim=c.head_dim, rope_interleave=llama_cpp, first_k_dense_replace=c.n_layer,
-        n_routed_experts=0, n_shared_experts=0, num_experts_per_tok=None, n_group=None, topk_group=None,
-        moe_intermediate_size=c.mlp_hidden, num_mtp_layers=0, bos_token_id=None, eos_token_id=None, **rope_config(c))
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.mlp_hidden,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_head,
+        hidden_act="silu",
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=NORM_EPS,
+        attention_bias=False,
+        tie_word_embeddings=True,
+        kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        qk_nope_head_dim=c.head_dim,
+        v_head_dim=c.head_dim,
+        rope_interleave=llama_cpp,
+        first_k_dense_replace=c.n_layer,
+        n_routed_experts=0,
+        n_shared_experts=0,
+        num_experts_per_tok=None,
+        n_group=None,
+        topk_group=None,
+        moe_intermediate_size=c.mlp_hidden,
+        num_mtp_layers=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        **rope_config(c),
+    )
     state = renamed(sd, c.n_layer, DEEPSEEK_LAYER, ("transformer.", "model."))
     for i in range(c.n_layer):
         p = f"model.layers.{i}.self_attn."
@@ -136,7 +223,7 @@ def deepseek(c: GPTConfig, sd: dict[str, torch.Tensor], llama_cpp: bool = False
 def latent_rows(state: dict[str, torch.Tensor], p: str, c: GPTConfig, scale: float) -> None:
     """The rows of q_a and kv_a that make the latents, times scale (see LATENT_SCALE); they have no biases."""
     kv_a = state[p + "kv_a_proj_with_mqa.weight"].clone()
-    kv_a[:c.kv_lora_rank] *= scale
+    kv_a[: c.kv_lora_rank] *= scale
     state[p + "kv_a_proj_with_mqa.weight"] = kv_a
     if c.q_lora_rank is not None:
         state[p + "q_a_proj.weight"] = state[p + "q_a_proj.weight"] * scale
@@ -158,43 +245,78 @@ def pairs(state: dict[str, torch.Tensor], p: str, c: GPTConfig, to_pairs: bool) 
     state[p + "kv_a_proj_with_mqa.weight"] = torch.cat((kv_a[:-rope], reorder(kv_a[-rope:])))
 
 
-def from_llama_block(folder: str, c: Any, sd: dict[str, torch.Tensor]) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+def from_llama_block(
+    folder: str, c: Any, sd: dict[str, torch.Tensor]
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
     """Our config and weights from a Llama or DeepSeek-V3 transformers config c and its weights sd; what this model
     cannot hold (untied embeddings, another epsilon, activation or rope type, experts, ...) is refused in one line."""
     mla = c.model_type == "deepseek_v3"
     rope = c.rope_parameters or {}
     head_dim = c.hidden_size // c.num_attention_heads
-    problems = {f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
-                f"hidden_act={c.hidden_act!r}": c.hidden_act != "silu",
-                f"rms_norm_eps={c.rms_norm_eps}": c.rms_norm_eps != NORM_EPS,
-                f"rope_type={rope.get('rope_type')!r}": rope.get("rope_type", "default") != "default",
-                f"partial_rotary_factor={rope.get('partial_rotary_factor')}": rope.get("partial_rotary_factor", 1) != 1}
+    problems = {
+        f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
+        f"hidden_act={c.hidden_act!r}": c.hidden_act != "silu",
+        f"rms_norm_eps={c.rms_norm_eps}": c.rms_norm_eps != NORM_EPS,
+        f"rope_type={rope.get('rope_type')!r}": rope.get("rope_type", "default") != "default",
+        f"partial_rotary_factor={rope.get('partial_rotary_factor')}": rope.get(
+            "partial_rotary_factor", 1
+        )
+        != 1,
+    }
     if mla:
-        problems |= {f"experts (first_k_dense_replace={c.first_k_dense_replace} < num_hidden_layers="
-                     f"{c.num_hidden_layers})": c.first_k_dense_replace < c.num_hidden_layers,
-                     "attention_bias=True": c.attention_bias,
-                     f"qk_nope_head_dim={c.qk_nope_head_dim}, v_head_dim={c.v_head_dim} (ours: both hidden_size / "
-                     f"num_attention_heads = {head_dim})": not c.qk_nope_head_dim == c.v_head_dim == head_dim,
-                     f"num_key_value_heads={c.num_key_value_heads}": c.num_key_value_heads != c.num_attention_heads}
+        problems |= {
+            f"experts (first_k_dense_replace={c.first_k_dense_replace} < num_hidden_layers="
+            f"{c.num_hidden_layers})": c.first_k_dense_replace < c.num_hidden_layers,
+            "attention_bias=True": c.attention_bias,
+            f"qk_nope_head_dim={c.qk_nope_head_dim}, v_head_dim={c.v_head_dim} (ours: both hidden_size / "
+            f"num_attention_heads = {head_dim})": not c.qk_nope_head_dim
+            == c.v_head_dim
+            == head_dim,
+            f"num_key_value_heads={c.num_key_value_heads}": c.num_key_value_heads
+            != c.num_attention_heads,
+        }
     else:
-        problems |= {f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}": c.attention_bias != c.mlp_bias,
-                     f"head_dim={getattr(c, 'head_dim', head_dim)} (ours: hidden_size / num_attention_heads = "
-                     f"{head_dim})": getattr(c, "head_dim", head_dim) != head_dim}
+        problems |= {
+            f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}": c.attention_bias
+            != c.mlp_bias,
+            f"head_dim={getattr(c, 'head_dim', head_dim)} (ours: hidden_size / num_attention_heads = "
+            f"{head_dim})": getattr(c, "head_dim", head_dim) != head_dim,
+        }
     local = {}
     if c.model_type == "granite_swa":
         problems |= granite_problems(c, sd, head_dim)
         letters = "".join("S" if t == "sliding_attention" else "L" for t in c.layer_types)
-        local = dict(window=c.sliding_window, window_pattern=shortest_pattern(letters)) if "S" in letters else {}
+        local = (
+            dict(window=c.sliding_window, window_pattern=shortest_pattern(letters))
+            if "S" in letters
+            else {}
+        )
     if bad := [what for what, true in problems.items() if true]:
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
-    common = dict(block_size=c.max_position_embeddings, vocab_size=c.vocab_size, n_layer=c.num_hidden_layers,
-                  n_head=c.num_attention_heads, n_embd=c.hidden_size, pos_encoding="rope",
-                  rope_theta=float(rope["rope_theta"]), norm="rmsnorm", mlp="swiglu", mlp_hidden=c.intermediate_size)
+    common = dict(
+        block_size=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        n_embd=c.hidden_size,
+        pos_encoding="rope",
+        rope_theta=float(rope["rope_theta"]),
+        norm="rmsnorm",
+        mlp="swiglu",
+        mlp_hidden=c.intermediate_size,
+    )
     if not mla:
-        config = GPTConfig(n_kv_head=c.num_key_value_heads, bias=c.attention_bias, **common, **local)
+        config = GPTConfig(
+            n_kv_head=c.num_key_value_heads, bias=c.attention_bias, **common, **local
+        )
         return config, renamed(sd, config.n_layer, LLAMA_LAYER, ("model.", "transformer."))
-    config = GPTConfig(bias=False, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim,
-                       q_lora_rank=c.q_lora_rank, **common)
+    config = GPTConfig(
+        bias=False,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        q_lora_rank=c.q_lora_rank,
+        **common,
+    )
     sd = dict(sd)
     for i in range(config.n_layer):
         p = f"model.layers.{i}.self_attn."
@@ -208,19 +330,31 @@ def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict
     """Each thing a GraniteSWA config and its weights may hold that this model cannot (granite_swa's inverse), and
     whether this folder holds it."""
     sink = max(float(t.max()) for name, t in sd.items() if name.endswith(".sinks"))
-    return {f"attention_multiplier={c.attention_multiplier} (ours: head_dim ** -0.5)":
-                not math.isclose(c.attention_multiplier, head_dim ** -0.5, rel_tol=1e-6),
-            f"embedding_multiplier={c.embedding_multiplier}, residual_multiplier={c.residual_multiplier}, "
-            f"logits_scaling={c.logits_scaling} (ours: 1)":
-                (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling) != (1, 1, 1),
-            f"attention sinks (up to {sink:g})": sink > NO_SINK,
-            f"layer_types ending in {c.layer_types[-1]!r} (our last layer is always global)":
-                c.layer_types[-1] != "full_attention",
-            "a rope base per layer": len(set(c.layer_rope_theta)) > 1}
+    return {
+        f"attention_multiplier={c.attention_multiplier} (ours: head_dim ** -0.5)": not math.isclose(
+            c.attention_multiplier, head_dim**-0.5, rel_tol=1e-6
+        ),
+        f"embedding_multiplier={c.embedding_multiplier}, residual_multiplier={c.residual_multiplier}, "
+        f"logits_scaling={c.logits_scaling} (ours: 1)": (
+            c.embedding_multiplier,
+            c.residual_multiplier,
+            c.logits_scaling,
+        )
+        != (1, 1, 1),
+        f"attention sinks (up to {sink:g})": sink > NO_SINK,
+        f"layer_types ending in {c.layer_types[-1]!r} (our last layer is always global)": c.layer_types[
+            -1
+        ]
+        != "full_attention",
+        "a rope base per layer": len(set(c.layer_rope_theta)) > 1,
+    }
 
 
 def shortest_pattern(letters: str) -> str:
     """The shortest window_pattern whose repeats give every layer's letter, the last one global ('L'); the letters
     themselves where none does (their last is 'S')."""
     n = len(letters)
-    return next((letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[:n - 1] + "L" == letters), letters)
+    return next(
+        (letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[: n - 1] + "L" == letters),
+        letters,
+    )

@@ -19,27 +19,41 @@ from smallgpt.runtime import Placement, synchronize
 def default_kv_heads(n_head: int) -> list[int]:
     """The variants to compare: n_head (MHA), the middle divisor (GQA) and 1 (MQA)."""
     divisors = [g for g in range(2, n_head) if n_head % g == 0]
-    return sorted({n_head, 1, *divisors[len(divisors) // 2:][:1]}, reverse=True)
+    return sorted({n_head, 1, *divisors[len(divisors) // 2 :][:1]}, reverse=True)
 
 
-def timed_decode(model: GPT, batch: int, new_tokens: int, use_cache: bool, gen: torch.Generator,
-                 compile_step: bool = False) -> list[float]:
+def timed_decode(
+    model: GPT,
+    batch: int,
+    new_tokens: int,
+    use_cache: bool,
+    gen: torch.Generator,
+    compile_step: bool = False,
+) -> list[float]:
     """Seconds at which each new token was ready, from the start (prefill of a 1-token prompt included)."""
-    idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(model.transformer.wte.weight.device)
+    idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(
+        model.transformer.wte.weight.device
+    )
     synchronize(idx.device)
     t0, stamps = time.perf_counter(), []
-    for _ in stream(model, idx, new_tokens, temperature=0, use_cache=use_cache, compile_step=compile_step):
+    for _ in stream(
+        model, idx, new_tokens, temperature=0, use_cache=use_cache, compile_step=compile_step
+    ):
         synchronize(idx.device)
         stamps.append(time.perf_counter() - t0)
     return stamps
 
 
-def cached_step_throughput(config: GPTConfig, batch: int, context: int, steps: int, device: str) -> float:
+def cached_step_throughput(
+    config: GPTConfig, batch: int, context: int, steps: int, device: str
+) -> float:
     """Tokens/s of one-token decode steps for `batch` rows with `context` positions already cached (the median
     step of `steps`): the memory-bound regime, where every step reads the whole KV cache. A model of config's shape
     with random weights (speed does not depend on their values), float32, its block_size stretched to fit."""
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(config, block_size=context + steps, dropout=0.0)).to(device).eval()
+    model = (
+        GPT(dataclasses.replace(config, block_size=context + steps, dropout=0.0)).to(device).eval()
+    )
     idx = torch.randint(0, config.vocab_size, (batch, context + steps), device=device)
     times = []
     with torch.inference_mode():
@@ -48,14 +62,15 @@ def cached_step_throughput(config: GPTConfig, batch: int, context: int, steps: i
         for t in range(context, context + steps):
             synchronize(device)
             t0 = time.perf_counter()
-            model(idx[:, t:t + 1], kv_cache=cache)
+            model(idx[:, t : t + 1], kv_cache=cache)
             synchronize(device)
             times.append(time.perf_counter() - t0)
     return batch / statistics.median(times)
 
 
-def training_seconds(config: GPTConfig, batch_size: int, optimizer: str, place: Placement, steps: int = 5
-                     ) -> tuple[float, float]:
+def training_seconds(
+    config: GPTConfig, batch_size: int, optimizer: str, place: Placement, steps: int = 5
+) -> tuple[float, float]:
     """Seconds of a training step (forward, backward, optimizer step; the median of steps after a warm-up) and of
     an evaluation forward, on a (batch_size, block_size) batch of random tokens, for a model of config's shape."""
     device = place.device
@@ -92,7 +107,9 @@ def training_seconds(config: GPTConfig, batch_size: int, optimizer: str, place: 
 def step_ms(stamps: list[float], at: int, width: int = 20) -> float:
     """Median time of one decode step around context length `at`, in ms."""
     lo = max(1, min(at, len(stamps) - 1) - width // 2)
-    return 1000 * statistics.median(b - a for a, b in zip(stamps[lo - 1:lo + width - 1], stamps[lo:lo + width]))
+    return 1000 * statistics.median(
+        b - a for a, b in zip(stamps[lo - 1 : lo + width - 1], stamps[lo : lo + width])
+    )
 
 
 def table(rows: list[dict], columns: dict[str, str] | None = None) -> str:
@@ -102,7 +119,15 @@ def table(rows: list[dict], columns: dict[str, str] | None = None) -> str:
     def fmt(v: object) -> str:
         if isinstance(v, float):
             return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4f}".rstrip("0").rstrip(".")
-        return "-" if v is None else f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+        return (
+            "-"
+            if v is None
+            else f"{v:,}"
+            if isinstance(v, int) and not isinstance(v, bool)
+            else str(v)
+        )
 
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in columns) + " |" for r in rows])
+    return "\n".join(
+        lines + ["| " + " | ".join(fmt(r.get(k)) for k in columns) + " |" for r in rows]
+    )

@@ -16,11 +16,21 @@ import torch
 from model import GPT
 from smallgpt.runtime import device_type, native_bf16
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (and Keller Jordan's) quintic iteration
+NS_COEFFICIENTS = (
+    3.4445,
+    -4.7750,
+    2.0315,
+)  # torch.optim.Muon's (and Keller Jordan's) quintic iteration
 
 
-def lr_at(it: int, learning_rate: float, min_lr: float, warmup_iters: int, lr_decay_iters: int, decay: bool = True
-          ) -> float:
+def lr_at(
+    it: int,
+    learning_rate: float,
+    min_lr: float,
+    warmup_iters: int,
+    lr_decay_iters: int,
+    decay: bool = True,
+) -> float:
     """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters (or constant if not decay)."""
     if not decay:
         return learning_rate
@@ -32,7 +42,9 @@ def lr_at(it: int, learning_rate: float, min_lr: float, warmup_iters: int, lr_de
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def orthogonalised(grad: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+def orthogonalised(
+    grad: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7
+) -> torch.Tensor:
     """grad, one matrix (rows, cols) or a stack of same-shaped ones (n, rows, cols), each with its singular values
     pushed towards 1 by a Newton-Schulz iteration in dtype; a stack runs as batched products."""
     a, b, c = NS_COEFFICIENTS
@@ -54,11 +66,19 @@ class Muon(torch.optim.Optimizer):
     (modded-nanogpt's and nanochat's batching), momentum and updates with foreach kernels: a step runs a few batched
     products per shape instead of each matrix's (docs/performance-cpu.md "Training")."""
 
-    def __init__(self, params: Any, lr: float, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        ns_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self.ns_dtype = ns_dtype
-        self.shapes: dict[tuple[int, ...], dict[tuple[int, ...], list[int]]] = {}  # by the params stepped
+        self.shapes: dict[
+            tuple[int, ...], dict[tuple[int, ...], list[int]]
+        ] = {}  # by the params stepped
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:
@@ -67,13 +87,17 @@ class Muon(torch.optim.Optimizer):
             if not params:
                 continue
             grads = [p.grad for p in params]
-            bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+            bufs = [
+                self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params
+            ]
             torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
             nesterov = torch._foreach_lerp(grads, bufs, group["momentum"])
             if group["weight_decay"]:
                 torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
             for (rows, cols), at in self.same_shapes(params).items():
-                updates = orthogonalised(torch.stack([nesterov[i] for i in at]), self.ns_dtype).unbind(0)
+                updates = orthogonalised(
+                    torch.stack([nesterov[i] for i in at]), self.ns_dtype
+                ).unbind(0)
                 scale = group["lr"] * math.sqrt(max(1.0, rows / cols))
                 torch._foreach_add_([params[i] for i in at], updates, alpha=-scale)
 
@@ -110,7 +134,9 @@ class Chain(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         for o, s in zip(self.optimizers, state_dict["chain"], strict=True):
             o.load_state_dict(s)
-        self.param_groups = [g for o in self.optimizers for g in o.param_groups]  # loading made new group dicts
+        self.param_groups = [
+            g for o in self.optimizers for g in o.param_groups
+        ]  # loading made new group dicts
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -122,8 +148,15 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(slots * p.nbytes for group in optimizer.param_groups for p in group["params"])
 
 
-def make_optimizer(model: GPT, kind: str, weight_decay: float, learning_rate: float, betas: tuple[float, float],
-                   device: str, muon_lr: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: GPT,
+    kind: str,
+    weight_decay: float,
+    learning_rate: float,
+    betas: tuple[float, float],
+    device: str,
+    muon_lr: float,
+) -> torch.optim.Optimizer:
     """'adamw': GPT.configure_optimizers; 'muon': Muon (at muon_lr, no weight decay; orthogonalising in bf16 where
     that is fast, else fp32) for the 2-D weights inside the blocks and that AdamW for every other parameter. Each
     group has an lr_scale: its peak lr over learning_rate."""
@@ -133,9 +166,13 @@ def make_optimizer(model: GPT, kind: str, weight_decay: float, learning_rate: fl
         inner, rest = [], []
         for name, p in model.named_parameters():
             (inner if p.dim() == 2 and name.startswith("transformer.h.") else rest).append(p)
-        adamw = model.configure_optimizers(weight_decay, learning_rate, betas, device_type(device), params=rest)
+        adamw = model.configure_optimizers(
+            weight_decay, learning_rate, betas, device_type(device), params=rest
+        )
         fast_bf16 = device.startswith("cuda") or (device == "cpu" and native_bf16())
-        opt = Chain(Muon(inner, lr=muon_lr, ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32), adamw)
+        opt = Chain(
+            Muon(inner, lr=muon_lr, ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32), adamw
+        )
     for group in opt.param_groups:
         group["lr_scale"] = group["lr"] / learning_rate if learning_rate else 1.0
     return opt

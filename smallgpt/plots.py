@@ -29,12 +29,17 @@ def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
         panels.append(lambda ax: conversion_panel(ax, conv))
     if any((r["recall"] or {}).get("position") for r in scratch_runs):
         panels.append(lambda ax: position_panel(ax, scratch_runs))
-    if any((r["recall"] or {}).get("induction") or (r["recall"] or {}).get("mqar") for r in scratch_runs):
-        panels.append(lambda ax: induction_panel(ax, scratch_runs, [r for r in rows if not r["method"]]))
+    if any(
+        (r["recall"] or {}).get("induction") or (r["recall"] or {}).get("mqar")
+        for r in scratch_runs
+    ):
+        panels.append(
+            lambda ax: induction_panel(ax, scratch_runs, [r for r in rows if not r["method"]])
+        )
     ncols = min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols + 0.5, 4.2 * nrows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.remove()
     for draw, ax in zip(panels, axes.flat, strict=False):
         draw(ax)
@@ -54,10 +59,16 @@ def loss_panel(ax: Any, runs: list[dict]) -> None:
             curves[(run["size"], run["variant"])][e["iter"]].append(e["val_loss"])
     shown = []
     for (size, name), by_iter in curves.items():
-        its = sorted(i for i in by_iter if i > 0)  # the untrained first evaluation would flatten the rest
+        its = sorted(
+            i for i in by_iter if i > 0
+        )  # the untrained first evaluation would flatten the rest
         shown += [statistics.fmean(by_iter[i]) for i in its]
-        ax.plot(its, [statistics.fmean(by_iter[i]) for i in its], marker=".", label=f"{size} {name}")
-    if shown and max(shown) > 3 * min(shown):  # apart by orders of magnitude (a task some runs solve): log scale
+        ax.plot(
+            its, [statistics.fmean(by_iter[i]) for i in its], marker=".", label=f"{size} {name}"
+        )
+    if shown and max(shown) > 3 * min(
+        shown
+    ):  # apart by orders of magnitude (a task some runs solve): log scale
         ax.set_yscale("log")
     elif shown:  # close together: zoom in, the early evaluations cut off
         ax.set_ylim(min(shown) * 0.98, min(max(shown), min(shown) * 1.6))
@@ -67,10 +78,18 @@ def loss_panel(ax: Any, runs: list[dict]) -> None:
 def gap_panel(ax: Any, rows: list[dict]) -> None:
     """Each variant's paired gap to MHA (95% interval) against MHA's parameters, one point per size."""
     size_params = {r["size"]: r["params"] for r in rows if r["variant"] == "mha"}
-    for name in dict.fromkeys(r["variant"] for r in rows if not r["method"] and r["variant"] != "mha"):
+    for name in dict.fromkeys(
+        r["variant"] for r in rows if not r["method"] and r["variant"] != "mha"
+    ):
         mine = [r for r in rows if r["variant"] == name and r["diff_vs_mha"] is not None]
-        ax.errorbar([size_params[r["size"]] for r in mine], [r["diff_vs_mha"] for r in mine], capsize=4,
-                    marker="o", yerr=[r["diff_vs_mha_ci95"] or 0 for r in mine], label=name)
+        ax.errorbar(
+            [size_params[r["size"]] for r in mine],
+            [r["diff_vs_mha"] for r in mine],
+            capsize=4,
+            marker="o",
+            yerr=[r["diff_vs_mha_ci95"] or 0 for r in mine],
+            label=name,
+        )
     ax.axhline(0, color="gray", lw=0.8)
     ax.set(xlabel="size: MHA's parameters", ylabel="val loss minus MHA's (paired, 95% interval)")
     if size_params:
@@ -81,11 +100,25 @@ def gap_panel(ax: Any, rows: list[dict]) -> None:
 
 def conversion_panel(ax: Any, conv: list[dict]) -> None:
     """Val loss by uptraining fraction per size x target x method, the same shape from scratch dashed."""
-    for (size, t, method) in dict.fromkeys((r["size"], conversion_target(r), r["method"]) for r in conv):
-        mine = sorted((r for r in conv if (r["size"], conversion_target(r), r["method"]) == (size, t, method)),
-                      key=lambda r: r["uptrain_fraction"])
-        ax.errorbar([r["uptrain_fraction"] for r in mine], [r["val_loss"] for r in mine], capsize=3,
-                    marker="o", yerr=[r["val_loss_ci95"] or 0 for r in mine], label=f"{size} {t} {method}")
+    for size, t, method in dict.fromkeys(
+        (r["size"], conversion_target(r), r["method"]) for r in conv
+    ):
+        mine = sorted(
+            (
+                r
+                for r in conv
+                if (r["size"], conversion_target(r), r["method"]) == (size, t, method)
+            ),
+            key=lambda r: r["uptrain_fraction"],
+        )
+        ax.errorbar(
+            [r["uptrain_fraction"] for r in mine],
+            [r["val_loss"] for r in mine],
+            capsize=3,
+            marker="o",
+            yerr=[r["val_loss_ci95"] or 0 for r in mine],
+            label=f"{size} {t} {method}",
+        )
         if mine[0]["scratch_val_loss"] is not None:
             ax.axhline(mine[0]["scratch_val_loss"], ls="--", lw=0.8, color="gray")
     ax.set(xlabel="uptraining fraction", ylabel="val loss (dashed: from scratch)")
@@ -99,22 +132,34 @@ def position_panel(ax: Any, runs: list[dict]) -> None:
             if loss is not None:
                 by_position[(run["size"], run["variant"])][pos].append(loss)
     for (size, name), losses in by_position.items():
-        ax.plot(sorted(losses), [statistics.fmean(losses[p]) for p in sorted(losses)], label=f"{size} {name}")
+        ax.plot(
+            sorted(losses),
+            [statistics.fmean(losses[p]) for p in sorted(losses)],
+            label=f"{size} {name}",
+        )
     ax.set(xlabel="position in the context", ylabel="val loss (mean over seeds)")
 
 
 def induction_panel(ax: Any, runs: list[dict], rows: list[dict]) -> None:
     """Induction accuracy by distance (mean over seeds), one line per size x variant; MQAR's pooled accuracy (95%
     Wilson interval) as a star at the right, past the longest distance."""
-    by_distance = defaultdict(lambda: defaultdict(list))  # (size, variant) -> {distance: accuracies}
+    by_distance = defaultdict(
+        lambda: defaultdict(list)
+    )  # (size, variant) -> {distance: accuracies}
     for run in runs:
         for result in (run["recall"] or {}).get("induction") or []:
-            by_distance[(run["size"], run["variant"])][result["distance"]].append(result["accuracy"])
+            by_distance[(run["size"], run["variant"])][result["distance"]].append(
+                result["accuracy"]
+            )
     colors = {}
     for (size, name), accuracies in by_distance.items():
         distances = sorted(accuracies)
-        line = ax.plot(distances, [statistics.fmean(accuracies[d]) for d in distances], marker="o",
-                       label=f"{size} {name}")
+        line = ax.plot(
+            distances,
+            [statistics.fmean(accuracies[d]) for d in distances],
+            marker="o",
+            label=f"{size} {name}",
+        )
         colors[(size, name)] = line[0].get_color()
     ticks = sorted({d for accuracies in by_distance.values() for d in accuracies})
     labels = [str(d) for d in ticks]
@@ -122,13 +167,24 @@ def induction_panel(ax: Any, runs: list[dict], rows: list[dict]) -> None:
     if mqar:
         at = 2 * ticks[-1] if ticks else 1
         for r in mqar:
-            ax.errorbar([at], [r["mqar_acc"]], yerr=[[r["mqar_acc"] - r["mqar_acc_low"]],
-                                                     [r["mqar_acc_high"] - r["mqar_acc"]]], marker="*", capsize=3,
-                        ms=10, color=colors.get((r["size"], r["variant"])),
-                        label=None if (r["size"], r["variant"]) in colors else f"{r['size']} {r['variant']}")
+            ax.errorbar(
+                [at],
+                [r["mqar_acc"]],
+                yerr=[[r["mqar_acc"] - r["mqar_acc_low"]], [r["mqar_acc_high"] - r["mqar_acc"]]],
+                marker="*",
+                capsize=3,
+                ms=10,
+                color=colors.get((r["size"], r["variant"])),
+                label=None
+                if (r["size"], r["variant"]) in colors
+                else f"{r['size']} {r['variant']}",
+            )
         ticks.append(at)
         labels.append("MQAR")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ticks, labels)
-    ax.set(xlabel="induction distance (tokens back)", ylabel="top-1 accuracy (seeds: mean; MQAR: pooled)",
-           ylim=(-0.02, 1.02))
+    ax.set(
+        xlabel="induction distance (tokens back)",
+        ylabel="top-1 accuracy (seeds: mean; MQAR: pooled)",
+        ylim=(-0.02, 1.02),
+    )

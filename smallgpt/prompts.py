@@ -22,8 +22,9 @@ def read_prompts(start: str) -> list[str]:
         return [text]
     prompts = [line for line in text.splitlines() if line]
     if not prompts:
-        raise UserError(f"prompt file {path} has no non-empty line: LINES: makes one prompt of "
-                        f"each")
+        raise UserError(
+            f"prompt file {path} has no non-empty line: LINES: makes one prompt of each"
+        )
     return prompts
 
 
@@ -31,10 +32,14 @@ def encode_prompts(tok: Any, prompts: list[str], block_size: int) -> list[list[i
     """Each prompt's token ids, 1 to block_size of them, else a UserError."""
     ids = [encode_prompt(tok, p) for p in prompts]
     if not all(ids):
-        raise UserError("the prompt is empty: give it at least one character (--start=..., "
-                        "nanoGPT's default is a newline)")
+        raise UserError(
+            "the prompt is empty: give it at least one character (--start=..., "
+            "nanoGPT's default is a newline)"
+        )
     too_long = [len(p) for p in ids if len(p) > block_size]
     if too_long:
-        raise UserError(f"a prompt has {too_long[0]} tokens; it needs 1 to block_size={block_size} "
-                        f"(shorten it, or train with a larger block_size)")
+        raise UserError(
+            f"a prompt has {too_long[0]} tokens; it needs 1 to block_size={block_size} "
+            f"(shorten it, or train with a larger block_size)"
+        )
     return ids

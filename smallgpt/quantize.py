@@ -24,13 +24,19 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scale = w.float().abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("weight", (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer(
+            "weight", (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        )
         self.register_buffer("scale", scale.to(w.dtype))
         # the scale for bf16 products of fp32 activations (below), a buffer: inductor's lowering of the int8 product
         # takes its scale as it comes, and a cast inside the graph is not realized for it. In the state dict too, so
         # that loading one sets both scales.
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.bias = (
+            None
+            if linear.bias is None
+            else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        )
 
     def product_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype activations of dtype take in torch's CPU int8 kernel: bf16 for fp32 and bf16

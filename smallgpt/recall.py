@@ -19,7 +19,9 @@ TASKS = ("induction", "position", "mqar")
 
 def task_problems(key: str, tasks: list[str]) -> list[str]:
     """What is wrong with a list of task names given as key (a config's check)."""
-    return [f"{key}: {task!r} is not one of {', '.join(TASKS)}" for task in tasks if task not in TASKS]
+    return [
+        f"{key}: {task!r} is not one of {', '.join(TASKS)}" for task in tasks if task not in TASKS
+    ]
 
 
 @torch.no_grad()
@@ -31,20 +33,28 @@ def check_dataset(tasks: list[str], meta: dict, block_size: int, where: str) -> 
     if "induction" in tasks:
         length = default_length(block_size)
         if length < 2:
-            raise UserError(f"the induction task copies a quarter of the context, at least 2 tokens, so it needs "
-                            f"block_size >= 8, not {block_size}: leave induction out of the tasks")
-        if meta["vocab_size"] < 2 * length:  # said here of the run's keys, not of eval.py's induction_length
-            raise UserError(f"the induction task copies a segment of {length} tokens (a quarter of block_size, at "
-                            f"most 16), which needs {2 * length} distinct tokens (the segment's and as many for "
-                            f"the filler), but the vocabulary has {meta['vocab_size']}: leave induction out of "
-                            f"the tasks, or lower block_size")
+            raise UserError(
+                f"the induction task copies a quarter of the context, at least 2 tokens, so it needs "
+                f"block_size >= 8, not {block_size}: leave induction out of the tasks"
+            )
+        if (
+            meta["vocab_size"] < 2 * length
+        ):  # said here of the run's keys, not of eval.py's induction_length
+            raise UserError(
+                f"the induction task copies a segment of {length} tokens (a quarter of block_size, at "
+                f"most 16), which needs {2 * length} distinct tokens (the segment's and as many for "
+                f"the filler), but the vocabulary has {meta['vocab_size']}: leave induction out of "
+                f"the tasks, or lower block_size"
+            )
 
 
 def check_mqar(meta: dict, where: str) -> None:
     """A UserError unless meta is an MQAR dataset's (its examples have a fixed length)."""
     if not meta.get("example_tokens"):
-        raise UserError(f"the mqar task reads an MQAR dataset (python data/mqar/prepare.py), and {where} "
-                        f"is not one: give --dataset=<an MQAR dataset>, or leave mqar out of the tasks")
+        raise UserError(
+            f"the mqar task reads an MQAR dataset (python data/mqar/prepare.py), and {where} "
+            f"is not one: give --dataset=<an MQAR dataset>, or leave mqar out of the tasks"
+        )
 
 
 def default_length(block_size: int) -> int:
@@ -52,12 +62,18 @@ def default_length(block_size: int) -> int:
     return min(16, block_size // 4)
 
 
-def token_losses(model: torch.nn.Module, idx: torch.Tensor, targets: torch.Tensor,
-                 amp: AbstractContextManager | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_losses(
+    model: torch.nn.Module,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    amp: AbstractContextManager | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's loss and whether the model's top token is the target, both (B, T) and on CPU, for inputs
     idx (B, T) and targets (B, T); a target of -1 (nothing to predict there) gets a NaN loss and counts as wrong."""
     with amp or nullcontext():
-        logits, _ = model(idx, targets)  # (B, T, vocab_size): with targets the model returns every position's
+        logits, _ = model(
+            idx, targets
+        )  # (B, T, vocab_size): with targets the model returns every position's
     logits = logits.float()
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp(min=0), reduction="none")
     loss = loss.view_as(targets).masked_fill(targets < 0, float("nan"))
@@ -81,17 +97,22 @@ def check_induction(block_size: int, vocab: int, length: int, distances: list[in
     if length < 2:
         raise UserError(f"induction_length={length}: a copied segment needs at least 2 tokens")
     if vocab < 2 * length:
-        raise UserError(f"induction_length={length} needs {2 * length} distinct tokens (the segment's and as many "
-                        f"for the filler), but the vocabulary has {vocab}: lower induction_length")
+        raise UserError(
+            f"induction_length={length} needs {2 * length} distinct tokens (the segment's and as many "
+            f"for the filler), but the vocabulary has {vocab}: lower induction_length"
+        )
     for d in distances:
         if not length <= d <= block_size - length:
-            raise UserError(f"induction distance {d} with induction_length={length}: each distance must be "
-                            f"between {length} and block_size - {length} = {block_size - length}, so that the "
-                            f"copy fits the context")
+            raise UserError(
+                f"induction distance {d} with induction_length={length}: each distance must be "
+                f"between {length} and block_size - {length} = {block_size - length}, so that the "
+                f"copy fits the context"
+            )
 
 
-def induction_batch(rng: np.random.Generator, batch: int, vocab: int, length: int, distance: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def induction_batch(
+    rng: np.random.Generator, batch: int, vocab: int, length: int, distance: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (batch, distance + length - 1): a segment of `length` distinct random tokens, filler
     of other random tokens up to `distance`, then the segment again; the targets are the copy's tokens after its
     first (the ones an induction head predicts), -1 elsewhere."""
@@ -103,13 +124,24 @@ def induction_batch(rng: np.random.Generator, batch: int, vocab: int, length: in
         rows.append(np.concatenate([segment, filler, segment]))
     seq = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, distance + length)
     targets = seq[:, 1:].clone()
-    targets[:, :distance] = -1  # before the copy's second token nothing is predictable from the context
+    targets[
+        :, :distance
+    ] = -1  # before the copy's second token nothing is predictable from the context
     return seq[:, :-1], targets
 
 
-def induction(model: torch.nn.Module, vocab: int, distances: list[int], length: int = 16, examples: int = 256,
-              batch_size: int = 32, seed: int = 0, device: str | torch.device = "cpu",
-              amp: AbstractContextManager | None = None, progress: bool = False) -> list[dict]:
+def induction(
+    model: torch.nn.Module,
+    vocab: int,
+    distances: list[int],
+    length: int = 16,
+    examples: int = 256,
+    batch_size: int = 32,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    amp: AbstractContextManager | None = None,
+    progress: bool = False,
+) -> list[dict]:
     """At each distance: the mean loss, the top-1 accuracy and the number of predictions on the second copy of a
     random segment (induction_batch), over `examples` sequences drawn from the first `vocab` token ids with seed."""
     check_induction(model.config.block_size, vocab, length, distances)
@@ -124,13 +156,25 @@ def induction(model: torch.nn.Module, vocab: int, distances: list[int], length: 
             losses.append(loss[keep])
             hits.append(correct[keep])
         loss, hit = torch.cat(losses), torch.cat(hits)
-        out.append({"distance": distance, "loss": loss.mean().item(), "accuracy": hit.float().mean().item(),
-                    "correct": int(hit.sum()), "n": hit.numel()})
+        out.append(
+            {
+                "distance": distance,
+                "loss": loss.mean().item(),
+                "accuracy": hit.float().mean().item(),
+                "correct": int(hit.sum()),
+                "n": hit.numel(),
+            }
+        )
     return out
 
 
-def loss_by_position(model: torch.nn.Module, batches: Batches, eval_iters: int,
-                     amp: AbstractContextManager | None = None, progress: bool = False) -> list[float | None]:
+def loss_by_position(
+    model: torch.nn.Module,
+    batches: Batches,
+    eval_iters: int,
+    amp: AbstractContextManager | None = None,
+    progress: bool = False,
+) -> list[float | None]:
     """The mean loss at each context position 0..block_size-1 over the val split's eval_iters evaluation batches
     (the ones train.py's val loss averages); None where no target counts (an MQAR dataset's non-answers)."""
     total = torch.zeros(batches.block_size, dtype=torch.float64)
@@ -143,8 +187,13 @@ def loss_by_position(model: torch.nn.Module, batches: Batches, eval_iters: int,
     return [t / c if c else None for t, c in zip(total.tolist(), count.tolist(), strict=True)]
 
 
-def mqar(model: torch.nn.Module, batches: Batches, eval_iters: int, amp: AbstractContextManager | None = None,
-         progress: bool = False) -> dict:
+def mqar(
+    model: torch.nn.Module,
+    batches: Batches,
+    eval_iters: int,
+    amp: AbstractContextManager | None = None,
+    progress: bool = False,
+) -> dict:
     """Exact-match accuracy on the answers of an MQAR dataset's val examples (its eval_iters evaluation batches):
     the top token at each answer position is the value of the key just queried."""
     check_mqar(batches.meta, str(batches.path))
@@ -163,10 +212,20 @@ def batches_of(total: int, size: int, what: str, progress: bool) -> Iterator[int
     return iter(tqdm(sizes, desc=what, disable=not progress))
 
 
-def run_tasks(tasks: list[str], model: torch.nn.Module, batches: Batches | None, eval_iters: int,
-              vocab: int | None = None, distances: list[int] | None = None, length: int | None = None,
-              examples: int = 256, batch_size: int = 32, seed: int = 0, amp: AbstractContextManager | None = None,
-              progress: bool = False) -> dict:
+def run_tasks(
+    tasks: list[str],
+    model: torch.nn.Module,
+    batches: Batches | None,
+    eval_iters: int,
+    vocab: int | None = None,
+    distances: list[int] | None = None,
+    length: int | None = None,
+    examples: int = 256,
+    batch_size: int = 32,
+    seed: int = 0,
+    amp: AbstractContextManager | None = None,
+    progress: bool = False,
+) -> dict:
     """{task: its result} for each of tasks (TASKS) on the model's device. batches: the dataset's (position and mqar
     read its val split); vocab: the token ids induction draws from (default: the dataset's vocab_size); length:
     induction's segment, by default 16 tokens or a quarter of the context. The model is put in eval mode and back."""
@@ -183,8 +242,9 @@ def run_tasks(tasks: list[str], model: torch.nn.Module, batches: Batches | None,
             if distances is None:
                 distances = default_distances(model.config.block_size, length)
             vocab = vocab or batches.meta["vocab_size"]
-            out["induction"] = induction(model, vocab, distances, length, examples, batch_size, seed, device, amp,
-                                         progress)
+            out["induction"] = induction(
+                model, vocab, distances, length, examples, batch_size, seed, device, amp, progress
+            )
         if "position" in tasks:
             out["position"] = loss_by_position(model, batches, eval_iters, amp, progress)
         if "mqar" in tasks:
@@ -211,4 +271,6 @@ def flat(results: dict) -> dict[str, float]:
 
 def summary_line(results: dict) -> str:
     """One line of run_tasks's results, as train.py prints them: flat's numbers."""
-    return ", ".join(f"{name.replace('_', ' ')} {value:.3f}" for name, value in flat(results).items())
+    return ", ".join(
+        f"{name.replace('_', ' ')} {value:.3f}" for name, value in flat(results).items()
+    )

@@ -30,7 +30,9 @@ class RunLog:
     def __init__(self, cfg: TrainConfig, model_config: GPTConfig, start_iter: int) -> None:
         out = Path(cfg.out_dir)
         self.path, self.wandb = out / "log.jsonl", None
-        if self.path.is_file() and self.path.stat().st_size:  # a line cut short by a kill stays a line of its own
+        if (
+            self.path.is_file() and self.path.stat().st_size
+        ):  # a line cut short by a kill stays a line of its own
             with open(self.path, "rb+") as f:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
@@ -38,10 +40,19 @@ class RunLog:
         with atomic_open(out / "config.json", "w") as f:
             json.dump(asdict(cfg), f, indent=1)
         if cfg.wandb_log:  # a resumed run goes on in the wandb run it started
-            self.wandb = start_wandb(cfg, f"{Path(cfg.dataset).name}-{model_config.attention_kind}",
-                                     self.wandb_id() if start_iter else None)
-        self.write(event="config", config=asdict(cfg), model_config=asdict(model_config), start_iter=start_iter,
-                   versions=versions(), wandb_id=self.wandb and self.wandb.id)
+            self.wandb = start_wandb(
+                cfg,
+                f"{Path(cfg.dataset).name}-{model_config.attention_kind}",
+                self.wandb_id() if start_iter else None,
+            )
+        self.write(
+            event="config",
+            config=asdict(cfg),
+            model_config=asdict(model_config),
+            start_iter=start_iter,
+            versions=versions(),
+            wandb_id=self.wandb and self.wandb.id,
+        )
 
     def wandb_id(self) -> str | None:
         """The wandb run id of the latest config record that has one in this log."""
@@ -55,7 +66,9 @@ class RunLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record | {"time": time.time()}) + "\n")
         if self.wandb is not None and "iter" in record:
-            self.wandb.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["iter"])
+            self.wandb.log(
+                {k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["iter"]
+            )
 
     def summarize(self, values: dict[str, float]) -> None:
         """values into the wandb run's summary (the run table's columns), if wandb logs this run."""
@@ -78,22 +91,36 @@ def start_wandb(cfg: TrainConfig, default_name: str, run_id: str | None = None) 
     url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
     if os.environ.get("WANDB_MODE", "online") == "online" and (why := unreachable(url)):
         mode = "offline"  # online wandb would wait ~100 s for a network that is not there
-        print(f"wandb: cannot reach {url} ({why}): logging offline to {cfg.out_dir}/wandb instead; upload it "
-              f"later with `wandb sync`, or set WANDB_MODE=offline to skip this check")
+        print(
+            f"wandb: cannot reach {url} ({why}): logging offline to {cfg.out_dir}/wandb instead; upload it "
+            f"later with `wandb sync`, or set WANDB_MODE=offline to skip this check"
+        )
     try:
-        return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name or default_name, group=cfg.wandb_group,
-                          mode=mode, tags=cfg.wandb_tags, config=asdict(cfg), dir=cfg.out_dir, id=run_id,
-                          resume="allow" if run_id else None)
+        return wandb.init(
+            project=cfg.wandb_project,
+            name=cfg.wandb_run_name or default_name,
+            group=cfg.wandb_group,
+            mode=mode,
+            tags=cfg.wandb_tags,
+            config=asdict(cfg),
+            dir=cfg.out_dir,
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
     except Exception as e:  # wandb raises its own errors (no API key, no network)
-        raise UserError(f"wandb could not start ({type(e).__name__}: {first_line(e)}); "
-                        f"set WANDB_MODE=offline to log locally, or --wandb_log=False") from e
+        raise UserError(
+            f"wandb could not start ({type(e).__name__}: {first_line(e)}); "
+            f"set WANDB_MODE=offline to log locally, or --wandb_log=False"
+        ) from e
 
 
 def unreachable(url: str, timeout: float = 3.0) -> str | None:
     """Why no TCP connection to url's host opens within timeout, or None if one does."""
     u = urllib.parse.urlparse(url)
     try:
-        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout).close()
+        socket.create_connection(
+            (u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout=timeout
+        ).close()
     except OSError as e:
         return str(e) or type(e).__name__
     return None
@@ -101,11 +128,24 @@ def unreachable(url: str, timeout: float = 3.0) -> str | None:
 
 def versions() -> dict[str, str | None]:
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent.parent).stdout.strip() or None
+        sha = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                cwd=Path(__file__).resolve().parent.parent,
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         sha = None
-    return {"git_sha": sha, "python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
+    return {
+        "git_sha": sha,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+    }
 
 
 def read_run(run_dir: Path) -> dict:
@@ -121,33 +161,57 @@ def read_run(run_dir: Path) -> dict:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            if i == len(lines) or '"event": "config"' in lines[i]:  # a process killed mid-write leaves its last
+            if (
+                i == len(lines) or '"event": "config"' in lines[i]
+            ):  # a process killed mid-write leaves its last
                 torn = i == len(lines)  # line cut short (then a resume may follow)
                 continue
-            raise UserError(f"{path} line {i} is not a JSON record ({e.msg}): not a log written by train.py") from e
-    starts = [i for i, r in enumerate(records) if r.get("event") == "config"  # a fresh start, not a resume
-              and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0]
+            raise UserError(
+                f"{path} line {i} is not a JSON record ({e.msg}): not a log written by train.py"
+            ) from e
+    starts = [
+        i
+        for i, r in enumerate(records)
+        if r.get("event") == "config"  # a fresh start, not a resume
+        and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0
+    ]
     if not starts:
         raise UserError(f"{path} holds no run's config record: not a log written by train.py")
-    records = records[starts[-1]:]
+    records = records[starts[-1] :]
     offset, last = 0.0, 0.0
-    evals, trains, recalls = {}, {}, {}  # by iteration: a resume replaces what came after its checkpoint
+    evals, trains, recalls = (
+        {},
+        {},
+        {},
+    )  # by iteration: a resume replaces what came after its checkpoint
     for r in records:
         if r["event"] == "config":
             offset, last = offset + last, 0.0
-            final_iter = r.get("start_iter", 0) if r["config"].get("eval_only") else r["config"]["max_iters"]
+            final_iter = (
+                r.get("start_iter", 0) if r["config"].get("eval_only") else r["config"]["max_iters"]
+            )
             for kept in (evals, trains):
                 for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
                     del kept[it]
-        elif r["event"] == "recall":  # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
+        elif (
+            r["event"] == "recall"
+        ):  # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
             recalls[r["iter"]] = r
         else:
             last = r["elapsed_s"]
-            (evals if r["event"] == "eval" else trains)[r["iter"]] = r | {"wall_s": offset + r["elapsed_s"]}
-    return {"name": run_dir.name, "config": records[0]["config"], "model_config": records[0]["model_config"],
-            "evals": sorted(evals.values(), key=lambda r: r["iter"]),
-            "trains": sorted(trains.values(), key=lambda r: r["iter"]), "torn": torn, "final_iter": final_iter,
-            "recall": recalls.get(final_iter)}
+            (evals if r["event"] == "eval" else trains)[r["iter"]] = r | {
+                "wall_s": offset + r["elapsed_s"]
+            }
+    return {
+        "name": run_dir.name,
+        "config": records[0]["config"],
+        "model_config": records[0]["model_config"],
+        "evals": sorted(evals.values(), key=lambda r: r["iter"]),
+        "trains": sorted(trains.values(), key=lambda r: r["iter"]),
+        "torn": torn,
+        "final_iter": final_iter,
+        "recall": recalls.get(final_iter),
+    }
 
 
 def unfinished(run: dict, final_iter: int | None = None) -> str | None:

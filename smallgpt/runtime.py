@@ -22,12 +22,21 @@ from smallgpt.errors import UserError
 # Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
 # The longest name found in torch.cuda.get_device_name() wins (gpu_peak_flops): "A100" over "A10", "H100 PCIe"
 # over "H100" (the SXM).
-GPU_PEAK_FLOPS = {"H200": (989e12, 67e12), "H100": (989e12, 67e12), "H100 PCIe": (756e12, 51e12),
-                  "H100 NVL": (835e12, 60e12), "A100": (312e12, 19.5e12),
-                  "L40S": (362e12, 91.6e12), "L40": (181e12, 90.5e12), "L4": (121e12, 30.3e12),
-                  "A10": (125e12, 31.2e12),
-                  "4090": (165e12, 82.6e12), "3090": (71e12, 35.6e12), "V100": (125e12, 15.7e12),
-                  "T4": (65e12, 8.1e12)}
+GPU_PEAK_FLOPS = {
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),
+    "H100 PCIe": (756e12, 51e12),
+    "H100 NVL": (835e12, 60e12),
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "L40": (181e12, 90.5e12),
+    "L4": (121e12, 30.3e12),
+    "A10": (125e12, 31.2e12),
+    "4090": (165e12, 82.6e12),
+    "3090": (71e12, 35.6e12),
+    "V100": (125e12, 15.7e12),
+    "T4": (65e12, 8.1e12),
+}
 
 
 @dataclass(slots=True)
@@ -59,7 +68,9 @@ def resolve_device(name: str, local_rank: int = 0) -> str:
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", name):
         raise UserError(f"device={name!r} must be 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps'")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={name!r} but this machine has no CUDA GPU that torch can use; use --device=cpu")
+        raise UserError(
+            f"device={name!r} but this machine has no CUDA GPU that torch can use; use --device=cpu"
+        )
     if name == "mps" and not torch.backends.mps.is_available():
         raise UserError("device='mps' but MPS is not available here; use --device=cpu")
     return f"cuda:{local_rank}" if name == "cuda" else name
@@ -71,8 +82,11 @@ def setup_distributed(device: str, alone: bool = False) -> Dist:
     torchrun = "RANK" in os.environ
     if not torchrun and not alone:
         return Dist(0, 0, 1, resolve_device(device, 0), True)
-    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if torchrun \
+    rank, local_rank, world = (
+        (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        if torchrun
         else (0, 0, 1)
+    )
     dev = resolve_device(device, local_rank)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
@@ -82,8 +96,10 @@ def setup_distributed(device: str, alone: bool = False) -> Dist:
     except RuntimeError as e:
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             raise
-        raise UserError(f"{e}; a torchrun restart can read the previous attempt's addresses (pytorch issue "
-                        f"135712): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1") from e
+        raise UserError(
+            f"{e}; a torchrun restart can read the previous attempt's addresses (pytorch issue "
+            f"135712): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        ) from e
     return Dist(rank, local_rank, world, dev, rank == 0)
 
 
@@ -97,12 +113,15 @@ def teardown_distributed() -> None:
     dist.destroy_process_group()
     if "torch.distributed.device_mesh" in sys.modules:
         from torch.distributed.device_mesh import DeviceMesh
+
         for mesh in (o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)):
             getattr(mesh, "_pg_registry", {}).clear()
     gc.collect()  # the model's DTensors and the mesh they name, in reference cycles
 
 
-BF16_MIN_SPEEDUP = 1.5  # bf16 products this much faster than fp32's: a whole step gains (docs/performance-cpu.md)
+BF16_MIN_SPEEDUP = (
+    1.5  # bf16 products this much faster than fp32's: a whole step gains (docs/performance-cpu.md)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,15 +140,25 @@ class Placement:
         return autocast(self.device, self.dtype)
 
 
-def place(device: str, dtype: str, n_embd: int | None = None, compiled_decode: bool = False,
-          training: bool = True) -> Placement:
+def place(
+    device: str,
+    dtype: str,
+    n_embd: int | None = None,
+    compiled_decode: bool = False,
+    training: bool = True,
+) -> Placement:
     """The device ('auto' or a name, resolve_device) and the dtype ('auto' or a name, resolve_dtype) to run in."""
     resolved = resolve_device(device)
     return Placement(resolved, *resolve_dtype(dtype, resolved, n_embd, compiled_decode, training))
 
 
-def resolve_dtype(name: str, device: str, n_embd: int | None = None, compiled_decode: bool = False,
-                  training: bool = True) -> tuple[torch.dtype, str]:
+def resolve_dtype(
+    name: str,
+    device: str,
+    n_embd: int | None = None,
+    compiled_decode: bool = False,
+    training: bool = True,
+) -> tuple[torch.dtype, str]:
     """The dtype to run in on device ('cpu', 'cuda:1', or its type) and why. 'float32', 'bfloat16', 'float16' as
     named (float16 trains on CUDA only, where a GradScaler runs; decoding needs none); 'auto': bf16 on CUDA GPUs that
     have it; on a CPU that has bf16 instructions, bf16 for the compiled decode step (compiled_decode) and for
@@ -137,13 +166,19 @@ def resolve_dtype(name: str, device: str, n_embd: int | None = None, compiled_de
     faster than fp32's (some CPUs with the instructions are slower in bf16); float32 everywhere else."""
     kind = device_type(device)
     if name == "float16" and kind != "cuda" and training:
-        raise UserError(f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {kind}); "
-                        f"use bfloat16 or float32")
+        raise UserError(
+            f"dtype='float16' needs a GradScaler, which runs on CUDA only (device is {kind}); "
+            f"use bfloat16 or float32"
+        )
     if name != "auto":
         return getattr(torch, name), "as asked"
     if kind == "cuda":
         bf16 = torch.cuda.is_bf16_supported()
-        return (torch.bfloat16, "a CUDA GPU with bf16") if bf16 else (torch.float32, "a CUDA GPU without bf16")
+        return (
+            (torch.bfloat16, "a CUDA GPU with bf16")
+            if bf16
+            else (torch.float32, "a CUDA GPU without bf16")
+        )
     if kind != "cpu" or not native_bf16():
         return torch.float32, f"{kind}{' without native bf16' * (kind == 'cpu')}"
     if compiled_decode:
@@ -161,7 +196,10 @@ def bf16_speedup(width: int, rows: int = 1024) -> float:
     probes alone (a training step's products are of this kind)."""
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG be
     x, w = torch.randn(rows, width, generator=gen), torch.randn(width, 4 * width, generator=gen)
-    products = {dtype: lambda a=x.to(dtype), b=w.to(dtype): a @ b for dtype in (torch.float32, torch.bfloat16)}
+    products = {
+        dtype: lambda a=x.to(dtype), b=w.to(dtype): a @ b
+        for dtype in (torch.float32, torch.bfloat16)
+    }
     seconds: dict[torch.dtype, list[float]] = {dtype: [] for dtype in products}
     for _ in range(3):
         for dtype, product in products.items():
@@ -185,7 +223,11 @@ def seconds_per_call(fn: Callable[[], object], probes: int, probe_s: float) -> f
 
 def autocast(device: str, dtype: torch.dtype) -> AbstractContextManager:
     """Mixed precision in dtype on device (or its type), or nothing for float32."""
-    return nullcontext() if dtype == torch.float32 else torch.autocast(device_type(device), dtype=dtype)
+    return (
+        nullcontext()
+        if dtype == torch.float32
+        else torch.autocast(device_type(device), dtype=dtype)
+    )
 
 
 def peak_flops(device: str, dtype: torch.dtype) -> float | None:
@@ -195,7 +237,9 @@ def peak_flops(device: str, dtype: torch.dtype) -> float | None:
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
     if device != "cpu":
         return None
-    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(dtype)  # leaves the global RNG be
+    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(
+        dtype
+    )  # leaves the global RNG be
     return 2 * 1024**3 / seconds_per_call(lambda: a @ a, probes=5, probe_s=0.05)
 
 
@@ -221,8 +265,12 @@ def keep_freed_memory() -> None:
     except OSError:
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
-    libc.mallopt(m_mmap_threshold, 32 * 2**20)  # blocks up to 32 MiB (glibc's maximum) come from the heap ...
-    libc.mallopt(m_trim_threshold, 2**30)  # ... and the heap is not shrunk until 1 GiB of it is free
+    libc.mallopt(
+        m_mmap_threshold, 32 * 2**20
+    )  # blocks up to 32 MiB (glibc's maximum) come from the heap ...
+    libc.mallopt(
+        m_trim_threshold, 2**30
+    )  # ... and the heap is not shrunk until 1 GiB of it is free
 
 
 def synchronize(device: str | torch.device) -> None:

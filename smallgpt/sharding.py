@@ -40,15 +40,20 @@ def shard(model: GPT, device: str, dtype: torch.dtype) -> GPT:
     group; on CUDA with a 16-bit dtype, computed in that dtype with gradients reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) \
-        if device.startswith("cuda") and dtype != torch.float32 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        if device.startswith("cuda") and dtype != torch.float32
+        else MixedPrecisionPolicy()
+    )
     for block in model.transformer.h:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
 
 
-def build(config: GPTConfig, device: str, dtype: torch.dtype, seed: int | None, sharded: bool) -> GPT:
+def build(
+    config: GPTConfig, device: str, dtype: torch.dtype, seed: int | None, sharded: bool
+) -> GPT:
     """A new GPT made on the meta device, sharded (if sharded), then given memory on device (for its shards only)
     and initialised there by GPT.init_weights from seed: every rank draws each parameter's
     values in turn and keeps its shard, so any number of processes, sharded or not, starts from the same weights,
@@ -71,7 +76,9 @@ def assign_shard(param: torch.Tensor, value: torch.Tensor) -> None:
     if is_dtensor(param):
         from torch.distributed.tensor import distribute_tensor
 
-        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        value = distribute_tensor(
+            value, param.device_mesh, param.placements, src_data_rank=None
+        ).to_local()
     local(param).copy_(value)
 
 
@@ -83,12 +90,17 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def ddp(model: torch.nn.Module, device: int | None) -> DDP:
     """model wrapped by DDP (device: the CUDA device index, None on CPU), without a buffer broadcast at each forward
     (the rotary tables are the same everywhere; torch 2.13 renamed that flag)."""
-    flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else \
-        "broadcast_buffers"
+    flag = (
+        "forward_sync_buffers"
+        if "forward_sync_buffers" in inspect.signature(DDP).parameters
+        else "broadcast_buffers"
+    )
     return DDP(model, device_ids=None if device is None else [device], **{flag: False})
 
 
-def gradient_sync(model: torch.nn.Module, raw_model: torch.nn.Module, last: bool) -> AbstractContextManager:
+def gradient_sync(
+    model: torch.nn.Module, raw_model: torch.nn.Module, last: bool
+) -> AbstractContextManager:
     """Where the backward of a micro-batch runs: gradients are all-reduced (DDP) or reduce-scattered (FSDP) after
     the last micro-batch of a step only, accumulated locally before it."""
     if is_sharded(raw_model):
@@ -100,7 +112,9 @@ def full_model_state(model: GPT) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on CPU, gathered on rank 0 (empty on the others): a collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
@@ -132,7 +146,9 @@ def from_rank0(value: object) -> object:
 SHARDED_NAME = re.compile(r"sharded-\d{7,}(\.tmp)?")  # save_sharded's folders, whole or unfinished
 
 
-def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+def save_sharded(
+    out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> str:
     """Write the model and optimizer state, each rank its shards, to out_dir/sharded-<iter_num> (through a .tmp
     folder renamed when every rank is done); returns the folder's name. A complete folder for iter_num is kept as
     it is (the same iteration's state: saved again on a signal, or by a resumed run), never deleted and rewritten
@@ -160,8 +176,10 @@ def save_sharded(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer
 def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Read a folder written by save_sharded into model and optimizer, sharded or not, at any number of processes."""
     if not (folder / ".metadata").is_file():
-        raise UserError(f"the sharded checkpoint {folder}, which {folder.parent / 'ckpt.pt'} names, is missing or "
-                        f"incomplete: restore it, or start a new run")
+        raise UserError(
+            f"the sharded checkpoint {folder}, which {folder.parent / 'ckpt.pt'} names, is missing or "
+            f"incomplete: restore it, or start a new run"
+        )
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -171,35 +189,56 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     try:
         dcp.load(state, checkpoint_id=folder)
     except (CheckpointException, RuntimeError, ValueError, OSError) as e:
-        raise UserError(f"the sharded checkpoint {folder} is corrupt or does not fit this model "
-                        f"({first_line(e)})") from e
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        raise UserError(
+            f"the sharded checkpoint {folder} is corrupt or does not fit this model "
+            f"({first_line(e)})"
+        ) from e
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
 
 
-def checkpoint_state(out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                     ) -> dict:
+def checkpoint_state(
+    out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict:
     """What ckpt.pt holds of the model and optimizer: the optimizer's state; or, for a sharded model, the name of
     the sharded checkpoint written now and the whole model gathered (collectives: every rank calls it)."""
     if not is_sharded(model):
         return {"optimizer": optimizer.state_dict()}
-    return {"sharded": save_sharded(out_dir, iter_num, model, optimizer), "model_state": full_model_state(model)}
+    return {
+        "sharded": save_sharded(out_dir, iter_num, model, optimizer),
+        "model_state": full_model_state(model),
+    }
 
 
-def load_optimizer(ckpt: dict, out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_optimizer(
+    ckpt: dict, out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
     """A checkpoint's optimizer state into optimizer, sharded or not: from the sharded checkpoint it names (with
     the weights, at any number of processes), or from its own whole state."""
     if "sharded" in ckpt:
         load_sharded(out_dir / ckpt["sharded"], model, optimizer)
     elif is_sharded(model):  # written without FSDP: parameters by number, not by name
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         names = {id(p): n for n, p in model.named_parameters()}
         saved, by_name = ckpt["optimizer"], {}
         for group, ours in zip(saved["param_groups"], optimizer.param_groups, strict=True):
-            by_name |= {i: names[id(p)] for i, p in zip(group["params"], ours["params"], strict=True)}
-        state = {"state": {by_name[i]: s for i, s in saved["state"].items()},
-                 "param_groups": [g | {"params": [by_name[i] for i in g["params"]]} for g in saved["param_groups"]]}
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            by_name |= {
+                i: names[id(p)] for i, p in zip(group["params"], ours["params"], strict=True)
+            }
+        state = {
+            "state": {by_name[i]: s for i, s in saved["state"].items()},
+            "param_groups": [
+                g | {"params": [by_name[i] for i in g["params"]]} for g in saved["param_groups"]
+            ],
+        }
+        set_optimizer_state_dict(
+            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+        )
     else:
         optimizer.load_state_dict(ckpt["optimizer"])
 

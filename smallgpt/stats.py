@@ -16,8 +16,9 @@ class Estimate:
 
     def text(self, signed: bool = False) -> str:
         """'1.5123 ± 0.0040' ('+0.0123 ± ...' signed); the mean alone without an interval."""
-        return f"{self.mean:{'+' if signed else ''}.4f}" + ("" if self.half_width is None else
-                                                            f" ± {self.half_width:.4f}")
+        return f"{self.mean:{'+' if signed else ''}.4f}" + (
+            "" if self.half_width is None else f" ± {self.half_width:.4f}"
+        )
 
     @property
     def excludes_zero(self) -> bool:
@@ -38,10 +39,16 @@ def mean_interval(values: list[float], level: float = 0.95) -> Estimate:
         raise ValueError("no values")
     if n < 2:
         return Estimate(values[0], None, 1)
-    return Estimate(statistics.fmean(values), t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n), n)
+    return Estimate(
+        statistics.fmean(values),
+        t_quantile(n - 1, level) * statistics.stdev(values) / math.sqrt(n),
+        n,
+    )
 
 
-def paired_difference(a: dict[int, float], b: dict[int, float], level: float = 0.95) -> Estimate | None:
+def paired_difference(
+    a: dict[int, float], b: dict[int, float], level: float = 0.95
+) -> Estimate | None:
     """a minus b, paired by seed (the seeds both have): the mean difference and its interval; None if none shared."""
     shared = sorted(a.keys() & b.keys())
     return mean_interval([a[s] - b[s] for s in shared], level) if shared else None
@@ -64,13 +71,18 @@ class Accuracy:
     diff: Estimate | None  # the seed-paired difference of the per-seed accuracies to a reference's
 
 
-def pooled_accuracy(results: dict[int, dict], reference: dict[int, dict], level: float = 0.95) -> Accuracy:
+def pooled_accuracy(
+    results: dict[int, dict], reference: dict[int, dict], level: float = 0.95
+) -> Accuracy:
     """The accuracy over {seed: result} (each result's "correct" of "n") pooled over the seeds with its Wilson
     interval, and the seed-paired difference of the per-seed accuracies to reference's (None without a seed in
     common)."""
     correct, n = sum(r["correct"] for r in results.values()), sum(r["n"] for r in results.values())
-    diff = paired_difference({seed: r["correct"] / r["n"] for seed, r in results.items()},
-                             {seed: r["correct"] / r["n"] for seed, r in reference.items()}, level)
+    diff = paired_difference(
+        {seed: r["correct"] / r["n"] for seed, r in results.items()},
+        {seed: r["correct"] / r["n"] for seed, r in reference.items()},
+        level,
+    )
     return Accuracy(correct / n, *proportion_interval(correct, n, level), diff)
 
 
@@ -79,14 +91,18 @@ def verdict(name: str, reference: str, diff: Estimate | None) -> str:
     if diff is None:
         return f"{name}: no seed in common with {reference}, so no paired comparison."
     if diff.half_width is None:
-        return (f"{name}: {diff.mean:+.4f} nats against {reference} at 1 seed, with no interval: run --seeds=3 or "
-                f"more to tell a difference from noise.")
+        return (
+            f"{name}: {diff.mean:+.4f} nats against {reference} at 1 seed, with no interval: run --seeds=3 or "
+            f"more to tell a difference from noise."
+        )
     seeds = f"{diff.n} seeds, 95% interval of the seed-paired difference"
     if diff.excludes_zero:
         side = "worse" if diff.mean > 0 else "better"
         return f"{name} is {abs(diff.mean):.4f} ± {diff.half_width:.4f} nats {side} than {reference} ({seeds})."
-    return (f"{name}: no difference from {reference} detected at {diff.n} seeds ({diff.mean:+.4f} ± "
-            f"{diff.half_width:.4f} nats; the {seeds[len(f'{diff.n} seeds, '):]} includes 0).")
+    return (
+        f"{name}: no difference from {reference} detected at {diff.n} seeds ({diff.mean:+.4f} ± "
+        f"{diff.half_width:.4f} nats; the {seeds[len(f'{diff.n} seeds, ') :]} includes 0)."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,14 +128,21 @@ def speed_ratio(a: list[float], b: list[float], level: float = 0.95) -> SpeedRat
     est = mean_interval([math.log(x / y) for x, y in zip(a[:n], b[:n], strict=True)], level)
     if est.half_width is None:
         return SpeedRatio(math.exp(est.mean), None, None, n)
-    return SpeedRatio(math.exp(est.mean), math.exp(est.mean - est.half_width), math.exp(est.mean + est.half_width), n)
+    return SpeedRatio(
+        math.exp(est.mean),
+        math.exp(est.mean - est.half_width),
+        math.exp(est.mean + est.half_width),
+        n,
+    )
 
 
 def speed_verdict(ratio: SpeedRatio, reference: str) -> str:
     """One sentence on a decode speed against reference's: a ratio only where the repeats separate the two."""
     if ratio.low is None:
-        return (f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed in 1 repeat, with no interval: "
-                f"measure with --speed_repeats=3 or more to tell a difference from noise.")
+        return (
+            f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed in 1 repeat, with no interval: "
+            f"measure with --speed_repeats=3 or more to tell a difference from noise."
+        )
     interval = f"95% interval {ratio.low:.2f}-{ratio.high:.2f}x over {ratio.n} paired repeats"
     if ratio.separated:
         return f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed ({interval})."

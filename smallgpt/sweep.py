@@ -50,8 +50,11 @@ class Run:
 
 def variant_name(config: GPTConfig) -> str:
     """'mha', 'gqa<n_kv_head>', 'mqa' or 'mla<kv_lora_rank>', then its window_suffix ('mha-sssl64')."""
-    name = kv_heads_name(config.n_kv_head, config.n_head) if config.kv_lora_rank is None else \
-        f"mla{config.kv_lora_rank}"
+    name = (
+        kv_heads_name(config.n_kv_head, config.n_head)
+        if config.kv_lora_rank is None
+        else f"mla{config.kv_lora_rank}"
+    )
     return name + window_suffix(config)
 
 
@@ -89,7 +92,11 @@ def variant_names(cfg: CompareConfig, n_head: int) -> list[str]:
 def variant_flags(model: GPTConfig) -> list[str]:
     """train.py's flags that make a run's model this variant."""
     latent = [f"--kv_lora_rank={model.kv_lora_rank}"] if model.kv_lora_rank is not None else []
-    local = [f"--window={model.window}", f"--window_pattern={model.window_pattern}"] if model.window else []
+    local = (
+        [f"--window={model.window}", f"--window_pattern={model.window_pattern}"]
+        if model.window
+        else []
+    )
     return [f"--n_kv_head={model.n_kv_head}", *latent, *local]
 
 
@@ -99,7 +106,9 @@ def sizes(size_list: list, base: TrainConfig) -> list[tuple[str, TrainConfig]]:
     out = []
     for n_layer, n_embd in map(size_of, size_list) if size_list else [(base.n_layer, base.n_embd)]:
         try:
-            out.append((f"{n_layer}x{n_embd}", dataclasses.replace(base, n_layer=n_layer, n_embd=n_embd)))
+            out.append(
+                (f"{n_layer}x{n_embd}", dataclasses.replace(base, n_layer=n_layer, n_embd=n_embd))
+            )
         except ValueError as e:
             raise UserError(f"sizes: {n_layer}x{n_embd}: {e}") from e
     return out
@@ -108,6 +117,7 @@ def sizes(size_list: list, base: TrainConfig) -> list[tuple[str, TrainConfig]]:
 def matched_mlp_hidden(reference: GPTConfig, config: GPTConfig) -> int:
     """The MLP width that gives config as many parameters as reference, within 1% (the MQA paper's compensation,
     https://arxiv.org/abs/1911.02150 s3: a wider feed-forward layer)."""
+
     def count(hidden: int) -> int:
         with torch.device("meta"):
             return GPT(dataclasses.replace(config, mlp_hidden=hidden)).num_params()
@@ -117,9 +127,11 @@ def matched_mlp_hidden(reference: GPTConfig, config: GPTConfig) -> int:
     h0 = config.mlp_hidden
     hidden = h0 + round((target - count(h0)) / (count(h0 + 1) - count(h0)))
     if hidden < 1 or abs(count(hidden) - target) > 0.01 * target:
-        raise UserError(f"match=params: no MLP width gives {variant_name(config)} at {config.n_layer}x{config.n_embd} "
-                        f"MHA's {target:,} parameters within 1% (nearest: mlp_hidden={max(hidden, 1)}, "
-                        f"{count(max(hidden, 1)):,}); use --match=width")
+        raise UserError(
+            f"match=params: no MLP width gives {variant_name(config)} at {config.n_layer}x{config.n_embd} "
+            f"MHA's {target:,} parameters within 1% (nearest: mlp_hidden={max(hidden, 1)}, "
+            f"{count(max(hidden, 1)):,}); use --match=width"
+        )
     return hidden
 
 
@@ -131,23 +143,41 @@ def evaluations(iters: int, interval: int, at_start: bool) -> int:
 def plan(cfg: CompareConfig, base: TrainConfig, vocab_size: int, root: Path) -> list[Run]:
     """Every run of the sweep, in the order it trains: per size and seed, the scratch variants (MHA first), then
     the conversions of that seed's MHA model. cfg: compare.py's CompareConfig; base: train.py's TrainConfig."""
-    return [run for label, sbase in sizes(cfg.sizes, base) for seed in range(base.seed, base.seed + cfg.seeds)
-            for run in seed_runs(cfg, sbase, label if cfg.sizes else None, seed, vocab_size, root)]
+    return [
+        run
+        for label, sbase in sizes(cfg.sizes, base)
+        for seed in range(base.seed, base.seed + cfg.seeds)
+        for run in seed_runs(cfg, sbase, label if cfg.sizes else None, seed, vocab_size, root)
+    ]
 
 
-def seed_runs(cfg: CompareConfig, base: TrainConfig, label: str | None, seed: int, vocab_size: int,
-              root: Path) -> list[Run]:
+def seed_runs(
+    cfg: CompareConfig, base: TrainConfig, label: str | None, seed: int, vocab_size: int, root: Path
+) -> list[Run]:
     """One seed's runs of base (at a size of --sizes named label, or at its own)."""
     mha = dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head)
     size = f"{base.n_layer}x{base.n_embd}"
-    common = cfg.train_args + [f"--n_layer={base.n_layer}", f"--n_embd={base.n_embd}"] * (label is not None) + \
-        [f"--seed={seed}", f"--wandb_group={base.wandb_group or root.name}"]
+    common = (
+        cfg.train_args
+        + [f"--n_layer={base.n_layer}", f"--n_embd={base.n_embd}"] * (label is not None)
+        + [f"--seed={seed}", f"--wandb_group={base.wandb_group or root.name}"]
+    )
 
-    def run(name: str, model: GPTConfig, args: list[str], tags: list[str], iters: int, evals: int) -> Run:
+    def run(
+        name: str, model: GPTConfig, args: list[str], tags: list[str], iters: int, evals: int
+    ) -> Run:
         tags = [name, f"seed={seed}", f"size={size}", f"n_kv_head={model.n_kv_head}", *tags]
-        return Run(name, seed, size, root / f"{label + '-' if label else ''}{name}-s{seed}", model,
-                   common + [*variant_flags(model), f"--wandb_tags={','.join(tags)}", *args], iters, evals,
-                   base.gradient_accumulation_steps * base.batch_size * base.block_size)
+        return Run(
+            name,
+            seed,
+            size,
+            root / f"{label + '-' if label else ''}{name}-s{seed}",
+            model,
+            common + [*variant_flags(model), f"--wandb_tags={','.join(tags)}", *args],
+            iters,
+            evals,
+            base.gradient_accumulation_steps * base.batch_size * base.block_size,
+        )
 
     runs, evals = [], evaluations(base.max_iters, base.eval_interval, base.eval_at_start)
     names = variant_names(cfg, base.n_head)
@@ -156,10 +186,19 @@ def seed_runs(cfg: CompareConfig, base: TrainConfig, label: str | None, seed: in
             model = variant_config(mha, name)
             if match == "params":
                 model = dataclasses.replace(model, mlp_hidden=matched_mlp_hidden(mha, model))
-            runs.append(run(variant_name(model) + "-params" * (match == "params"), model,
-                            [f"--mlp_hidden={model.mlp_hidden}"] * (match == "params"), [f"match={match}"],
-                            base.max_iters, evals))
-    for name in (name for name in names if cfg.convert and name != "mha" and "-" not in name):  # local: scratch
+            runs.append(
+                run(
+                    variant_name(model) + "-params" * (match == "params"),
+                    model,
+                    [f"--mlp_hidden={model.mlp_hidden}"] * (match == "params"),
+                    [f"match={match}"],
+                    base.max_iters,
+                    evals,
+                )
+            )
+    for name in (
+        name for name in names if cfg.convert and name != "mha" and "-" not in name
+    ):  # local: scratch
         source, target = next(r for r in runs if r.name == "mha"), variant_config(mha, name)
         # MLA's K/V come from one SVD of MHA's, with no latent norm (convert.to_latent); the methods pool K/V heads
         latent = target.kv_lora_rank is not None
@@ -168,11 +207,20 @@ def seed_runs(cfg: CompareConfig, base: TrainConfig, label: str | None, seed: in
             how = ["--latent_norm=False"] if latent else [f"--convert_method={method}"]
             for fraction in cfg.uptrain_fractions:
                 iters = round(fraction * base.max_iters)
-                runs.append(run(f"mha-to-{variant_name(target)}-{method}-u{fraction:g}", target,
-                                [f"--init_from={Source('convert', str(source.dir))}", *how,
-                                 *uptraining(base, iters, cfg.uptrain_lr_scale)],
-                                ["match=width", "converted", f"convert={method}", f"uptrain={fraction:g}"], iters,
-                                1 if iters == 0 else 2))
+                runs.append(
+                    run(
+                        f"mha-to-{variant_name(target)}-{method}-u{fraction:g}",
+                        target,
+                        [
+                            f"--init_from={Source('convert', str(source.dir))}",
+                            *how,
+                            *uptraining(base, iters, cfg.uptrain_lr_scale),
+                        ],
+                        ["match=width", "converted", f"convert={method}", f"uptrain={fraction:g}"],
+                        iters,
+                        1 if iters == 0 else 2,
+                    )
+                )
     return runs
 
 
@@ -182,10 +230,17 @@ def uptraining(base: TrainConfig, iters: int, lr_scale: float) -> list[str]:
     peak learning rates lr_scale times the base run's, cosine decay; evaluated at the start and the end."""
     if iters == 0:
         return ["--eval_only=True", "--max_iters=0"]
-    return [f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--warmup_iters={max(1, iters // 10)}",
-            f"--learning_rate={base.learning_rate * lr_scale:g}", f"--muon_lr={base.muon_lr * lr_scale:g}",
-            f"--min_lr={base.min_lr * lr_scale:g}", f"--eval_interval={iters}", "--eval_at_start=True",
-            "--always_save_checkpoint=True"]
+    return [
+        f"--max_iters={iters}",
+        f"--lr_decay_iters={iters}",
+        f"--warmup_iters={max(1, iters // 10)}",
+        f"--learning_rate={base.learning_rate * lr_scale:g}",
+        f"--muon_lr={base.muon_lr * lr_scale:g}",
+        f"--min_lr={base.min_lr * lr_scale:g}",
+        f"--eval_interval={iters}",
+        "--eval_at_start=True",
+        "--always_save_checkpoint=True",
+    ]
 
 
 def finished(run: Run) -> bool:
@@ -222,31 +277,46 @@ def train_args(run: Run) -> list[str]:
     return args + ["--init_from=resume"] + ["--eval_only=True"] * bool(done)
 
 
-def estimated_seconds(run: Run, timings: dict[tuple, tuple[float, float]], eval_iters: int) -> float:
+def estimated_seconds(
+    run: Run, timings: dict[tuple, tuple[float, float]], eval_iters: int
+) -> float:
     """Seconds run is expected to take, from its shape's timed training step and evaluation batch."""
     step_s, eval_s = timings[run.shape]
     return STARTUP_S + run.iters * step_s + run.evals * 2 * eval_iters * eval_s
 
 
-def launch_all(runs: list[Run], timings: dict[tuple, tuple[float, float]], eval_iters: int, stop: "Stop") -> None:
+def launch_all(
+    runs: list[Run], timings: dict[tuple, tuple[float, float]], eval_iters: int, stop: "Stop"
+) -> None:
     """Train each run not finished yet, one after another (a run with a checkpoint resumes it), with a line per run
     saying which of how many it was, the time so far and the estimated time left; stop: the sweep's signal handling."""
     todo = [r for r in runs if not finished(r)]
     if len(todo) < len(runs):
-        print(f"{len(runs) - len(todo)} of {len(runs)} runs already finished: not run again", flush=True)
+        print(
+            f"{len(runs) - len(todo)} of {len(runs)} runs already finished: not run again",
+            flush=True,
+        )
     t0, spent, expected = time.perf_counter(), 0.0, 0.0
     for i, run in enumerate(todo, 1):
         start = time.perf_counter()
         args = train_args(run)
         print(f"$ python train.py {' '.join(args)}", flush=True)
         stop.where = f"in {run.dir} (run {i} of the {len(todo)} left)"
-        if stop.wait([sys.executable, str(Path(__file__).resolve().parent.parent / "train.py"), *args]):
+        if stop.wait(
+            [sys.executable, str(Path(__file__).resolve().parent.parent / "train.py"), *args]
+        ):
             raise UserError(f"the training run into {run.dir} failed: see its output above")
         stop.where = "between runs"
-        spent, expected = spent + time.perf_counter() - start, expected + estimated_seconds(run, timings, eval_iters)
+        spent, expected = (
+            spent + time.perf_counter() - start,
+            expected + estimated_seconds(run, timings, eval_iters),
+        )
         left = spent / expected * sum(estimated_seconds(r, timings, eval_iters) for r in todo[i:])
-        print(f"[{i}/{len(todo)}] {run.dir.name} done in {time.perf_counter() - start:.0f} s; "
-              f"{clock(time.perf_counter() - t0)} so far, about {clock(left)} left", flush=True)
+        print(
+            f"[{i}/{len(todo)}] {run.dir.name} done in {time.perf_counter() - start:.0f} s; "
+            f"{clock(time.perf_counter() - t0)} so far, about {clock(left)} left",
+            flush=True,
+        )
 
 
 def clock(seconds: float) -> str:
@@ -273,7 +343,9 @@ class Stop:
         self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> "Stop":
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {
+            sig: signal.signal(sig, self.handle) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,9 +15,13 @@ import numpy as np
 
 from smallgpt.errors import UserError, first_line
 
-BPE_FILE = "tokenizer.json"  # a 'bpe' dataset's tokenizer, beside its meta.json; an exported folder's
+BPE_FILE = (
+    "tokenizer.json"  # a 'bpe' dataset's tokenizer, beside its meta.json; an exported folder's
+)
 EOT = "<|endoftext|>"
-GPT2_BPE_ENV = "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
+GPT2_BPE_ENV = (
+    "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
+)
 
 
 class CharTokenizer:
@@ -39,8 +43,10 @@ class CharTokenizer:
         forms = [text, *(unicodedata.normalize(f, text) for f in ("NFC", "NFD"))]
         if not (known := [t for t in forms if set(t) <= self.stoi.keys()]):
             unknown = sorted(set(text) - self.stoi.keys())
-            raise UserError(f"characters not in the dataset's vocabulary: "
-                            f"{', '.join(f'{c!r} (U+{ord(c):04X})' for c in unknown)}")
+            raise UserError(
+                f"characters not in the dataset's vocabulary: "
+                f"{', '.join(f'{c!r} (U+{ord(c):04X})' for c in unknown)}"
+            )
         return [self.stoi[c] for c in known[0]]
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -56,7 +62,9 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
-    def decode_bytes(self, ids: list[int]) -> bytes:  # as tiktoken's, for incremental (streamed) decoding
+    def decode_bytes(
+        self, ids: list[int]
+    ) -> bytes:  # as tiktoken's, for incremental (streamed) decoding
         return self.decode(ids).encode()
 
     def meta(self) -> dict:
@@ -73,8 +81,10 @@ class HFTokenizer:
         try:
             self.tok = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
-            raise UserError(f"{source} is damaged or not a tokenizers file ({first_line(e)}): prepare the dataset "
-                            f"again, or export the model again") from e
+            raise UserError(
+                f"{source} is damaged or not a tokenizers file ({first_line(e)}): prepare the dataset "
+                f"again, or export the model again"
+            ) from e
         self.eot_token = self.tok.token_to_id(EOT)
         self.n_vocab = self.tok.get_vocab_size()
         self.byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
@@ -90,17 +100,23 @@ class HFTokenizer:
         except Exception:  # tokenizers raises a plain Exception: export.py's char-level one for a character it lacks
             ids, back = [], "".join(c for c in text if self.tok.token_to_id(c) is not None)
         if back != text:  # older exports mapped what they lack to a real token
-            raise UserError(f"characters not in the tokenizer's vocabulary: {''.join(sorted(set(text) - set(back)))!r}")
+            raise UserError(
+                f"characters not in the tokenizer's vocabulary: {''.join(sorted(set(text) - set(back)))!r}"
+            )
         return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def decode_bytes(self, ids: list[int]) -> bytes:  # a token can end inside a character (streamed decoding)
+    def decode_bytes(
+        self, ids: list[int]
+    ) -> bytes:  # a token can end inside a character (streamed decoding)
         if not self.byte_level:
             return self.decode(ids).encode()
         pieces = (self.tok.id_to_token(i) for i in ids)
-        return b"".join(p.encode() if p == EOT else bytes(self.char_byte[c] for c in p) for p in pieces)
+        return b"".join(
+            p.encode() if p == EOT else bytes(self.char_byte[c] for c in p) for p in pieces
+        )
 
     def encode_array(self, text: str, piece_chars: int = 1 << 20) -> np.ndarray:
         """encode() for long texts, with a progress bar: pieces of about piece_chars encoded in parallel, each cut
@@ -110,13 +126,18 @@ class HFTokenizer:
         cut, pieces, pos = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])"), [], 0
         while pos < len(text):
             m = cut.search(text, pos + piece_chars)
-            pieces.append(text[pos:m.start() if m else len(text)])
+            pieces.append(text[pos : m.start() if m else len(text)])
             pos += len(pieces[-1])
         ids = []
-        with tqdm(total=len(text), desc="encoding", unit="char", unit_scale=True, disable=len(pieces) < 8) as bar:
+        with tqdm(
+            total=len(text), desc="encoding", unit="char", unit_scale=True, disable=len(pieces) < 8
+        ) as bar:
             for i in range(0, len(pieces), 8):
-                batch = pieces[i:i + 8]
-                ids += [np.array(e.ids, dtype=np.int64) for e in self.tok.encode_batch(batch, add_special_tokens=False)]
+                batch = pieces[i : i + 8]
+                ids += [
+                    np.array(e.ids, dtype=np.int64)
+                    for e in self.tok.encode_batch(batch, add_special_tokens=False)
+                ]
                 bar.update(sum(map(len, batch)))
         return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
 
@@ -128,16 +149,25 @@ def train_bpe(text: str, vocab_size: int) -> HFTokenizer:
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if not len(alphabet) + 1 < vocab_size <= 2**32:
-        raise UserError(f"vocab_size={vocab_size} for a byte-level BPE must be above {len(alphabet) + 1} (the 256 "
-                        f"bytes and {EOT})")
+        raise UserError(
+            f"vocab_size={vocab_size} for a byte-level BPE must be above {len(alphabet) + 1} (the 256 "
+            f"bytes and {EOT})"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], initial_alphabet=alphabet,
-                                  show_progress=len(text) > 1 << 20)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=alphabet,
+        show_progress=len(text) > 1 << 20,
+    )
     step = 1 << 16
-    tok.train_from_iterator((text[i:i + step] for i in range(0, len(text), step)), trainer=trainer,
-                            length=-(-len(text) // step))
+    tok.train_from_iterator(
+        (text[i : i + step] for i in range(0, len(text), step)),
+        trainer=trainer,
+        length=-(-len(text) // step),
+    )
     return HFTokenizer(tok.to_str())
 
 
@@ -151,17 +181,25 @@ def gpt2_encoding(bpe_file: str | None = None) -> "object":
 
         try:  # one base64 token and its rank per line, as in r50k_base.tiktoken
             lines = Path(bpe_file).read_text().split("\n")
-            ranks = {base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in lines if ln)}
+            ranks = {
+                base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in lines if ln)
+            }
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read GPT-2 BPE file {bpe_file}: {e}") from e
-        return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                                 special_tokens={"<|endoftext|>": len(ranks)})
+        return tiktoken.Encoding(
+            name="gpt2",
+            pat_str=r50k_pat_str,
+            mergeable_ranks=ranks,
+            special_tokens={"<|endoftext|>": len(ranks)},
+        )
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken raises requests' errors (or others) when it cannot download
-        raise UserError(f"cannot load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use. Run "
-                        f"once with network, point TIKTOKEN_CACHE_DIR at a cache that has it, or set "
-                        f"{GPT2_BPE_ENV} to a local gpt2.tiktoken file") from e
+        raise UserError(
+            f"cannot load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use. Run "
+            f"once with network, point TIKTOKEN_CACHE_DIR at a cache that has it, or set "
+            f"{GPT2_BPE_ENV} to a local gpt2.tiktoken file"
+        ) from e
 
 
 def load_tokenizer(meta: dict) -> "CharTokenizer | object":
@@ -172,13 +210,17 @@ def load_tokenizer(meta: dict) -> "CharTokenizer | object":
         return gpt2_encoding()
     if meta.get("tokenizer") == "bpe":
         return HFTokenizer(meta["bpe"])
-    raise UserError(f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char', 'gpt2' or 'bpe')")
+    raise UserError(
+        f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char', 'gpt2' or 'bpe')"
+    )
 
 
 def encode_prompt(tok: "CharTokenizer | HFTokenizer | object", text: str) -> list[int]:
     """A prompt's ids: <|endoftext|> written in it is the end-of-text token, as nanoGPT's sample.py reads it (a
     dataset's text takes it as plain characters)."""
-    special = getattr(tok, "special_tokens_set", None)  # tiktoken refuses special tokens unless allowed
+    special = getattr(
+        tok, "special_tokens_set", None
+    )  # tiktoken refuses special tokens unless allowed
     return tok.encode(text, allowed_special=special) if special is not None else tok.encode(text)
 
 
@@ -192,10 +234,15 @@ def folder_tokenizer(name_or_path: str) -> "HFTokenizer | object":
         return gpt2_encoding()
     vocab_size, enc = gpt2_folder_vocab(folder), gpt2_encoding()
     if vocab_size < enc.n_vocab:
-        raise UserError(f"{folder} has no {BPE_FILE}, and its GPT-2 model's vocab_size={vocab_size} is below GPT-2's "
-                        f"{enc.n_vocab} tokens: save the model's tokenizer there (tokenizer.save_pretrained)")
-    print(f"note: {folder} has no {BPE_FILE}: its text is read as GPT-2's BPE, as its config.json is a GPT-2 "
-          f"model's (model_type gpt2, vocab_size {vocab_size})", file=sys.stderr)
+        raise UserError(
+            f"{folder} has no {BPE_FILE}, and its GPT-2 model's vocab_size={vocab_size} is below GPT-2's "
+            f"{enc.n_vocab} tokens: save the model's tokenizer there (tokenizer.save_pretrained)"
+        )
+    print(
+        f"note: {folder} has no {BPE_FILE}: its text is read as GPT-2's BPE, as its config.json is a GPT-2 "
+        f"model's (model_type gpt2, vocab_size {vocab_size})",
+        file=sys.stderr,
+    )
     return enc
 
 
@@ -208,7 +255,9 @@ def gpt2_folder_vocab(folder: Path) -> int:
         config = None
     config = config if isinstance(config, dict) else {}
     if config.get("model_type") != "gpt2" or not isinstance(config.get("vocab_size"), int):
-        raise UserError(f"{folder} has no {BPE_FILE} (the tokenizer), and its config.json is not a GPT-2 model's "
-                        f"(model_type {config.get('model_type')!r}), which GPT-2's BPE would read: save the model's "
-                        f"tokenizer there (tokenizer.save_pretrained), or export the run again with export.py")
+        raise UserError(
+            f"{folder} has no {BPE_FILE} (the tokenizer), and its config.json is not a GPT-2 model's "
+            f"(model_type {config.get('model_type')!r}), which GPT-2's BPE would read: save the model's "
+            f"tokenizer there (tokenizer.save_pretrained), or export the run again with export.py"
+        )
     return config["vocab_size"]

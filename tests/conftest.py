@@ -72,7 +72,9 @@ def lively(m: torch.nn.Module) -> torch.nn.Module:
 
 def distinct(tokens: torch.Tensor | list | str) -> int:
     """How many different tokens (or characters) greedy continuations hold: 1 or 2 for a degenerate one."""
-    return len(set(tokens if isinstance(tokens, str) else torch.as_tensor(tokens).flatten().tolist()))
+    return len(
+        set(tokens if isinstance(tokens, str) else torch.as_tensor(tokens).flatten().tolist())
+    )
 
 
 def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dict[int, float]:
@@ -89,14 +91,18 @@ def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dic
     return {i: p / mass for i, p in chosen.items()}
 
 
-def assert_same_greedy_tokens(model: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, n: int = 20) -> None:
+def assert_same_greedy_tokens(
+    model: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, n: int = 20
+) -> None:
     """Our greedy continuation of prompt equals transformers' (generate), and is not one token repeated."""
     from smallgpt.generation import generate
 
     with torch.no_grad():
         mine = generate(model, prompt, n, temperature=0)
-        theirs = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    assert len(set(mine[:, prompt.size(1):].flatten().tolist())) > 5
+        theirs = hf.generate(
+            prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    assert len(set(mine[:, prompt.size(1) :].flatten().tolist())) > 5
     assert torch.equal(theirs, mine)
 
 
@@ -147,13 +153,15 @@ def padded_steps_match(m: torch.nn.Module, atol: float = 1e-5) -> None:
     m(idx, kv_cache=cache, pad=pad)
     extra = torch.randint(0, 61, (len(prompts), 6))
     for t in range(6):
-        cached, _ = m(extra[:, t:t + 1], kv_cache=cache, pad=pad)
+        cached, _ = m(extra[:, t : t + 1], kv_cache=cache, pad=pad)
         for row, p in enumerate(prompts):
-            alone = torch.tensor([p + extra[row, :t + 1].tolist()])
+            alone = torch.tensor([p + extra[row, : t + 1].tolist()])
             torch.testing.assert_close(cached[row, -1], m(alone)[0][0, -1], rtol=0, atol=atol)
 
 
-def static_steps_match(m: torch.nn.Module, steps: range, max_len: int) -> tuple[object, object, object]:
+def static_steps_match(
+    m: torch.nn.Module, steps: range, max_len: int
+) -> tuple[object, object, object]:
     """static_step.decode_static, over the whole cache under a mask (what CUDA graphs replay) and over its filled
     length (the compiled CPU step's form), gives GPT.forward's one-token logits at each of steps, after a prefill of
     steps.start tokens; returns the three caches (forward's, and the two static ones) to compare."""
@@ -163,20 +171,34 @@ def static_steps_match(m: torch.nn.Module, steps: range, max_len: int) -> tuple[
     with torch.inference_mode():
         ref, static, filled = (m.make_kv_cache(2, max_len) for _ in range(3))
         for cache in (ref, static, filled):
-            m(idx[:, :steps.start], kv_cache=cache)
+            m(idx[:, : steps.start], kv_cache=cache)
         for t in steps:
-            want, _ = m(idx[:, t:t + 1], kv_cache=ref)
-            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), static)
+            want, _ = m(idx[:, t : t + 1], kv_cache=ref)
+            got = decode_static(m, idx[:, t : t + 1], torch.tensor([t]), static)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            got = decode_static(m, idx[:, t:t + 1], torch.tensor([t]), filled, length=t + 1)
+            got = decode_static(m, idx[:, t : t + 1], torch.tensor([t]), filled, length=t + 1)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     return ref, static, filled
 
 
-def tiny_model(n_kv_head: int | None = None, pos_encoding: str = "learned", **overrides: object) -> GPT:
+def tiny_model(
+    n_kv_head: int | None = None, pos_encoding: str = "learned", **overrides: object
+) -> GPT:
     """A 2-layer, 32-wide model in eval mode, fp32 on CPU."""
-    cfg = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, dropout=0.0,
-               bias=True, pos_encoding=pos_encoding) | overrides
+    cfg = (
+        dict(
+            block_size=32,
+            vocab_size=61,
+            n_layer=2,
+            n_head=4,
+            n_kv_head=n_kv_head,
+            n_embd=32,
+            dropout=0.0,
+            bias=True,
+            pos_encoding=pos_encoding,
+        )
+        | overrides
+    )
     return GPT(GPTConfig(**cfg)).eval()
 
 
@@ -186,8 +208,19 @@ ROOT = Path(__file__).resolve().parent.parent
 # run under the per-name initialisation (GPT.init_weights), largest weight difference 1.7e-7 at seed 1338, 1.2e-7 at
 # 1339, but 2e-4 at 1337 (the weights agree to 1e-7 at iteration 10, then move apart), past the tests' 1e-4 bound.
 SEED = 1339
-TINY_TRAIN = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
-              "--log_interval=10", "--learning_rate=3e-3", "--warmup_iters=5", "--device=cpu", "--dtype=float32"]
+TINY_TRAIN = [
+    "--n_layer=2",
+    "--n_head=4",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=8",
+    "--eval_iters=4",
+    "--log_interval=10",
+    "--learning_rate=3e-3",
+    "--warmup_iters=5",
+    "--device=cpu",
+    "--dtype=float32",
+]
 
 
 @dataclass
@@ -216,7 +249,9 @@ def cli(args: list[str], env: dict | None = None) -> Result:
                 code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
                 if isinstance(e.code, str):
                     print(e.code, file=sys.stderr)
-            except Exception:  # what the interpreter would do: the traceback on stderr, exit status 1
+            except (
+                Exception
+            ):  # what the interpreter would do: the traceback on stderr, exit status 1
                 traceback.print_exc()
                 code = 1
     finally:
@@ -229,16 +264,25 @@ def cli(args: list[str], env: dict | None = None) -> Result:
     return Result(code, out.buffer.getvalue().decode(), err.buffer.getvalue().decode())
 
 
-def run(args: list[str], env: dict | None = None, timeout: float = 300, fresh: bool = False
-        ) -> Result | subprocess.CompletedProcess:
+def run(
+    args: list[str], env: dict | None = None, timeout: float = 300, fresh: bool = False
+) -> Result | subprocess.CompletedProcess:
     """Run a python command in the repo root and fail with its output unless it succeeds: a script in this process
     (cli), or in a fresh interpreter with fresh=True and for `-m module` / `-c code`."""
     if fresh or args[0].startswith("-"):
-        r = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, **(env or {})})
+        r = subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, **(env or {})},
+        )
     else:
         r = cli(args, env)
-    assert r.returncode == 0, f"{args} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"{args} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    )
     return r
 
 
@@ -261,7 +305,9 @@ def worker_ranks(parent: int) -> dict[int, int]:
         try:
             if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) != parent:
                 continue
-            env = dict(v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v)
+            env = dict(
+                v.split("=", 1) for v in (proc / "environ").read_text().split("\0") if "=" in v
+            )
         except (OSError, ValueError):
             continue
         ranks[int(env["RANK"])] = int(proc.name)

@@ -26,16 +26,33 @@ from smallgpt.errors import UserError
 from smallgpt.runlog import read_run
 from smallgpt.sweep import matched_mlp_hidden
 
-SWEEP = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
-         "--log_interval=10", "--device=cpu", "--max_iters=30", "--eval_interval=10", "--learning_rate=3e-3",
-         "--warmup_iters=5", "--decode_batch=2", "--decode_context=40", "--decode_steps=3", "--speed_repeats=2",
-         "--dtype=float32"]  # not auto: on a CPU with native bf16 its timing probe may pick either (runs compared)
+SWEEP = [
+    "--n_layer=2",
+    "--n_head=4",
+    "--n_embd=32",
+    "--block_size=32",
+    "--batch_size=8",
+    "--eval_iters=4",
+    "--log_interval=10",
+    "--device=cpu",
+    "--max_iters=30",
+    "--eval_interval=10",
+    "--learning_rate=3e-3",
+    "--warmup_iters=5",
+    "--decode_batch=2",
+    "--decode_context=40",
+    "--decode_steps=3",
+    "--speed_repeats=2",
+    "--dtype=float32",
+]  # not auto: on a CPU with native bf16 its timing probe may pick either (runs compared)
 T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
 @pytest.mark.parametrize("G", [4, 2, 1])
-def test_converting_heads_already_equal_within_groups_keeps_the_logits(G: int, pos_encoding: str) -> None:
+def test_converting_heads_already_equal_within_groups_keeps_the_logits(
+    G: int, pos_encoding: str
+) -> None:
     m = tiny_model(4, pos_encoding, n_head=8, n_embd=64)  # 4 K/V heads: pool them into G groups
     with torch.no_grad():
         for block in m.transformer.h:  # make the K/V heads of each future group identical
@@ -48,7 +65,9 @@ def test_converting_heads_already_equal_within_groups_keeps_the_logits(G: int, p
     assert converted.config.n_kv_head == G
     idx = torch.randint(0, 61, (2, 24))
     # The weights are the same numbers; the logits differ at most by float rounding of SDPA over G vs 4 heads.
-    torch.testing.assert_close(converted(idx, targets=idx)[0], m(idx, targets=idx)[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        converted(idx, targets=idx)[0], m(idx, targets=idx)[0], rtol=0, atol=1e-6
+    )
 
 
 def test_conversion_is_the_mean_of_each_groups_heads() -> None:
@@ -59,36 +78,84 @@ def test_conversion_is_the_mean_of_each_groups_heads() -> None:
             w, b = getattr(old.attn, name).weight, getattr(old.attn, name).bias
             by_hand = torch.cat([(w[0:8] + w[8:16]) / 2, (w[16:24] + w[24:32]) / 2])
             torch.testing.assert_close(getattr(new.attn, name).weight, by_hand, rtol=0, atol=1e-7)
-            torch.testing.assert_close(getattr(new.attn, name).bias, torch.cat([(b[0:8] + b[8:16]) / 2,
-                                                                                (b[16:24] + b[24:32]) / 2]))
+            torch.testing.assert_close(
+                getattr(new.attn, name).bias,
+                torch.cat([(b[0:8] + b[8:16]) / 2, (b[16:24] + b[24:32]) / 2]),
+            )
         assert torch.equal(new.attn.c_q.weight, old.attn.c_q.weight)
         assert torch.equal(new.attn.c_proj.weight, old.attn.c_proj.weight)
         assert torch.equal(new.mlp.c_fc.weight, old.mlp.c_fc.weight)
 
 
-def test_converted_checkpoint_trains_samples_and_resumes(pycode_small: Path, tmp_path: Path) -> None:
+def test_converted_checkpoint_trains_samples_and_resumes(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     src, dst = tmp_path / "mha", tmp_path / "mqa"
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={src}", *TINY_TRAIN, "--max_iters=20",
-         "--eval_interval=20"])
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={dst}", *TINY_TRAIN, f"--init_from=convert:{src}",
-         "--n_kv_head=1", "--max_iters=10", "--eval_interval=10"])
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={src}",
+            *TINY_TRAIN,
+            "--max_iters=20",
+            "--eval_interval=20",
+        ]
+    )
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={dst}",
+            *TINY_TRAIN,
+            f"--init_from=convert:{src}",
+            "--n_kv_head=1",
+            "--max_iters=10",
+            "--eval_interval=10",
+        ]
+    )
     ckpt = load_checkpoint(dst / "ckpt.pt")
     assert ckpt["model_config"]["n_kv_head"] == 1 and ckpt["iter_num"] == 10
     assert ckpt["model"]["transformer.h.0.attn.c_k.weight"].shape == (8, 32)
     first = [r for r in read_log(dst) if r["event"] == "eval"][0]
-    src_evals = [r["val_loss"] for r in read_log(src) if r["event"] == "eval"]  # at iterations 0 and 20
-    assert first["iter"] == 0 and first["val_loss"] < (src_evals[0] + src_evals[-1]) / 2  # near the trained model
-    out = run(["sample.py", f"--out_dir={dst}", "--start=def ", "--max_new_tokens=20", "--device=cpu"])
+    src_evals = [
+        r["val_loss"] for r in read_log(src) if r["event"] == "eval"
+    ]  # at iterations 0 and 20
+    assert (
+        first["iter"] == 0 and first["val_loss"] < (src_evals[0] + src_evals[-1]) / 2
+    )  # near the trained model
+    out = run(
+        ["sample.py", f"--out_dir={dst}", "--start=def ", "--max_new_tokens=20", "--device=cpu"]
+    )
     assert out.stdout.startswith("def ") and "MQA (n_kv_head=1)" in out.stderr
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={dst}", *TINY_TRAIN, "--init_from=resume",
-         "--n_kv_head=1", "--max_iters=20", "--eval_interval=10", "--always_save_checkpoint=True"])
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={dst}",
+            *TINY_TRAIN,
+            "--init_from=resume",
+            "--n_kv_head=1",
+            "--max_iters=20",
+            "--eval_interval=10",
+            "--always_save_checkpoint=True",
+        ]
+    )
     assert load_checkpoint(dst / "ckpt.pt")["iter_num"] == 20
 
 
-def test_converting_to_a_group_count_that_does_not_divide_n_head_is_one_line(pycode_small: Path,
-                                                                             tmp_path: Path) -> None:
-    r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}",
-                        *TINY_TRAIN, f"--init_from=convert:{tmp_path / 'x'}", "--n_kv_head=3"])
+def test_converting_to_a_group_count_that_does_not_divide_n_head_is_one_line(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    r = cli(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path}",
+            *TINY_TRAIN,
+            f"--init_from=convert:{tmp_path / 'x'}",
+            "--n_kv_head=3",
+        ]
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert "n_head=4 must be divisible by n_kv_head=3" in r.stderr
 
@@ -99,19 +166,24 @@ def test_first_conversion_keeps_each_groups_first_head_and_random_is_a_fresh_mod
     fresh = GPT(dataclasses.replace(m.config, n_kv_head=2))
     fresh.init_weights(seed=7)
     rand = convert_kv_heads(m, 2, "random", seed=7)
-    for old, f, r, new in zip(m.transformer.h, first.transformer.h, rand.transformer.h, fresh.transformer.h,
-                              strict=True):
+    for old, f, r, new in zip(
+        m.transformer.h, first.transformer.h, rand.transformer.h, fresh.transformer.h, strict=True
+    ):
         for name in ("c_k", "c_v"):
             w, b = getattr(old.attn, name).weight, getattr(old.attn, name).bias
-            assert torch.equal(getattr(f.attn, name).weight, torch.cat([w[0:8], w[16:24]]))  # heads 0 and 2
+            assert torch.equal(
+                getattr(f.attn, name).weight, torch.cat([w[0:8], w[16:24]])
+            )  # heads 0 and 2
             assert torch.equal(getattr(f.attn, name).bias, torch.cat([b[0:8], b[16:24]]))
             assert torch.equal(getattr(r.attn, name).weight, getattr(new.attn, name).weight)
             assert not torch.equal(getattr(r.attn, name).weight[:8], w[:8])
         for conv in (f, r):
             assert torch.equal(conv.attn.c_q.weight, old.attn.c_q.weight)
             assert torch.equal(conv.mlp.c_fc.weight, old.mlp.c_fc.weight)
-    assert not torch.equal(convert_kv_heads(m, 2, "random", seed=8).transformer.h[0].attn.c_k.weight,
-                           rand.transformer.h[0].attn.c_k.weight)
+    assert not torch.equal(
+        convert_kv_heads(m, 2, "random", seed=8).transformer.h[0].attn.c_k.weight,
+        rand.transformer.h[0].attn.c_k.weight,
+    )
 
 
 def test_a_seed_gives_every_shape_the_same_weights_where_shapes_allow() -> None:
@@ -127,15 +199,21 @@ def test_a_seed_gives_every_shape_the_same_weights_where_shapes_allow() -> None:
         else:
             assert torch.equal(mqa[name], p)
         if name.endswith("mlp.c_fc.weight"):
-            assert torch.equal(wide[name][:128], p)  # the wider MLP starts with the narrower one's rows
+            assert torch.equal(
+                wide[name][:128], p
+            )  # the wider MLP starts with the narrower one's rows
     other = GPT(config)
     other.init_weights(seed=4)
-    assert not torch.equal(other.transformer.h[0].attn.c_q.weight, mha["transformer.h.0.attn.c_q.weight"])
+    assert not torch.equal(
+        other.transformer.h[0].attn.c_q.weight, mha["transformer.h.0.attn.c_q.weight"]
+    )
 
 
 @pytest.mark.parametrize("n_kv_head", [1, 2, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_params_match_widens_the_mlp_to_mhas_count_within_one_percent(n_kv_head: int, bias: bool) -> None:
+def test_params_match_widens_the_mlp_to_mhas_count_within_one_percent(
+    n_kv_head: int, bias: bool
+) -> None:
     mha = GPTConfig(block_size=64, vocab_size=95, n_layer=3, n_head=4, n_embd=64, bias=bias)
     config = dataclasses.replace(mha, n_kv_head=n_kv_head)
     hidden = matched_mlp_hidden(mha, config)
@@ -157,17 +235,31 @@ def test_student_t_interval_and_paired_difference_match_hand_computation() -> No
     mean = (1.50 + 1.52 + 1.55) / 3
     sd = math.sqrt(((1.50 - mean) ** 2 + (1.52 - mean) ** 2 + (1.55 - mean) ** 2) / 2)
     assert est.n == 3 and est.mean == pytest.approx(mean, abs=1e-12)
-    assert est.half_width == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-6)  # t(0.975, 2) from a table
-    a, b = {1: 1.60, 2: 1.58, 3: 1.63, 9: 2.0}, {1: 1.50, 2: 1.52, 3: 1.55, 7: 1.0}  # paired on seeds 1, 2, 3
+    assert est.half_width == pytest.approx(
+        4.302653 * sd / math.sqrt(3), rel=1e-6
+    )  # t(0.975, 2) from a table
+    a, b = (
+        {1: 1.60, 2: 1.58, 3: 1.63, 9: 2.0},
+        {1: 1.50, 2: 1.52, 3: 1.55, 7: 1.0},
+    )  # paired on seeds 1, 2, 3
     d = stats.paired_difference(a, b)
     diffs = [0.10, 0.06, 0.08]
     sd = math.sqrt(sum((x - 0.08) ** 2 for x in diffs) / 2)
-    assert d.n == 3 and d.mean == pytest.approx(0.08) and d.half_width == pytest.approx(4.302653 * sd / math.sqrt(3),
-                                                                                         rel=1e-6)
-    assert d.half_width < stats.mean_interval([1.60, 1.58, 1.63]).half_width  # pairing removes the seeds' spread
-    assert stats.verdict("mqa", "MHA", d) == ("mqa is 0.0800 ± 0.0497 nats worse than MHA (3 seeds, 95% interval "
-                                              "of the seed-paired difference).")
-    assert "no difference from MHA detected at 2 seeds" in stats.verdict("gqa", "MHA", stats.mean_interval([0.1, -0.1]))
+    assert (
+        d.n == 3
+        and d.mean == pytest.approx(0.08)
+        and d.half_width == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-6)
+    )
+    assert (
+        d.half_width < stats.mean_interval([1.60, 1.58, 1.63]).half_width
+    )  # pairing removes the seeds' spread
+    assert stats.verdict("mqa", "MHA", d) == (
+        "mqa is 0.0800 ± 0.0497 nats worse than MHA (3 seeds, 95% interval "
+        "of the seed-paired difference)."
+    )
+    assert "no difference from MHA detected at 2 seeds" in stats.verdict(
+        "gqa", "MHA", stats.mean_interval([0.1, -0.1])
+    )
     assert "no interval" in stats.verdict("gqa", "MHA", stats.mean_interval([0.1]))
     assert stats.t_quantile(4) == pytest.approx(2.776445, rel=1e-6)
 
@@ -175,28 +267,47 @@ def test_student_t_interval_and_paired_difference_match_hand_computation() -> No
 def test_speed_ratio_is_stated_only_when_the_paired_repeats_separate_it() -> None:
     from smallgpt import stats
 
-    same = stats.speed_ratio([10.0, 20.0, 30.0], [11.0, 22.0, 33.0])  # ranges overlap, every round 1/1.1: drift
-    assert same.separated and same.ratio == pytest.approx(1 / 1.1) and same.low == pytest.approx(1 / 1.1)
-    assert stats.speed_verdict(same, "MHA") == ("Its cached decode ran at 0.91x MHA's speed (95% interval "
-                                                "0.91-0.91x over 3 paired repeats).")
+    same = stats.speed_ratio(
+        [10.0, 20.0, 30.0], [11.0, 22.0, 33.0]
+    )  # ranges overlap, every round 1/1.1: drift
+    assert (
+        same.separated
+        and same.ratio == pytest.approx(1 / 1.1)
+        and same.low == pytest.approx(1 / 1.1)
+    )
+    assert stats.speed_verdict(same, "MHA") == (
+        "Its cached decode ran at 0.91x MHA's speed (95% interval "
+        "0.91-0.91x over 3 paired repeats)."
+    )
     # the issue's loaded machine: 26 (24-837) against 67 (24-149) tok/s
     noisy = stats.speed_ratio([26.0, 24.0, 837.0], [67.0, 149.0, 24.0])
     logs = [math.log(26 / 67), math.log(24 / 149), math.log(837 / 24)]
     mean = sum(logs) / 3
-    half = 4.302653 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)  # t(0.975, 2) from a table
+    half = (
+        4.302653 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)
+    )  # t(0.975, 2) from a table
     assert noisy.n == 3 and not noisy.separated
-    assert (noisy.ratio, noisy.low, noisy.high) == pytest.approx((math.exp(mean), math.exp(mean - half),
-                                                                  math.exp(mean + half)), rel=1e-6)
-    assert stats.speed_verdict(noisy, "MHA") == (f"Its cached decode speed is within noise of MHA's (the ratio's 95% "
-                                                 f"interval {math.exp(mean - half):.2f}-{math.exp(mean + half):.2f}x "
-                                                 f"over 3 paired repeats includes 1).")
-    apart = stats.speed_ratio([50.0, 52.0], [100.0, 101.0])  # halved in both rounds: ln(0.5), ln(52/101)
-    half = 12.706205 * abs(math.log(0.5) - math.log(52 / 101)) / 2  # t(0.975, 1) * s / sqrt(2), s = |a - b| / sqrt(2)
+    assert (noisy.ratio, noisy.low, noisy.high) == pytest.approx(
+        (math.exp(mean), math.exp(mean - half), math.exp(mean + half)), rel=1e-6
+    )
+    assert stats.speed_verdict(noisy, "MHA") == (
+        f"Its cached decode speed is within noise of MHA's (the ratio's 95% "
+        f"interval {math.exp(mean - half):.2f}-{math.exp(mean + half):.2f}x "
+        f"over 3 paired repeats includes 1)."
+    )
+    apart = stats.speed_ratio(
+        [50.0, 52.0], [100.0, 101.0]
+    )  # halved in both rounds: ln(0.5), ln(52/101)
+    half = (
+        12.706205 * abs(math.log(0.5) - math.log(52 / 101)) / 2
+    )  # t(0.975, 1) * s / sqrt(2), s = |a - b| / sqrt(2)
     assert apart.low == pytest.approx(math.sqrt(0.5 * 52 / 101) * math.exp(-half), rel=1e-6)
     assert apart.separated and "ran at 0.51x MHA's speed" in stats.speed_verdict(apart, "MHA")
     once = stats.speed_ratio([50.0], [100.0, 90.0])  # one pair: no interval
     assert once.n == 1 and once.low is None and not once.separated
-    assert "in 1 repeat, with no interval: measure with --speed_repeats=3" in stats.speed_verdict(once, "MHA")
+    assert "in 1 repeat, with no interval: measure with --speed_repeats=3" in stats.speed_verdict(
+        once, "MHA"
+    )
     assert stats.speed_ratio([], [1.0]) is None
 
 
@@ -205,10 +316,22 @@ def final_val_loss(run_dir: Path) -> float:
 
 
 @pytest.mark.slow  # 9 train.py processes
-def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, tmp_path: Path) -> None:
+def test_sweep_over_seeds_with_params_match_and_conversions(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "cmp"
-    args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4,1]", "--seeds=2",
-            "--match=params", "--convert=True", "--convert_methods=[first]", "--uptrain_fractions=[0,0.5]"]
+    args = [
+        "compare.py",
+        f"--dataset={pycode_small}",
+        f"--out_dir={out}",
+        *SWEEP,
+        "--kv_heads=[4,1]",
+        "--seeds=2",
+        "--match=params",
+        "--convert=True",
+        "--convert_methods=[first]",
+        "--uptrain_fractions=[0,0.5]",
+    ]
     r = run([*args, "--kv_seq_len=100", "--kv_batch=3"], env={"WANDB_MODE": "disabled"})
     assert "[8/8] mha-to-mqa-first-u0.5-s1338 done in" in r.stdout and "left" in r.stdout
     rows = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
@@ -218,49 +341,92 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
         G, hidden = int(row["n_kv_head"]), int(row["mlp_hidden"])
         attn = 2 * D * D + 2 * D * D * G // H  # bias=False, the TrainConfig default
         assert int(row["attention_params"]) == L * attn
-        assert int(row["params"]) == L * (attn + 2 * D * hidden + 2 * D) + D + V * D + T * D  # learned positions
-        assert int(row["kv_bytes@40_bfloat16"]) == 2 * L * G * (D // H) * 2 * 40  # --decode_context=40
+        assert (
+            int(row["params"]) == L * (attn + 2 * D * hidden + 2 * D) + D + V * D + T * D
+        )  # learned positions
+        assert (
+            int(row["kv_bytes@40_bfloat16"]) == 2 * L * G * (D // H) * 2 * 40
+        )  # --decode_context=40
         assert int(row["kv_bytes@100x3"]) == 2 * L * 3 * G * 100 * (D // H) * 2
-        assert int(row["decode_repeats"]) == 2 and 0 < float(row["decode_tok_s_min"]) <= float(row["decode_tok_s"])
+        assert int(row["decode_repeats"]) == 2 and 0 < float(row["decode_tok_s_min"]) <= float(
+            row["decode_tok_s"]
+        )
         assert int(row["seeds"]) == 2
     assert int(rows["mha"]["mlp_hidden"]) == int(rows["mha-to-mqa-first-u0"]["mlp_hidden"]) == 4 * D
-    assert abs(int(rows["mqa-params"]["params"]) - int(rows["mha"]["params"])) <= 0.01 * int(rows["mha"]["params"])
+    assert abs(int(rows["mqa-params"]["params"]) - int(rows["mha"]["params"])) <= 0.01 * int(
+        rows["mha"]["params"]
+    )
     # the statistics, by hand from each run's own log: mean, t interval with 1 degree of freedom, paired difference
     finals = {name: [final_val_loss(out / f"{name}-s{s}") for s in (1337, 1338)] for name in rows}
     for name, (a, b) in finals.items():
         assert float(rows[name]["val_loss"]) == pytest.approx((a + b) / 2, rel=1e-12)
-        assert float(rows[name]["val_loss_ci95"]) == pytest.approx(T_975_1 * abs(a - b) / 2, rel=1e-6)
+        assert float(rows[name]["val_loss_ci95"]) == pytest.approx(
+            T_975_1 * abs(a - b) / 2, rel=1e-6
+        )
     d = [finals["mqa-params"][i] - finals["mha"][i] for i in (0, 1)]
     assert float(rows["mqa-params"]["diff_vs_mha"]) == pytest.approx(sum(d) / 2, rel=1e-9)
-    assert float(rows["mqa-params"]["diff_vs_mha_ci95"]) == pytest.approx(T_975_1 * abs(d[0] - d[1]) / 2, rel=1e-6)
+    assert float(rows["mqa-params"]["diff_vs_mha_ci95"]) == pytest.approx(
+        T_975_1 * abs(d[0] - d[1]) / 2, rel=1e-6
+    )
     # fraction 0: evaluated right after conversion, nothing trained or saved; the same model the 0.5 run starts from
     u0 = read_log(out / "mha-to-mqa-first-u0-s1337")
-    assert [e["iter"] for e in u0 if e["event"] == "eval"] == [0] and not [e for e in u0 if e["event"] == "train"]
+    assert [e["iter"] for e in u0 if e["event"] == "eval"] == [0] and not [
+        e for e in u0 if e["event"] == "train"
+    ]
     assert not (out / "mha-to-mqa-first-u0-s1337" / "ckpt.pt").exists()
     u5 = [e for e in read_log(out / "mha-to-mqa-first-u0.5-s1337") if e["event"] == "eval"]
-    assert [e["iter"] for e in u5] == [0, 15] and u5[0]["val_loss"] == finals["mha-to-mqa-first-u0"][0]
-    assert u5[-1]["val_loss"] == finals["mha-to-mqa-first-u0.5"][0]  # the uptrained model, not the first eval
+    assert [e["iter"] for e in u5] == [0, 15] and u5[0]["val_loss"] == finals[
+        "mha-to-mqa-first-u0"
+    ][0]
+    assert (
+        u5[-1]["val_loss"] == finals["mha-to-mqa-first-u0.5"][0]
+    )  # the uptrained model, not the first eval
     config = read_log(out / "mha-to-mqa-first-u0.5-s1338")[0]["config"]
-    assert config["convert_method"] == "first" and config["init_from"] == f"convert:{out / 'mha-s1338'}"
-    assert (config["max_iters"], config["lr_decay_iters"], config["warmup_iters"]) == (15, 15, 1)  # its own schedule
-    assert config["wandb_group"] == "cmp" and {"mha-to-mqa-first-u0.5", "seed=1338", "convert=first",
-                                               "uptrain=0.5"} <= set(config["wandb_tags"])
+    assert (
+        config["convert_method"] == "first"
+        and config["init_from"] == f"convert:{out / 'mha-s1338'}"
+    )
+    assert (config["max_iters"], config["lr_decay_iters"], config["warmup_iters"]) == (
+        15,
+        15,
+        1,
+    )  # its own schedule
+    assert config["wandb_group"] == "cmp" and {
+        "mha-to-mqa-first-u0.5",
+        "seed=1338",
+        "convert=first",
+        "uptrain=0.5",
+    } <= set(config["wandb_tags"])
     md = (out / "report.md").read_text()
-    assert "## 2x32" in md and "by method" in md and "by uptraining fraction" in md and "- mqa-params" in md
+    assert (
+        "## 2x32" in md
+        and "by method" in md
+        and "by uptraining fraction" in md
+        and "- mqa-params" in md
+    )
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     # the report alone reads the logs and the stored speeds: the same table, nothing measured again; with wandb
     # (offline here), its rows also go to one wandb Table in a run of the sweep's group
     before = (out / "report.csv").read_text()
-    r = run([*args, "--kv_seq_len=100", "--kv_batch=3", "--mode=report", "--wandb_log=True"],
-            env={"WANDB_MODE": "offline"}, fresh=True)
+    r = run(
+        [*args, "--kv_seq_len=100", "--kv_batch=3", "--mode=report", "--wandb_log=True"],
+        env={"WANDB_MODE": "offline"},
+        fresh=True,
+    )
     assert (out / "report.csv").read_text() == before and "decode speed of" not in r.stdout
-    tables = glob.glob(str(out / "wandb" / "offline-run-*" / "files" / "media" / "table" / "comparison*.table.json"))
+    tables = glob.glob(
+        str(
+            out / "wandb" / "offline-run-*" / "files" / "media" / "table" / "comparison*.table.json"
+        )
+    )
     assert len(tables) == 1
     table = json.loads(Path(tables[0]).read_text())
     assert [row[table["columns"].index("variant")] for row in table["data"]] == list(rows)
     assert "val_loss_ci95" in table["columns"] and "diff_vs_mha" in table["columns"]
     # run again: nothing trains; a run lost (folder deleted) is the only one made again
-    logs = {d.name: (d / "log.jsonl").read_text() for d in out.iterdir() if (d / "log.jsonl").is_file()}
+    logs = {
+        d.name: (d / "log.jsonl").read_text() for d in out.iterdir() if (d / "log.jsonl").is_file()
+    }
     r = run([*args, "--mode=plan"])
     assert "8 runs, 0 to run" in r.stdout
     r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
@@ -270,31 +436,49 @@ def test_sweep_over_seeds_with_params_match_and_conversions(pycode_small: Path, 
             f.unlink()
         d.rmdir()
     r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
-    assert r.stdout.count("$ python train.py") == 1 and f"--out_dir={out / 'mqa-params-s1338'}" in r.stdout
-    assert all((out / name / "log.jsonl").read_text() == log for name, log in logs.items()
-               if name != "mqa-params-s1338")
+    assert (
+        r.stdout.count("$ python train.py") == 1
+        and f"--out_dir={out / 'mqa-params-s1338'}" in r.stdout
+    )
+    assert all(
+        (out / name / "log.jsonl").read_text() == log
+        for name, log in logs.items()
+        if name != "mqa-params-s1338"
+    )
     # killed runs (a last line cut short, after the final evaluation; no evaluation yet) are left out of the report
     # with a line
     with open(out / "mha-s1338" / "log.jsonl", "a") as f:
         f.write('{"event": "eval", "iter": 4')
     mqa_log = out / "mqa-params-s1338" / "log.jsonl"
     mqa_log.write_text(mqa_log.read_text().splitlines()[0] + "\n")
-    shutil.copytree(out / "mha-s1337", out / "mha")  # the same run in an earlier sweep's folder: counted once
+    shutil.copytree(
+        out / "mha-s1337", out / "mha"
+    )  # the same run in an earlier sweep's folder: counted once
     r = run([*args, "--mode=report"])
-    assert (f"Left out of the report, unfinished: {out / 'mha-s1338'} (its log's last line is cut short (killed "
-            f"while writing it)); {out / 'mqa-params-s1338'} (no evaluation logged yet)") in r.stderr
-    assert f"two runs of mha at seed 1337: {out / 'mha'} left out, {out / 'mha-s1337'} kept" in r.stderr
+    assert (
+        f"Left out of the report, unfinished: {out / 'mha-s1338'} (its log's last line is cut short (killed "
+        f"while writing it)); {out / 'mqa-params-s1338'} (no evaluation logged yet)"
+    ) in r.stderr
+    assert (
+        f"two runs of mha at seed 1337: {out / 'mha'} left out, {out / 'mha-s1337'} kept"
+        in r.stderr
+    )
     again = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
     assert again["mqa-params"]["seeds"] == "1" and again["mqa-params"]["val_loss_ci95"] == ""
     assert again["mha"]["seeds"] == "1"
     mqa_log.write_text("")
     r = cli([*args, "--mode=report"])
-    assert r.returncode == 2 and r.stderr == f"error: {mqa_log} holds no run's config record: not a log written by " \
-                                             "train.py\n"
+    assert (
+        r.returncode == 2
+        and r.stderr
+        == f"error: {mqa_log} holds no run's config record: not a log written by train.py\n"
+    )
 
 
 @pytest.mark.slow  # 2 train.py processes
-def test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep(pycode_small: Path, tmp_path: Path) -> None:
+def test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """A kill while train.py wrote its final evaluation leaves the log's last line cut short and the checkpoint at
     max_iters: the sweep counts the run unfinished and evaluates that checkpoint again (resuming alone would find
     nothing to train), which gives the lost record back, the same number."""
@@ -305,15 +489,23 @@ def test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep(pycod
     lines = log.read_text().splitlines()
     final = json.loads(lines[-1])
     assert (final["event"], final["iter"]) == ("eval", 30)
-    log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:len(lines[-1]) // 2])  # cut in half
+    log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])  # cut in half
     assert "1 runs, 1 to run" in run([*args, "--mode=plan"]).stdout
     r = run(args, env={"WANDB_MODE": "disabled"})
     assert f"--out_dir={out / 'mha-s1337'} --init_from=resume --eval_only=True" in r.stdout
-    evals = read_run(out / "mha-s1337")["evals"]  # the same model's loss again (to float rounding: another process)
-    assert [e["iter"] for e in evals] == [0, 10, 20, 30] and evals[-1]["val_loss"] == pytest.approx(final["val_loss"],
-                                                                                                   abs=1e-4)
-    assert float(next(csv.DictReader(open(out / "report.csv")))["val_loss"]) == evals[-1]["val_loss"]
-    assert "1 of 1 runs already finished" in run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"}).stdout
+    evals = read_run(out / "mha-s1337")[
+        "evals"
+    ]  # the same model's loss again (to float rounding: another process)
+    assert [e["iter"] for e in evals] == [0, 10, 20, 30] and evals[-1]["val_loss"] == pytest.approx(
+        final["val_loss"], abs=1e-4
+    )
+    assert (
+        float(next(csv.DictReader(open(out / "report.csv")))["val_loss"]) == evals[-1]["val_loss"]
+    )
+    assert (
+        "1 of 1 runs already finished"
+        in run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"}).stdout
+    )
 
 
 def alive(pid: int) -> bool:
@@ -327,15 +519,25 @@ def alive(pid: int) -> bool:
 def start_sweep(args: list[str]) -> tuple[subprocess.Popen, int, str]:
     """compare.py with args in a process of its own, once its train.py child has logged training progress; that
     child's pid, and the output so far."""
-    p = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=os.environ | {"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"})
+    p = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"},
+    )
     head = ""
     for line in p.stdout:
         head += line
         if line.startswith("iter "):
             break
-    children = [int(d.name) for d in Path("/proc").glob("[0-9]*") if alive(int(d.name))
-                and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == p.pid]
+    children = [
+        int(d.name)
+        for d in Path("/proc").glob("[0-9]*")
+        if alive(int(d.name))
+        and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == p.pid
+    ]
     assert len(children) == 1, (children, p.poll(), head)
     return p, children[0], head
 
@@ -352,12 +554,22 @@ def stop_sweep(p: subprocess.Popen, child: int, sig: signal.Signals) -> tuple[st
 
 
 @pytest.mark.slow  # 5 processes
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds compare.py's train.py through /proc")
-def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resumes(pycode_small: Path,
-                                                                                   tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="finds compare.py's train.py through /proc"
+)
+def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resumes(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "cmp"
-    args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]",
-            "--max_iters=200", "--eval_interval=100"]
+    args = [
+        "compare.py",
+        f"--dataset={pycode_small}",
+        f"--out_dir={out}",
+        *SWEEP,
+        "--kv_heads=[4]",
+        "--max_iters=200",
+        "--eval_interval=100",
+    ]
     for sig in (signal.SIGTERM, signal.SIGINT):
         p, child, head = start_sweep(args)
         stdout, stderr = stop_sweep(p, child, sig)
@@ -365,9 +577,12 @@ def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resume
         assert p.returncode == 128 + sig and f"stopping on {sig.name} at iteration" in stdout
         assert [line for line in stderr.splitlines() if "stopped" in line] == [
             f"stopped by {sig.name} in {out / 'mha-s1337'} (run 1 of the 1 left): 0 of 1 runs finished; run the "
-            f"same command again to resume (a run cut short goes on from its checkpoint)"]
+            f"same command again to resume (a run cut short goes on from its checkpoint)"
+        ]
         assert not alive(child)
-        assert ("--init_from=resume" in stdout) == (sig == signal.SIGINT)  # the second sweep resumed the first's
+        assert ("--init_from=resume" in stdout) == (
+            sig == signal.SIGINT
+        )  # the second sweep resumed the first's
     r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
     assert f"--out_dir={out / 'mha-s1337'} --init_from=resume" in r.stdout
     assert [e["iter"] for e in read_run(out / "mha-s1337")["evals"]] == [0, 100, 200]
@@ -375,10 +590,21 @@ def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resume
 
 @pytest.mark.slow  # 2 processes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_killing_compare_ends_its_train_py_which_saves_first(pycode_small: Path, tmp_path: Path) -> None:
+def test_killing_compare_ends_its_train_py_which_saves_first(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "cmp"
-    p, child, _ = start_sweep(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]",
-                               "--max_iters=100000", "--eval_interval=100000"])  # minutes of training, unstopped
+    p, child, _ = start_sweep(
+        [
+            "compare.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={out}",
+            *SWEEP,
+            "--kv_heads=[4]",
+            "--max_iters=100000",
+            "--eval_interval=100000",
+        ]
+    )  # minutes of training, unstopped
     try:
         p.kill()
         p.wait(timeout=10)
@@ -391,57 +617,138 @@ def test_killing_compare_ends_its_train_py_which_saves_first(pycode_small: Path,
             os.kill(child, signal.SIGKILL)
         p.stdout.close()
         p.stderr.close()
-    assert 0 < load_checkpoint(out / "mha-s1337" / "ckpt.pt")["iter_num"] < 100000  # SIGTERM: it saved and ended
+    assert (
+        0 < load_checkpoint(out / "mha-s1337" / "ckpt.pt")["iter_num"] < 100000
+    )  # SIGTERM: it saved and ended
 
 
 def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_path: Path) -> None:
-    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[4,1]",
-             "--sizes=[tiny,1x16,3x48]", "--seeds=2", "--mode=plan"])
-    names = [line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")]
+    r = run(
+        [
+            "compare.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path / 'cmp'}",
+            *SWEEP,
+            "--kv_heads=[4,1]",
+            "--sizes=[tiny,1x16,3x48]",
+            "--seeds=2",
+            "--mode=plan",
+        ]
+    )
+    names = [
+        line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")
+    ]
     sizes = ("2x64", "1x16", "3x48")
-    assert names == [f"{size}-{v}-s{s}" for size in sizes for s in (1337, 1338) for v in ("mha", "mqa")]
+    assert names == [
+        f"{size}-{v}-s{s}" for size in sizes for s in (1337, 1338) for v in ("mha", "mqa")
+    ]
     assert "12 runs, 12 to run: about" in r.stdout and not (tmp_path / "cmp").exists()
-    r = run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[4]",
-             "--sizes=[(1,16),(2,64)]", "--mode=plan"])  # (n_layer, n_embd) pairs
+    r = run(
+        [
+            "compare.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path / 'cmp'}",
+            *SWEEP,
+            "--kv_heads=[4]",
+            "--sizes=[(1,16),(2,64)]",
+            "--mode=plan",
+        ]
+    )  # (n_layer, n_embd) pairs
     assert "| 1x16-mha-s1337 |" in r.stdout and "| 2x64-mha-s1337 |" in r.stdout
 
 
-def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_it(tmp_path: Path) -> None:
-    r = run(["compare.py", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[2,1]", "--mode=plan"])
-    assert r.stdout.startswith("no MHA in kv_heads=[2, 1] (n_head=4): the report compares these variants but shows no "
-                               "difference to MHA; add 4 to kv_heads for that\n")
+def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_it(
+    tmp_path: Path,
+) -> None:
+    r = run(
+        ["compare.py", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[2,1]", "--mode=plan"]
+    )
+    assert r.stdout.startswith(
+        "no MHA in kv_heads=[2, 1] (n_head=4): the report compares these variants but shows no "
+        "difference to MHA; add 4 to kv_heads for that\n"
+    )
     assert "2 runs, 2 to run" in r.stdout
 
 
-def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_costs(tmp_path: Path) -> None:
+def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_costs(
+    tmp_path: Path,
+) -> None:
     """--variants names each variant and its size; an MLA variant is trained with its kv_lora_rank, matched to MHA's
     parameters by its MLP like the others, converted from MHA by the SVD (no latent norm, no K/V pooling method),
     and listed by --mode=costs with its cache of kv_lora_rank + qk_rope_head_dim values a token and layer."""
     out = tmp_path / "cmp"
-    r = run(["compare.py", f"--out_dir={out}", *SWEEP, "--pos_encoding=rope", "--variants=[mha,gqa2,mla16]",
-             "--match=params", "--convert=True", "--uptrain_fractions=[0.1]", "--mode=plan"])
-    names = [line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")]
-    assert names == ["mha-s1337", "gqa2-params-s1337", "mla16-params-s1337", "mha-to-gqa2-mean-u0.1-s1337",
-                     "mha-to-mla16-svd-u0.1-s1337"]
-    train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))] + ["--pos_encoding=rope"]
+    r = run(
+        [
+            "compare.py",
+            f"--out_dir={out}",
+            *SWEEP,
+            "--pos_encoding=rope",
+            "--variants=[mha,gqa2,mla16]",
+            "--match=params",
+            "--convert=True",
+            "--uptrain_fractions=[0.1]",
+            "--mode=plan",
+        ]
+    )
+    names = [
+        line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")
+    ]
+    assert names == [
+        "mha-s1337",
+        "gqa2-params-s1337",
+        "mla16-params-s1337",
+        "mha-to-gqa2-mean-u0.1-s1337",
+        "mha-to-mla16-svd-u0.1-s1337",
+    ]
+    train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))] + [
+        "--pos_encoding=rope"
+    ]
     base = parse_config(TrainConfig, [f"--out_dir={out}", *train_args])
-    cfg = parse_config(CompareConfig, ["--variants=[mha,gqa2,mla16]", "--match=params", "--convert=True",
-                                       "--uptrain_fractions=[0.1]"])
+    cfg = parse_config(
+        CompareConfig,
+        [
+            "--variants=[mha,gqa2,mla16]",
+            "--match=params",
+            "--convert=True",
+            "--uptrain_fractions=[0.1]",
+        ],
+    )
     runs = {run.name: run for run in sweep.plan(cfg, base, 96, out)}
     mla = runs["mla16-params"]
     assert "--kv_lora_rank=16" in mla.args and mla.model.attention_kind == "MLA"
     with torch.device("meta"):
         mha_params = GPT(runs["mha"].model).num_params()
         assert abs(GPT(mla.model).num_params() - mha_params) <= 0.01 * mha_params
-    assert f"--mlp_hidden={mla.model.mlp_hidden}" in mla.args and mla.model.mlp_hidden != runs["mha"].model.mlp_hidden
+    assert (
+        f"--mlp_hidden={mla.model.mlp_hidden}" in mla.args
+        and mla.model.mlp_hidden != runs["mha"].model.mlp_hidden
+    )
     conv = runs["mha-to-mla16-svd-u0.1"]
-    assert {"--kv_lora_rank=16", "--latent_norm=False", f"--init_from=convert:{out / 'mha-s1337'}"} <= set(conv.args)
+    assert {
+        "--kv_lora_rank=16",
+        "--latent_norm=False",
+        f"--init_from=convert:{out / 'mha-s1337'}",
+    } <= set(conv.args)
     tags = next(a for a in conv.args if a.startswith("--wandb_tags="))
     assert not any(a.startswith("--convert_method") for a in conv.args) and "convert=svd" in tags
-    r = run(["compare.py", "--mode=costs", "--n_head=4", "--n_embd=32", "--n_layer=2", "--block_size=64",
-             "--vocab_size=50", "--pos_encoding=rope", "--variants=[mha,mla16]", "--kv_dtype=float32"])
+    r = run(
+        [
+            "compare.py",
+            "--mode=costs",
+            "--n_head=4",
+            "--n_embd=32",
+            "--n_layer=2",
+            "--block_size=64",
+            "--vocab_size=50",
+            "--pos_encoding=rope",
+            "--variants=[mha,mla16]",
+            "--kv_dtype=float32",
+        ]
+    )
     mla_row = next(line for line in r.stdout.splitlines() if "MLA (kv_lora_rank=16)" in line)
-    assert mla_row.split("|")[-2].strip() == str(round(2 * 64 * (16 + 4) * 4 / 2**20, 2))  # 2 layers, d_c + d_R
+    assert mla_row.split("|")[-2].strip() == str(
+        round(2 * 64 * (16 + 4) * 4 / 2**20, 2)
+    )  # 2 layers, d_c + d_R
 
 
 def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> None:
@@ -449,134 +756,288 @@ def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> Non
     layers of 4; a conversion is to an all-global variant only (a windowed one is trained from scratch)."""
     out = tmp_path / "cmp"
     variants = "--variants=[mha,gqa2,mha-sl8,gqa2-s4]"
-    r = run(["compare.py", f"--out_dir={out}", *SWEEP, "--n_layer=3", variants, "--convert=True",
-             "--uptrain_fractions=[0.1]", "--mode=plan"])
-    names = [line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")]
-    assert names == ["mha-s1337", "gqa2-s1337", "mha-sl8-s1337", "gqa2-s4-s1337", "mha-to-gqa2-mean-u0.1-s1337"]
+    r = run(
+        [
+            "compare.py",
+            f"--out_dir={out}",
+            *SWEEP,
+            "--n_layer=3",
+            variants,
+            "--convert=True",
+            "--uptrain_fractions=[0.1]",
+            "--mode=plan",
+        ]
+    )
+    names = [
+        line.split("|")[1].strip() for line in r.stdout.splitlines()[2:] if line.startswith("| ")
+    ]
+    assert names == [
+        "mha-s1337",
+        "gqa2-s1337",
+        "mha-sl8-s1337",
+        "gqa2-s4-s1337",
+        "mha-to-gqa2-mean-u0.1-s1337",
+    ]
     train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))] + ["--n_layer=3"]
     base = parse_config(TrainConfig, [f"--out_dir={out}", *train_args])
-    runs = {run.name: run for run in sweep.plan(parse_config(CompareConfig, [variants]), base, 96, out)}
-    assert runs["mha-sl8"].model.layer_windows == [8, None, None] and runs["mha"].model.layer_windows == [None] * 3
+    runs = {
+        run.name: run for run in sweep.plan(parse_config(CompareConfig, [variants]), base, 96, out)
+    }
+    assert (
+        runs["mha-sl8"].model.layer_windows == [8, None, None]
+        and runs["mha"].model.layer_windows == [None] * 3
+    )
     assert {"--n_kv_head=4", "--window=8", "--window_pattern=SL"} <= set(runs["mha-sl8"].args)
-    assert runs["gqa2-s4"].model.layer_windows == [4, 4, None] and runs["gqa2-s4"].model.n_kv_head == 2
+    assert (
+        runs["gqa2-s4"].model.layer_windows == [4, 4, None] and runs["gqa2-s4"].model.n_kv_head == 2
+    )
     assert not any(a.startswith("--window") for a in runs["gqa2"].args)
-    assert [sweep.variant_name(run.model) for run in runs.values()] == ["mha", "gqa2", "mha-sl8", "gqa2-s4"]
-    r = run(["compare.py", "--mode=costs", "--n_head=4", "--n_embd=32", "--n_layer=3", "--block_size=4096",
-             "--vocab_size=50", "--variants=[mha,mha-sl8]", "--kv_dtype=float32"])
+    assert [sweep.variant_name(run.model) for run in runs.values()] == [
+        "mha",
+        "gqa2",
+        "mha-sl8",
+        "gqa2-s4",
+    ]
+    r = run(
+        [
+            "compare.py",
+            "--mode=costs",
+            "--n_head=4",
+            "--n_embd=32",
+            "--n_layer=3",
+            "--block_size=4096",
+            "--vocab_size=50",
+            "--variants=[mha,mha-sl8]",
+            "--kv_dtype=float32",
+        ]
+    )
     row = next(line for line in r.stdout.splitlines() if "MHA, window 8 in SL" in line)
-    assert float(row.split("|")[-2]) == round((8 + 2 * 4096) * 2 * 4 * 8 * 4 / 2**20, 2) != 3  # 1 local, 2 global
+    assert (
+        float(row.split("|")[-2]) == round((8 + 2 * 4096) * 2 * 4 * 8 * 4 / 2**20, 2) != 3
+    )  # 1 local, 2 global
 
 
 @pytest.mark.slow  # 1 train.py process
-def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(pycode_small: Path,
-                                                                               tmp_path: Path) -> None:
+def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """The report's KV column (one sequence of decode_context = 40 tokens, bf16) counts the local layer's window of
     8 and the global layer's 40 positions; the decode speed is measured for the windowed shape itself."""
     out = tmp_path / "cmp"
-    run(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--variants=[mha-s8]",
-         "--max_iters=10"], env={"WANDB_MODE": "disabled"})
-    row, = csv.DictReader(open(out / "report.csv"))
+    run(
+        [
+            "compare.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={out}",
+            *SWEEP,
+            "--variants=[mha-s8]",
+            "--max_iters=10",
+        ],
+        env={"WANDB_MODE": "disabled"},
+    )
+    (row,) = csv.DictReader(open(out / "report.csv"))
     assert row["variant"] == "mha-s8" and int(row["decode_repeats"]) == 2
-    assert int(row["kv_bytes@40_bfloat16"]) == (8 + 40) * 2 * 4 * 8 * 2  # positions x K and V x heads x head_dim x 2
+    assert (
+        int(row["kv_bytes@40_bfloat16"]) == (8 + 40) * 2 * 4 * 8 * 2
+    )  # positions x K and V x heads x head_dim x 2
     assert read_log(out / "mha-s8-s1337")[0]["model_config"]["window"] == 8
-    assert [key for key in json.loads((out / "speed.json").read_text())] == ["2x32-h4-kv4-mlp128-learned-s8@40x2"]
+    assert [key for key in json.loads((out / "speed.json").read_text())] == [
+        "2x32-h4-kv4-mlp128-learned-s8@40x2"
+    ]
     assert "| mha-s8 |" in (out / "report.md").read_text()
 
 
-@pytest.mark.parametrize(("arg", "message"), [
-    ("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
-    ("--decode_steps=0", "decode_steps=0: must be positive"),
-    ("--kv_heads=[0]", "kv_heads=[0] must be positive"),
-    ("--seeds=0", "seeds=0: must be positive"),
-    ("--match=size", "match=['size'] must be width, params"),
-    ("--convert=True --convert_methods=[mean,best]", "convert_methods=['mean', 'best']: each must be one of mean"),
-    ("--convert=True --uptrain_fractions=[0,1.5]", "uptrain_fractions=[0.0, 1.5]: each must be in [0, 1]"),
-    ("--convert_methods=[first]", "convert_methods given without --convert=True"),
-    ("--convert=True --kv_heads=[2,1]", "kv_heads=[2, 1] must hold n_head=4"),
-    ("--sizes=[2x30]", "sizes: 2x30: invalid GPTConfig: n_embd=30 must be divisible by n_head=4"),
-    ("--sizes=[huge]", "sizes: 'huge' is neither n_layer x n_embd"),
-    ("--sizes=[0x64]", "sizes: '0x64' is neither n_layer x n_embd (two positive decimal integers"),  # not 100
-    ("--sizes=[(0,64)]", "sizes: [0, 64] is neither n_layer x n_embd (two positive decimal integers"),
-    ("--kv_heads=[2,2]", "kv_heads=[2, 2] lists 2 twice: each item names its own runs, so a repeat would train"),
-    ("--match=[width,width]", "match=['width', 'width'] lists width twice"),
-    ("--sizes=[mini,4x128]", "sizes=['mini', '4x128'] lists 4x128 twice"),
-    ("--convert=True --convert_methods=[mean,mean]", "convert_methods=['mean', 'mean'] lists mean twice"),
-    ("--convert=True --uptrain_fractions=[0.1,0.1]", "uptrain_fractions=[0.1, 0.1] lists 0.1 twice"),
-    ("--convert=True --uptrain_fractions=[0.1,0.11]", "uptrain_fractions=[0.1, 0.11] give 3 of max_iters=30 "
-                                                      "iterations twice"),
-    ("--n_head=6 --n_embd=48 --kv_heads=[6,4]", "n_head=6 must be divisible by n_kv_head=4"),
-    ("--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 --bias=True",
-     "match=params: no MLP width gives mqa at 1x4 MHA's"),
-    ("--variants=[mha,mla]", "variants: mla is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>"),
-    ("--variants=[mha,mha-x8,mha-s]", "variants: mha-x8, mha-s is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>, "
-                                      "each with -<window_pattern><window> for local layers or without"),
-    ("--variants=[mha,mha-ll8]", "window=8 with window_pattern='LL': no layer is local"),
-    ("--window=8 --window_pattern=SL", "window=8 in the base run: compare.py gives each variant its local layers by "
-                                       "name, e.g. --variants=[mha,mha-sl8]"),
-    ("--variants=[mha,gqa0,mla16]", "variants: gqa0 is not mha"),
-    ("--variants=[mha] --kv_heads=[4]", "kv_heads=[4] and variants=['mha']: give one of them"),
-    ("--variants=[mla16,mla16]", "variants=['mla16', 'mla16'] lists mla16 twice"),
-    ("--variants=[mha,gqa3]", "variants=['mha', 'gqa3'] at 2x32: invalid GPTConfig: n_head=4 must be divisible by "
-                              "n_kv_head=3"),
-    ("--variants=[mha,mla16] --pos_encoding=rope --n_embd=24 --n_head=4", "needs an even qk_rope_head_dim, got "
-                                                                           "qk_rope_head_dim=3"),
-    ("--convert=True --variants=[mqa,mla16]", "variants=['mqa', 'mla16'] must hold mha"),
-    ("--convert=True --variants=[mha,mla48] --pos_encoding=rope", "convert=True to mla48 at 2x32: kv_lora_rank=48 "
-                                                                   "exceeds n_embd=32"),
-    ("--convert=True --variants=[mha,mla16] --pos_encoding=rope --qk_rope_head_dim=6",
-     "qk_rope_head_dim=6 is an MLA key"),
-    # a name in another case says the case meant; two names of one model, or a name of another
-    ("--variants=[MQA,gqa2-S8]",
-     "variants: MQA, gqa2-S8: variant names are lower case: mqa, gqa2-s8"),
-    ("--variants=[mha,Mla16]", "variants: Mla16: variant names are lower case: mla16"),
-    ("--variants=[mqa,gqa1]",
-     "variants=['mqa', 'gqa1']: mqa and gqa1 are the same model at 2x32 (MQA, n_kv_head=1): "
-     "list one of them"),
-    ("--variants=[mha-s8,mha-sl8]",
-     "mha-s8 and mha-sl8 are the same model at 2x32 (MHA, n_kv_head=4, layer windows [8, None])"),
-    ("--variants=[gqa4,mqa]", "variants=['gqa4', 'mqa']: gqa4 is mha at n_head=4: name it mha"),
-    # a key that the names decide, or an MLA key, given to the base run: that key, and the names
-    ("--kv_lora_rank=16",
-     "kv_lora_rank=16 in the base run: compare.py makes MLA a variant of its own, named "
-     "mla<kv_lora_rank>, e.g. --variants=[mha,mla16]"),
-    ("--n_kv_head=2",
-     "n_kv_head=2 in the base run: compare.py gives each variant its K/V heads by name"),
-    ("--window_pattern=SSL",
-     "window_pattern='SSL' in the base run: compare.py gives each variant its local layers by "
-     "name, e.g. --variants=[mha,mha-ssl64]"),
-    ("--q_lora_rank=8 --variants=[mha,mla16]",
-     "q_lora_rank=8 is an MLA key, and compare.py's base run"),
-    ("--latent_norm=False", "latent_norm=False is an MLA key, and compare.py's base run"),
-    # what a run cannot train on, before the first: the dataset's tokens, final_evals
-    ("--vocab_size=10", "mha-s1337: the model's vocab_size=10 is smaller than dataset"),
-    ("--final_evals=[induction] --block_size=7", "mha-s1337: final_evals=['induction']: "),
-    ("--final_evals=[position,mqar] --mode=plan",
-     "mha-s1337: final_evals=['position', 'mqar']: the mqar task reads an MQAR dataset"),
-])
-def test_bad_sweep_settings_are_one_line_before_any_training(pycode_small: Path, tmp_path: Path, arg: str,
-                                                              message: str) -> None:
-    r = cli(["compare.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, *arg.split()])
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        ("--kv_dtype=bogus", "kv_dtype='bogus' must be"),
+        ("--decode_steps=0", "decode_steps=0: must be positive"),
+        ("--kv_heads=[0]", "kv_heads=[0] must be positive"),
+        ("--seeds=0", "seeds=0: must be positive"),
+        ("--match=size", "match=['size'] must be width, params"),
+        (
+            "--convert=True --convert_methods=[mean,best]",
+            "convert_methods=['mean', 'best']: each must be one of mean",
+        ),
+        (
+            "--convert=True --uptrain_fractions=[0,1.5]",
+            "uptrain_fractions=[0.0, 1.5]: each must be in [0, 1]",
+        ),
+        ("--convert_methods=[first]", "convert_methods given without --convert=True"),
+        ("--convert=True --kv_heads=[2,1]", "kv_heads=[2, 1] must hold n_head=4"),
+        (
+            "--sizes=[2x30]",
+            "sizes: 2x30: invalid GPTConfig: n_embd=30 must be divisible by n_head=4",
+        ),
+        ("--sizes=[huge]", "sizes: 'huge' is neither n_layer x n_embd"),
+        (
+            "--sizes=[0x64]",
+            "sizes: '0x64' is neither n_layer x n_embd (two positive decimal integers",
+        ),  # not 100
+        (
+            "--sizes=[(0,64)]",
+            "sizes: [0, 64] is neither n_layer x n_embd (two positive decimal integers",
+        ),
+        (
+            "--kv_heads=[2,2]",
+            "kv_heads=[2, 2] lists 2 twice: each item names its own runs, so a repeat would train",
+        ),
+        ("--match=[width,width]", "match=['width', 'width'] lists width twice"),
+        ("--sizes=[mini,4x128]", "sizes=['mini', '4x128'] lists 4x128 twice"),
+        (
+            "--convert=True --convert_methods=[mean,mean]",
+            "convert_methods=['mean', 'mean'] lists mean twice",
+        ),
+        (
+            "--convert=True --uptrain_fractions=[0.1,0.1]",
+            "uptrain_fractions=[0.1, 0.1] lists 0.1 twice",
+        ),
+        (
+            "--convert=True --uptrain_fractions=[0.1,0.11]",
+            "uptrain_fractions=[0.1, 0.11] give 3 of max_iters=30 iterations twice",
+        ),
+        ("--n_head=6 --n_embd=48 --kv_heads=[6,4]", "n_head=6 must be divisible by n_kv_head=4"),
+        (
+            "--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 --bias=True",
+            "match=params: no MLP width gives mqa at 1x4 MHA's",
+        ),
+        (
+            "--variants=[mha,mla]",
+            "variants: mla is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>",
+        ),
+        (
+            "--variants=[mha,mha-x8,mha-s]",
+            "variants: mha-x8, mha-s is not mha, gqa<n_kv_head>, mqa or mla<kv_lora_rank>, "
+            "each with -<window_pattern><window> for local layers or without",
+        ),
+        ("--variants=[mha,mha-ll8]", "window=8 with window_pattern='LL': no layer is local"),
+        (
+            "--window=8 --window_pattern=SL",
+            "window=8 in the base run: compare.py gives each variant its local layers by "
+            "name, e.g. --variants=[mha,mha-sl8]",
+        ),
+        ("--variants=[mha,gqa0,mla16]", "variants: gqa0 is not mha"),
+        ("--variants=[mha] --kv_heads=[4]", "kv_heads=[4] and variants=['mha']: give one of them"),
+        ("--variants=[mla16,mla16]", "variants=['mla16', 'mla16'] lists mla16 twice"),
+        (
+            "--variants=[mha,gqa3]",
+            "variants=['mha', 'gqa3'] at 2x32: invalid GPTConfig: n_head=4 must be divisible by "
+            "n_kv_head=3",
+        ),
+        (
+            "--variants=[mha,mla16] --pos_encoding=rope --n_embd=24 --n_head=4",
+            "needs an even qk_rope_head_dim, got qk_rope_head_dim=3",
+        ),
+        ("--convert=True --variants=[mqa,mla16]", "variants=['mqa', 'mla16'] must hold mha"),
+        (
+            "--convert=True --variants=[mha,mla48] --pos_encoding=rope",
+            "convert=True to mla48 at 2x32: kv_lora_rank=48 exceeds n_embd=32",
+        ),
+        (
+            "--convert=True --variants=[mha,mla16] --pos_encoding=rope --qk_rope_head_dim=6",
+            "qk_rope_head_dim=6 is an MLA key",
+        ),
+        # a name in another case says the case meant; two names of one model, or a name of another
+        (
+            "--variants=[MQA,gqa2-S8]",
+            "variants: MQA, gqa2-S8: variant names are lower case: mqa, gqa2-s8",
+        ),
+        ("--variants=[mha,Mla16]", "variants: Mla16: variant names are lower case: mla16"),
+        (
+            "--variants=[mqa,gqa1]",
+            "variants=['mqa', 'gqa1']: mqa and gqa1 are the same model at 2x32 (MQA, n_kv_head=1): "
+            "list one of them",
+        ),
+        (
+            "--variants=[mha-s8,mha-sl8]",
+            "mha-s8 and mha-sl8 are the same model at 2x32 (MHA, n_kv_head=4, layer windows [8, None])",
+        ),
+        ("--variants=[gqa4,mqa]", "variants=['gqa4', 'mqa']: gqa4 is mha at n_head=4: name it mha"),
+        # a key that the names decide, or an MLA key, given to the base run: that key, and the names
+        (
+            "--kv_lora_rank=16",
+            "kv_lora_rank=16 in the base run: compare.py makes MLA a variant of its own, named "
+            "mla<kv_lora_rank>, e.g. --variants=[mha,mla16]",
+        ),
+        (
+            "--n_kv_head=2",
+            "n_kv_head=2 in the base run: compare.py gives each variant its K/V heads by name",
+        ),
+        (
+            "--window_pattern=SSL",
+            "window_pattern='SSL' in the base run: compare.py gives each variant its local layers by "
+            "name, e.g. --variants=[mha,mha-ssl64]",
+        ),
+        (
+            "--q_lora_rank=8 --variants=[mha,mla16]",
+            "q_lora_rank=8 is an MLA key, and compare.py's base run",
+        ),
+        ("--latent_norm=False", "latent_norm=False is an MLA key, and compare.py's base run"),
+        # what a run cannot train on, before the first: the dataset's tokens, final_evals
+        ("--vocab_size=10", "mha-s1337: the model's vocab_size=10 is smaller than dataset"),
+        ("--final_evals=[induction] --block_size=7", "mha-s1337: final_evals=['induction']: "),
+        (
+            "--final_evals=[position,mqar] --mode=plan",
+            "mha-s1337: final_evals=['position', 'mqar']: the mqar task reads an MQAR dataset",
+        ),
+    ],
+)
+def test_bad_sweep_settings_are_one_line_before_any_training(
+    pycode_small: Path, tmp_path: Path, arg: str, message: str
+) -> None:
+    r = cli(
+        [
+            "compare.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path / 'cmp'}",
+            *SWEEP,
+            *arg.split(),
+        ]
+    )
     assert r.returncode == 2 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
     assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "cmp").exists()
 
 
-@pytest.mark.parametrize(("kv_dtype", "nbytes"), [(None, 2), ("float32", 4)])  # the default: bfloat16
+@pytest.mark.parametrize(
+    ("kv_dtype", "nbytes"), [(None, 2), ("float32", 4)]
+)  # the default: bfloat16
 def test_costs_table_lists_every_divisor(kv_dtype: str | None, nbytes: int) -> None:
     """Every column of every n_kv_head that divides n_head, against closed forms written out here (no bias, learned
     positions, the MLP 4 wide, lm_head tied to the token embedding)."""
     D, H, L, V, T = 384, 6, 2, 1000, 1024
-    r = run(["compare.py", "--mode=costs", f"--n_head={H}", f"--n_embd={D}", f"--n_layer={L}", f"--block_size={T}",
-             f"--vocab_size={V}", *([f"--kv_dtype={kv_dtype}"] * bool(kv_dtype))])
-    lines = [[c.strip() for c in line.split("|")[1:-1]] for line in r.stdout.splitlines() if line.startswith("|")]
+    r = run(
+        [
+            "compare.py",
+            "--mode=costs",
+            f"--n_head={H}",
+            f"--n_embd={D}",
+            f"--n_layer={L}",
+            f"--block_size={T}",
+            f"--vocab_size={V}",
+            *([f"--kv_dtype={kv_dtype}"] * bool(kv_dtype)),
+        ]
+    )
+    lines = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in r.stdout.splitlines()
+        if line.startswith("|")
+    ]
     header, rows = lines[0], [dict(zip(lines[0], cells, strict=True)) for cells in lines[2:]]
     kv_column = f"KV cache/sequence @ {T} ({kv_dtype or 'bfloat16'}, MiB)"
     assert header == ["n_kv_head", "kind", "params (M)", "attention params/layer", kv_column]
-    assert [(row["n_kv_head"], row["kind"]) for row in rows] == [("6", "MHA"), ("3", "GQA"), ("2", "GQA"), ("1", "MQA")]
+    assert [(row["n_kv_head"], row["kind"]) for row in rows] == [
+        ("6", "MHA"),
+        ("3", "GQA"),
+        ("2", "GQA"),
+        ("1", "MQA"),
+    ]
     hd = D // H
     for row in rows:
         G = int(row["n_kv_head"])
         attn = 2 * D * D + 2 * D * G * hd  # c_q and c_proj, then c_k and c_v over G heads
-        params = V * D + T * D + L * (2 * D + attn + 2 * D * 4 * D) + D  # wte, wpe, blocks (2 LayerNorms), ln_f
+        params = (
+            V * D + T * D + L * (2 * D + attn + 2 * D * 4 * D) + D
+        )  # wte, wpe, blocks (2 LayerNorms), ln_f
         kv = 2 * L * 1 * G * T * hd * nbytes  # K and V, every layer, one sequence of T positions
         assert int(row["attention params/layer"].replace(",", "")) == attn
         assert float(row["params (M)"]) == round(params / 1e6, 2)
@@ -590,26 +1051,50 @@ def trained_run(folder: Path, dataset: Path, iters: int, **schedule: object) -> 
     cfg = parse_config(TrainConfig, [f"--dataset={dataset}", *train_args])
     cfg = dataclasses.replace(cfg, out_dir=str(folder), **schedule)
     folder.mkdir(parents=True)
-    save_checkpoint(folder / "ckpt.pt", tiny_model(), iter_num=iters,
-                    config=dataclasses.asdict(cfg), data_meta=load_meta(dataset))
+    save_checkpoint(
+        folder / "ckpt.pt",
+        tiny_model(),
+        iter_num=iters,
+        config=dataclasses.asdict(cfg),
+        data_meta=load_meta(dataset),
+    )
     return (folder / "ckpt.pt").read_bytes()
 
 
-@pytest.mark.parametrize(("flags", "was", "now"), [
-    (["--max_iters=60"], "max_iters=30", "max_iters=60"),  # trained on: its lr would rise again
-    (["--max_iters=20"], "max_iters=30", "max_iters=20"),  # its final model past the budget
-    (["--warmup_iters=10"], "warmup_iters=5", "warmup_iters=10"),  # the same budget, not schedule
-    (["--lr_decay_iters=30", "--max_iters=30"], "lr_decay_iters=5000", "lr_decay_iters=30")])
+@pytest.mark.parametrize(
+    ("flags", "was", "now"),
+    [
+        (["--max_iters=60"], "max_iters=30", "max_iters=60"),  # trained on: its lr would rise again
+        (["--max_iters=20"], "max_iters=30", "max_iters=20"),  # its final model past the budget
+        (
+            ["--warmup_iters=10"],
+            "warmup_iters=5",
+            "warmup_iters=10",
+        ),  # the same budget, not schedule
+        (["--lr_decay_iters=30", "--max_iters=30"], "lr_decay_iters=5000", "lr_decay_iters=30"),
+    ],
+)
 def test_a_sweep_over_runs_trained_at_another_budget_is_refused_before_any_training(
-        pycode_small: Path, tmp_path: Path, flags: list[str], was: str, now: str) -> None:
+    pycode_small: Path, tmp_path: Path, flags: list[str], was: str, now: str
+) -> None:
     out = tmp_path / "cmp"
     before = trained_run(out / "mha-s1337", pycode_small, 30)
-    r = cli(["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP,
-             "--kv_heads=[4,1]", *flags])
+    r = cli(
+        [
+            "compare.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={out}",
+            *SWEEP,
+            "--kv_heads=[4,1]",
+            *flags,
+        ]
+    )
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
-    assert r.stderr.startswith(f"error: mha-s1337 has a checkpoint of another budget (mha-s1337: "
-                               f"{was}; this sweep: {now}): resumed, a run would change its "
-                               f"learning-rate schedule midway")
+    assert r.stderr.startswith(
+        f"error: mha-s1337 has a checkpoint of another budget (mha-s1337: "
+        f"{was}; this sweep: {now}): resumed, a run would change its "
+        f"learning-rate schedule midway"
+    )
     assert "use another out_dir, or --extend=True to train such runs on to this budget" in r.stderr
     assert "$ python train.py" not in r.stdout
     assert (out / "mha-s1337" / "ckpt.pt").read_bytes() == before
@@ -617,7 +1102,8 @@ def test_a_sweep_over_runs_trained_at_another_budget_is_refused_before_any_train
 
 
 def test_extend_trains_runs_on_but_never_shortens_one_or_keeps_a_stale_conversion(
-        pycode_small: Path, tmp_path: Path) -> None:
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """--extend=True plans to resume a run trained for fewer iterations (nothing refused), and
     refuses a run trained past max_iters and conversions made of a model it would train on."""
     import compare
@@ -632,8 +1118,10 @@ def test_extend_trains_runs_on_but_never_shortens_one_or_keeps_a_stale_conversio
         compare.check_runs(cfg, base, sweep.plan(cfg, base, 95, out))
 
     check("--kv_heads=[4,1]", "--max_iters=60", "--extend=True")
-    shorter = ("extend=True trains runs on, and mha-s1337 is at iteration 30, past max_iters=20: "
-               "use another out_dir for a shorter budget")
+    shorter = (
+        "extend=True trains runs on, and mha-s1337 is at iteration 30, past max_iters=20: "
+        "use another out_dir for a shorter budget"
+    )
     with pytest.raises(UserError, match=shorter):
         check("--kv_heads=[4,1]", "--max_iters=20", "--extend=True")
     converted = out / "mha-to-mqa-mean-u0-s1337"
@@ -641,7 +1129,9 @@ def test_extend_trains_runs_on_but_never_shortens_one_or_keeps_a_stale_conversio
     (converted / "log.jsonl").write_text("")
     conversion = ["--kv_heads=[4,1]", "--convert=True", "--uptrain_fractions=[0]"]
     check(*conversion)  # the same budget: nothing to refuse
-    stale = ("extend=True trains on the models that mha-to-mqa-mean-u0-s1337 converted at their "
-             "old budget: delete those folders")
+    stale = (
+        "extend=True trains on the models that mha-to-mqa-mean-u0-s1337 converted at their "
+        "old budget: delete those folders"
+    )
     with pytest.raises(UserError, match=stale):
         check(*conversion, "--max_iters=60", "--extend=True")

@@ -81,14 +81,24 @@ def test_a_lower_rank_is_the_truncated_svd_of_each_heads_keys_and_values(pos_enc
     scale = math.sqrt((HD + rope_dim) / HD)
     for old, new in zip(m.transformer.h, c.transformer.h, strict=True):
         kv_a, kv_b = new.attn.kv_a.weight, new.attn.kv_b.weight
-        torch.testing.assert_close(kv_b @ kv_a[:12], truncated(stacked(old.attn, nope), 12), rtol=0, atol=ATOL)
+        torch.testing.assert_close(
+            kv_b @ kv_a[:12], truncated(stacked(old.attn, nope), 12), rtol=0, atol=ATOL
+        )
         k, q = heads(old.attn.c_k.weight), heads(old.attn.c_q.weight)
         new_q = new.attn.c_q.weight.view(H, HD + rope_dim, C)
-        torch.testing.assert_close(kv_a[12:], k[:, rope].mean(0), rtol=0, atol=0)  # the heads' rotary keys pooled
-        torch.testing.assert_close(new_q[:, HD:], scale * q[:, rope], rtol=0, atol=1e-6)  # each head's rotary query
-        torch.testing.assert_close(new_q[:, :len(nope)], scale * q[:, nope], rtol=0, atol=1e-6)
-        assert not new_q[:, len(nope):HD].any()  # the NoPE query's padding meets the key's zero rows
-        torch.testing.assert_close(new.attn.kv_a.bias[12:], heads(old.attn.c_k.bias)[:, rope].mean(0))
+        torch.testing.assert_close(
+            kv_a[12:], k[:, rope].mean(0), rtol=0, atol=0
+        )  # the heads' rotary keys pooled
+        torch.testing.assert_close(
+            new_q[:, HD:], scale * q[:, rope], rtol=0, atol=1e-6
+        )  # each head's rotary query
+        torch.testing.assert_close(new_q[:, : len(nope)], scale * q[:, nope], rtol=0, atol=1e-6)
+        assert not new_q[
+            :, len(nope) : HD
+        ].any()  # the NoPE query's padding meets the key's zero rows
+        torch.testing.assert_close(
+            new.attn.kv_a.bias[12:], heads(old.attn.c_k.bias)[:, rope].mean(0)
+        )
         assert not new.attn.kv_a.bias[:12].any()
 
 
@@ -132,22 +142,39 @@ def test_a_rotary_models_loss_after_conversion_is_finite(capsys: pytest.CaptureF
     idx = torch.randint(0, 61, (4, 32), generator=torch.Generator().manual_seed(1))
     losses = {"MHA": m(idx, targets=idx)[1].item()}
     for rank, rope_dim in ((32, 4), (16, 4), (16, 2), (8, 4)):
-        losses[f"r{rank}-d{rope_dim}"] = to_latent(m, rank, rope_dim).eval()(idx, targets=idx)[1].item()
+        losses[f"r{rank}-d{rope_dim}"] = (
+            to_latent(m, rank, rope_dim).eval()(idx, targets=idx)[1].item()
+        )
     with capsys.disabled():
-        print("\nloss of a random rotary model, converted:", {k: round(v, 4) for k, v in losses.items()})
+        print(
+            "\nloss of a random rotary model, converted:",
+            {k: round(v, 4) for k, v in losses.items()},
+        )
     assert all(math.isfinite(v) for v in losses.values())
 
 
-@pytest.mark.parametrize(("call", "message"), [
-    (lambda: to_latent(tiny_model(2), 16), "MLA conversion starts from an MHA model, and this one is GQA "
-                                            "(n_head=4, n_kv_head=2): convert the MHA run instead"),
-    (lambda: to_latent(tiny_model(None, "rope"), 16, 6), "qk_rope_head_dim=6 does not divide head_dim=8: MLA's "
-                                                          "rotary frequencies are MHA's only for one of [2, 4, 8]"),
-    (lambda: to_latent(tiny_model(None), 0), "kv_lora_rank=0 must be a positive integer"),
-    (lambda: to_latent(tiny_model(None), 33), "kv_lora_rank=33 exceeds n_embd=32"),
-    (lambda: to_latent(tiny_model(None, "learned"), 16, 4), "qk_rope_head_dim=4 must be a positive integer with "
-                                                             "pos_encoding='rope', 0 with 'learned'"),
-])
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda: to_latent(tiny_model(2), 16),
+            "MLA conversion starts from an MHA model, and this one is GQA "
+            "(n_head=4, n_kv_head=2): convert the MHA run instead",
+        ),
+        (
+            lambda: to_latent(tiny_model(None, "rope"), 16, 6),
+            "qk_rope_head_dim=6 does not divide head_dim=8: MLA's "
+            "rotary frequencies are MHA's only for one of [2, 4, 8]",
+        ),
+        (lambda: to_latent(tiny_model(None), 0), "kv_lora_rank=0 must be a positive integer"),
+        (lambda: to_latent(tiny_model(None), 33), "kv_lora_rank=33 exceeds n_embd=32"),
+        (
+            lambda: to_latent(tiny_model(None, "learned"), 16, 4),
+            "qk_rope_head_dim=4 must be a positive integer with "
+            "pos_encoding='rope', 0 with 'learned'",
+        ),
+    ],
+)
 def test_what_cannot_be_converted_is_one_line(call: object, message: str) -> None:
     with pytest.raises(UserError) as e:
         call()
@@ -158,17 +185,42 @@ def test_what_cannot_be_converted_is_one_line(call: object, message: str) -> Non
 def mha_run(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny rotary MHA run, 20 iterations."""
     out = tmp_path_factory.mktemp("mha")
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--pos_encoding=rope",
-         "--max_iters=20", "--eval_interval=20", "--always_save_checkpoint=True"])
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={out}",
+            *TINY_TRAIN,
+            "--pos_encoding=rope",
+            "--max_iters=20",
+            "--eval_interval=20",
+            "--always_save_checkpoint=True",
+        ]
+    )
     return out
 
 
-def test_a_run_converted_to_mla_starts_from_the_converted_model_trains_and_resumes(pycode_small: Path,
-                                                                                    mha_run: Path,
-                                                                                    tmp_path: Path) -> None:
-    convert = [f"--init_from=convert:{mha_run}", "--kv_lora_rank=16", "--qk_rope_head_dim=4", "--latent_norm=False"]
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN, *convert, "--max_iters=10",
-         "--eval_interval=10", "--always_save_checkpoint=True"])
+def test_a_run_converted_to_mla_starts_from_the_converted_model_trains_and_resumes(
+    pycode_small: Path, mha_run: Path, tmp_path: Path
+) -> None:
+    convert = [
+        f"--init_from=convert:{mha_run}",
+        "--kv_lora_rank=16",
+        "--qk_rope_head_dim=4",
+        "--latent_norm=False",
+    ]
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path}",
+            *TINY_TRAIN,
+            *convert,
+            "--max_iters=10",
+            "--eval_interval=10",
+            "--always_save_checkpoint=True",
+        ]
+    )
     converted = to_latent(model_from_checkpoint(load_checkpoint(mha_run / "ckpt.pt")), 16, 4)
     expected = evaluate(converted, Batches(pycode_small, 32, 8, 1337, "cpu"), 4, nullcontext())
     evals = [r for r in read_log(tmp_path) if r["event"] == "eval"]
@@ -177,25 +229,62 @@ def test_a_run_converted_to_mla_starts_from_the_converted_model_trains_and_resum
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
     assert ckpt["iter_num"] == 10 and ckpt["model_config"]["kv_lora_rank"] == 16
     assert ckpt["model_config"]["latent_norm"] is False and ckpt["config"]["latent_norm"] is False
-    assert not torch.equal(ckpt["model"]["transformer.h.0.attn.kv_b.weight"], converted.state_dict()[
-        "transformer.h.0.attn.kv_b.weight"])  # it trained
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", "--init_from=resume", "--max_iters=20",
-         "--eval_interval=10", "--always_save_checkpoint=True"])
+    assert not torch.equal(
+        ckpt["model"]["transformer.h.0.attn.kv_b.weight"],
+        converted.state_dict()["transformer.h.0.attn.kv_b.weight"],
+    )  # it trained
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path}",
+            "--init_from=resume",
+            "--max_iters=20",
+            "--eval_interval=10",
+            "--always_save_checkpoint=True",
+        ]
+    )
     assert load_checkpoint(tmp_path / "ckpt.pt")["iter_num"] == 20
     resumed = [r for r in read_log(tmp_path) if r["event"] == "eval"][2:]
-    assert [r["iter"] for r in resumed] == [10, 20] and abs(resumed[0]["val_loss"] - evals[1]["val_loss"]) < 1e-6
+    assert [r["iter"] for r in resumed] == [10, 20] and abs(
+        resumed[0]["val_loss"] - evals[1]["val_loss"]
+    ) < 1e-6
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    (["--kv_lora_rank=16"], "gives a model without the latent's RMSNorm: add --latent_norm=False"),
-    (["--kv_lora_rank=16", "--latent_norm=False", "--qk_rope_head_dim=6"], "qk_rope_head_dim=6 does not divide"),
-    (["--kv_lora_rank=0", "--latent_norm=False"], "kv_lora_rank=0 must be a positive integer"),
-    (["--kv_lora_rank=16", "--latent_norm=False", "--convert_method=first"], "convert_method='first' pools K/V"),
-    (["--kv_lora_rank=16", "--latent_norm=False", "--q_lora_rank=8"], "q_lora_rank: checkpoint None, config 8"),
-])
-def test_a_conversion_train_py_cannot_make_is_one_line(pycode_small: Path, mha_run: Path, tmp_path: Path,
-                                                       extra: list[str], message: str) -> None:
-    r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={tmp_path}", *TINY_TRAIN,
-             f"--init_from=convert:{mha_run}", *extra])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--kv_lora_rank=16"],
+            "gives a model without the latent's RMSNorm: add --latent_norm=False",
+        ),
+        (
+            ["--kv_lora_rank=16", "--latent_norm=False", "--qk_rope_head_dim=6"],
+            "qk_rope_head_dim=6 does not divide",
+        ),
+        (["--kv_lora_rank=0", "--latent_norm=False"], "kv_lora_rank=0 must be a positive integer"),
+        (
+            ["--kv_lora_rank=16", "--latent_norm=False", "--convert_method=first"],
+            "convert_method='first' pools K/V",
+        ),
+        (
+            ["--kv_lora_rank=16", "--latent_norm=False", "--q_lora_rank=8"],
+            "q_lora_rank: checkpoint None, config 8",
+        ),
+    ],
+)
+def test_a_conversion_train_py_cannot_make_is_one_line(
+    pycode_small: Path, mha_run: Path, tmp_path: Path, extra: list[str], message: str
+) -> None:
+    r = cli(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path}",
+            *TINY_TRAIN,
+            f"--init_from=convert:{mha_run}",
+            *extra,
+        ]
+    )
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and message in r.stderr, r.stderr
     assert not (tmp_path / "ckpt.pt").exists()

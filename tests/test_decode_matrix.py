@@ -23,13 +23,15 @@ LLAMA = dict(norm="rmsnorm", mlp="swiglu", bias=False, pos_encoding="rope")  # M
 # Each kind as it exports: Starcoder2 (MHA, GQA), GPTBigCode (MQA), DeepseekV3 (MLA), GraniteSWA
 # (local layers); no stock class holds MLA with local layers. The int8 products take rows of
 # other widths than 16's multiples too: the Llama block's SwiGLU (88 wide), MLA-q's latent (12).
-KINDS = {"MHA": dict(n_kv_head=4, pos_encoding="rope"),
-         "GQA": dict(n_kv_head=2, pos_encoding="rope"),
-         "MQA": dict(n_kv_head=1),
-         "MLA": LLAMA | dict(kv_lora_rank=8),
-         "MLA-q": LLAMA | dict(kv_lora_rank=8, q_lora_rank=12),
-         "window": LLAMA | dict(n_kv_head=1, window=8, window_pattern="SL"),
-         "MLA-window": LLAMA | dict(kv_lora_rank=8, window=8, window_pattern="SL")}
+KINDS = {
+    "MHA": dict(n_kv_head=4, pos_encoding="rope"),
+    "GQA": dict(n_kv_head=2, pos_encoding="rope"),
+    "MQA": dict(n_kv_head=1),
+    "MLA": LLAMA | dict(kv_lora_rank=8),
+    "MLA-q": LLAMA | dict(kv_lora_rank=8, q_lora_rank=12),
+    "window": LLAMA | dict(n_kv_head=1, window=8, window_pattern="SL"),
+    "MLA-window": LLAMA | dict(kv_lora_rank=8, window=8, window_pattern="SL"),
+}
 CHARS = list(string.printable[:61])  # the tokenizer of the run sample.py reads: a token a character
 
 
@@ -68,12 +70,12 @@ def cached_logits(m: GPT, idx: torch.Tensor, prefill: int) -> torch.Tensor:
     cache = m.make_kv_cache(idx.size(0), idx.size(1))
     m(idx[:, :prefill], kv_cache=cache)
     steps = range(prefill, idx.size(1))
-    return torch.cat([m(idx[:, t:t + 1], kv_cache=cache)[0] for t in steps], dim=1)
+    return torch.cat([m(idx[:, t : t + 1], kv_cache=cache)[0] for t in steps], dim=1)
 
 
 def recomputed_logits(m: GPT, idx: torch.Tensor, prefill: int) -> torch.Tensor:
     """cached_logits' oracle: each step's prefix recomputed whole, without a cache."""
-    return torch.cat([m(idx[:, :t + 1])[0] for t in range(prefill, idx.size(1))], dim=1)
+    return torch.cat([m(idx[:, : t + 1])[0] for t in range(prefill, idx.size(1))], dim=1)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -121,7 +123,8 @@ def test_int8_products_are_the_float_ones_at_any_width(width: int) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_int8_decoding_through_the_cache_follows_the_float_model(
-        kind: str, models: dict[str, GPT], int8_models: dict[str, GPT]) -> None:
+    kind: str, models: dict[str, GPT], int8_models: dict[str, GPT]
+) -> None:
     """Through the cache (MLA's absorbed step), int8 logits are within int8 rounding of the float
     model's (test_quantize's bound, on a model as initialised) and of their own recomputed without
     a cache (MLA's unabsorbed step; bf16 activations, so not fp32's 1e-5); on a lively model, whose
@@ -145,7 +148,8 @@ def test_int8_decoding_through_the_cache_follows_the_float_model(
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_padded_batch_decodes_what_each_prompt_does_alone(
-        kind: str, int8: bool, models: dict[str, GPT], int8_models: dict[str, GPT]) -> None:
+    kind: str, int8: bool, models: dict[str, GPT], int8_models: dict[str, GPT]
+) -> None:
     """Prompts of 9, 3 and 14 tokens left-padded into one batch, 24 greedy tokens (the longest
     row's window slides past block_size 32): each row's are its prompt's alone, float or int8."""
     m = (int8_models if int8 else models)[kind]
@@ -165,8 +169,9 @@ def exported(model: GPT, folder: Path) -> GPT:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_an_hf_folder_decodes_what_its_run_does(kind: str, models: dict[str, GPT],
-                                               tmp_path: Path) -> None:
+def test_an_hf_folder_decodes_what_its_run_does(
+    kind: str, models: dict[str, GPT], tmp_path: Path
+) -> None:
     """Exported and loaded back (hf:), each kind that a stock class holds decodes its run's greedy
     tokens, past block_size; MLA with local layers, which none holds, is refused in one line."""
     m = models[kind]
@@ -184,7 +189,8 @@ def test_an_hf_folder_decodes_what_its_run_does(kind: str, models: dict[str, GPT
 
 
 def test_an_hf_folder_decodes_what_its_run_does_with_int8(
-        models: dict[str, GPT], int8_models: dict[str, GPT], tmp_path: Path) -> None:
+    models: dict[str, GPT], int8_models: dict[str, GPT], tmp_path: Path
+) -> None:
     """The same with int8 weights, for MLA with a query latent: the folder's model quantized decodes
     the run's int8 tokens (MLA's latent rows come back to within a float rounding, which the int8
     weights and bf16 scales round away)."""
@@ -199,10 +205,13 @@ def test_an_hf_folder_decodes_what_its_run_does_with_int8(
 # Two compiled steps, both new to the suite (test_generate's and test_quantize's are fp32 MHA, GQA
 # and MLA, and int8 MHA): int8 MLA with a query latent at batch 1 (sample.py's below, which loads
 # it) and int8 local layers (their ring an input of the step) at batch 2.
-@pytest.mark.parametrize(("kind", "batch"), [pytest.param("MLA-q", 1, marks=COMPILES),
-                                             pytest.param("window", 2, marks=COMPILES_2)])
-def test_the_compiled_int8_step_decodes_the_greedy_tokens(kind: str, batch: int,
-                                                          int8_models: dict[str, GPT]) -> None:
+@pytest.mark.parametrize(
+    ("kind", "batch"),
+    [pytest.param("MLA-q", 1, marks=COMPILES), pytest.param("window", 2, marks=COMPILES_2)],
+)
+def test_the_compiled_int8_step_decodes_the_greedy_tokens(
+    kind: str, batch: int, int8_models: dict[str, GPT]
+) -> None:
     """compile_step=True with int8 weights (their products in inductor's GEMM template, MLA's kv_b
     read as a float matrix), compiled once, decodes the greedy tokens past block_size."""
     q = int8_models[kind]
@@ -216,8 +225,9 @@ def test_the_compiled_int8_step_decodes_the_greedy_tokens(kind: str, batch: int,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_cuda_graph_step_decodes_the_greedy_tokens(kind: str, int8: bool,
-                                                       models: dict[str, GPT]) -> None:
+def test_the_cuda_graph_step_decodes_the_greedy_tokens(
+    kind: str, int8: bool, models: dict[str, GPT]
+) -> None:
     """On CUDA each one-token step replays a CUDA graph of decode_static: the greedy tokens, past
     block_size, float or int8, as the eager step's."""
     m = copy.deepcopy(models[kind]).cuda()
@@ -240,10 +250,16 @@ def test_sample_py_decodes_an_mla_run_with_int8_weights(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     meta = {"tokenizer": "char", "vocab_size": len(CHARS), "chars": CHARS}
-    save_checkpoint(run / "ckpt.pt", build("MLA-q"), iter_num=0, data_meta=meta,
-                    config={"dataset": "chars"})
-    args = ["--start=def", "--max_new_tokens=40", "--temperature=0", "--quantize=int8",
-            "--device=cpu"]
+    save_checkpoint(
+        run / "ckpt.pt", build("MLA-q"), iter_num=0, data_meta=meta, config={"dataset": "chars"}
+    )
+    args = [
+        "--start=def",
+        "--max_new_tokens=40",
+        "--temperature=0",
+        "--quantize=int8",
+        "--device=cpu",
+    ]
     r = cli(["sample.py", f"--out_dir={run}", *args])
     assert r.returncode == 0, r.stderr
     text = r.stdout

@@ -19,15 +19,33 @@ from smallgpt.gguf import llama_cpp_folder
 from smallgpt.hf import from_hf, target_class, to_hf, tokenizer
 from smallgpt.hf_llama import HF_LATENT_EPS
 
-LLAMA = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, pos_encoding="rope", norm="rmsnorm",
-             mlp="swiglu", bias=False)
-CASES = {"MHA": dict(n_kv_head=4), "GQA": dict(n_kv_head=2, bias=True, rope_theta=500.0), "MQA": dict(n_kv_head=1),
-         "MLA": dict(kv_lora_rank=16), "MLA-q": dict(kv_lora_rank=8, q_lora_rank=12),
-         "MLA-q-rope2": dict(kv_lora_rank=24, qk_rope_head_dim=2, q_lora_rank=16, rope_theta=500.0),
-         # local layers: GraniteSWA
-         "GQA-SL": dict(n_kv_head=2, n_layer=3, window=5, window_pattern="SL"),
-         "MHA-S-bias": dict(n_kv_head=4, bias=True, window=7, window_pattern="S")}
-CLASSES = {"MLA": "DeepseekV3ForCausalLM", "GQA-SL": "GraniteSWAForCausalLM", "MHA-S-bias": "GraniteSWAForCausalLM"}
+LLAMA = dict(
+    block_size=32,
+    vocab_size=61,
+    n_layer=2,
+    n_head=4,
+    n_embd=32,
+    pos_encoding="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+)
+CASES = {
+    "MHA": dict(n_kv_head=4),
+    "GQA": dict(n_kv_head=2, bias=True, rope_theta=500.0),
+    "MQA": dict(n_kv_head=1),
+    "MLA": dict(kv_lora_rank=16),
+    "MLA-q": dict(kv_lora_rank=8, q_lora_rank=12),
+    "MLA-q-rope2": dict(kv_lora_rank=24, qk_rope_head_dim=2, q_lora_rank=16, rope_theta=500.0),
+    # local layers: GraniteSWA
+    "GQA-SL": dict(n_kv_head=2, n_layer=3, window=5, window_pattern="SL"),
+    "MHA-S-bias": dict(n_kv_head=4, bias=True, window=7, window_pattern="S"),
+}
+CLASSES = {
+    "MLA": "DeepseekV3ForCausalLM",
+    "GQA-SL": "GraniteSWAForCausalLM",
+    "MHA-S-bias": "GraniteSWAForCausalLM",
+}
 
 
 def sharp_model(**keys: object) -> GPT:
@@ -49,7 +67,9 @@ def sharp_model(**keys: object) -> GPT:
 
 
 def tokens(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, 61, (3, 32), generator=torch.Generator().manual_seed(seed))  # up to block_size
+    return torch.randint(
+        0, 61, (3, 32), generator=torch.Generator().manual_seed(seed)
+    )  # up to block_size
 
 
 def logits(model: object, idx: torch.Tensor) -> torch.Tensor:
@@ -67,11 +87,15 @@ def load_strict(folder: Path) -> object:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_llama_block_exports_with_our_logits_greedy_tokens_and_comes_back(case: str, tmp_path: Path) -> None:
+def test_llama_block_exports_with_our_logits_greedy_tokens_and_comes_back(
+    case: str, tmp_path: Path
+) -> None:
     model, idx = sharp_model(**CASES[case]), tokens()
     to_hf(model).save_pretrained(tmp_path)
     hf = load_strict(tmp_path)
-    expected = next((name for prefix, name in CLASSES.items() if case.startswith(prefix)), "LlamaForCausalLM")
+    expected = next(
+        (name for prefix, name in CLASSES.items() if case.startswith(prefix)), "LlamaForCausalLM"
+    )
     assert type(hf).__name__ == target_class(model.config) == expected
     ours = logits(model, idx)
     assert ours.abs().max() > 5  # peaked: a mapping error would show
@@ -82,23 +106,42 @@ def test_llama_block_exports_with_our_logits_greedy_tokens_and_comes_back(case: 
     with torch.no_grad():
         cache = hf(idx, use_cache=True).past_key_values
     window = model.config.window and model.config.window - 1
-    assert sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)) == \
-        dataclasses.replace(model.config, window=window).kv_cache_bytes(3, 32)
+    assert sum(
+        t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)
+    ) == dataclasses.replace(model.config, window=window).kv_cache_bytes(3, 32)
     back = load_run(parse_source(f"hf:{tmp_path}"), tokenizer=False).model.eval()
     assert back.config == model.config
-    torch.testing.assert_close(logits(back, idx), ours, rtol=0, atol=1e-4)  # MLA's latent rows: scaled, then back
+    torch.testing.assert_close(
+        logits(back, idx), ours, rtol=0, atol=1e-4
+    )  # MLA's latent rows: scaled, then back
 
 
 def test_deepseek_folder_is_dense_with_rotary_halves_and_rescaled_latents(tmp_path: Path) -> None:
     model = sharp_model(kv_lora_rank=8, q_lora_rank=12)
     to_hf(model).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["first_k_dense_replace"] == config["num_hidden_layers"] == 2 and config["n_routed_experts"] == 0
-    assert (config["rope_interleave"], config["tie_word_embeddings"], config["rms_norm_eps"]) == (False, True, 1e-5)
-    assert (config["qk_nope_head_dim"], config["v_head_dim"], config["qk_rope_head_dim"]) == (8, 8, 4)
+    assert (
+        config["first_k_dense_replace"] == config["num_hidden_layers"] == 2
+        and config["n_routed_experts"] == 0
+    )
+    assert (config["rope_interleave"], config["tie_word_embeddings"], config["rms_norm_eps"]) == (
+        False,
+        True,
+        1e-5,
+    )
+    assert (config["qk_nope_head_dim"], config["v_head_dim"], config["qk_rope_head_dim"]) == (
+        8,
+        8,
+        4,
+    )
     # transformers' latent norms keep their own epsilon whatever rms_norm_eps says: hf_llama rescales for it
     attn = load_strict(tmp_path).model.layers[0].self_attn
-    assert attn.kv_a_layernorm.variance_epsilon == attn.q_a_layernorm.variance_epsilon == HF_LATENT_EPS != NORM_EPS
+    assert (
+        attn.kv_a_layernorm.variance_epsilon
+        == attn.q_a_layernorm.variance_epsilon
+        == HF_LATENT_EPS
+        != NORM_EPS
+    )
 
 
 def test_small_latents_keep_our_norm_epsilon_in_transformers() -> None:
@@ -111,7 +154,9 @@ def test_small_latents_keep_our_norm_epsilon_in_transformers() -> None:
             block.attn.q_a.weight.mul_(0.1)
     ours = logits(model, idx)
     torch.testing.assert_close(logits(to_hf(model), idx), ours, rtol=0, atol=1e-4)
-    assert (logits(to_hf(model, llama_cpp=True), idx) - ours).abs().max() > 1e-3  # the llama.cpp folder: unscaled
+    assert (
+        logits(to_hf(model, llama_cpp=True), idx) - ours
+    ).abs().max() > 1e-3  # the llama.cpp folder: unscaled
 
 
 @pytest.mark.parametrize("case", ["MLA", "MLA-q"])
@@ -128,30 +173,64 @@ def test_llama_cpp_folder_rotates_pairs_and_comes_back(case: str, tmp_path: Path
             if norm is not None:
                 norm.variance_epsilon = NORM_EPS
     torch.testing.assert_close(logits(hf, idx), logits(model, idx), rtol=0, atol=1e-4)
-    torch.testing.assert_close(logits(from_hf(str(tmp_path)).eval(), idx), as_transformers, rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        logits(from_hf(str(tmp_path)).eval(), idx), as_transformers, rtol=0, atol=1e-4
+    )
     meta = {"tokenizer": "char", "chars": list(string.printable[:61])}
-    llama_cpp_folder(model, tokenizer(meta), tmp_path / "gguf")  # q_lora_rank=0: no query latent, in llama.cpp
+    llama_cpp_folder(
+        model, tokenizer(meta), tmp_path / "gguf"
+    )  # q_lora_rank=0: no query latent, in llama.cpp
     config = json.loads((tmp_path / "gguf" / "config.json").read_text())
     assert config["q_lora_rank"] == (0 if case == "MLA" else 12) and config["rope_interleave"]
 
 
-@pytest.mark.parametrize(("keys", "message"), [
-    (dict(kv_lora_rank=16, norm="layernorm", mlp="gelu"),
-     "export needs norm='rmsnorm' and mlp='swiglu' for MLA (DeepseekV3ForCausalLM"),
-    (dict(kv_lora_rank=16, latent_norm=False), "export needs latent_norm=True for MLA (DeepseekV3ForCausalLM"),
-    (dict(kv_lora_rank=16, bias=True, mlp="gelu"),
-     "export needs norm='rmsnorm' and mlp='swiglu', bias=False for MLA (DeepseekV3ForCausalLM"),
-    (dict(kv_lora_rank=16, pos_encoding="learned"), "export needs pos_encoding='rope' for MLA"),
-    (dict(pos_encoding="learned"), "export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM)"),
-    (dict(mlp="gelu"), "holds norm='rmsnorm' with mlp='gelu': export needs norm='rmsnorm' with mlp='swiglu'"),
-    (dict(norm="layernorm", bias=True), "holds norm='layernorm' with mlp='swiglu': export needs"),
-    (dict(window=4, window_pattern="S", norm="layernorm", mlp="gelu"), "exporting local layers (window) needs "
-     "norm='rmsnorm', mlp='swiglu' and pos_encoding='rope' (GraniteSWAForCausalLM"),
-    (dict(window=4, window_pattern="S", pos_encoding="learned"), "no stock class holds norm='rmsnorm', "
-     "mlp='swiglu', pos_encoding='learned' with a window"),
-    (dict(window=4, window_pattern="S", kv_lora_rank=16), "export needs no window for MLA (DeepseekV3ForCausalLM"),
-])
-def test_what_no_stock_class_holds_is_refused_in_one_line_naming_the_keys(keys: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (
+            dict(kv_lora_rank=16, norm="layernorm", mlp="gelu"),
+            "export needs norm='rmsnorm' and mlp='swiglu' for MLA (DeepseekV3ForCausalLM",
+        ),
+        (
+            dict(kv_lora_rank=16, latent_norm=False),
+            "export needs latent_norm=True for MLA (DeepseekV3ForCausalLM",
+        ),
+        (
+            dict(kv_lora_rank=16, bias=True, mlp="gelu"),
+            "export needs norm='rmsnorm' and mlp='swiglu', bias=False for MLA (DeepseekV3ForCausalLM",
+        ),
+        (dict(kv_lora_rank=16, pos_encoding="learned"), "export needs pos_encoding='rope' for MLA"),
+        (
+            dict(pos_encoding="learned"),
+            "export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM)",
+        ),
+        (
+            dict(mlp="gelu"),
+            "holds norm='rmsnorm' with mlp='gelu': export needs norm='rmsnorm' with mlp='swiglu'",
+        ),
+        (
+            dict(norm="layernorm", bias=True),
+            "holds norm='layernorm' with mlp='swiglu': export needs",
+        ),
+        (
+            dict(window=4, window_pattern="S", norm="layernorm", mlp="gelu"),
+            "exporting local layers (window) needs "
+            "norm='rmsnorm', mlp='swiglu' and pos_encoding='rope' (GraniteSWAForCausalLM",
+        ),
+        (
+            dict(window=4, window_pattern="S", pos_encoding="learned"),
+            "no stock class holds norm='rmsnorm', "
+            "mlp='swiglu', pos_encoding='learned' with a window",
+        ),
+        (
+            dict(window=4, window_pattern="S", kv_lora_rank=16),
+            "export needs no window for MLA (DeepseekV3ForCausalLM",
+        ),
+    ],
+)
+def test_what_no_stock_class_holds_is_refused_in_one_line_naming_the_keys(
+    keys: dict, message: str
+) -> None:
     model = GPT(GPTConfig(**LLAMA | keys))
     for call in (lambda: target_class(model.config), lambda: to_hf(model)):
         with pytest.raises(UserError) as e:
@@ -159,22 +238,52 @@ def test_what_no_stock_class_holds_is_refused_in_one_line_naming_the_keys(keys: 
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize(("case", "changes", "message"), [
-    ("GQA", {"tie_word_embeddings": False, "rms_norm_eps": 1e-6, "hidden_act": "gelu",
-             "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}},
-     "cannot hold tie_word_embeddings=False, hidden_act='gelu', rms_norm_eps=1e-06, rope_type='linear'"),
-    ("GQA", {"mlp_bias": False}, "cannot hold attention_bias=True with mlp_bias=False"),
-    ("MLA", {"first_k_dense_replace": 1, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
-             "topk_group": 1}, "cannot hold experts (first_k_dense_replace=1 < num_hidden_layers=2)"),
-    ("MLA", {"v_head_dim": 4, "attention_bias": True},
-     "cannot hold attention_bias=True, qk_nope_head_dim=8, v_head_dim=4 (ours: both"),
-    ("GQA-SL", {"embedding_multiplier": 2.0}, "cannot hold embedding_multiplier=2.0, residual_multiplier=1.0, "
-     "logits_scaling=1.0 (ours: 1), attention sinks (up to"),  # weights drawn anew: sinks that count
-    ("GQA-SL", {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
-     "layer_types ending in 'sliding_attention' (our last layer is always global)"),
-])
-def test_a_folder_our_model_cannot_hold_is_refused_in_one_line(case: str, changes: dict, message: str,
-                                                               tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("case", "changes", "message"),
+    [
+        (
+            "GQA",
+            {
+                "tie_word_embeddings": False,
+                "rms_norm_eps": 1e-6,
+                "hidden_act": "gelu",
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+            },
+            "cannot hold tie_word_embeddings=False, hidden_act='gelu', rms_norm_eps=1e-06, rope_type='linear'",
+        ),
+        ("GQA", {"mlp_bias": False}, "cannot hold attention_bias=True with mlp_bias=False"),
+        (
+            "MLA",
+            {
+                "first_k_dense_replace": 1,
+                "n_routed_experts": 4,
+                "num_experts_per_tok": 2,
+                "n_group": 1,
+                "topk_group": 1,
+            },
+            "cannot hold experts (first_k_dense_replace=1 < num_hidden_layers=2)",
+        ),
+        (
+            "MLA",
+            {"v_head_dim": 4, "attention_bias": True},
+            "cannot hold attention_bias=True, qk_nope_head_dim=8, v_head_dim=4 (ours: both",
+        ),
+        (
+            "GQA-SL",
+            {"embedding_multiplier": 2.0},
+            "cannot hold embedding_multiplier=2.0, residual_multiplier=1.0, "
+            "logits_scaling=1.0 (ours: 1), attention sinks (up to",
+        ),  # weights drawn anew: sinks that count
+        (
+            "GQA-SL",
+            {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+            "layer_types ending in 'sliding_attention' (our last layer is always global)",
+        ),
+    ],
+)
+def test_a_folder_our_model_cannot_hold_is_refused_in_one_line(
+    case: str, changes: dict, message: str, tmp_path: Path
+) -> None:
     hf = to_hf(sharp_model(**CASES[case]))
     for key, value in changes.items():
         setattr(hf.config, key, value)
@@ -188,23 +297,47 @@ def write_run(out: Path, **keys: object) -> None:
     """A run folder holding a checkpoint of a sharpened model on a char-level dataset's 61 characters."""
     meta = {"tokenizer": "char", "vocab_size": 61, "chars": list(string.printable[:61])}
     out.mkdir()
-    save_checkpoint(out / "ckpt.pt", sharp_model(**keys), data_meta=meta, iter_num=0, config={"dataset": "chars"})
+    save_checkpoint(
+        out / "ckpt.pt",
+        sharp_model(**keys),
+        data_meta=meta,
+        iter_num=0,
+        config={"dataset": "chars"},
+    )
 
 
-def test_export_py_writes_the_class_in_its_card_refuses_in_one_line_and_sample_py_reads_it(tmp_path: Path) -> None:
+def test_export_py_writes_the_class_in_its_card_refuses_in_one_line_and_sample_py_reads_it(
+    tmp_path: Path,
+) -> None:
     write_run(tmp_path / "mla", kv_lora_rank=16)
     r = cli(["export.py", f"--out_dir={tmp_path / 'mla'}", f"--to={tmp_path / 'hf'}"])
     assert r.returncode == 0 and "DeepseekV3ForCausalLM (MLA)" in r.stdout, r.stderr
     card = (tmp_path / "hf" / "README.md").read_text()
-    assert "`DeepseekV3ForCausalLM`" in card and "kv_lora_rank=16, qk_rope_head_dim=4, q_lora_rank=None" in card
-    r = cli(["sample.py", f"--init_from=hf:{tmp_path / 'hf'}", "--start=def", "--max_new_tokens=8", "--device=cpu"])
+    assert (
+        "`DeepseekV3ForCausalLM`" in card
+        and "kv_lora_rank=16, qk_rope_head_dim=4, q_lora_rank=None" in card
+    )
+    r = cli(
+        [
+            "sample.py",
+            f"--init_from=hf:{tmp_path / 'hf'}",
+            "--start=def",
+            "--max_new_tokens=8",
+            "--device=cpu",
+        ]
+    )
     assert r.returncode == 0 and r.stdout.startswith("def"), r.stderr
     write_run(tmp_path / "local", n_kv_head=2, window=5, window_pattern="S")
     r = cli(["export.py", f"--out_dir={tmp_path / 'local'}", f"--to={tmp_path / 'hf3'}"])
     assert r.returncode == 0 and "GraniteSWAForCausalLM (GQA)" in r.stdout, r.stderr
-    assert "Local layers [0] of 2 (window_pattern='S') attend over their last 5 tokens" in \
-        (tmp_path / "hf3" / "README.md").read_text()
+    assert (
+        "Local layers [0] of 2 (window_pattern='S') attend over their last 5 tokens"
+        in (tmp_path / "hf3" / "README.md").read_text()
+    )
     write_run(tmp_path / "plain", kv_lora_rank=16, latent_norm=False)
     r = cli(["export.py", f"--out_dir={tmp_path / 'plain'}", f"--to={tmp_path / 'hf2'}"])
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
-    assert r.stderr.startswith("error: export needs latent_norm=True for MLA") and not (tmp_path / "hf2").exists()
+    assert (
+        r.stderr.startswith("error: export needs latent_norm=True for MLA")
+        and not (tmp_path / "hf2").exists()
+    )

@@ -22,8 +22,10 @@ def test_prefill_then_decode_matches_recompute(variant: str, pos_encoding: str) 
     logits, _ = m(idx[:, :10], kv_cache=cache)  # prefill
     torch.testing.assert_close(logits[:, -1], recompute_last(m, idx[:, :10]), rtol=0, atol=ATOL)
     for t in range(10, 30):  # one token at a time
-        logits, _ = m(idx[:, t:t + 1], kv_cache=cache)
-        torch.testing.assert_close(logits[:, -1], recompute_last(m, idx[:, :t + 1]), rtol=0, atol=ATOL)
+        logits, _ = m(idx[:, t : t + 1], kv_cache=cache)
+        torch.testing.assert_close(
+            logits[:, -1], recompute_last(m, idx[:, : t + 1]), rtol=0, atol=ATOL
+        )
     assert cache.pos == 30
 
 
@@ -49,13 +51,17 @@ def test_padded_batch_matches_each_prompt_alone(variant: str, pos_encoding: str)
     recomputed = recompute_last(m, idx, pad)
     torch.testing.assert_close(cached[:, -1], recomputed, rtol=0, atol=ATOL)
     extra = torch.randint(0, 61, (len(prompts), 8))
-    for t in range(8):  # decode a few tokens for the whole batch; every row must equal its prompt run alone
-        cached, _ = m(extra[:, t:t + 1], kv_cache=cache, pad=pad)
-        full = torch.cat([idx, extra[:, :t + 1]], dim=1)
+    for t in range(
+        8
+    ):  # decode a few tokens for the whole batch; every row must equal its prompt run alone
+        cached, _ = m(extra[:, t : t + 1], kv_cache=cache, pad=pad)
+        full = torch.cat([idx, extra[:, : t + 1]], dim=1)
         torch.testing.assert_close(cached[:, -1], recompute_last(m, full, pad), rtol=0, atol=ATOL)
         for row, p in enumerate(prompts):
-            alone = torch.tensor([p + extra[row, :t + 1].tolist()])
-            torch.testing.assert_close(cached[row, -1], recompute_last(m, alone)[0], rtol=0, atol=ATOL)
+            alone = torch.tensor([p + extra[row, : t + 1].tolist()])
+            torch.testing.assert_close(
+                cached[row, -1], recompute_last(m, alone)[0], rtol=0, atol=ATOL
+            )
 
 
 def test_cache_stores_kv_heads_unrepeated_and_is_written_in_place() -> None:
@@ -78,7 +84,9 @@ def test_cache_overflow_is_a_clear_error() -> None:
     assert cache.pos == 6  # nothing written by the refused call
 
 
-def test_training_never_builds_a_cache_and_caches_are_not_state(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_never_builds_a_cache_and_caches_are_not_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Every KVCache made is recorded (its __init__ wrapped): a training forward and backward makes none, a cached
     generate makes one, and neither adds to the state_dict (same keys, none holding a cache's K/V)."""
     made = []

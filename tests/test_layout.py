@@ -13,8 +13,10 @@ import pytest
 from conftest import ROOT, cli
 
 # The root's modules (model, train, ...) and the package's (smallgpt.checkpoint, ...), by their import names
-MODULES = sorted([p.stem for p in ROOT.glob("*.py")] + [f"smallgpt.{p.stem}" for p in (ROOT / "smallgpt").glob("*.py")
-                                                        if p.stem != "__init__"])
+MODULES = sorted(
+    [p.stem for p in ROOT.glob("*.py")]
+    + [f"smallgpt.{p.stem}" for p in (ROOT / "smallgpt").glob("*.py") if p.stem != "__init__"]
+)
 SCRIPTS = {"train", "sample", "bench", "compare", "export", "eval"}
 
 
@@ -46,7 +48,7 @@ def test_the_import_graph_has_no_cycle() -> None:
 
     def visit(m: str, path: list[str]) -> None:
         if m in path:
-            pytest.fail("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+            pytest.fail("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
         if m not in done:
             for dep in sorted(graph[m]):
                 visit(dep, path + [m])
@@ -63,7 +65,7 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_the_import_graph_in_the_docs_is_the_codes() -> None:
     """docs/architecture.md lists each module's project imports (as house.py prints them): the list is the code's."""
     text = (ROOT / "docs" / "architecture.md").read_text()
-    block = text[text.index("## The import graph"):].split("```")[1]
+    block = text[text.index("## The import graph") :].split("```")[1]
     listed: dict[str, set[str]] = {}
     module = ""
     for line in block.strip().splitlines():
@@ -81,7 +83,9 @@ def test_no_script_imports_another_scripts_helpers() -> None:
     for script in sorted(SCRIPTS & set(MODULES)):
         for dep, names in project_imports(script).items():
             helpers = {n for n in names if not n.endswith("Config") and n != "train_step"}
-            assert dep not in SCRIPTS or not helpers, f"{script}.py imports {sorted(helpers)} from {dep}.py"
+            assert dep not in SCRIPTS or not helpers, (
+                f"{script}.py imports {sorted(helpers)} from {dep}.py"
+            )
 
 
 FRESH_IMPORTS = """
@@ -117,8 +121,14 @@ sys.exit(f"failed: {failed}" if failed else 0)
 def test_every_module_imports_first_and_alone_and_does_nothing(tmp_path: Path) -> None:
     """Each module imported before any other project module (an import cycle fails there), in a clean process:
     it prints and writes nothing and starts no process group."""
-    r = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, *MODULES], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", FRESH_IMPORTS, *MODULES],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stdout + r.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -132,12 +142,30 @@ configurator.run_cli(train.main, train.TrainConfig, sys.argv[1:])
 """
 
 
-def test_a_bug_keeps_its_traceback_and_a_user_error_is_one_line(pycode_small: Path, tmp_path: Path) -> None:
-    args = [f"--dataset={pycode_small}", f"--out_dir={tmp_path / 'out'}", "--n_layer=1", "--n_embd=32", "--n_head=2",
-            "--block_size=16", "--batch_size=2", "--max_iters=1", "--device=cpu"]
-    r = subprocess.run([sys.executable, "-c", RUN_WITH_A_BUG, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+def test_a_bug_keeps_its_traceback_and_a_user_error_is_one_line(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    args = [
+        f"--dataset={pycode_small}",
+        f"--out_dir={tmp_path / 'out'}",
+        "--n_layer=1",
+        "--n_embd=32",
+        "--n_head=2",
+        "--block_size=16",
+        "--batch_size=2",
+        "--max_iters=1",
+        "--device=cpu",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-c", RUN_WITH_A_BUG, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr, r.stderr
     assert "RuntimeError: an internal bug" in r.stderr and "error: an internal bug" not in r.stderr
     r = cli(["train.py", *args, "--batch_size=0"])
-    assert r.returncode == 2 and r.stderr == "error: invalid config: batch_size=0 must be positive\n", r.stderr
+    assert (
+        r.returncode == 2 and r.stderr == "error: invalid config: batch_size=0 must be positive\n"
+    ), r.stderr

@@ -11,10 +11,16 @@ from smallgpt import fast_paths
 from smallgpt.generation import generate
 
 
-@pytest.mark.parametrize(("D", "H", "G"), [(64, 8, 8), (64, 8, 4), (64, 8, 2), (64, 8, 1), (96, 6, 3), (48, 4, 1)])
+@pytest.mark.parametrize(
+    ("D", "H", "G"), [(64, 8, 8), (64, 8, 4), (64, 8, 2), (64, 8, 1), (96, 6, 3), (48, 4, 1)]
+)
 def test_param_counts_and_kv_bytes_follow_the_formulas(D: int, H: int, G: int) -> None:
     L, V, T = 3, 50, 16
-    m = GPT(GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=H, n_kv_head=G, n_embd=D, bias=False))
+    m = GPT(
+        GPTConfig(
+            block_size=T, vocab_size=V, n_layer=L, n_head=H, n_kv_head=G, n_embd=D, bias=False
+        )
+    )
     attn = 2 * D * D + 2 * D * D * G // H
     assert m.attention_params_per_layer() == attn
     if G == H:
@@ -47,19 +53,22 @@ def test_attention_kind(n_kv_head: int | None, kind: str) -> None:
     assert cfg.attention_kind == kind
 
 
-@pytest.mark.parametrize(("overrides", "names"), [
-    (dict(n_head=6, n_kv_head=4, n_embd=48), ["n_head=6", "n_kv_head=4"]),
-    (dict(n_head=4, n_kv_head=8), ["n_kv_head=8"]),
-    (dict(n_kv_head=0), ["n_kv_head=0"]),
-    (dict(n_embd=100, n_head=12), ["n_embd=100", "n_head=12"]),
-    (dict(block_size=0), ["block_size=0"]),
-    (dict(vocab_size=-5), ["vocab_size=-5"]),
-    (dict(n_layer=2.5), ["n_layer=2.5"]),
-    (dict(dropout=1.5), ["dropout=1.5"]),
-    (dict(pos_encoding="alibi"), ["pos_encoding='alibi'", "learned", "rope"]),
-    (dict(pos_encoding="rope", n_embd=36, n_head=12), ["head_dim=3"]),
-    (dict(rope_theta=0), ["rope_theta=0"]),
-])
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (dict(n_head=6, n_kv_head=4, n_embd=48), ["n_head=6", "n_kv_head=4"]),
+        (dict(n_head=4, n_kv_head=8), ["n_kv_head=8"]),
+        (dict(n_kv_head=0), ["n_kv_head=0"]),
+        (dict(n_embd=100, n_head=12), ["n_embd=100", "n_head=12"]),
+        (dict(block_size=0), ["block_size=0"]),
+        (dict(vocab_size=-5), ["vocab_size=-5"]),
+        (dict(n_layer=2.5), ["n_layer=2.5"]),
+        (dict(dropout=1.5), ["dropout=1.5"]),
+        (dict(pos_encoding="alibi"), ["pos_encoding='alibi'", "learned", "rope"]),
+        (dict(pos_encoding="rope", n_embd=36, n_head=12), ["head_dim=3"]),
+        (dict(rope_theta=0), ["rope_theta=0"]),
+    ],
+)
 def test_invalid_config_raises_one_clear_error(overrides: dict, names: list[str]) -> None:
     with pytest.raises(ValueError) as err:
         GPTConfig(**overrides)
@@ -84,15 +93,22 @@ def test_causality(variant: str, pos_encoding: str) -> None:
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
 @pytest.mark.parametrize("n_kv_head", [2, 1])
-def test_gqa_equals_mha_with_kv_heads_copied_within_groups(n_kv_head: int, pos_encoding: str) -> None:
+def test_gqa_equals_mha_with_kv_heads_copied_within_groups(
+    n_kv_head: int, pos_encoding: str
+) -> None:
     gqa = tiny_model(n_kv_head, pos_encoding)
     mha = tiny_model(4, pos_encoding)
     rep, hd = 4 // n_kv_head, gqa.config.head_dim
     state = gqa.state_dict()
     for name, t in list(state.items()):
-        if re.search(r"attn\.c_[kv]\.(weight|bias)$", name):  # (n_kv_head * hd, ...) -> (n_head * hd, ...)
-            state[name] = t.view(n_kv_head, hd, *t.shape[1:]).repeat_interleave(rep, dim=0).reshape(4 * hd,
-                                                                                                   *t.shape[1:])
+        if re.search(
+            r"attn\.c_[kv]\.(weight|bias)$", name
+        ):  # (n_kv_head * hd, ...) -> (n_head * hd, ...)
+            state[name] = (
+                t.view(n_kv_head, hd, *t.shape[1:])
+                .repeat_interleave(rep, dim=0)
+                .reshape(4 * hd, *t.shape[1:])
+            )
     mha.load_state_dict(state)
     idx = torch.randint(0, 61, (3, 24))
     a, _ = gqa(idx, targets=idx)
@@ -108,15 +124,23 @@ def test_gqa_attention_equals_explicit_repeat_reference(mask: bool, T: int) -> N
     m = torch.rand(2, 1, T, 9) > 0.3 if mask else None
     if m is not None:
         m[..., 0] = True
-    elif T > 1:  # no mask means causal, aligned bottom-right as after a cache: here, with 9 keys, only Tq == Tk is
+    elif (
+        T > 1
+    ):  # no mask means causal, aligned bottom-right as after a cache: here, with 9 keys, only Tq == Tk is
         k, v = k[:, :, :T], v[:, :, :T]
     k_rep, v_rep = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
     scores = q @ k_rep.transpose(-1, -2) / 4.0
     if m is None and T > 1:
         scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    ref = torch.softmax(scores.masked_fill(m.logical_not(), float("-inf")) if m is not None else scores, -1) @ v_rep
-    torch.testing.assert_close(fast_paths.attention(q, k, v, m, dropout_p=0.0, cached=False), ref,
-                               rtol=1e-5, atol=1e-5)
+    ref = (
+        torch.softmax(
+            scores.masked_fill(m.logical_not(), float("-inf")) if m is not None else scores, -1
+        )
+        @ v_rep
+    )
+    torch.testing.assert_close(
+        fast_paths.attention(q, k, v, m, dropout_p=0.0, cached=False), ref, rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("case", ["causal", "mask", "decode"])
@@ -137,14 +161,18 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
     g = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the path attention() takes in bf16 training on CPU
+    with torch.autocast(
+        "cpu", dtype=torch.bfloat16
+    ):  # the path attention() takes in bf16 training on CPU
         low = fast_paths.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), m, 0.0, cached=False)
     torch.testing.assert_close(low.float(), ref, rtol=0, atol=0.05)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
-def test_training_attention_equals_each_projection_rotated_by_hand(n_kv_head: int, bias: bool) -> None:
+def test_training_attention_equals_each_projection_rotated_by_hand(
+    n_kv_head: int, bias: bool
+) -> None:
     """Without a cache, q, k and v come from one product and q and k are rotated as one (fast_paths.joint_linear):
     against each Linear on its own and RoPE written as complex products, values and the weights' gradients."""
     torch.manual_seed(0)
@@ -158,15 +186,27 @@ def test_training_attention_equals_each_projection_rotated_by_hand(n_kv_head: in
         y = linear(x).view(B, T, n, hd).transpose(1, 2)
         if not rotate:
             return y.repeat_interleave(H // n, dim=1)
-        z = torch.complex(*y.chunk(2, dim=-1)) * torch.complex(cos, sin)  # each feature pair turned by its angle
+        z = torch.complex(*y.chunk(2, dim=-1)) * torch.complex(
+            cos, sin
+        )  # each feature pair turned by its angle
         return torch.cat((z.real, z.imag), dim=-1).repeat_interleave(H // n, dim=1)
 
-    q, k, v = heads(attn.c_q, H, True), heads(attn.c_k, n_kv_head, True), heads(attn.c_v, n_kv_head, False)
-    ref = attn.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, H * hd))
+    q, k, v = (
+        heads(attn.c_q, H, True),
+        heads(attn.c_k, n_kv_head, True),
+        heads(attn.c_v, n_kv_head, False),
+    )
+    ref = attn.c_proj(
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        .transpose(1, 2)
+        .reshape(B, T, H * hd)
+    )
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     weights = list(attn.parameters())
     g = torch.randn_like(ref)
-    for a, b in zip(torch.autograd.grad(out, weights, g), torch.autograd.grad(ref, weights, g), strict=True):
+    for a, b in zip(
+        torch.autograd.grad(out, weights, g), torch.autograd.grad(ref, weights, g), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -198,17 +238,23 @@ def test_one_query_attention_under_a_mask_equals_sdpa(n_kv_head: int) -> None:
     k, v = (torch.randn(3, n_kv_head, 37, 16) for _ in range(2))
     mask = torch.rand(3, 1, 1, 37) < 0.6
     mask[..., 5] = True  # no row without a key
-    ref = F.scaled_dot_product_attention(q, *(t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v)),
-                                         attn_mask=mask)
-    torch.testing.assert_close(fast_paths.one_query_attention(q, k, v, None, mask), ref, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(fast_paths.one_query_attention(q, k, v), ref, atol=1e-3)  # the mask matters
+    ref = F.scaled_dot_product_attention(
+        q, *(t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v)), attn_mask=mask
+    )
+    torch.testing.assert_close(
+        fast_paths.one_query_attention(q, k, v, None, mask), ref, rtol=1e-5, atol=1e-6
+    )
+    assert not torch.allclose(
+        fast_paths.one_query_attention(q, k, v), ref, atol=1e-3
+    )  # the mask matters
 
 
 @pytest.mark.parametrize("copy", [False, True])
 @pytest.mark.parametrize("threads", [2, 3])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_split_across_threads_equals_plain_linear(monkeypatch: pytest.MonkeyPatch, threads: int, bias: bool,
-                                                         copy: bool) -> None:
+def test_linear_split_across_threads_equals_plain_linear(
+    monkeypatch: pytest.MonkeyPatch, threads: int, bias: bool, copy: bool
+) -> None:
     """The decoding path of fast_paths.Linear (few rows, no autograd) computes the same product as nn.Linear, also when
     out_features is not a multiple of the thread count, with the weight's views or its (in, out) copy (padded with
     zero features to a multiple of the thread count); with autograd it is nn.Linear's own path."""
@@ -222,18 +268,32 @@ def test_linear_split_across_threads_equals_plain_linear(monkeypatch: pytest.Mon
             for shape in ((1, 1, 32), (3, 2, 32), (fast_paths.SPLIT_MAX_ROWS, 32), (100, 32)):
                 x = torch.randn(shape)
                 with torch.no_grad():
-                    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
-                                               rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(
+                        layer(x),
+                        torch.nn.functional.linear(x, layer.weight, layer.bias),
+                        rtol=1e-5,
+                        atol=1e-6,
+                    )
                 layer(x).sum().backward()
                 assert layer.weight.grad is not None
-            with torch.no_grad():  # the cached views follow the weights: updated in place, or replaced
+            with (
+                torch.no_grad()
+            ):  # the cached views follow the weights: updated in place, or replaced
                 layer.weight.mul_(2.0)
-                torch.testing.assert_close(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
+                torch.testing.assert_close(
+                    layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias)
+                )
                 layer.weight.data = torch.randn(out_features, 32)
-                torch.testing.assert_close(layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias))
-            with torch.inference_mode():  # a layer made here has inference tensors, which have no version counter
+                torch.testing.assert_close(
+                    layer(x[:1]), torch.nn.functional.linear(x[:1], layer.weight, layer.bias)
+                )
+            with (
+                torch.inference_mode()
+            ):  # a layer made here has inference tensors, which have no version counter
                 made = fast_paths.Linear(32, out_features, bias=bias)
-                torch.testing.assert_close(made(x[:1]), torch.nn.functional.linear(x[:1], made.weight, made.bias))
+                torch.testing.assert_close(
+                    made(x[:1]), torch.nn.functional.linear(x[:1], made.weight, made.bias)
+                )
     finally:
         torch.set_num_threads(before)
 
@@ -242,7 +302,9 @@ def test_linear_split_across_threads_equals_plain_linear(monkeypatch: pytest.Mon
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_each_variant_overfits_one_batch(variant: str, pos_encoding: str) -> None:
     m = tiny_model(VARIANTS[variant], pos_encoding).train()
-    opt = m.configure_optimizers(weight_decay=0.0, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu")
+    opt = m.configure_optimizers(
+        weight_decay=0.0, learning_rate=1e-2, betas=(0.9, 0.95), device_type="cpu"
+    )
     x = torch.randint(0, 61, (4, 32))
     y = torch.roll(x, -1, dims=1)
     _, first = m(x, targets=y)
@@ -274,13 +336,17 @@ def test_gpt2_init_and_tied_head() -> None:
     m = tiny_model(2, n_layer=8, n_embd=256, n_head=4)
     assert m.lm_head.weight is m.transformer.wte.weight
     assert abs(m.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 2e-3
-    assert abs(m.transformer.h[0].attn.c_proj.weight.std().item() - 0.02 / 4) < 1e-3  # 1/sqrt(2 * 8)
+    assert (
+        abs(m.transformer.h[0].attn.c_proj.weight.std().item() - 0.02 / 4) < 1e-3
+    )  # 1/sqrt(2 * 8)
     assert m.transformer.h[0].attn.c_q.bias.abs().sum() == 0
 
 
 def test_optimizer_decays_matrices_only() -> None:
     m = tiny_model(2)
-    opt = m.configure_optimizers(weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu")
+    opt = m.configure_optimizers(
+        weight_decay=0.1, learning_rate=1e-3, betas=(0.9, 0.95), device_type="cpu"
+    )
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
@@ -293,7 +359,9 @@ def test_flops_per_token_counts_smaller_kv_projections(G: int) -> None:
     m = tiny_model(G)
     matmul = L * (2 * D * D + 2 * D * D * G // H + 8 * D * D) + V * D
     assert m.flops_per_token() == 6 * matmul + 12 * L * D * T
-    assert m.estimate_mfu(tokens_per_iter=1000, dt=1.0, peak_flops=1e9) == pytest.approx(m.flops_per_token() * 1e-6)
+    assert m.estimate_mfu(tokens_per_iter=1000, dt=1.0, peak_flops=1e9) == pytest.approx(
+        m.flops_per_token() * 1e-6
+    )
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -312,7 +380,9 @@ def test_static_decode_step_equals_the_cached_forward(variant: str, pos_encoding
     """decode_static (fixed shapes: K/V written at a tensor position, the whole cache read under a mask), which
     CUDA graphs replay, and its form over the filled length (the compiled CPU step's) give the logits of
     GPT.forward's one-token step and write the same cache."""
-    ref, static, filled = static_steps_match(tiny_model(VARIANTS[variant], pos_encoding), range(5, 7), 20)
+    ref, static, filled = static_steps_match(
+        tiny_model(VARIANTS[variant], pos_encoding), range(5, 7), 20
+    )
     for cache in (static, filled):
         torch.testing.assert_close(cache.k[..., :7, :], ref.k[..., :7, :])
         torch.testing.assert_close(cache.v[..., :7, :], ref.v[..., :7, :])
@@ -323,7 +393,11 @@ def test_generate_slides_its_window_reusing_the_cache() -> None:
     """Past block_size the window slides and refills the same cache; the tokens match recomputation's, for a lively
     model whose tokens follow its window (a random one repeats a token whatever it sees)."""
     model = lively(tiny_model(2, "rope", block_size=8))
-    idx = torch.randint(0, 61, (4, 3))  # rows of equal length: every row slides at once, one prefill for all
+    idx = torch.randint(
+        0, 61, (4, 3)
+    )  # rows of equal length: every row slides at once, one prefill for all
     cached = generate(model, idx, 20, temperature=0)
     assert torch.equal(cached, generate(model, idx, 20, temperature=0, use_cache=False))
-    assert distinct(cached[:, 9:]) >= 8  # decoded from slid windows (from 9 tokens on), not a token a row repeated
+    assert (
+        distinct(cached[:, 9:]) >= 8
+    )  # decoded from slid windows (from 9 tokens on), not a token a row repeated

@@ -23,15 +23,19 @@ P, Q, K, V, L = TASK.values()
 def prepare(out: Path, *flags: str, **knobs: int) -> str:
     """Run the real prepare script (400 train and 100 val examples unless knobs say otherwise); its stdout."""
     knobs = dict(train_examples=400, val_examples=100) | knobs
-    return run([SCRIPT, f"--out_dir={out}", *flags, *(f"--{k}={v}" for k, v in knobs.items())]).stdout
+    return run(
+        [SCRIPT, f"--out_dir={out}", *flags, *(f"--{k}={v}" for k, v in knobs.items())]
+    ).stdout
 
 
 def examples(out: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     """A split's examples and their masks, one row each: (n, example_tokens)."""
     meta = load_meta(out)
     n = meta["example_tokens"]
-    return (np.asarray(open_tokens(out, split, meta)).reshape(-1, n).astype(np.int64),
-            np.asarray(open_tokens(out, split, meta, mask=True)).reshape(-1, n))
+    return (
+        np.asarray(open_tokens(out, split, meta)).reshape(-1, n).astype(np.int64),
+        np.asarray(open_tokens(out, split, meta, mask=True)).reshape(-1, n),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +48,31 @@ def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_splits_are_disjoint_and_meta_is_as_asked(task: Path, tmp_path: Path) -> None:
     meta = load_meta(task)  # meta_problems finds nothing wrong
     assert meta["vocab_size"] == K + V and meta["dtype"] == "uint16" and meta["tokenizer"] == "char"
-    assert meta["example_tokens"] == L and meta["train_tokens"] == 400 * L and meta["val_tokens"] == 100 * L
+    assert (
+        meta["example_tokens"] == L
+        and meta["train_tokens"] == 400 * L
+        and meta["val_tokens"] == 100 * L
+    )
     assert meta["chars"] == [chr(0x4E00 + i) for i in range(K + V)]
     train, val = examples(task, "train")[0], examples(task, "val")[0]
     assert train.shape == (400, L) and val.shape == (100, L)
     assert not {row.tobytes() for row in train} & {row.tobytes() for row in val}
-    text = load_tokenizer(meta).decode(val[0].tolist())  # samples decode as CJK characters, one a token
+    text = load_tokenizer(meta).decode(
+        val[0].tolist()
+    )  # samples decode as CJK characters, one a token
     assert len(text) == L and load_tokenizer(meta).encode(text) == val[0].tolist()
     # a task of 216 distinct examples (4*3 key orders, 3*3 values, 2 queries): 400 train draws hold most of them
     small = tmp_path / "small"
-    printed = prepare(small, num_pairs=2, num_queries=1, key_vocab=4, value_vocab=3, val_examples=20)
+    printed = prepare(
+        small, num_pairs=2, num_queries=1, key_vocab=4, value_vocab=3, val_examples=20
+    )
     rejected = int(re.search(r"\(([\d,]+) val draws rejected", printed)[1].replace(",", ""))
     train, val = examples(small, "train")[0], examples(small, "val")[0]
-    assert rejected > 20 and len(val) == 20 and not {row.tobytes() for row in train} & {row.tobytes() for row in val}
+    assert (
+        rejected > 20
+        and len(val) == 20
+        and not {row.tobytes() for row in train} & {row.tobytes() for row in val}
+    )
 
 
 def test_every_answer_is_the_value_of_its_query_key(task: Path) -> None:
@@ -64,25 +80,36 @@ def test_every_answer_is_the_value_of_its_query_key(task: Path) -> None:
     for split in ("train", "val"):
         ids, mask = examples(task, split)
         for row, row_mask in zip(ids, mask, strict=True):
-            keys, values = row[:2 * P:2], row[1:2 * P:2]
-            queries, answers = row[L - 2 * Q::2], row[L - 2 * Q + 1::2]
-            assert len(set(keys)) == P and keys.max() < K and values.min() >= K and values.max() < K + V
-            assert row[2 * P:L - 2 * Q].min() >= K and row[2 * P:L - 2 * Q].max() < K + V  # filler: values
+            keys, values = row[: 2 * P : 2], row[1 : 2 * P : 2]
+            queries, answers = row[L - 2 * Q :: 2], row[L - 2 * Q + 1 :: 2]
+            assert (
+                len(set(keys)) == P
+                and keys.max() < K
+                and values.min() >= K
+                and values.max() < K + V
+            )
+            assert (
+                row[2 * P : L - 2 * Q].min() >= K and row[2 * P : L - 2 * Q].max() < K + V
+            )  # filler: values
             assert len(set(queries)) == Q and set(queries) <= set(keys)
             assert answers.tolist() == [dict(zip(keys, values, strict=True))[q] for q in queries]
             assert np.flatnonzero(row_mask).tolist() == list(range(L - 2 * Q + 1, L, 2))
             first_query_is_first_pair += int(queries[0] == keys[0])
-    assert first_query_is_first_pair < 0.5 * 500  # queries come in random order (1/P of them by chance)
+    assert (
+        first_query_is_first_pair < 0.5 * 500
+    )  # queries come in random order (1/P of them by chance)
 
 
 def test_batches_target_the_answers_only(task: Path) -> None:
     batches = Batches(task, block_size=L - 1, batch_size=8, seed=0, device="cpu")
     for x, y in (batches.train(0, 0), batches.eval("val", 0)):
         assert x.shape == y.shape == (8, L - 1)
-        at_queries = list(range(L - 2 * Q, L - 1, 2))  # target t is token t + 1: the answer after each query
+        at_queries = list(
+            range(L - 2 * Q, L - 1, 2)
+        )  # target t is token t + 1: the answer after each query
         assert (y[:, [t for t in range(L - 1) if t not in at_queries]] == -1).all()
         for row, targets in zip(x.tolist(), y.tolist(), strict=True):
-            pairs = dict(zip(row[:2 * P:2], row[1:2 * P:2], strict=True))
+            pairs = dict(zip(row[: 2 * P : 2], row[1 : 2 * P : 2], strict=True))
             assert [targets[t] for t in at_queries] == [pairs[row[t]] for t in at_queries]
     with pytest.raises(UserError, match=f"block_size={L - 1}") as e:
         Batches(task, block_size=L, batch_size=8, seed=0, device="cpu")
@@ -97,34 +124,62 @@ def test_the_same_seed_gives_the_same_files(tmp_path: Path) -> None:
     assert a["train.bin"] != c["train.bin"] and a["val.bin"] != c["val.bin"]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--num_queries=9"], "num_queries=9 > num_pairs=8"),
-    (["--key_vocab=7"], "key_vocab=7 < num_pairs=8"),
-    (["--seq_len=31"], "seq_len=31 < 2*num_pairs + 2*num_queries = 32"),
-    (["--num_pairs=0"], "num_pairs=0"),
-    (["--num_queries=0"], "num_queries=0"),
-    (["--value_vocab=-1"], "value_vocab=-1"),
-    (["--train_examples=0"], "train_examples=0"),
-    (["--val_examples=0"], "val_examples=0"),
-    (["--key_vocab=10000", "--value_vocab=10001"], "key_vocab + value_vocab = 20001 > 20000"),
-    (["--num_pairs=1", "--key_vocab=1", "--value_vocab=1"], "too few distinct examples"),  # one possible example
-])
-def test_bad_knobs_are_one_line_and_write_nothing(tmp_path: Path, flags: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--num_queries=9"], "num_queries=9 > num_pairs=8"),
+        (["--key_vocab=7"], "key_vocab=7 < num_pairs=8"),
+        (["--seq_len=31"], "seq_len=31 < 2*num_pairs + 2*num_queries = 32"),
+        (["--num_pairs=0"], "num_pairs=0"),
+        (["--num_queries=0"], "num_queries=0"),
+        (["--value_vocab=-1"], "value_vocab=-1"),
+        (["--train_examples=0"], "train_examples=0"),
+        (["--val_examples=0"], "val_examples=0"),
+        (["--key_vocab=10000", "--value_vocab=10001"], "key_vocab + value_vocab = 20001 > 20000"),
+        (
+            ["--num_pairs=1", "--key_vocab=1", "--value_vocab=1"],
+            "too few distinct examples",
+        ),  # one possible example
+    ],
+)
+def test_bad_knobs_are_one_line_and_write_nothing(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
     out = tmp_path / "mqar"
     r = cli([SCRIPT, f"--out_dir={out}", "--train_examples=50", "--val_examples=10", *flags])
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert (
+        r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1
+    ), r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
 
 
 def test_train_py_trains_on_it(task: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run(["train.py", f"--dataset={task}", f"--block_size={L - 1}", "--n_layer=1", "--n_head=2", "--n_embd=32",
-         "--max_iters=4", "--eval_interval=2", "--eval_iters=2", "--batch_size=4", "--device=cpu", "--dtype=float32",
-         f"--out_dir={out}"])
+    run(
+        [
+            "train.py",
+            f"--dataset={task}",
+            f"--block_size={L - 1}",
+            "--n_layer=1",
+            "--n_head=2",
+            "--n_embd=32",
+            "--max_iters=4",
+            "--eval_interval=2",
+            "--eval_iters=2",
+            "--batch_size=4",
+            "--device=cpu",
+            "--dtype=float32",
+            f"--out_dir={out}",
+        ]
+    )
     evals = [r for r in read_log(out) if r["event"] == "eval"]
-    assert [r["iter"] for r in evals] == [0, 2, 4] and all(math.isfinite(r["val_loss"]) for r in evals)
-    assert abs(evals[0]["val_loss"] - math.log(K + V)) < 1.0  # answers only: about ln(vocab) at initialisation
+    assert [r["iter"] for r in evals] == [0, 2, 4] and all(
+        math.isfinite(r["val_loss"]) for r in evals
+    )
+    assert (
+        abs(evals[0]["val_loss"] - math.log(K + V)) < 1.0
+    )  # answers only: about ln(vocab) at initialisation
 
 
 def test_a_damaged_example_length_or_a_missing_mask_is_one_line(task: Path, tmp_path: Path) -> None:
@@ -134,8 +189,12 @@ def test_a_damaged_example_length_or_a_missing_mask_is_one_line(task: Path, tmp_
     damaged = tmp_path / "damaged"
     shutil.copytree(task, damaged)
     meta = json.loads((damaged / "meta.json").read_text())
-    (damaged / "meta.json").write_text(json.dumps(meta | {"example_tokens": L + 1}))  # divides neither split
-    with pytest.raises(UserError, match=f"example_tokens is {L + 1}, not a whole number above 1 that divides both"):
+    (damaged / "meta.json").write_text(
+        json.dumps(meta | {"example_tokens": L + 1})
+    )  # divides neither split
+    with pytest.raises(
+        UserError, match=f"example_tokens is {L + 1}, not a whole number above 1 that divides both"
+    ):
         Batches(damaged, L, 4, 0, "cpu")
     (damaged / "meta.json").write_text(json.dumps(meta))
     (damaged / "val_mask.bin").unlink()

@@ -56,11 +56,16 @@ def test_a_save_never_touches_a_users_file_of_the_old_temp_name(tmp_path: Path) 
     assert files(tmp_path) == ["ckpt.pt", "ckpt.pt.tmp"]
 
 
-def test_temp_names_are_unique_and_only_stale_ones_of_the_pattern_are_removed(tmp_path: Path) -> None:
+def test_temp_names_are_unique_and_only_stale_ones_of_the_pattern_are_removed(
+    tmp_path: Path,
+) -> None:
     names = {temp_path(tmp_path / "ckpt.pt").name for _ in range(50)}
     assert len(names) == 50 and all(n.startswith(f".ckpt.pt{TEMP_MARK}") for n in names)
     # two writers of one file at once each write their own temp, and the file is one of theirs, whole
-    with atomic_open(tmp_path / "a.txt", "w") as first, atomic_open(tmp_path / "a.txt", "w") as second:
+    with (
+        atomic_open(tmp_path / "a.txt", "w") as first,
+        atomic_open(tmp_path / "a.txt", "w") as second,
+    ):
         first.write("first")
         second.write("second")
     assert (tmp_path / "a.txt").read_text() == "first"
@@ -69,8 +74,13 @@ def test_temp_names_are_unique_and_only_stale_ones_of_the_pattern_are_removed(tm
     stale_file.write_text("half a checkpoint")
     stale_folder.mkdir()
     (stale_folder / "part").write_text("x")
-    survivors = [f".ckpt.pt{TEMP_MARK}notes", f".ckpt.pt{TEMP_MARK}0123abcdX", f".log.jsonl{TEMP_MARK}0123abcd",
-                 f"ckpt.pt{TEMP_MARK}0123abcd", ".ckpt.pt.tmp"]
+    survivors = [
+        f".ckpt.pt{TEMP_MARK}notes",
+        f".ckpt.pt{TEMP_MARK}0123abcdX",
+        f".log.jsonl{TEMP_MARK}0123abcd",
+        f"ckpt.pt{TEMP_MARK}0123abcd",
+        ".ckpt.pt.tmp",
+    ]
     for name in survivors:
         (tmp_path / name).write_text("the user's, or another writer's")
     remove_stale_temps(tmp_path, r"ckpt\.pt|config\.json")
@@ -79,7 +89,13 @@ def test_temp_names_are_unique_and_only_stale_ones_of_the_pattern_are_removed(tm
 
 
 def test_pruning_sharded_folders_names_only_save_shardeds(tmp_path: Path) -> None:
-    for name in ("sharded-0000002", "sharded-0000004.tmp", "sharded-0000006", "sharded-mine", "sharded-7"):
+    for name in (
+        "sharded-0000002",
+        "sharded-0000004.tmp",
+        "sharded-0000006",
+        "sharded-mine",
+        "sharded-7",
+    ):
         (tmp_path / name).mkdir()
         (tmp_path / name / "data").write_text("x")
     (tmp_path / "ckpt-0000006.pt").write_text("kept")
@@ -97,7 +113,9 @@ def test_preparing_a_dataset_again_removes_only_its_own_stale_temps(tmp_path: Pa
     write_dataset(data, ids[:50], ids, meta)
     assert files(data) == [".lock", "meta.json", "notes.md", "train.bin", "val.bin"]
     assert json.loads((data / "meta.json").read_text())["train_tokens"] == 50
-    with folder_lock(data, "a test"):  # a preparation while another holds the folder: refused, nothing written
+    with folder_lock(
+        data, "a test"
+    ):  # a preparation while another holds the folder: refused, nothing written
         with pytest.raises(UserError, match="is in use by a test"):
             write_dataset(data, ids, ids, meta)
     assert json.loads((data / "meta.json").read_text())["train_tokens"] == 50
@@ -108,27 +126,45 @@ def test_an_export_without_its_list_of_files_refuses_a_users_file(tmp_path: Path
     is the user's, and --overwrite refuses the folder naming it."""
     dest = tmp_path / "old"
     dest.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "smallgpt.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+        "smallgpt.json",
+    ):
         (dest / name).write_text("{}")
     (dest / "model-00001-of-00002.safetensors").write_text("a shard")
     cfg = ExportConfig(out_dir=str(tmp_path / "run"), to=str(dest), overwrite=True)
     assert check_destinations(cfg, dest) is True
     (dest / "eval.txt").write_text("the user's")
-    with pytest.raises(UserError, match=r"holds an earlier export and eval\.txt, which no export wrote: move it"):
+    with pytest.raises(
+        UserError, match=r"holds an earlier export and eval\.txt, which no export wrote: move it"
+    ):
         check_destinations(cfg, dest)
 
 
-def test_a_log_without_a_checkpoint_is_refused_unless_it_is_this_runs(pycode_small: Path, tmp_path: Path) -> None:
+def test_a_log_without_a_checkpoint_is_refused_unless_it_is_this_runs(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """A run killed before its first save left a log and no checkpoint: the same command starts it again there;
     another run is refused before anything is written."""
     out = tmp_path / "out"
-    args = ["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--eval_interval=2"]
+    args = [
+        "train.py",
+        f"--dataset={pycode_small}",
+        f"--out_dir={out}",
+        *TINY_TRAIN,
+        "--eval_interval=2",
+    ]
     run([*args, "--max_iters=2"])
     (out / "ckpt.pt").unlink()  # as if killed before its first save
     log = (out / "log.jsonl").read_bytes()
     config = (out / "config.json").read_bytes()
-    one_line(cli([*args, "--max_iters=2", "--n_embd=64"]), f"{out} holds another run's log.jsonl (with no "
-                                                           "checkpoint")
+    one_line(
+        cli([*args, "--max_iters=2", "--n_embd=64"]),
+        f"{out} holds another run's log.jsonl (with no checkpoint",
+    )
     one_line(cli([*args, "--max_iters=4"]), "holds another run's log.jsonl")
     assert (out / "log.jsonl").read_bytes() == log and (out / "config.json").read_bytes() == config
     run([*args, "--max_iters=2", "--init_from=auto"])  # the same run, started again in place
@@ -138,29 +174,54 @@ def test_a_log_without_a_checkpoint_is_refused_unless_it_is_this_runs(pycode_sma
 def test_a_leading_tilde_is_the_home_folder(pycode_small: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    args = ["train.py", f"--dataset={pycode_small}", "--out_dir=~/runs/x", *TINY_TRAIN, "--max_iters=0",
-            "--eval_at_start=False"]
+    args = [
+        "train.py",
+        f"--dataset={pycode_small}",
+        "--out_dir=~/runs/x",
+        *TINY_TRAIN,
+        "--max_iters=0",
+        "--eval_at_start=False",
+    ]
     run(args, env={"HOME": str(home)})
     assert (home / "runs" / "x" / "config.json").is_file() and not (Path.cwd() / "~").exists()
 
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    # a window on no layer: the pattern's S falls on the last layer, always global
-    (dict(n_layer=3, window=4, window_pattern="LLS"), "window_pattern='LLS' on n_layer=3 makes no layer local"),
-    (dict(n_layer=1, window=4, window_pattern="S"), "window_pattern='S' on n_layer=1 makes no layer local"),
-    (dict(block_size=16, window=16, window_pattern="SL"), "window=16 is not below block_size=16"),
-    (dict(window=4, window_pattern="ssl"), "its letters are upper case, window_pattern='SSL'"),
-    (dict(window=4, window_pattern="SX"), "must be letters S (a local layer) and L"),
-    # a latent no smaller than the K and V it replaces, a rotary key past the head
-    (dict(kv_lora_rank=56, qk_rope_head_dim=8, pos_encoding="rope"), "caches 64 features a token, not fewer than the"
-                                                                     " 64 of the K and V it replaces"),
-    (dict(kv_lora_rank=8, qk_rope_head_dim=10, pos_encoding="rope"), "qk_rope_head_dim=10 is wider than a head"),
-    # keys of a kind of layer the model does not have
-    (dict(latent_norm=False), "latent_norm=False is an MLA key: set kv_lora_rank too"),
-    (dict(rope_theta=500.0), "rope_theta=500.0 applies to rotary positions"),
-    (dict(mlp="swiglu", gelu="tanh"), "gelu='tanh' applies to mlp='gelu'"),
-])
-def test_a_setting_that_would_change_nothing_is_one_line_naming_it(overrides: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # a window on no layer: the pattern's S falls on the last layer, always global
+        (
+            dict(n_layer=3, window=4, window_pattern="LLS"),
+            "window_pattern='LLS' on n_layer=3 makes no layer local",
+        ),
+        (
+            dict(n_layer=1, window=4, window_pattern="S"),
+            "window_pattern='S' on n_layer=1 makes no layer local",
+        ),
+        (
+            dict(block_size=16, window=16, window_pattern="SL"),
+            "window=16 is not below block_size=16",
+        ),
+        (dict(window=4, window_pattern="ssl"), "its letters are upper case, window_pattern='SSL'"),
+        (dict(window=4, window_pattern="SX"), "must be letters S (a local layer) and L"),
+        # a latent no smaller than the K and V it replaces, a rotary key past the head
+        (
+            dict(kv_lora_rank=56, qk_rope_head_dim=8, pos_encoding="rope"),
+            "caches 64 features a token, not fewer than the 64 of the K and V it replaces",
+        ),
+        (
+            dict(kv_lora_rank=8, qk_rope_head_dim=10, pos_encoding="rope"),
+            "qk_rope_head_dim=10 is wider than a head",
+        ),
+        # keys of a kind of layer the model does not have
+        (dict(latent_norm=False), "latent_norm=False is an MLA key: set kv_lora_rank too"),
+        (dict(rope_theta=500.0), "rope_theta=500.0 applies to rotary positions"),
+        (dict(mlp="swiglu", gelu="tanh"), "gelu='tanh' applies to mlp='gelu'"),
+    ],
+)
+def test_a_setting_that_would_change_nothing_is_one_line_naming_it(
+    overrides: dict, message: str
+) -> None:
     from model import GPTConfig
 
     with pytest.raises(ValueError) as err:
@@ -180,7 +241,9 @@ def test_the_limits_themselves_are_accepted() -> None:
     assert GPTConfig(**base, kv_lora_rank=8, qk_rope_head_dim=8, pos_encoding="rope").rope_dim == 8
 
 
-def test_final_evals_a_dataset_cannot_take_are_refused_before_training(pycode_small: Path, tmp_path: Path) -> None:
+def test_final_evals_a_dataset_cannot_take_are_refused_before_training(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """mqar on a text dataset, induction on a vocabulary too small for its segment, or a context too short for
     one copy: one line, and nothing trained or written."""
     tiny = tmp_path / "tiny"
@@ -189,18 +252,33 @@ def test_final_evals_a_dataset_cannot_take_are_refused_before_training(pycode_sm
     train = ["train.py", *TINY_TRAIN, "--max_iters=2", "--eval_interval=2"]
     for dataset, extra, message in [
         (pycode_small, ["--final_evals=[position,mqar]"], "the mqar task reads an MQAR dataset"),
-        (tiny, ["--final_evals=[induction]"], "needs 16 distinct tokens (the segment's and as many for the "
-                                              "filler), but the vocabulary has 6"),
-        (pycode_small, ["--final_evals=[induction]", "--block_size=6"], "so it needs block_size >= 8, not 6"),
+        (
+            tiny,
+            ["--final_evals=[induction]"],
+            "needs 16 distinct tokens (the segment's and as many for the "
+            "filler), but the vocabulary has 6",
+        ),
+        (
+            pycode_small,
+            ["--final_evals=[induction]", "--block_size=6"],
+            "so it needs block_size >= 8, not 6",
+        ),
     ]:
         out = tmp_path / f"out-{len(os.listdir(tmp_path))}"
         one_line(cli([*train, f"--dataset={dataset}", f"--out_dir={out}", *extra]), message)
         assert not out.exists() or files(out) == []
 
 
-@pytest.mark.parametrize(("script", "flag"), [("train.py", "--learning_rate=nan"), ("train.py", "--min_lr=-inf"),
-                                              ("train.py", "--max_iters=inf"), ("sample.py", "--temperature=nan"),
-                                              ("sample.py", "--top_p=Infinity")])
+@pytest.mark.parametrize(
+    ("script", "flag"),
+    [
+        ("train.py", "--learning_rate=nan"),
+        ("train.py", "--min_lr=-inf"),
+        ("train.py", "--max_iters=inf"),
+        ("sample.py", "--temperature=nan"),
+        ("sample.py", "--top_p=Infinity"),
+    ],
+)
 def test_a_number_that_is_not_finite_says_so(script: str, flag: str) -> None:
     key, value = flag[2:].split("=")
     one_line(cli([script, flag]), f"{key}={value} (from flag {flag}) must be a finite number")
@@ -214,7 +292,9 @@ def test_an_unwritable_destination_is_named_as_the_user_gave_it(tmp_path: Path) 
     with pytest.raises(UserError) as err:
         with atomic_open("/sys/report.md", "w") as f:
             f.write("x")
-    assert str(err.value).startswith("cannot write /sys/report.md (") and TEMP_MARK not in str(err.value)
+    assert str(err.value).startswith("cannot write /sys/report.md (") and TEMP_MARK not in str(
+        err.value
+    )
     with pytest.raises(UserError, match=r"^cannot write /sys/ckpt\.pt \("):
         save_checkpoint("/sys/ckpt.pt", tiny_model(), iter_num=1)
 
@@ -234,12 +314,22 @@ def test_bench_replaces_only_the_links_it_made(pycode_small: Path, tmp_path: Pat
     shutil.rmtree(linked)
 
 
-def test_a_comparison_writes_only_into_a_folder_of_its_kind(pycode_small: Path, tmp_path: Path) -> None:
+def test_a_comparison_writes_only_into_a_folder_of_its_kind(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """compare.py into a dataset, a run or an export is refused before anything is written; a comparison's folder
     (marked by compare.json when made) takes no run, dataset or export of its own."""
     run_dir = tmp_path / "run"
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={run_dir}", *TINY_TRAIN, "--max_iters=0",
-         "--eval_at_start=False"])
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={run_dir}",
+            *TINY_TRAIN,
+            "--max_iters=0",
+            "--eval_at_start=False",
+        ]
+    )
     export = tmp_path / "export"
     export.mkdir()
     (export / "smallgpt.json").write_text("{}")
@@ -251,11 +341,15 @@ def test_a_comparison_writes_only_into_a_folder_of_its_kind(pycode_small: Path, 
     root = tmp_path / "sweep"
     root.mkdir()
     (root / "compare.json").write_text('{"kind": "a comparison"}')
-    one_line(cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={root}", *TINY_TRAIN]),
-             f"{root} holds a comparison, not a run")
+    one_line(
+        cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={root}", *TINY_TRAIN]),
+        f"{root} holds a comparison, not a run",
+    )
     (tmp_path / "in.txt").write_text("hello world " * 100)
-    one_line(cli(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={root}"]),
-             f"{root} holds a comparison, not a dataset")
+    one_line(
+        cli(["dataset.py", f"--input={tmp_path / 'in.txt'}", f"--out_dir={root}"]),
+        f"{root} holds a comparison, not a dataset",
+    )
     assert files(root) == ["compare.json"]
 
 

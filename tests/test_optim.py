@@ -22,7 +22,9 @@ def test_muon_in_bf16_is_torch_optim_muon() -> None:
         opt_ours.step()
         opt_theirs.step()
     assert torch.equal(ours, theirs)
-    assert torch.equal(opt_ours.state[ours]["momentum_buffer"], opt_theirs.state[theirs]["momentum_buffer"])
+    assert torch.equal(
+        opt_ours.state[ours]["momentum_buffer"], opt_theirs.state[theirs]["momentum_buffer"]
+    )
 
 
 @pytest.mark.parametrize("shape", [(64, 16), (16, 64), (32, 32)])
@@ -31,7 +33,10 @@ def test_orthogonalised_pushes_singular_values_towards_one(shape: tuple[int, int
     (it trades exactness for speed: roughly 0.5 to 1.5); fp32 and bf16 agree to bf16's precision."""
     torch.manual_seed(0)
     k = min(shape)
-    u, v = torch.linalg.qr(torch.randn(shape[0], k))[0], torch.linalg.qr(torch.randn(shape[1], k))[0]
+    u, v = (
+        torch.linalg.qr(torch.randn(shape[0], k))[0],
+        torch.linalg.qr(torch.randn(shape[1], k))[0],
+    )
     g = u @ torch.diag(torch.logspace(-1, 1, k)) @ v.T  # singular values 0.1 ... 10
     out = orthogonalised(g, torch.float32)
     s = torch.linalg.svdvals(out)
@@ -47,7 +52,9 @@ def test_muon_chain_covers_every_parameter_once_and_trains() -> None:
     rest = {id(p) for g in adamw.param_groups for p in g["params"]}
     assert inner.isdisjoint(rest) and inner | rest == {id(p) for p in model.parameters()}
     names = {n for n, p in model.named_parameters() if id(p) in inner}
-    assert names == {n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")}
+    assert names == {
+        n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")
+    }
     assert [g["lr_scale"] for g in opt.param_groups] == pytest.approx([5.0, 1.0, 1.0])
     x = torch.randint(0, 61, (4, 32))
     y = torch.roll(x, -1, dims=1)
@@ -60,10 +67,17 @@ def test_muon_chain_covers_every_parameter_once_and_trains() -> None:
     state = opt.state_dict()
     again = make_optimizer(model, "muon", 0.1, 1e-2, (0.9, 0.95), "cpu", muon_lr=0.05)
     again.load_state_dict(state)
-    assert again.param_groups == [*again.optimizers[0].param_groups, *again.optimizers[1].param_groups]
-    assert all(a is b for a, b in zip(again.param_groups, again.optimizers[0].param_groups, strict=False))
-    assert torch.equal(again.optimizers[0].state[model.transformer.h[0].mlp.c_fc.weight]["momentum_buffer"],
-                       muon.state[model.transformer.h[0].mlp.c_fc.weight]["momentum_buffer"])
+    assert again.param_groups == [
+        *again.optimizers[0].param_groups,
+        *again.optimizers[1].param_groups,
+    ]
+    assert all(
+        a is b for a, b in zip(again.param_groups, again.optimizers[0].param_groups, strict=False)
+    )
+    assert torch.equal(
+        again.optimizers[0].state[model.transformer.h[0].mlp.c_fc.weight]["momentum_buffer"],
+        muon.state[model.transformer.h[0].mlp.c_fc.weight]["momentum_buffer"],
+    )
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:

@@ -23,7 +23,11 @@ def test_pycode_char_is_deterministic_and_round_trips(tmp_path: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes()
     meta = load_meta(a)
     train, val = open_tokens(a, "train", meta), open_tokens(a, "val", meta)
-    assert meta["tokenizer"] == "char" and meta["dtype"] == "uint16" and meta["vocab_size"] == len(meta["chars"])
+    assert (
+        meta["tokenizer"] == "char"
+        and meta["dtype"] == "uint16"
+        and meta["vocab_size"] == len(meta["chars"])
+    )
     assert abs(len(val) / (len(train) + len(val)) - 0.1) < 1e-3
     assert len(train) > 1_000_000 and int(train.max()) < meta["vocab_size"]
     text = load_tokenizer(meta).decode(train[:50000].tolist())
@@ -35,7 +39,9 @@ def test_char_tokenizer_round_trip_and_unknown_characters() -> None:
     tok = CharTokenizer.from_text("hello world\n")
     ids = tok.encode("low hello")
     assert tok.decode(ids) == "low hello" and tok.encode_array("low hello").tolist() == ids
-    with pytest.raises(UserError, match=r"not in the dataset's vocabulary: 'X' \(U\+0058\), 'Z' \(U\+005A\)"):
+    with pytest.raises(
+        UserError, match=r"not in the dataset's vocabulary: 'X' \(U\+0058\), 'Z' \(U\+005A\)"
+    ):
         tok.encode("hello ZX")
     with pytest.raises(UserError, match="'é'"):
         tok.encode_array("helé")
@@ -43,10 +49,18 @@ def test_char_tokenizer_round_trip_and_unknown_characters() -> None:
 
 def test_shakespeare_offline_download_fails_with_a_clear_line(tmp_path: Path) -> None:
     out = tmp_path / "shakespeare"
-    r = cli(["data/shakespeare_char/prepare.py", "--url=http://127.0.0.1:9/input.txt",
-                        f"--out_dir={out}"])
+    r = cli(
+        [
+            "data/shakespeare_char/prepare.py",
+            "--url=http://127.0.0.1:9/input.txt",
+            f"--out_dir={out}",
+        ]
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
-    assert r.stderr.startswith("error: cannot download http://127.0.0.1:9/input.txt") and "--input=FILE" in r.stderr
+    assert (
+        r.stderr.startswith("error: cannot download http://127.0.0.1:9/input.txt")
+        and "--input=FILE" in r.stderr
+    )
     assert not out.exists()
 
 
@@ -68,22 +82,41 @@ def test_any_text_file_as_char_or_bpe_dataset(tmp_path: Path) -> None:
     # a tiny byte-level BPE file in tiktoken's format stands in for GPT-2's (which needs a download)
     bpe = tmp_path / "tiny.tiktoken"
     bpe.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
-    run(["dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'bpe'}", "--tokenizer=gpt2"],
-        env={"GPT2_BPE_FILE": str(bpe)})
+    run(
+        ["dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'bpe'}", "--tokenizer=gpt2"],
+        env={"GPT2_BPE_FILE": str(bpe)},
+    )
     meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 257
-    ids = np.concatenate([open_tokens(tmp_path / "bpe", "train", meta), open_tokens(tmp_path / "bpe", "val", meta)])
+    ids = np.concatenate(
+        [open_tokens(tmp_path / "bpe", "train", meta), open_tokens(tmp_path / "bpe", "val", meta)]
+    )
     assert ids.tolist() == list(src.read_bytes())
 
 
 def test_gpt2_bpe_offline_is_a_clear_error(tmp_path: Path) -> None:
     src = tmp_path / "notes.txt"
     src.write_text("hello")
-    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"), "HTTPS_PROXY": "http://127.0.0.1:9",
-           "https_proxy": "http://127.0.0.1:9", "GPT2_BPE_FILE": ""}
-    r = subprocess.run([sys.executable, "dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'o'}",
-                        "--tokenizer=gpt2"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, **env})
+    env = {
+        "TIKTOKEN_CACHE_DIR": str(tmp_path / "empty-cache"),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "https_proxy": "http://127.0.0.1:9",
+        "GPT2_BPE_FILE": "",
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "dataset.py",
+            f"--input={src}",
+            f"--out_dir={tmp_path / 'o'}",
+            "--tokenizer=gpt2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "cannot load the GPT-2 BPE" in r.stderr and "GPT2_BPE_FILE" in r.stderr
 
@@ -118,50 +151,99 @@ def test_corpus_pipeline_on_local_parquet(script: str, tmp_path: Path, tiny_bpe:
     outs = []
     for streaming in (False, True):
         out = tmp_path / f"out-{streaming}"
-        r = run([script, f"--input={tmp_path / 'docs.parquet'}", f"--out_dir={out}", "--num_proc=1",
-                 "--val_every=10", f"--streaming={streaming}"], env=tiny_bpe)
+        r = run(
+            [
+                script,
+                f"--input={tmp_path / 'docs.parquet'}",
+                f"--out_dir={out}",
+                "--num_proc=1",
+                "--val_every=10",
+                f"--streaming={streaming}",
+            ],
+            env=tiny_bpe,
+        )
         assert "train and" in r.stdout
         outs.append(out)
     meta = load_meta(outs[0])
     train, val = open_tokens(outs[0], "train", meta), open_tokens(outs[0], "val", meta)
     eot = 256
     assert meta["tokenizer"] == "gpt2" and meta["dtype"] == "uint16"
-    assert int((val == eot).sum()) == 3 and int((train == eot).sum()) == 27  # documents 0, 10, 20 go to val
+    assert (
+        int((val == eot).sum()) == 3 and int((train == eot).sum()) == 27
+    )  # documents 0, 10, 20 go to val
     assert bytes(val[: val.tolist().index(eot)].tolist()).decode() == docs[0]
     assert bytes(train[: train.tolist().index(eot)].tolist()).decode() == docs[1]
-    for name in ("train.bin", "val.bin", "meta.json"):  # streaming gives the same files; a re-run overwrites whole
+    for name in (
+        "train.bin",
+        "val.bin",
+        "meta.json",
+    ):  # streaming gives the same files; a re-run overwrites whole
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
     assert not list(outs[0].glob("*.tmp"))
     # a re-run that fails (a document with no text, streamed or not) leaves the dataset there as it was
     files = {p.name: p.read_bytes() for p in outs[0].iterdir()}
     pq.write_table(pa.table({"text": ["a doc", None, "another"]}), tmp_path / "bad.parquet")
     for streaming in (False, True):
-        r = cli([script, f"--input={tmp_path / 'bad.parquet'}", f"--out_dir={outs[0]}", "--num_proc=1",
-                 "--val_every=2", f"--streaming={streaming}"], env=tiny_bpe)
-        assert r.returncode == 2 and r.stderr.splitlines()[-1] == "error: a document's 'text' is None, not a string"
+        r = cli(
+            [
+                script,
+                f"--input={tmp_path / 'bad.parquet'}",
+                f"--out_dir={outs[0]}",
+                "--num_proc=1",
+                "--val_every=2",
+                f"--streaming={streaming}",
+            ],
+            env=tiny_bpe,
+        )
+        assert (
+            r.returncode == 2
+            and r.stderr.splitlines()[-1] == "error: a document's 'text' is None, not a string"
+        )
         assert {p.name: p.read_bytes() for p in outs[0].iterdir()} == files
 
 
 def test_corpus_offline_is_one_clear_line(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "data/openwebtext/prepare.py", f"--out_dir={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-                            "HF_HOME": str(tmp_path / "hf")})
+    r = subprocess.run(
+        [sys.executable, "data/openwebtext/prepare.py", f"--out_dir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "HF_HOME": str(tmp_path / "hf"),
+        },
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
     assert "cannot load Skylion007/openwebtext" in r.stderr and "--input=PATH" in r.stderr
-    r = cli(["data/openwebtext/prepare.py", f"--input={tmp_path / 'docs-*.parquet'}", f"--out_dir={tmp_path / 'd'}"])
-    assert r.returncode == 2 and r.stderr == f"error: no file matches --input={tmp_path / 'docs-*.parquet'}\n"
+    r = cli(
+        [
+            "data/openwebtext/prepare.py",
+            f"--input={tmp_path / 'docs-*.parquet'}",
+            f"--out_dir={tmp_path / 'd'}",
+        ]
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr == f"error: no file matches --input={tmp_path / 'docs-*.parquet'}\n"
+    )
 
 
-@pytest.mark.parametrize(("content", "args", "message"), [
-    (b"", [], "the text is empty"),
-    (b"ab\xffcd", [], "is not UTF-8 text (invalid start byte at byte 2)"),
-    (b"hello world", ["--val_fraction=0"], "11 tokens at val_fraction=0.0 leave a split empty"),
-    (b"hello world", ["--val_fraction=1.5"], "val_fraction must be in (0, 1)"),
-    (None, [], "is not a file"),
-])
-def test_unusable_text_is_one_line_and_writes_nothing(tmp_path: Path, content: bytes | None, args: list[str],
-                                                      message: str) -> None:
+@pytest.mark.parametrize(
+    ("content", "args", "message"),
+    [
+        (b"", [], "the text is empty"),
+        (b"ab\xffcd", [], "is not UTF-8 text (invalid start byte at byte 2)"),
+        (b"hello world", ["--val_fraction=0"], "11 tokens at val_fraction=0.0 leave a split empty"),
+        (b"hello world", ["--val_fraction=1.5"], "val_fraction must be in (0, 1)"),
+        (None, [], "is not a file"),
+    ],
+)
+def test_unusable_text_is_one_line_and_writes_nothing(
+    tmp_path: Path, content: bytes | None, args: list[str], message: str
+) -> None:
     source = tmp_path / "in"
     source.mkdir() if content is None else source.write_bytes(content)
     r = cli(["dataset.py", f"--input={source}", f"--out_dir={tmp_path / 'd'}", *args])
@@ -169,19 +251,63 @@ def test_unusable_text_is_one_line_and_writes_nothing(tmp_path: Path, content: b
     assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "d" / "meta.json").exists()
 
 
-@pytest.mark.parametrize(("meta", "message"), [
-    ([1, 2], "not a JSON object"),
-    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"], "train_tokens": 9, "val_tokens": 1},
-     "dtype is None, not uint16 or uint32"),
-    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "b", "c"], "dtype": "uint16"},  # no counts
-     "train_tokens is None, not a whole number; val_tokens is None"),
-    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "a", "bc"], "dtype": "uint16", "train_tokens": 9,
-      "val_tokens": 1}, "a char dataset without its list of characters"),
-    ({"tokenizer": "char", "vocab_size": 3, "chars": ["a", "a", "b"], "dtype": "uint16", "train_tokens": 9,
-      "val_tokens": 1}, "3 characters (2 distinct) for vocab_size 3"),
-    ({"tokenizer": "bpe?", "vocab_size": 70000, "dtype": "uint16", "train_tokens": 9, "val_tokens": 1},
-     "vocab_size 70000 does not fit uint16; tokenizer is 'bpe?'"),
-])
+@pytest.mark.parametrize(
+    ("meta", "message"),
+    [
+        ([1, 2], "not a JSON object"),
+        (
+            {
+                "tokenizer": "char",
+                "vocab_size": 3,
+                "chars": ["a", "b", "c"],
+                "train_tokens": 9,
+                "val_tokens": 1,
+            },
+            "dtype is None, not uint16 or uint32",
+        ),
+        (
+            {
+                "tokenizer": "char",
+                "vocab_size": 3,
+                "chars": ["a", "b", "c"],
+                "dtype": "uint16",
+            },  # no counts
+            "train_tokens is None, not a whole number; val_tokens is None",
+        ),
+        (
+            {
+                "tokenizer": "char",
+                "vocab_size": 3,
+                "chars": ["a", "a", "bc"],
+                "dtype": "uint16",
+                "train_tokens": 9,
+                "val_tokens": 1,
+            },
+            "a char dataset without its list of characters",
+        ),
+        (
+            {
+                "tokenizer": "char",
+                "vocab_size": 3,
+                "chars": ["a", "a", "b"],
+                "dtype": "uint16",
+                "train_tokens": 9,
+                "val_tokens": 1,
+            },
+            "3 characters (2 distinct) for vocab_size 3",
+        ),
+        (
+            {
+                "tokenizer": "bpe?",
+                "vocab_size": 70000,
+                "dtype": "uint16",
+                "train_tokens": 9,
+                "val_tokens": 1,
+            },
+            "vocab_size 70000 does not fit uint16; tokenizer is 'bpe?'",
+        ),
+    ],
+)
 def test_malformed_meta_json_is_one_line(tmp_path: Path, meta: object, message: str) -> None:
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(UserError, match=re.escape(message)):
@@ -189,29 +315,51 @@ def test_malformed_meta_json_is_one_line(tmp_path: Path, meta: object, message: 
 
 
 def test_bad_preparer_settings_are_one_line(tmp_path: Path) -> None:
-    for args, message in ((["data/pycode_char/prepare.py", "--max_chars=0"], "max_chars=0 must be at least 2"),
-                          (["data/openwebtext/prepare.py", "--val_every=0"], "val_every=0 must be at least 2")):
+    for args, message in (
+        (["data/pycode_char/prepare.py", "--max_chars=0"], "max_chars=0 must be at least 2"),
+        (["data/openwebtext/prepare.py", "--val_every=0"], "val_every=0 must be at least 2"),
+    ):
         r = cli([*args, f"--out_dir={tmp_path / 'd'}"])
         assert r.returncode == 2 and message in r.stderr and not (tmp_path / "d").exists()
 
 
-@pytest.mark.parametrize(("table", "message"), [({"content": ["a doc"]}, "the corpus has no 'text' column (its "
-                                                                        "columns: content)"),
-                                                ({"text": ["one doc"]}, "1 documents at val_every=2000 leave a split")])
-def test_unusable_corpus_is_one_line(tmp_path: Path, tiny_bpe: dict, table: dict, message: str) -> None:
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"content": ["a doc"]}, "the corpus has no 'text' column (its columns: content)"),
+        ({"text": ["one doc"]}, "1 documents at val_every=2000 leave a split"),
+    ],
+)
+def test_unusable_corpus_is_one_line(
+    tmp_path: Path, tiny_bpe: dict, table: dict, message: str
+) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table(table, schema=pa.schema([(k, pa.string()) for k in table])), tmp_path / "docs.parquet")
-    r = cli(["data/openwebtext/prepare.py", f"--input={tmp_path / 'docs.parquet'}", f"--out_dir={tmp_path / 'd'}",
-             "--num_proc=1"], env=tiny_bpe)
+    pq.write_table(
+        pa.table(table, schema=pa.schema([(k, pa.string()) for k in table])),
+        tmp_path / "docs.parquet",
+    )
+    r = cli(
+        [
+            "data/openwebtext/prepare.py",
+            f"--input={tmp_path / 'docs.parquet'}",
+            f"--out_dir={tmp_path / 'd'}",
+            "--num_proc=1",
+        ],
+        env=tiny_bpe,
+    )
     assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith(f"error: {message}")
     assert not (tmp_path / "d" / "meta.json").exists()
 
 
-@pytest.mark.parametrize("script", ["data/openwebtext/prepare.py", "data/fineweb_edu/prepare.py"])  # whole, streamed
+@pytest.mark.parametrize(
+    "script", ["data/openwebtext/prepare.py", "data/fineweb_edu/prepare.py"]
+)  # whole, streamed
 @pytest.mark.parametrize("name", ["docs.parquet", "docs.jsonl"])
-def test_an_empty_corpus_file_is_one_line(tmp_path: Path, tiny_bpe: dict, script: str, name: str) -> None:
+def test_an_empty_corpus_file_is_one_line(
+    tmp_path: Path, tiny_bpe: dict, script: str, name: str
+) -> None:
     """A stream reads its files only as it goes (pyarrow's error comes mid-loop); datasets raises StopIteration
     for an empty JSON file."""
     import pyarrow as pa
@@ -222,10 +370,14 @@ def test_an_empty_corpus_file_is_one_line(tmp_path: Path, tiny_bpe: dict, script
         pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
     else:
         path.write_text("")
-    r = cli([script, f"--input={path}", f"--out_dir={tmp_path / 'd'}", "--num_proc=1"], env=tiny_bpe)
+    r = cli(
+        [script, f"--input={path}", f"--out_dir={tmp_path / 'd'}", "--num_proc=1"], env=tiny_bpe
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.splitlines()[-1].startswith(f"error: cannot load {path} (")
-    assert r.stderr.splitlines()[-1].endswith("); are they empty, or not of the kind their names say?")
+    assert r.stderr.splitlines()[-1].endswith(
+        "); are they empty, or not of the kind their names say?"
+    )
     assert not (tmp_path / "d" / "meta.json").exists()
 
 
@@ -251,4 +403,7 @@ def test_a_prepare_failing_midway_leaves_the_dataset_there_as_it_was(tmp_path: P
         write_dataset(tmp_path, rng.integers(0, 96, 3000), CtrlC(), meta)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
     loaded = load_meta(tmp_path)
-    assert len(open_tokens(tmp_path, "train", loaded)) == 4000 and len(open_tokens(tmp_path, "val", loaded)) == 1000
+    assert (
+        len(open_tokens(tmp_path, "train", loaded)) == 4000
+        and len(open_tokens(tmp_path, "val", loaded)) == 1000
+    )

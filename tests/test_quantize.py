@@ -46,7 +46,9 @@ def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
     m = tiny_model(2, "rope", block_size=16, vocab_size=101)
     q = quantize(copy.deepcopy(m), "int8")
     assert not [mod for mod in q.modules() if isinstance(mod, torch.nn.Linear)]
-    assert q.lm_head.weight.dtype == torch.int8 and torch.equal(q.transformer.wte.weight, m.transformer.wte.weight)
+    assert q.lm_head.weight.dtype == torch.int8 and torch.equal(
+        q.transformer.wte.weight, m.transformer.wte.weight
+    )
     idx = torch.randint(0, 101, (2, 12))
     d = quantize(tiny_model(**DECODE), "int8")
     with torch.inference_mode():
@@ -54,8 +56,12 @@ def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
         assert (got - want).norm() / want.norm() < 0.02
         eager = generate(d, idx[:1, :3], 80, temperature=0)
         assert torch.equal(generate(d, idx[:1, :3], 80, temperature=0, compile_step=True), eager)
-    (_, sources, lent), = STEPS[d].values()  # its int8 products through inductor's GEMM template: blocked int8 copies
-    int8 = {f"model.{name}.weight" for name, mod in d.named_modules() if isinstance(mod, Int8Linear)}
+    ((_, sources, lent),) = STEPS[
+        d
+    ].values()  # its int8 products through inductor's GEMM template: blocked int8 copies
+    int8 = {
+        f"model.{name}.weight" for name, mod in d.named_modules() if isinstance(mod, Int8Linear)
+    }
     assert {source for source, *_ in sources.values()} <= int8 and sources
     assert all(lent[name][0].dtype == torch.int8 for name in sources)
     with pytest.raises(ValueError, match="quantize='int4' must be one of"):
@@ -76,8 +82,16 @@ def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Pat
     torch.manual_seed(0)
     model = lively(GPT(GPTConfig(**DECODE))).eval()
     save_checkpoint(tmp_path / "ckpt.pt", model, iter_num=0, config={"dataset": str(data)})
-    r = run(["bench.py", "--mode=int8", f"--out_dir={tmp_path}", "--eval_iters=2", "--batch_size=4",
-             "--new_tokens=[12]"])
+    r = run(
+        [
+            "bench.py",
+            "--mode=int8",
+            f"--out_dir={tmp_path}",
+            "--eval_iters=2",
+            "--batch_size=4",
+            "--new_tokens=[12]",
+        ]
+    )
     fp32, int8 = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert abs(int8["val_loss"] - fp32["val_loss"]) < 0.01 and int8["top1_agreement"] > 0.9
     # the agreements computed here: the first eval_iters val batches (train.py's default seed), and 12 greedy tokens
@@ -89,21 +103,34 @@ def test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint(tmp_path: Pat
         picks = [torch.stack([m(x, y)[0].argmax(-1) for x, y in val]) for m in (model, q)]
         greedy = [generate(m, val[0][0][:4, :16], 12, temperature=0)[:, 16:] for m in (model, q)]
     assert distinct(greedy[0]) >= 12  # not 4 rows of one token each, as a random model's would be
-    assert int8["top1_agreement"] == pytest.approx((picks[0] == picks[1]).float().mean().item(), abs=1e-9)
-    assert int8["greedy_agreement"] == pytest.approx((greedy[0] == greedy[1]).float().mean().item(), abs=1e-9)
+    assert int8["top1_agreement"] == pytest.approx(
+        (picks[0] == picks[1]).float().mean().item(), abs=1e-9
+    )
+    assert int8["greedy_agreement"] == pytest.approx(
+        (greedy[0] == greedy[1]).float().mean().item(), abs=1e-9
+    )
     # weight bytes by hand: fp32 4 a parameter (lm_head tied); int8 keeps the embeddings, norms and biases in fp32,
     # each Linear's (out, in) weight in one byte each and its out scales in fp32 and bf16
     D, V, T, L = 32, 96, 64, 2
     linears = [(D, D)] * 4 + [(4 * D, D), (D, 4 * D)]  # c_q, c_k, c_v, c_proj; c_fc, mlp.c_proj
     biases = L * sum(out for out, _ in linears)
-    kept = V * D + T * D + L * 2 * 2 * D + 2 * D + biases  # wte, wpe, ln_1 and ln_2 of each block, ln_f, biases
+    kept = (
+        V * D + T * D + L * 2 * 2 * D + 2 * D + biases
+    )  # wte, wpe, ln_1 and ln_2 of each block, ln_f, biases
     assert fp32["weight_bytes"] == 4 * (kept + L * sum(o * i for o, i in linears))
-    assert int8["weight_bytes"] == 4 * kept + sum(o * i + (4 + 2) * o for o, i in linears * L + [(V, D)])
+    assert int8["weight_bytes"] == 4 * kept + sum(
+        o * i + (4 + 2) * o for o, i in linears * L + [(V, D)]
+    )
     assert {"eager_tok_s", "compiled_tok_s"} <= fp32.keys() & int8.keys()
-    assert "int8 benchmark on cpu" in r.stderr and "2 layers, 4 heads, 32 wide, vocab 96" in r.stderr
+    assert (
+        "int8 benchmark on cpu" in r.stderr and "2 layers, 4 heads, 32 wide, vocab 96" in r.stderr
+    )
 
 
 def test_sample_refuses_an_unknown_quantization(tmp_path: Path) -> None:
     r = cli(["sample.py", f"--out_dir={tmp_path}", "--quantize=int4"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "quantize='int4' must be one of" in r.stderr
+    assert (
+        r.stderr.strip().splitlines()[-1].startswith("error: ")
+        and "quantize='int4' must be one of" in r.stderr
+    )

@@ -32,7 +32,9 @@ class Copier(torch.nn.Module):
         self.config = SimpleNamespace(block_size=block_size)
         self.anchor = torch.nn.Parameter(torch.zeros(1))  # where the evaluation puts its inputs
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
         B, T = idx.shape
         logits = torch.zeros(B, T, self.vocab)
         for b in range(B):
@@ -47,7 +49,9 @@ class Copier(torch.nn.Module):
 
 
 class Uniform(Copier):
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
         return torch.zeros(*idx.shape, self.vocab), None
 
 
@@ -55,35 +59,49 @@ def test_a_perfect_copier_scores_everything_and_a_uniform_model_scores_chance() 
     V, L = 64, 8
     perfect = recall.induction(Copier(V, 64), V, [8, 24, 56], length=L, examples=40, batch_size=16)
     assert [r["distance"] for r in perfect] == [8, 24, 56]
-    assert all(r["accuracy"] == 1.0 and r["loss"] < 1e-6 and r["n"] == 40 * (L - 1) for r in perfect)
+    assert all(
+        r["accuracy"] == 1.0 and r["loss"] < 1e-6 and r["n"] == 40 * (L - 1) for r in perfect
+    )
     chance = recall.induction(Uniform(V, 64), V, [24], length=L, examples=256, batch_size=64)[0]
     assert chance["loss"] == pytest.approx(math.log(V), rel=1e-6)
-    assert chance["accuracy"] < 4 / V  # argmax of a flat row is token 0: right 1 time in V, give or take
+    assert (
+        chance["accuracy"] < 4 / V
+    )  # argmax of a flat row is token 0: right 1 time in V, give or take
     again = recall.induction(Uniform(V, 64), V, [24], length=L, examples=256, batch_size=64)[0]
     assert again == chance  # seeded
 
 
 def test_induction_batches_repeat_a_segment_of_distinct_tokens_at_the_distance() -> None:
-    idx, targets = recall.induction_batch(np.random.default_rng(0), 8, vocab=40, length=6, distance=20)
+    idx, targets = recall.induction_batch(
+        np.random.default_rng(0), 8, vocab=40, length=6, distance=20
+    )
     assert idx.shape == targets.shape == (8, 25)
     for b in range(8):
         segment = idx[b, :6].tolist()
-        assert len(set(segment)) == 6 and not set(idx[b, 6:20].tolist()) & set(segment)  # filler: other tokens
+        assert len(set(segment)) == 6 and not set(idx[b, 6:20].tolist()) & set(
+            segment
+        )  # filler: other tokens
         counted = (targets[b] >= 0).nonzero().flatten().tolist()
         assert counted == list(range(20, 25))  # the copy's tokens after its first
-        assert [targets[b, t].item() for t in counted] == segment[1:]  # each one the token `distance` back
+        assert [targets[b, t].item() for t in counted] == segment[
+            1:
+        ]  # each one the token `distance` back
 
 
 def test_loss_by_position_averages_to_the_val_loss(pycode_small: Path) -> None:
     batches = Batches(pycode_small, 32, 4, 1337, "cpu")
     model = tiny_model(vocab_size=batches.meta["vocab_size"]).eval()
     curve = recall.loss_by_position(model, batches, eval_iters=3)
-    assert len(curve) == 32 and sum(curve) / 32 == pytest.approx(evaluate(model, batches, 3, nullcontext())["val"])
+    assert len(curve) == 32 and sum(curve) / 32 == pytest.approx(
+        evaluate(model, batches, 3, nullcontext())["val"]
+    )
     by_hand = []  # position 5 alone, from the model's logits
     for k in range(3):
         idx, targets = batches.eval("val", k)
         logits, _ = model(idx, targets)
-        by_hand.append(torch.nn.functional.cross_entropy(logits[:, 5], targets[:, 5], reduction="none"))
+        by_hand.append(
+            torch.nn.functional.cross_entropy(logits[:, 5], targets[:, 5], reduction="none")
+        )
     assert curve[5] == pytest.approx(torch.cat(by_hand).mean().item(), rel=1e-5)
 
 
@@ -96,48 +114,91 @@ def test_distances_past_the_context_and_vocabularies_too_small_are_one_line() ->
     assert recall.default_distances(32, 8) == [8, 16, 24]
 
 
-def test_train_logs_its_final_evals_and_eval_py_prints_the_same(pycode_small: Path, tmp_path: Path) -> None:
+def test_train_logs_its_final_evals_and_eval_py_prints_the_same(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
-    r = run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--max_iters=10",
-             "--eval_interval=10", "--final_evals=[induction,position]"])
+    r = run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={out}",
+            *TINY_TRAIN,
+            "--max_iters=10",
+            "--eval_interval=10",
+            "--final_evals=[induction,position]",
+        ]
+    )
     assert "step 10: induction acc" in r.stdout
     record = [x for x in read_log(out) if x["event"] == "recall"]
     assert len(record) == 1 and record[0]["iter"] == 10
-    assert [d["distance"] for d in record[0]["induction"]] == [8, 16, 24] and len(record[0]["position"]) == 32
-    assert read_run(out)["recall"]["induction"] == record[0]["induction"] and unfinished(read_run(out)) is None
+    assert [d["distance"] for d in record[0]["induction"]] == [8, 16, 24] and len(
+        record[0]["position"]
+    ) == 32
+    assert (
+        read_run(out)["recall"]["induction"] == record[0]["induction"]
+        and unfinished(read_run(out)) is None
+    )
     # eval.py on the checkpoint: the same tasks and settings give the same numbers (the final model was saved)
-    base = ["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", "--induction_length=8",
-            "--eval_iters=4", "--batch_size=8", "--seed=1337"]
+    base = [
+        "eval.py",
+        f"--out_dir={out}",
+        "--device=cpu",
+        "--progress=False",
+        "--induction_length=8",
+        "--eval_iters=4",
+        "--batch_size=8",
+        "--seed=1337",
+    ]
     r = cli([*base, "--tasks=[induction,position]"])
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert [x["distance"] for x in rows if x["task"] == "induction"] == [8, 16, 24]
-    assert [x for x in rows if x["task"] == "induction"] == [{"task": "induction", **d} for d in record[0]["induction"]]
-    assert next(x for x in rows if x["task"] == "position")["loss"] == pytest.approx(record[0]["position"])
+    assert [x for x in rows if x["task"] == "induction"] == [
+        {"task": "induction", **d} for d in record[0]["induction"]
+    ]
+    assert next(x for x in rows if x["task"] == "position")["loss"] == pytest.approx(
+        record[0]["position"]
+    )
     # the same model exported to a transformers folder and read back by init_from=hf: scores the same
     run(["export.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}"])
     r = cli([*base, f"--init_from=hf:{tmp_path / 'hf'}", f"--dataset={pycode_small}"])
     assert r.returncode == 0, r.stderr
     from_hf = [json.loads(line) for line in r.stdout.splitlines()]
-    assert [x["correct"] for x in from_hf if x["task"] == "induction"] == [d["correct"] for d in record[0]["induction"]]
+    assert [x["correct"] for x in from_hf if x["task"] == "induction"] == [
+        d["correct"] for d in record[0]["induction"]
+    ]
     assert from_hf[-1]["loss"] == pytest.approx(record[0]["position"], rel=1e-4)
     # mistakes: one line each
-    for flags, message in [(["--distances=[30]"], "induction distance 30 with induction_length=8"),
-                           (["--induction_length=64"], "induction_length=64 needs 128 distinct tokens"),
-                           (["--tasks=[mqar]"], "the mqar task reads an MQAR dataset"),
-                           (["--tasks=[recall]"], "tasks: 'recall' is not one of induction, position, mqar")]:
+    for flags, message in [
+        (["--distances=[30]"], "induction distance 30 with induction_length=8"),
+        (["--induction_length=64"], "induction_length=64 needs 128 distinct tokens"),
+        (["--tasks=[mqar]"], "the mqar task reads an MQAR dataset"),
+        (["--tasks=[recall]"], "tasks: 'recall' is not one of induction, position, mqar"),
+    ]:
         r = cli([*base, *flags])
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
     # a run killed before its final evals were logged is not finished (the sweep runs it again)
     log = out / "log.jsonl"
-    log.write_text("".join(line + "\n" for line in log.read_text().splitlines() if '"recall"' not in line))
+    log.write_text(
+        "".join(line + "\n" for line in log.read_text().splitlines() if '"recall"' not in line)
+    )
     assert unfinished(read_run(out)) == "its final_evals are not logged yet (killed while they ran)"
 
 
-def test_mqar_accuracy_is_one_for_a_model_that_looks_keys_up_and_chance_for_a_uniform_one(tmp_path: Path) -> None:
+def test_mqar_accuracy_is_one_for_a_model_that_looks_keys_up_and_chance_for_a_uniform_one(
+    tmp_path: Path,
+) -> None:
     """On a prepared MQAR dataset the copier (the token after the key's earlier occurrence: its value) answers every
     query; a uniform model, whose top token is the first id (a key, never an answer), none."""
-    run(["data/mqar/prepare.py", f"--out_dir={tmp_path}", "--train_examples=200", "--val_examples=200"])
+    run(
+        [
+            "data/mqar/prepare.py",
+            f"--out_dir={tmp_path}",
+            "--train_examples=200",
+            "--val_examples=200",
+        ]
+    )
     batches = Batches(tmp_path, 31, 16, 0, "cpu")
     perfect = recall.mqar(Copier(128, 31), batches, eval_iters=4)
     assert perfect == {"accuracy": 1.0, "correct": 4 * 16 * 8, "n": 4 * 16 * 8}
@@ -151,31 +212,57 @@ def eval_rows(args: list[str]) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines()]
 
 
-def test_eval_py_with_no_settings_prints_exactly_what_the_run_logged(pycode_small: Path,
-                                                                     tmp_path: Path) -> None:
+def test_eval_py_with_no_settings_prints_exactly_what_the_run_logged(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """Its tasks, batch_size, eval_iters, seed, dtype and induction segment are the run's (its
     --final_evals'): the same numbers, equal, not close (fp32 on CPU)."""
     out = tmp_path / "run"
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--max_iters=4",
-         "--eval_interval=4", "--seed=7", "--final_evals=[induction,position]",
-         "--always_save_checkpoint=True"])  # the final model is the one saved
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={out}",
+            *TINY_TRAIN,
+            "--max_iters=4",
+            "--eval_interval=4",
+            "--seed=7",
+            "--final_evals=[induction,position]",
+            "--always_save_checkpoint=True",
+        ]
+    )  # the final model is the one saved
     logged = next(x for x in read_log(out) if x["event"] == "recall")
     for tasks in ([], ["--tasks=[induction,position]"]):  # left out: the run's final_evals
         rows = eval_rows([f"--out_dir={out}", *tasks])
         assert [x for x in rows if x["task"] == "induction"] == [
-            {"task": "induction", **d} for d in logged["induction"]]
+            {"task": "induction", **d} for d in logged["induction"]
+        ]
         assert next(x for x in rows if x["task"] == "position")["loss"] == logged["position"]
 
 
 def test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged(tmp_path: Path) -> None:
     data = tmp_path / "mqar"
-    run(["data/mqar/prepare.py", f"--out_dir={data}", "--train_examples=200",
-         "--val_examples=100"])
+    run(["data/mqar/prepare.py", f"--out_dir={data}", "--train_examples=200", "--val_examples=100"])
     out = tmp_path / "run"
-    run(["train.py", f"--dataset={data}", f"--out_dir={out}", "--block_size=31", "--n_layer=1",
-         "--n_head=2", "--n_embd=32", "--max_iters=4", "--eval_interval=4", "--eval_iters=3",
-         "--batch_size=5", "--device=cpu", "--dtype=float32", "--final_evals=[mqar,position]",
-         "--always_save_checkpoint=True"])
+    run(
+        [
+            "train.py",
+            f"--dataset={data}",
+            f"--out_dir={out}",
+            "--block_size=31",
+            "--n_layer=1",
+            "--n_head=2",
+            "--n_embd=32",
+            "--max_iters=4",
+            "--eval_interval=4",
+            "--eval_iters=3",
+            "--batch_size=5",
+            "--device=cpu",
+            "--dtype=float32",
+            "--final_evals=[mqar,position]",
+            "--always_save_checkpoint=True",
+        ]
+    )
     logged = next(x for x in read_log(out) if x["event"] == "recall")
     rows = eval_rows([f"--out_dir={out}"])
     assert next(x for x in rows if x["task"] == "mqar") == {"task": "mqar", **logged["mqar"]}
@@ -183,25 +270,38 @@ def test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged(tmp_pa
 
 
 def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
-        pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A dataset of the run's vocabulary size but other characters (its ids other tokens to the
     model), and mqar beside induction on a dataset that is not MQAR: one line each, and no task
     starts (induction runs first)."""
     out = tmp_path / "run"
-    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, "--max_iters=2",
-         "--eval_interval=2"])
+    run(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={out}",
+            *TINY_TRAIN,
+            "--max_iters=2",
+            "--eval_interval=2",
+        ]
+    )
     shuffled = tmp_path / "shuffled"
     shutil.copytree(pycode_small, shuffled)
     meta = json.loads((shuffled / "meta.json").read_text())
     (shuffled / "meta.json").write_text(json.dumps(meta | {"chars": meta["chars"][::-1]}))
     monkeypatch.setattr(recall, "induction", lambda *a, **k: pytest.fail("a task ran"))
     monkeypatch.setattr(recall, "loss_by_position", lambda *a, **k: pytest.fail("a task ran"))
-    wrong_tokens = (f"error: the checkpoint was trained on other tokens than dataset {shuffled}'s "
-                    f"(its tokenizer char, vocab_size {meta['vocab_size']}): evaluate the run in {out} "
-                    f"on a dataset made with its tokenizer, e.g. its own {pycode_small} (leave "
-                    f"--dataset out)")
-    for flags, message in [([f"--dataset={shuffled}"], wrong_tokens),
-                           (["--tasks=[induction,position,mqar]"], "the mqar task reads an MQAR")]:
+    wrong_tokens = (
+        f"error: the checkpoint was trained on other tokens than dataset {shuffled}'s "
+        f"(its tokenizer char, vocab_size {meta['vocab_size']}): evaluate the run in {out} "
+        f"on a dataset made with its tokenizer, e.g. its own {pycode_small} (leave "
+        f"--dataset out)"
+    )
+    for flags, message in [
+        ([f"--dataset={shuffled}"], wrong_tokens),
+        (["--tasks=[induction,position,mqar]"], "the mqar task reads an MQAR"),
+    ]:
         r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", *flags])
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
         assert message in r.stderr, r.stderr

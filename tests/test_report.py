@@ -16,32 +16,75 @@ from smallgpt.atomic import folder_lock
 from train import TrainConfig
 
 T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
-Z_975, Z_75 = 1.959963984540054, 0.674489750196082  # the standard normal's 0.975 and 0.75 quantiles (a table)
-SHAPE = ["--n_layer=2", "--n_head=4", "--n_embd=32", "--block_size=32", "--max_iters=20", "--decode_batch=2",
-         "--decode_context=40"]
+Z_975, Z_75 = (
+    1.959963984540054,
+    0.674489750196082,
+)  # the standard normal's 0.975 and 0.75 quantiles (a table)
+SHAPE = [
+    "--n_layer=2",
+    "--n_head=4",
+    "--n_embd=32",
+    "--block_size=32",
+    "--max_iters=20",
+    "--decode_batch=2",
+    "--decode_context=40",
+]
 
 
-def write_log(root: Path, name: str, n_kv_head: int, seed: int, losses: dict[int, float], max_iters: int = 20,
-              torn: bool = False, recall: dict | None = None) -> Path:
+def write_log(
+    root: Path,
+    name: str,
+    n_kv_head: int,
+    seed: int,
+    losses: dict[int, float],
+    max_iters: int = 20,
+    torn: bool = False,
+    recall: dict | None = None,
+) -> Path:
     """A run's folder as a sweep leaves it: log.jsonl (the config record, then a train and an eval record at each
     iteration of losses, and recall's tasks after the last, as --final_evals logs them) and a checkpoint's name;
     torn: the last line cut in half, as a kill mid-write leaves it."""
     run_dir = root / f"{name}-s{seed}"
     run_dir.mkdir(parents=True)
     tags = [name, f"seed={seed}", "size=2x32", f"n_kv_head={n_kv_head}", "match=width"]
-    cfg = TrainConfig(out_dir=str(run_dir), seed=seed, max_iters=max_iters, n_layer=2, n_head=4, n_embd=32,
-                      block_size=32, n_kv_head=n_kv_head, wandb_tags=tags)
-    records = [{"event": "config", "config": dataclasses.asdict(cfg), "start_iter": 0,
-                "model_config": dataclasses.asdict(cfg.model_config(61))}]
+    cfg = TrainConfig(
+        out_dir=str(run_dir),
+        seed=seed,
+        max_iters=max_iters,
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        block_size=32,
+        n_kv_head=n_kv_head,
+        wandb_tags=tags,
+    )
+    records = [
+        {
+            "event": "config",
+            "config": dataclasses.asdict(cfg),
+            "start_iter": 0,
+            "model_config": dataclasses.asdict(cfg.model_config(61)),
+        }
+    ]
     for it, loss in losses.items():
-        records += [{"event": "train", "iter": it, "loss": loss, "tokens_per_s": 1e4, "elapsed_s": it / 10},
-                    {"event": "eval", "iter": it, "train_loss": loss, "val_loss": loss, "elapsed_s": it / 10}]
+        records += [
+            {"event": "train", "iter": it, "loss": loss, "tokens_per_s": 1e4, "elapsed_s": it / 10},
+            {
+                "event": "eval",
+                "iter": it,
+                "train_loss": loss,
+                "val_loss": loss,
+                "elapsed_s": it / 10,
+            },
+        ]
     if recall is not None:
-        records.append({"event": "recall", "iter": max(losses), "elapsed_s": max(losses) / 10 + 1, **recall})
+        records.append(
+            {"event": "recall", "iter": max(losses), "elapsed_s": max(losses) / 10 + 1, **recall}
+        )
     text = "".join(json.dumps(r) + "\n" for r in records)
     if torn:
         last = text.splitlines()[-1]
-        text = text[:len(text) - len(last) - 1 + len(last) // 2]
+        text = text[: len(text) - len(last) - 1 + len(last) // 2]
     (run_dir / "log.jsonl").write_text(text)
     (run_dir / "ckpt.pt").touch()  # the sweep counts a run finished only beside its checkpoint
     return run_dir
@@ -51,7 +94,11 @@ def report_of(root: Path, *flags: str) -> tuple[str, str, dict[str, dict]]:
     """compare.py --mode=report's stdout, its stderr and report.csv's rows by variant."""
     r = cli(["compare.py", f"--out_dir={root}", "--mode=report", *SHAPE, *flags])
     assert r.returncode == 0, r.stderr
-    return r.stdout, r.stderr, {row["variant"]: row for row in csv.DictReader(open(root / "report.csv"))}
+    return (
+        r.stdout,
+        r.stderr,
+        {row["variant"]: row for row in csv.DictReader(open(root / "report.csv"))},
+    )
 
 
 def test_a_run_whose_final_record_is_torn_is_left_out_and_named(tmp_path: Path) -> None:
@@ -66,7 +113,9 @@ def test_a_run_whose_final_record_is_torn_is_left_out_and_named(tmp_path: Path) 
     why = f"{torn} (its log's last line is cut short (killed while writing it))"
     assert f"Left out of the report, unfinished: {why}. Run the sweep again (--mode=train)" in err
     assert why in (tmp_path / "report.md").read_text() and why in out
-    assert rows["gqa2"]["seeds"] == "1" and float(rows["gqa2"]["val_loss"]) == 1.60  # not (1.60 + 2.2) / 2
+    assert (
+        rows["gqa2"]["seeds"] == "1" and float(rows["gqa2"]["val_loss"]) == 1.60
+    )  # not (1.60 + 2.2) / 2
     assert rows["mha"]["seeds"] == "2"
 
 
@@ -82,7 +131,10 @@ def test_a_report_made_while_the_sweep_runs_says_so_at_its_top(tmp_path: Path) -
         out, err, _ = report_of(tmp_path, *flags)
     md = (tmp_path / "report.md").read_text()
     running = "The sweep is still running (compare.py (pid "
-    assert md.splitlines()[2].startswith(f"**{running}") and "): 3 of 6 runs finished. This report shows" in md
+    assert (
+        md.splitlines()[2].startswith(f"**{running}")
+        and "): 3 of 6 runs finished. This report shows" in md
+    )
     assert running in out
     assert "its last evaluation is at iteration 10, its final one at 20" in err
     out, _, _ = report_of(tmp_path, *flags)  # the sweep ended
@@ -94,8 +146,15 @@ def test_a_comparison_without_mha_reports_without_differences_to_it(tmp_path: Pa
         write_log(tmp_path, "gqa2", 2, seed, {10: 2.1, 20: 1.6 + seed % 2 / 100})
         write_log(tmp_path, "mqa", 1, seed, {10: 2.2, 20: 1.7 + seed % 2 / 100})
     out, _, rows = report_of(tmp_path, "--kv_heads=[2,1]", "--seeds=2")
-    assert list(rows) == ["gqa2", "mqa"] and rows["mqa"]["diff_vs_mha"] == "" and rows["mqa"]["val_loss"]
-    assert "- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): no difference to MHA" in out
+    assert (
+        list(rows) == ["gqa2", "mqa"]
+        and rows["mqa"]["diff_vs_mha"] == ""
+        and rows["mqa"]["val_loss"]
+    )
+    assert (
+        "- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): no difference to MHA"
+        in out
+    )
     assert "| 1.7050 ± 0.0635 (n=2) | - |" in out  # vs MHA: '-'
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -121,8 +180,10 @@ def test_speed_ratios_are_stated_only_where_the_repeats_separate_them(tmp_path: 
     half = 4.302653 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)
     assert float(rows["gqa2"]["decode_vs_mha"]) == pytest.approx(math.exp(mean), rel=1e-9)
     gqa2 = next(line for line in out.splitlines() if line.startswith("- gqa2"))
-    assert gqa2.endswith(f"Its cached decode ran at {math.exp(mean):.2f}x MHA's speed (95% interval "
-                         f"{math.exp(mean - half):.2f}-{math.exp(mean + half):.2f}x over 3 paired repeats)."), gqa2
+    assert gqa2.endswith(
+        f"Its cached decode ran at {math.exp(mean):.2f}x MHA's speed (95% interval "
+        f"{math.exp(mean - half):.2f}-{math.exp(mean + half):.2f}x over 3 paired repeats)."
+    ), gqa2
 
 
 def wilson(k: int, n: int, z: float = Z_975) -> tuple[float, float]:
@@ -138,14 +199,21 @@ def test_the_proportion_interval_is_wilsons_and_stays_inside_0_1() -> None:
         low, high = stats.proportion_interval(k, n)
         assert (low, high) == pytest.approx(wilson(k, n), rel=1e-9, abs=1e-12), (k, n)
         assert 0 <= low <= k / n <= high <= 1
-    assert stats.proportion_interval(0, 10)[0] == pytest.approx(0, abs=1e-12)  # a t interval: 0 ± 0, or below 0
+    assert stats.proportion_interval(0, 10)[0] == pytest.approx(
+        0, abs=1e-12
+    )  # a t interval: 0 ± 0, or below 0
     assert stats.proportion_interval(10, 10)[1] == pytest.approx(1, rel=1e-12)
-    assert stats.proportion_interval(7, 20, level=0.5) == pytest.approx(wilson(7, 20, Z_75), rel=1e-9)
+    assert stats.proportion_interval(7, 20, level=0.5) == pytest.approx(
+        wilson(7, 20, Z_75), rel=1e-9
+    )
 
 
 def induction(*results: tuple[int, int, int, float]) -> list[dict]:
     """recall's induction results from (distance, correct, n, loss) tuples."""
-    return [{"distance": d, "loss": loss, "accuracy": k / n, "correct": k, "n": n} for d, k, n, loss in results]
+    return [
+        {"distance": d, "loss": loss, "accuracy": k / n, "correct": k, "n": n}
+        for d, k, n, loss in results
+    ]
 
 
 def mqar(k: int, n: int) -> dict:
@@ -156,16 +224,34 @@ def test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha(tmp_path
     """mqa at seed 1338 measured induction at distance 16 only: mqa's row is at 16 (the longest every seed has),
     MHA's at 32, and mqa's paired difference uses MHA's accuracies at 16. gqa2 has a recall record at one seed
     only: no recall columns. Pooled accuracies differ from the mean of the per-seed ones (the seeds' n differ)."""
-    recalls = {("mha", 1337): {"induction": induction((16, 30, 40, 1.0), (32, 20, 40, 2.0)), "mqar": mqar(60, 100),
-                               "position": [3.0, 2.0, None]},
-               ("mha", 1338): {"induction": induction((16, 34, 40, 0.8), (32, 24, 40, 1.6)), "mqar": mqar(70, 100),
-                               "position": [3.2, 1.8, None]},
-               ("mqa", 1337): {"induction": induction((16, 28, 40, 1.2), (32, 10, 40, 2.5)), "mqar": mqar(40, 100)},
-               ("mqa", 1338): {"induction": induction((16, 60, 80, 1.1)), "mqar": mqar(90, 200)},
-               ("gqa2", 1337): {"induction": induction((16, 30, 40, 1.0)), "mqar": mqar(50, 100)}}
+    recalls = {
+        ("mha", 1337): {
+            "induction": induction((16, 30, 40, 1.0), (32, 20, 40, 2.0)),
+            "mqar": mqar(60, 100),
+            "position": [3.0, 2.0, None],
+        },
+        ("mha", 1338): {
+            "induction": induction((16, 34, 40, 0.8), (32, 24, 40, 1.6)),
+            "mqar": mqar(70, 100),
+            "position": [3.2, 1.8, None],
+        },
+        ("mqa", 1337): {
+            "induction": induction((16, 28, 40, 1.2), (32, 10, 40, 2.5)),
+            "mqar": mqar(40, 100),
+        },
+        ("mqa", 1338): {"induction": induction((16, 60, 80, 1.1)), "mqar": mqar(90, 200)},
+        ("gqa2", 1337): {"induction": induction((16, 30, 40, 1.0)), "mqar": mqar(50, 100)},
+    }
     for name, g in (("mha", 4), ("gqa2", 2), ("mqa", 1)):
         for seed in (1337, 1338):
-            write_log(tmp_path, name, g, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100}, recall=recalls.get((name, seed)))
+            write_log(
+                tmp_path,
+                name,
+                g,
+                seed,
+                {10: 2.0, 20: 1.5 + seed % 2 / 100},
+                recall=recalls.get((name, seed)),
+            )
     _, _, rows = report_of(tmp_path, "--kv_heads=[4,2,1]", "--seeds=2")
     md, mha, mqa = (tmp_path / "report.md").read_text(), rows["mha"], rows["mqa"]
     assert (mha["induction_distance"], mqa["induction_distance"]) == ("32", "16")
@@ -175,9 +261,13 @@ def test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha(tmp_path
     assert float(mqa["induction_loss"]) == pytest.approx(1.15, rel=1e-12)
     assert float(mqa["mqar_acc"]) == pytest.approx(130 / 300, rel=1e-12)  # not (0.4 + 0.45) / 2
     for row, (k, n) in ((mha, (44, 80)), (mqa, (88, 120))):
-        assert (float(row["induction_acc_low"]), float(row["induction_acc_high"])) == pytest.approx(wilson(k, n))
+        assert (float(row["induction_acc_low"]), float(row["induction_acc_high"])) == pytest.approx(
+            wilson(k, n)
+        )
     for row, (k, n) in ((mha, (130, 200)), (mqa, (130, 300))):
-        assert (float(row["mqar_acc_low"]), float(row["mqar_acc_high"])) == pytest.approx(wilson(k, n))
+        assert (float(row["mqar_acc_low"]), float(row["mqar_acc_high"])) == pytest.approx(
+            wilson(k, n)
+        )
     # paired by seed: mqa minus MHA at 16 (0.7 - 0.75, 0.75 - 0.85) and on MQAR (0.4 - 0.6, 0.45 - 0.7)
     for column, diffs in (("induction_acc", [-0.05, -0.10]), ("mqar_acc", [-0.20, -0.25])):
         assert float(mqa[f"{column}_diff_vs_mha"]) == pytest.approx(sum(diffs) / 2, rel=1e-9)
@@ -186,11 +276,19 @@ def test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha(tmp_path
         assert mha[f"{column}_diff_vs_mha"] == "" and mha[f"{column}_diff_vs_mha_ci95"] == ""
     assert all(rows["gqa2"][k] == "" for k in ("induction_distance", "induction_acc", "mqar_acc"))
     low, high = wilson(88, 120)
-    assert f"| {88 / 120:.3f} ({low:.3f}-{high:.3f}), -0.0750 ± {T_975_1 * 0.05 / 2:.4f} vs MHA |" in md
+    assert (
+        f"| {88 / 120:.3f} ({low:.3f}-{high:.3f}), -0.0750 ± {T_975_1 * 0.05 / 2:.4f} vs MHA |"
+        in md
+    )
     low, high = wilson(44, 80)
-    assert f"| {44 / 80:.3f} ({low:.3f}-{high:.3f}) @32 |" in md  # MHA's distance is not the header's
+    assert (
+        f"| {44 / 80:.3f} ({low:.3f}-{high:.3f}) @32 |" in md
+    )  # MHA's distance is not the header's
     low, high = wilson(130, 300)
-    assert f"| {130 / 300:.3f} ({low:.3f}-{high:.3f}), -0.2250 ± {T_975_1 * 0.05 / 2:.4f} vs MHA |" in md
+    assert (
+        f"| {130 / 300:.3f} ({low:.3f}-{high:.3f}), -0.2250 ± {T_975_1 * 0.05 / 2:.4f} vs MHA |"
+        in md
+    )
     assert "| induction acc @16 | MQAR acc |" in md and "| - | - |" in md  # gqa2's cells
     assert "pooled over seeds (correct answers over answers) with its 95% Wilson interval" in md
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
@@ -220,8 +318,10 @@ def test_runs_trained_for_other_iterations_than_their_comparison_are_marked(tmp_
     table = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| ")}
     assert "| 20 it, 0.01M tok |" in table["| mha"]  # no mark
     assert "| 20 it, 0.01M tok † |" in table["| gqa2"]
-    assert ("† Trained for other iterations than the rest of their comparison, so not comparable "
-            "with them: gqa2-s1338 40 iterations.") in out
+    assert (
+        "† Trained for other iterations than the rest of their comparison, so not comparable "
+        "with them: gqa2-s1338 40 iterations."
+    ) in out
     write_log(tmp_path / "b", "mha", 4, 1337, {10: 2.0, 20: 1.5})
     write_log(tmp_path / "b", "mqa", 1, 1337, {10: 2.0, 20: 1.5, 30: 1.4}, max_iters=30)
     out, _, rows = report_of(tmp_path / "b", "--kv_heads=[4,1]")

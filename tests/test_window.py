@@ -21,14 +21,23 @@ from conftest import (
 from model import GPTConfig
 
 ATOL = 1e-5
-CASES = {"gqa-rope": dict(n_kv_head=2, pos_encoding="rope"), "mha-learned": dict(pos_encoding="learned"),
-         "mla-rope": dict(kv_lora_rank=16, pos_encoding="rope")}
+CASES = {
+    "gqa-rope": dict(n_kv_head=2, pos_encoding="rope"),
+    "mha-learned": dict(pos_encoding="learned"),
+    "mla-rope": dict(kv_lora_rank=16, pos_encoding="rope"),
+}
 
 
-def windowed(case: str, window: int = 4, pattern: str = "S", **overrides: object) -> torch.nn.Module:
+def windowed(
+    case: str, window: int = 4, pattern: str = "S", **overrides: object
+) -> torch.nn.Module:
     torch.manual_seed(0)
     overrides = CASES[case] | overrides
-    m = lively(tiny_model(overrides.pop("n_kv_head", None), window=window, window_pattern=pattern, **overrides))
+    m = lively(
+        tiny_model(
+            overrides.pop("n_kv_head", None), window=window, window_pattern=pattern, **overrides
+        )
+    )
     with torch.no_grad():  # lively's sharp attention for MLA's keys too: its latent, as its queries
         for name, p in m.named_parameters():
             if name.endswith("kv_a.weight"):
@@ -40,11 +49,23 @@ def test_the_mask_is_the_window_written_out_by_hand() -> None:
     """Queries at 5, 6 over keys 0..6 with window 3, row 1 left-padded by 2 slots: each query sees itself and the 2
     slots before it, never a pad slot unless it is one (then only itself)."""
     mask = attention_mask(2, 5, torch.tensor([0, 2]), torch.device("cpu"), window=3)
-    want = torch.tensor([[[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]],
-                         [[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]]], dtype=torch.bool)
+    want = torch.tensor(
+        [
+            [[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]],
+            [[0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(mask[:, 0], want)
-    assert attention_mask(3, 0, None, torch.device("cpu"), window=3) is None  # no key beyond the window: causal
-    assert attention_mask(1, 3, None, torch.device("cpu"), window=3)[0, 0, 0].tolist() == [0, 1, 1, 1]
+    assert (
+        attention_mask(3, 0, None, torch.device("cpu"), window=3) is None
+    )  # no key beyond the window: causal
+    assert attention_mask(1, 3, None, torch.device("cpu"), window=3)[0, 0, 0].tolist() == [
+        0,
+        1,
+        1,
+        1,
+    ]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -87,7 +108,9 @@ def test_a_ring_of_one_slot_or_of_the_whole_cache_equals_recomputation(window: i
 
 
 @pytest.mark.parametrize(("case", "window"), [("gqa-rope", 5), ("mla-rope", 5), ("gqa-rope", 12)])
-def test_greedy_tokens_past_block_size_equal_recomputation_with_the_windows(case: str, window: int) -> None:
+def test_greedy_tokens_past_block_size_equal_recomputation_with_the_windows(
+    case: str, window: int
+) -> None:
     """Rows slide (block_size // 2 = 8 tokens kept, 7 refilled on their own) and the batch's cache is moved left:
     each local layer's ring (5 slots: fewer than a refill writes; 12: more) turns with it."""
     m = windowed(case, window=window, pattern="SL", n_layer=3, block_size=16)
@@ -96,7 +119,9 @@ def test_greedy_tokens_past_block_size_equal_recomputation_with_the_windows(case
 
 
 @pytest.mark.parametrize("window", [3, 32, 50])
-def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_layer_formula(window: int) -> None:
+def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_layer_formula(
+    window: int,
+) -> None:
     """3 layers, the first two local: a global layer keeps every position, a local one min(window, max_len) (its
     ring); GQA's 2 K/V heads of 8 features, or MLA's latent of 16 and rotary key of 4, in fp32."""
     B, max_len = 3, 32
@@ -109,7 +134,9 @@ def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_laye
         assert cache.ring_k.shape == (2, B, heads, min(window, max_len), k_width)
         assert cache.k.shape == (1, B, heads, max_len, k_width)
     full = GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=4096)
-    pattern = GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=4096, window=256, window_pattern="S")
+    pattern = GPTConfig(
+        n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=4096, window=256, window_pattern="S"
+    )
     assert full.kv_cache_bytes(1, 4096) == 3 * 4096 * 2 * 16 * 4
     assert pattern.kv_cache_bytes(1, 4096) == (2 * 256 + 4096) * 2 * 16 * 4
 
@@ -122,24 +149,38 @@ def test_the_static_step_masks_each_local_layer_to_its_window(case: str) -> None
 
 
 def test_a_windowed_model_trains_and_compiles_without_graph_breaks() -> None:
-    first, last = first_and_last_loss(windowed("gqa-rope", window=8, pattern="SSL", n_layer=3).train(), 20)
+    first, last = first_and_last_loss(
+        windowed("gqa-rope", window=8, pattern="SSL", n_layer=3).train(), 20
+    )
     assert last < 0.7 * first
 
 
 def test_the_pattern_repeats_over_the_layers_and_the_last_is_global() -> None:
     config = GPTConfig(n_layer=6, n_head=4, n_embd=32, window=16, window_pattern="SSL")
     assert config.layer_windows == [16, 16, None, 16, 16, None]
-    assert GPTConfig(n_layer=3, n_head=4, n_embd=32, window=16, window_pattern="S").layer_windows == [16, 16, None]
-    assert GPTConfig(n_layer=3, n_head=4, n_embd=32).layer_windows == [None, None, None]  # the default: all global
+    assert GPTConfig(
+        n_layer=3, n_head=4, n_embd=32, window=16, window_pattern="S"
+    ).layer_windows == [16, 16, None]
+    assert GPTConfig(n_layer=3, n_head=4, n_embd=32).layer_windows == [
+        None,
+        None,
+        None,
+    ]  # the default: all global
 
 
-@pytest.mark.parametrize(("overrides", "names"), [
-    (dict(window_pattern="SX", window=4), ["window_pattern='SX' must be letters S"]),
-    (dict(window_pattern=""), ["window_pattern='' must be"]),
-    (dict(window_pattern="SSSL"), ["window_pattern='SSSL' has local layers (S): give their window"]),
-    (dict(window=0, window_pattern="S"), ["window=0 must be a positive integer"]),
-    (dict(window=8), ["window=8 with window_pattern='L': no layer is local"]),
-])
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        (dict(window_pattern="SX", window=4), ["window_pattern='SX' must be letters S"]),
+        (dict(window_pattern=""), ["window_pattern='' must be"]),
+        (
+            dict(window_pattern="SSSL"),
+            ["window_pattern='SSSL' has local layers (S): give their window"],
+        ),
+        (dict(window=0, window_pattern="S"), ["window=0 must be a positive integer"]),
+        (dict(window=8), ["window=8 with window_pattern='L': no layer is local"]),
+    ],
+)
 def test_bad_window_keys_are_one_line(overrides: dict, names: list[str]) -> None:
     msg = config_error(**overrides)
     assert all(name in msg for name in names), msg

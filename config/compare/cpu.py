@@ -9,4 +9,6 @@ exec((Path(__file__).parents[1] / "train_cpu_fast.py").read_text())
 out_dir = "out-compare-cpu"
 wandb_project = "smallgpt-compare"
 eval_interval = 80
-eval_iters = 50  # each run's evaluations share these batches, so their noise is common to all variants
+eval_iters = (
+    50  # each run's evaluations share these batches, so their noise is common to all variants
+)

@@ -14,7 +14,9 @@ block_size = 31  # an example is 32 tokens: 31 inputs, each predicting the next
 batch_size = 64
 dropout = 0.0
 pos_encoding = "rope"
-optimizer = "muon"  # broke out of the "one of the example's values" plateau (~2.08 nats) within 1,500 steps
+optimizer = (
+    "muon"  # broke out of the "one of the example's values" plateau (~2.08 nats) within 1,500 steps
+)
 muon_lr = 0.02
 learning_rate = 3e-3
 min_lr = 3e-4

@@ -18,7 +18,9 @@ from smallgpt.data import writing_dataset
 from smallgpt.errors import UserError
 
 MAX_VOCAB = 20000  # token id i is the character chr(0x4E00 + i), a CJK ideograph (U+4E00..U+9FFF)
-ROUNDS = 100  # val draws of val_examples each, before giving up on examples unlike every train example
+ROUNDS = (
+    100  # val draws of val_examples each, before giving up on examples unlike every train example
+)
 
 
 @dataclass(slots=True)
@@ -35,15 +37,28 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         self.num_queries = self.num_pairs if self.num_queries is None else self.num_queries
-        sizes = ("num_pairs", "num_queries", "key_vocab", "value_vocab", "train_examples", "val_examples")
+        sizes = (
+            "num_pairs",
+            "num_queries",
+            "key_vocab",
+            "value_vocab",
+            "train_examples",
+            "val_examples",
+        )
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) <= 0]:
             raise ValueError(f"{', '.join(bad)}: sizes and counts must be positive")
         if self.num_queries > self.num_pairs:
-            raise ValueError(f"num_queries={self.num_queries} > num_pairs={self.num_pairs}: queries ask distinct keys")
+            raise ValueError(
+                f"num_queries={self.num_queries} > num_pairs={self.num_pairs}: queries ask distinct keys"
+            )
         if self.key_vocab < self.num_pairs:
-            raise ValueError(f"key_vocab={self.key_vocab} < num_pairs={self.num_pairs}: an example's keys are distinct")
+            raise ValueError(
+                f"key_vocab={self.key_vocab} < num_pairs={self.num_pairs}: an example's keys are distinct"
+            )
         if (vocab := self.key_vocab + self.value_vocab) > MAX_VOCAB:
-            raise ValueError(f"key_vocab + value_vocab = {vocab} > {MAX_VOCAB}, the ids it has characters for")
+            raise ValueError(
+                f"key_vocab + value_vocab = {vocab} > {MAX_VOCAB}, the ids it has characters for"
+            )
         shortest = 2 * self.num_pairs + 2 * self.num_queries
         self.seq_len = shortest if self.seq_len is None else self.seq_len
         if self.seq_len < shortest:
@@ -53,16 +68,24 @@ class PrepareConfig:
 def draw(rng: np.random.Generator, n: int, cfg: PrepareConfig) -> np.ndarray:
     """n examples (n, seq_len): the pairs, the filler, then each query followed by its answer."""
     P, Q, K, V = cfg.num_pairs, cfg.num_queries, cfg.key_vocab, cfg.value_vocab
-    rows = max(1, 2**22 // K)  # distinct keys: the P lowest of K random priorities, n * K of them in chunks of rows
-    keys = np.concatenate([np.argpartition(rng.random((min(rows, n - i), K)), P - 1, axis=1)[:, :P]
-                           for i in range(0, n, rows)])
+    rows = max(
+        1, 2**22 // K
+    )  # distinct keys: the P lowest of K random priorities, n * K of them in chunks of rows
+    keys = np.concatenate(
+        [
+            np.argpartition(rng.random((min(rows, n - i), K)), P - 1, axis=1)[:, :P]
+            for i in range(0, n, rows)
+        ]
+    )
     keys, values = rng.permuted(keys, axis=1), rng.integers(K, K + V, size=(n, P))
     asked = rng.random((n, P)).argsort(axis=1)[:, :Q]  # which pairs are queried, in query order
     ex = np.empty((n, cfg.seq_len), dtype=np.uint16)
-    ex[:, :2 * P:2], ex[:, 1:2 * P:2] = keys, values
-    ex[:, 2 * P:-2 * Q] = rng.integers(K, K + V, size=(n, cfg.seq_len - 2 * P - 2 * Q))
-    ex[:, -2 * Q::2] = np.take_along_axis(keys, asked, axis=1)  # the last 2Q tokens: queries and answers
-    ex[:, 1 - 2 * Q::2] = np.take_along_axis(values, asked, axis=1)
+    ex[:, : 2 * P : 2], ex[:, 1 : 2 * P : 2] = keys, values
+    ex[:, 2 * P : -2 * Q] = rng.integers(K, K + V, size=(n, cfg.seq_len - 2 * P - 2 * Q))
+    ex[:, -2 * Q :: 2] = np.take_along_axis(
+        keys, asked, axis=1
+    )  # the last 2Q tokens: queries and answers
+    ex[:, 1 - 2 * Q :: 2] = np.take_along_axis(values, asked, axis=1)
     return ex
 
 
@@ -74,23 +97,39 @@ def main(cfg: PrepareConfig) -> None:
     for _ in range(ROUNDS):
         more = draw(rng, cfg.val_examples, cfg)
         new = np.array([row.tobytes() not in seen for row in more], dtype=bool)
-        val, rejected = np.concatenate([val, more[new]])[:cfg.val_examples], rejected + int((~new).sum())
+        val, rejected = (
+            np.concatenate([val, more[new]])[: cfg.val_examples],
+            rejected + int((~new).sum()),
+        )
         if len(val) == cfg.val_examples:
             break
     if len(val) < cfg.val_examples:
-        raise UserError(f"only {len(val)} of {cfg.val_examples} val examples differ from every train example after "
-                        f"{ROUNDS} rounds: too few distinct examples; raise num_pairs, key_vocab or value_vocab")
+        raise UserError(
+            f"only {len(val)} of {cfg.val_examples} val examples differ from every train example after "
+            f"{ROUNDS} rounds: too few distinct examples; raise num_pairs, key_vocab or value_vocab"
+        )
     mask = np.zeros(cfg.seq_len, dtype=np.uint8)
-    mask[1 - 2 * cfg.num_queries::2] = 1  # the answers
+    mask[1 - 2 * cfg.num_queries :: 2] = 1  # the answers
     vocab = cfg.key_vocab + cfg.value_vocab
-    with writing_dataset(Path(cfg.out_dir), ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin")) as (bins, meta):
+    with writing_dataset(
+        Path(cfg.out_dir), ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin")
+    ) as (bins, meta):
         for split, examples in (("train", train), ("val", val)):
             bins[f"{split}.bin"].write(examples.tobytes())
             bins[f"{split}_mask.bin"].write(np.tile(mask, len(examples)).tobytes())
-        meta.update(vocab_size=vocab, dtype="uint16", train_tokens=train.size, val_tokens=val.size, tokenizer="char",
-                    chars=[chr(0x4E00 + i) for i in range(vocab)], example_tokens=cfg.seq_len)
-    print(f"wrote {cfg.out_dir}: {len(train):,} train and {len(val):,} val examples of {cfg.seq_len} tokens, "
-          f"vocab_size {vocab} ({rejected:,} val draws rejected as train examples)")
+        meta.update(
+            vocab_size=vocab,
+            dtype="uint16",
+            train_tokens=train.size,
+            val_tokens=val.size,
+            tokenizer="char",
+            chars=[chr(0x4E00 + i) for i in range(vocab)],
+            example_tokens=cfg.seq_len,
+        )
+    print(
+        f"wrote {cfg.out_dir}: {len(train):,} train and {len(val):,} val examples of {cfg.seq_len} tokens, "
+        f"vocab_size {vocab} ({rejected:,} val draws rejected as train examples)"
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__
 class PrepareConfig:
     out_dir: str = str(Path(__file__).resolve().parent)
     val_fraction: float = 0.1
-    max_chars: int | None = None  # keep only the first N characters (for quick experiments and tests)
+    max_chars: int | None = (
+        None  # keep only the first N characters (for quick experiments and tests)
+    )
 
     def __post_init__(self) -> None:
         if self.max_chars is not None and self.max_chars < 2:
@@ -33,18 +35,24 @@ class PrepareConfig:
 
 
 def stdlib_files(root: Path) -> list[Path]:
-    return sorted((p for p in root.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])),
-                  key=lambda p: p.relative_to(root).as_posix())
+    return sorted(
+        (p for p in root.rglob("*.py") if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
 
 
 def main(cfg: PrepareConfig) -> None:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = stdlib_files(root)
     if not files:
-        raise FileNotFoundError(f"no Python source files under {root}: this interpreter ships no stdlib sources")
+        raise FileNotFoundError(
+            f"no Python source files under {root}: this interpreter ships no stdlib sources"
+        )
     parts = []
     for path in tqdm(files, desc=f"reading {root}", unit="file"):
-        parts.append(f"# {path.relative_to(root).as_posix()}\n{path.read_text(encoding='utf-8', errors='replace')}\n")
+        parts.append(
+            f"# {path.relative_to(root).as_posix()}\n{path.read_text(encoding='utf-8', errors='replace')}\n"
+        )
     text = "".join(parts)[: cfg.max_chars]
     tok = CharTokenizer.from_text(text)
     meta = tok.meta() | {"source": f"Python {sys.version.split()[0]} stdlib, {len(files)} files"}
