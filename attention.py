@@ -123,33 +123,127 @@ class RMSNorm(nn.RMSNorm):
         return super().forward(x.to(self.weight.dtype)).to(x.dtype)
 
 
-class KVCache:
-    """Preallocated K and V of every layer, laid out as GPTConfig.cache_layout says: K/V heads un-repeated
-    (MHA/GQA/MQA), or MLA's one head of [latent | rotary key] with no V of its own (LatentAttention). A global layer's
-    are in k, v (n_global, B, heads, max_len, width), position p at slot p; a local layer's in a ring, ring_k,
-    ring_v (n_local, B, heads, ring, width) of ring = min(window, max_len) slots, position p at slot p % ring, so
-    that it holds the newest positions, all its window sees. `pos` counts positions written; GPT.forward advances it
-    once per call, after the last layer. zeros() makes an empty one."""
+class Rows:
+    """The global layers' cache: K and V of every such layer, (layers, B, heads, max_len, width),
+    position p at slot p. MLA's is one head of [latent | rotary key] and V of no width
+    (LatentAttention: its values are the latent)."""
 
-    def __init__(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ring_k: torch.Tensor,
-        ring_v: torch.Tensor,
-        windows: list[int | None],
-    ) -> None:
-        self.k, self.v, self.ring_k, self.ring_v = k, v, ring_k, ring_v
-        self.max_len, self.ring = k.size(3), ring_k.size(3)
-        self.where, counts = (
-            [],
-            [0, 0],
-        )  # each layer's (local?, index in its tensors); layers so far, global and local
+    grows = True  # its slots are the cache's length (a compiled step's dynamic size)
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = k
+        self.v = v
+
+    def update(
+        self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer i's k, v (B, heads, T, width) at start; return its keys and values so far."""
+        end = start + k.size(2)
+        self.k[i, :, :, start:end] = k
+        self.v[i, :, :, start:end] = v
+        return self.k[i, :, :, :end], self.v[i, :, :, :end]  # (B, heads, end, width)
+
+    def slot(self, pos: torch.Tensor) -> torch.Tensor:
+        """The slot of the position held in pos (a 1-element tensor), for the static step."""
+        return pos
+
+    def read(self, i: int, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values for the static step: its first length slots, or all."""
+        k = self.k[i]
+        v = self.v[i]
+        if length is None:
+            return k, v
+        return k.narrow(2, 0, length), v.narrow(2, 0, length)
+
+    def splice(self, rows: torch.Tensor, start: int, own: "Rows", count: int) -> None:
+        """Write own's first count positions (a cache of the rows alone, filled from position 0)
+        at start.. in those rows of this one."""
+        end = start + count
+        self.k[:, rows, :, start:end] = own.k[..., :count, :]
+        self.v[:, rows, :, start:end] = own.v[..., :count, :]
+
+    def shift(self, by: int, end: int) -> None:
+        """Move the positions by..end to 0..end - by (the slots no row sees are dropped)."""
+        for t in (self.k, self.v):
+            t[..., : end - by, :] = t[..., by:end, :].clone()
+
+
+class Ring(Rows):
+    """The local layers' cache: a ring of `size` slots a layer, (layers, B, heads, size, width),
+    position p at slot p % size, so that it holds the newest positions, all a window sees."""
+
+    grows = False  # its slots are the window's, whatever the cache's length
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__(k, v)
+        self.size = k.size(3)
+
+    def update(
+        self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer i's k, v (B, heads, T, width) at start; return the keys and values it
+        attends over, in slot order (their positions: attention_mask's `ring`): after the write
+        for one token; before it, then the chunk's own, for a chunk (whose writes would overwrite
+        keys its first queries see); only the chunk's from an empty cache."""
+        T = k.size(2)
+        ring_k = self.k[i]  # (B, heads, size, width)
+        ring_v = self.v[i]
+        if T == 1:
+            ring_k[:, :, start % self.size] = k[:, :, 0]
+            ring_v[:, :, start % self.size] = v[:, :, 0]
+            if start == 0:
+                return k, v
+            return ring_k, ring_v
+        if start == 0:
+            seen = (k, v)
+        else:
+            seen = (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
+        n = min(T, self.size)  # the chunk's newest n tokens are kept
+        slots = torch.arange(start + T - n, start + T, device=k.device) % self.size
+        ring_k.index_copy_(2, slots, k[:, :, T - n :])
+        ring_v.index_copy_(2, slots, v[:, :, T - n :])
+        return seen
+
+    def slot(self, pos: torch.Tensor) -> torch.Tensor:
+        return pos % self.size
+
+    def read(self, i: int, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]  # the whole ring: every slot written is in the window
+
+    def splice(self, rows: torch.Tensor, start: int, own: "Ring", count: int) -> None:
+        """Write the positions own's ring holds (the newest of count, filled from position 0 for
+        the rows alone) at their slots in those rows of this one, where they are start.. ."""
+        held = torch.arange(count - own.size, count, device=rows.device)  # own's positions
+        for mine, theirs in ((self.k, own.k), (self.v, own.v)):
+            rings = mine[:, rows]  # (layers, rows, heads, size, width)
+            rings[:, :, :, (start + held) % self.size] = theirs[:, :, :, held % own.size]
+            mine[:, rows] = rings
+
+    def shift(self, by: int, end: int) -> None:
+        """Turn the ring so that each position sits at its slot once positions move left by by."""
+        for t in (self.k, self.v):
+            t.copy_(t.roll(-by, dims=3))
+
+
+class KVCache:
+    """Preallocated K and V of every layer, laid out as GPTConfig.cache_layout says: K/V heads
+    un-repeated (MHA/GQA/MQA), or MLA's one head of [latent | rotary key]. Each kind of layer keeps
+    its own (`kinds`): the global layers' Rows, the local layers' Ring. `pos` counts positions
+    written; GPT.forward advances it once per call, after the last layer. zeros() makes an empty
+    one. Only this module reads or writes the tensors: the engine calls the methods below."""
+
+    def __init__(self, rows: Rows, ring: Ring, windows: list[int | None], pos: int = 0) -> None:
+        self.kinds = (rows, ring)
+        self.max_len = rows.k.size(3)
+        self.ring = ring.size  # a local layer's slots, 0 without one
+        self.where = []  # each layer's kind and its index among that kind's layers
+        seen = [0, 0]
         for window in windows:
-            local = window is not None
-            self.where.append((local, counts[local]))
-            counts[local] += 1
-        self.pos = 0
+            kind = int(window is not None)
+            self.where.append((kind, seen[kind]))
+            seen[kind] += 1
+        self.windows = windows
+        self.pos = pos
 
     @classmethod
     def zeros(
@@ -163,49 +257,121 @@ class KVCache:
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> "KVCache":
-        """An empty cache of max_len positions for layers of these windows (None: global; the local ones share one)."""
+        """An empty cache of max_len positions for layers of these windows (None: global; the
+        local ones share one)."""
         local = [w for w in windows if w is not None]
         assert len(set(local)) <= 1, f"one window for every local layer, not {sorted(set(local))}"
         ring = min(local[0], max_len) if local else 0
-        tensors = [
-            torch.zeros(n, batch_size, heads, length, width, device=device, dtype=dtype)
-            for n, length in ((len(windows) - len(local), max_len), (len(local), ring))
-            for width in (k_width, v_width)
-        ]
-        return cls(*tensors, windows)
+
+        def zeros(layers: int, slots: int, width: int) -> torch.Tensor:
+            shape = (layers, batch_size, heads, slots, width)
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        n_global = len(windows) - len(local)
+        rows = Rows(zeros(n_global, max_len, k_width), zeros(n_global, max_len, v_width))
+        rings = Ring(zeros(len(local), ring, k_width), zeros(len(local), ring, v_width))
+        return cls(rows, rings, windows)
+
+    @classmethod
+    def of_tensors(cls, tensors: list[torch.Tensor], windows: list[int | None]) -> "KVCache":
+        """A cache over tensors (those of tensors(), e.g. a compiled step's inputs)."""
+        k, v, ring_k, ring_v = tensors
+        return cls(Rows(k, v), Ring(ring_k, ring_v), windows)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache: the inputs of a compiled step (of_tensors builds it back)."""
+        return [t for kind in self.kinds for t in (kind.k, kind.v)]
+
+    def grows(self) -> list[bool]:
+        """For each of tensors(): whether its slots are the cache's length."""
+        return [kind.grows for kind in self.kinds for _ in (kind.k, kind.v)]
+
+    def example(self, length: int) -> list[torch.Tensor]:
+        """Tensors shaped as tensors() for a cache of `length` positions (to export a step on)."""
+        tensors = self.tensors()
+        for i, grows in enumerate(self.grows()):
+            if grows:
+                t = tensors[i]
+                tensors[i] = t.new_zeros(*t.shape[:3], length, t.size(4))
+        return tensors
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.k, self.v, self.ring_k, self.ring_v))
+        return sum(t.nbytes for t in self.tensors())
+
+    @property
+    def device(self) -> torch.device:
+        return self.kinds[0].k.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kinds[0].k.dtype
+
+    @property
+    def batch_size(self) -> int:
+        return self.kinds[0].k.size(1)
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, heads, T, width) at pos; return the keys and values the layer attends over: a global
-        layer's from 0 to pos + T; a local layer's ring in slot order (their positions: attention_mask's `ring`),
-        after the write for one token, before it and then the chunk's own for a chunk (whose writes would overwrite
-        keys its first queries see), only the chunk's from an empty cache."""
-        local, i = self.where[layer]
-        start, T = self.pos, k.size(2)
-        if not local:
-            self.k[i, :, :, start : start + T] = k
-            self.v[i, :, :, start : start + T] = v
-            return self.k[i, :, :, : start + T], self.v[
-                i, :, :, : start + T
-            ]  # (B, heads, start + T, width)
-        ring_k, ring_v = self.ring_k[i], self.ring_v[i]  # (B, heads, ring, width)
-        if T == 1:
-            ring_k[:, :, start % self.ring] = k[:, :, 0]
-            ring_v[:, :, start % self.ring] = v[:, :, 0]
-            return (k, v) if start == 0 else (ring_k, ring_v)
-        seen = (
-            (k, v) if start == 0 else (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
-        )
-        n = min(T, self.ring)  # the chunk's newest n tokens are kept
-        slots = torch.arange(start + T - n, start + T, device=k.device) % self.ring
-        ring_k.index_copy_(2, slots, k[:, :, T - n :])
-        ring_v.index_copy_(2, slots, v[:, :, T - n :])
-        return seen
+        """Write k, v (B, heads, T, width) at pos; return the keys and values the layer attends
+        over: a global layer's from 0 to pos + T, a local layer's ring (Ring.update)."""
+        kind, i = self.where[layer]
+        return self.kinds[kind].update(i, self.pos, k, v)
+
+    def refill(self, rows: list[int], own: "KVCache") -> None:
+        """Write own (a cache of these rows alone, its positions from 0) into these rows,
+        right-aligned at pos: own's last position goes at pos - 1."""
+        at = torch.tensor(rows, device=self.device)
+        for mine, theirs in zip(self.kinds, own.kinds, strict=True):
+            if theirs.k.size(0) and theirs.k.size(3):  # layers of the kind, and slots
+                mine.splice(at, self.pos - own.pos, theirs, own.pos)
+
+    def shift(self, by: int) -> None:
+        """Move every layer's positions left by `by` (slots no row sees), making room at the end."""
+        for kind in self.kinds:
+            if kind.k.size(0):
+                kind.shift(by, self.pos)
+        self.pos -= by
+
+    def static(self, pos: torch.Tensor, length: int | None) -> "StaticKVCache":
+        """This cache as the fixed-shape one-token step reads it (StaticKVCache)."""
+        return StaticKVCache(self, pos, length)
+
+
+class StaticKVCache:
+    """A KVCache as the fixed-shape one-token step (static_step.decode_static) uses it: K/V written
+    at a position held in a 1-element tensor (a local layer's at its ring slot), in place into the
+    cache's tensors (not a view of them, which a compiled step would copy whole), and read whole: a
+    global layer's first `length` positions, or all max_len when length is None (the step masks
+    the unwritten ones). masks: what the query at pos sees, for each window."""
+
+    def __init__(self, cache: KVCache, pos: torch.Tensor, length: int | None) -> None:
+        self.cache = cache
+        self.length = length
+        self.pos = pos
+        device = pos.device
+        batch = torch.arange(cache.batch_size, device=device)[:, None]
+        heads = torch.arange(cache.kinds[0].k.size(2), device=device)[None, :]
+        self.rows = (batch, heads)  # (B, heads) slots of one position
+        keys = torch.arange(length or cache.max_len, device=device)
+        # a global layer over its first length slots sees them all; over all of them, those up to pos
+        self.masks = {None: None if length else (keys <= pos)[None, None, None, :]}
+        if cache.ring:  # a local layer: its ring's written slots, all in its window
+            seen = ring_positions(pos + 1, cache.ring, device) >= 0
+            window = next(w for w in cache.windows if w is not None)
+            self.masks[window] = seen[None, None, None, :]
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kind_index, i = self.cache.where[layer]
+        kind = self.cache.kinds[kind_index]
+        at = (torch.full((), i, device=k.device), *self.rows, kind.slot(self.pos))
+        kind.k.index_put_(at, k[:, :, 0])
+        if v.size(-1):  # MLA's cache has no V (its values are the latent, in K)
+            kind.v.index_put_(at, v[:, :, 0])
+        return kind.read(i, self.length)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand

@@ -165,6 +165,17 @@ class GPTConfig:
             f"q_lora_rank={self.q_lora_rank}"
         )
 
+    def describe(self) -> str:
+        """The model's one line, as every script prints it: its attention, positions and local
+        layers, e.g. 'GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1] of 3
+        (window 8)'."""
+        line = f"{self.attention_kind} (n_head={self.n_head}, {self.kv_sizes})"
+        line += f", {self.pos_encoding} positions"
+        local = [i for i, w in enumerate(self.layer_windows) if w]
+        if local:
+            line += f", local layers {local} of {self.n_layer} (window {self.window})"
+        return line
+
     @property
     def cache_layout(self) -> tuple[int, int, int]:
         """One layer's cache per token: heads, K width, V width. MLA's is one head of [latent |

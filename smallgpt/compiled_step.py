@@ -75,15 +75,9 @@ class SplitStep(nn.Module):
                     self.register_buffer(f"split{i}_{name}", t, persistent=False)
 
     def forward(
-        self,
-        idx: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ring_k: torch.Tensor,
-        ring_v: torch.Tensor,
+        self, idx: torch.Tensor, positions: torch.Tensor, *cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits (B, 1, vocab) and each row's greedy token (B,); the local layers' rings in ring_k, ring_v."""
+        """The logits (B, 1, vocab) and each row's greedy token (B,); cache: KVCache.tensors()."""
         made = [(m, m.split) for m in self.linears + self.unsplit]
         try:
             for m in self.unsplit:
@@ -91,8 +85,8 @@ class SplitStep(nn.Module):
             for i, m in enumerate(self.linears):
                 w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
                 m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
-            cache = KVCache(k, v, ring_k, ring_v, self.model.config.layer_windows)
-            logits = decode_static(self.model, idx, positions[-1:], cache, positions.size(0))
+            kv_cache = KVCache.of_tensors(list(cache), self.model.config.layer_windows)
+            logits = decode_static(self.model, idx, positions[-1:], kv_cache, positions.size(0))
             return logits, logits[:, -1].argmax(
                 dim=-1
             )  # inside the graph: ~10x faster than ATen's CPU argmax
@@ -204,18 +198,10 @@ def compile_step(
         torch.export.Dim("cache", min=2, max=top),
     )
     # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
-    example = (
-        idx,
-        torch.arange(2, device=idx.device),
-        *[t.new_zeros(*t.shape[:3], 3, t.size(4)) for t in (cache.k, cache.v)],
-        cache.ring_k,
-        cache.ring_v,
-    )
+    example = (idx, torch.arange(2, device=idx.device), *cache.example(3))
+    dims = tuple({3: slots} if grows else None for grows in cache.grows())
     program = torch.export.export(
-        step,
-        example,
-        dynamic_shapes=(None, {0: length}, {3: slots}, {3: slots}, None, None),
-        strict=False,
+        step, example, dynamic_shapes=(None, {0: length}, dims), strict=False  # dims: *cache's
     )
     configs = {"aot_inductor.package_constants_in_so": False} | (
         TEMPLATE_CONFIGS if step.template else {}
@@ -317,8 +303,9 @@ class CompiledStep:
 
     def __init__(self, model: nn.Module, kv_cache: object) -> None:
         self.model, self.cache = model, kv_cache
-        self.positions = torch.arange(kv_cache.max_len, device=kv_cache.k.device)
-        self.idx = torch.zeros(kv_cache.k.size(1), 1, dtype=torch.long, device=kv_cache.k.device)
+        device = kv_cache.device
+        self.positions = torch.arange(kv_cache.max_len, device=device)
+        self.idx = torch.zeros(kv_cache.batch_size, 1, dtype=torch.long, device=device)
         prepare_splits(model)
         self.step = SplitStep(model, template=True)
         self.run: Callable | None = None
@@ -333,10 +320,8 @@ class CompiledStep:
             return self.model(idx, kv_cache=self.cache)[0], None
         if self.run is None:
             self.run = self.load()
-        c = self.cache
-        logits, greedy = self.run(
-            [self.idx.copy_(idx), self.positions[:length], c.k, c.v, c.ring_k, c.ring_v]
-        )
+        inputs = [self.idx.copy_(idx), self.positions[:length], *self.cache.tensors()]
+        logits, greedy = self.run(inputs)
         self.cache.pos += 1
         return logits, greedy
 
@@ -350,7 +335,7 @@ class CompiledStep:
             weights = self.step.weights()
             key = (
                 tuple(self.idx.shape),
-                self.cache.k.dtype,
+                self.cache.dtype,
                 self.cache.ring,
                 torch.get_num_threads(),
                 tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),

@@ -1,7 +1,8 @@
-"""Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming decode loop with its
-sliding window, and the faster one-token step on CUDA, a CUDA graph replayed (the one on CPU, compiled ahead of time
-by AOTInductor, is smallgpt/compiled_step.py's). The engine imports the model, never the reverse:
-generate(model, idx, n).
+"""Generation from a GPT (model.py): sampling, left padding of unequal prompts, the streaming
+decode loop with its sliding context (a row's tokens the model sees, at most block_size), and the
+faster one-token step on CUDA, a CUDA graph replayed (the one on CPU, compiled ahead of time by
+AOTInductor, is compiled_step.py's). The engine imports the model, never the reverse:
+generate(model, idx, n). It reads and writes the cache only through KVCache's methods.
 """
 
 import codecs
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
+from attention import KVCache
 from smallgpt.static_step import decode_static
 
 
@@ -59,8 +61,9 @@ class CUDAGraphStep:
     kernel launches from Python (docs/gpu.md). Bound to one KVCache (its tensors' addresses); the inputs are copied
     into the graph's own."""
 
-    def __init__(self, model: nn.Module, kv_cache: object, batch_size: int) -> None:
-        device, self.cache = kv_cache.k.device, kv_cache
+    def __init__(self, model: nn.Module, kv_cache: KVCache, batch_size: int) -> None:
+        device = kv_cache.device
+        self.cache = kv_cache
         self.idx = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.pos = torch.full(
             (1,), kv_cache.pos, dtype=torch.long, device=device
@@ -95,10 +98,11 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ValueError("; ".join(problems))
 
 
-def window(
+def context(
     tokens: torch.Tensor, start: list[int], n: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every row's window tokens[b, start[b]:n] as one left-padded batch: idx (B, width) and pad (B,) (None: none)."""
+    """Every row's context tokens[b, start[b]:n] (what the model sees of it) as one left-padded
+    batch: idx (B, width) and pad (B,) (None: none)."""
     first = min(start)
     pad = [s - first for s in start]
     return tokens[:, first:n], torch.tensor(pad, device=tokens.device) if any(pad) else None
@@ -106,51 +110,38 @@ def window(
 
 def refill_rows(
     model: nn.Module,
-    kv_cache: object,
+    kv_cache: KVCache,
     tokens: torch.Tensor,
     rows: list[int],
     n: int,
     keep: int,
     pad: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The rows whose window slid get their new window but its newest token (tokens[b, n - keep:n - 1]) prefilled on
+    """The rows whose context slid get their new context but its newest token (tokens[b, n - keep:n - 1]) prefilled on
     their own and written into the batch's cache right-aligned at its position, the slots before it hidden by pad;
     the next one-token step appends token n - 1 to every row; a local layer's ring gets the newest of them at their
     slots (the older ones that slots still hold are before the pad). Returns the new pad."""
-    pos, w = kv_cache.pos, keep - 1
-    pad = (
-        torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device)
-        if pad is None
-        else pad.clone()
-    )
-    at = torch.tensor(rows, device=tokens.device)
-    if w > 0:
+    pos = kv_cache.pos
+    w = keep - 1
+    if pad is None:
+        pad = torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device)
+    else:
+        pad = pad.clone()
+    if w > 0:  # the rows' own context, prefilled alone, then written into the batch's cache
         own = model.make_kv_cache(len(rows), w)
+        at = torch.tensor(rows, device=tokens.device)
         model(tokens[at, n - keep : n - 1], kv_cache=own)
-        kv_cache.k[:, at, :, pos - w : pos] = own.k
-        kv_cache.v[:, at, :, pos - w : pos] = own.v
-        if own.ring:  # own's ring holds the batch's positions pos - w + held
-            held = torch.arange(w - own.ring, w, device=tokens.device)
-            for mine, theirs in ((kv_cache.ring_k, own.ring_k), (kv_cache.ring_v, own.ring_v)):
-                rings = mine[:, at]  # (n_local, rows, heads, ring, width)
-                rings[:, :, :, (pos - w + held) % kv_cache.ring] = theirs[:, :, :, held % own.ring]
-                mine[:, at] = rings
-    pad[at] = pos - w
+        kv_cache.refill(rows, own)
+    pad[rows] = pos - w
     return pad
 
 
-def compact(kv_cache: object, pad: torch.Tensor | None) -> torch.Tensor | None:
-    """A full cache moved left by the pad every row has (slots no row sees), making room for the next position: a
-    global layer's slots, and a local layer's ring turned to put each position at its new slot."""
+def compact(kv_cache: KVCache, pad: torch.Tensor | None) -> torch.Tensor | None:
+    """A full cache moved left by the pad every row has (slots no row sees), making room for the
+    next position (KVCache.shift)."""
     shift = 0 if pad is None else int(pad.min())
-    assert shift > 0, "a row's window fills the cache: it should have slid"
-    end = kv_cache.pos
-    for t in (kv_cache.k, kv_cache.v):
-        t[..., : end - shift, :] = t[..., shift:end, :].clone()
-    if kv_cache.ring:
-        for t in (kv_cache.ring_k, kv_cache.ring_v):
-            t.copy_(t.roll(-shift, dims=3))
-    kv_cache.pos -= shift
+    assert shift > 0, "a row's context fills the cache: it should have slid"
+    kv_cache.shift(shift)
     pad = pad - shift
     return pad if bool(pad.any()) else None
 
@@ -177,17 +168,19 @@ def stream(
     B, T0 = idx.shape
     bs = model.config.block_size
     keep = max(1, bs // 2)
-    # the tokens so far, moved left when full (to what windows reach, at most bs + 1): bounded however many are asked
+    # the tokens so far, moved left when full (to what the contexts reach, at most bs + 1): bounded
+    # however many are asked
     tokens = torch.empty(
         B, T0 + min(max_new_tokens, 2 * bs + 1), dtype=idx.dtype, device=idx.device
     )
     tokens[:, :T0] = idx
-    # row b's window, what the model sees of it, is tokens[b, start[b]:n]: its newest real tokens, at most bs
+    # row b's context, what the model sees of it, is tokens[b, start[b]:n]: its newest real
+    # tokens, at most bs
     start = [max(p, T0 - bs) for p in ([0] * B if pad is None else pad.tolist())]
     done = torch.zeros(B, dtype=torch.bool, device=idx.device)
     kv_cache, cache_pad, graph, n = None, None, None, T0
     for _ in range(max_new_tokens):
-        if n == tokens.size(1):  # full: keep what a window still reaches
+        if n == tokens.size(1):  # full: keep what a context still reaches
             drop = min(start)
             tokens[:, : n - drop] = tokens[:, drop:n].clone()
             start, n = [s - drop for s in start], n - drop
@@ -198,7 +191,7 @@ def stream(
         for b in slid:
             start[b] = n - keep
         if not use_cache:
-            x, x_pad = window(tokens, start, n)
+            x, x_pad = context(tokens, start, n)
             logits, _ = model(x, pad=x_pad)
         elif (
             kv_cache is None or len(slid) == B
@@ -207,7 +200,7 @@ def stream(
                 B, min(bs, T0 + max_new_tokens - 1 - min(start))
             )
             kv_cache.pos = 0
-            x, cache_pad = window(tokens, start, n)
+            x, cache_pad = context(tokens, start, n)
             logits, _ = model(x, kv_cache=kv_cache, pad=cache_pad)
         else:
             if slid:
@@ -262,10 +255,11 @@ def stream_text(
                 continue
             piece = utf8[b].decode(tok.decode_bytes([t]))
             if stop is not None:
-                window = tails[b] + piece
-                if stop in window:
-                    piece, done[b] = piece[: window.index(stop) + len(stop) - len(tails[b])], True
-                tails[b] = window[len(window) - len(stop) + 1 :] if len(stop) > 1 else ""
+                text = tails[b] + piece  # the stop string may begin in the pieces before
+                if stop in text:
+                    piece = piece[: text.index(stop) + len(stop) - len(tails[b])]
+                    done[b] = True
+                tails[b] = text[len(text) - len(stop) + 1 :] if len(stop) > 1 else ""
             pieces[b] = piece
         yield pieces
         if all(done):
@@ -277,10 +271,10 @@ def generate(
 ) -> torch.Tensor:
     """Continue idx (B, T) by up to max_new_tokens tokens from a GPT; returns (B, T + new tokens).
 
-    The cache is prefilled once and then fed one token per step; use_cache=False recomputes the whole window every
+    The cache is prefilled once and then fed one token per step; use_cache=False recomputes the whole context every
     step (same tokens, slower). Rows of unequal length are left-padded, pad (B,) counting each row's pad tokens (see
     left_pad). temperature 0 is greedy; top_k, top_p and generator as in sample_logits. A row that emits eos keeps
-    emitting eos; generation stops when every row has. When a row's context reaches block_size its window slides:
+    emitting eos; generation stops when every row has. When a row's context reaches block_size it slides:
     its newest block_size // 2 tokens are kept and prefilled again, so every row of a batch gets exactly what it
     would alone. On CUDA each one-token step replays a CUDA graph of decode_static (unless cuda_graph=False) while
     no row is padded; on CPU, compile_step=True runs it compiled (CompiledStep); a padded batch takes the eager step.

@@ -67,12 +67,15 @@ def test_padded_batch_matches_each_prompt_alone(variant: str, pos_encoding: str)
 def test_cache_stores_kv_heads_unrepeated_and_is_written_in_place() -> None:
     m = tiny_model(1)
     cache = m.make_kv_cache(2, 16)
-    k_ptr = cache.k.data_ptr()
-    assert cache.k.shape == (2, 2, 1, 16, 8)  # (n_layer, B, n_kv_head, max_len, head_dim)
+    k_ptr = cache.kinds[0].k.data_ptr()
+    assert cache.kinds[0].k.shape == (2, 2, 1, 16, 8)  # (n_layer, B, n_kv_head, max_len, head_dim)
     m(torch.randint(0, 61, (2, 5)), kv_cache=cache)
     m(torch.randint(0, 61, (2, 1)), kv_cache=cache)
-    assert cache.pos == 6 and cache.k.data_ptr() == k_ptr
-    assert cache.k[:, :, :, :6].abs().sum() > 0 and cache.k[:, :, :, 6:].abs().sum() == 0
+    assert cache.pos == 6 and cache.kinds[0].k.data_ptr() == k_ptr
+    assert (
+        cache.kinds[0].k[:, :, :, :6].abs().sum() > 0
+        and cache.kinds[0].k[:, :, :, 6:].abs().sum() == 0
+    )
 
 
 def test_cache_overflow_is_a_clear_error() -> None:
@@ -87,8 +90,9 @@ def test_cache_overflow_is_a_clear_error() -> None:
 def test_training_never_builds_a_cache_and_caches_are_not_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Every KVCache made is recorded (its __init__ wrapped): a training forward and backward makes none, a cached
-    generate makes one, and neither adds to the state_dict (same keys, none holding a cache's K/V)."""
+    """Every KVCache made is recorded (its __init__ wrapped): a training forward and backward makes
+    none, a cached generate makes one, and neither adds to the state_dict (same keys, none holding a
+    cache's K/V)."""
     made = []
     init = KVCache.__init__
 
@@ -107,5 +111,5 @@ def test_training_never_builds_a_cache_and_caches_are_not_state(
     assert len(made) == 1 and made[0].pos == 3 + 5 - 1  # the check sees the caches made
     state = m.state_dict()
     assert set(state) == keys and not any("cache" in k or "rope" in k for k in state)
-    cache_memory = {t.untyped_storage().data_ptr() for c in made for t in (c.k, c.v)}
+    cache_memory = {t.untyped_storage().data_ptr() for c in made for t in c.tensors()}
     assert not any(t.untyped_storage().data_ptr() in cache_memory for t in state.values())

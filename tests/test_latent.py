@@ -1,7 +1,8 @@
-"""Multi-head Latent Attention (attention.LatentAttention) and the Llama block: the latent cache against
-recomputation, the absorbed one-token step against the unabsorbed one, the cache's bytes and the parameter count
-against their formulas, every decoding path (padding, chunks, the window past block_size, the static step; the
-compiled CPU step: test_generate's test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size)."""
+"""Multi-head Latent Attention (attention.LatentAttention) and the Llama block: the latent cache
+against recomputation, the absorbed one-token step against the unabsorbed one, the cache's bytes and
+the parameter count against their formulas, every decoding path (padding, chunks, the window past
+block_size, the static step; the compiled CPU step: test_generate's
+test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size)."""
 
 import pytest
 import torch
@@ -29,8 +30,9 @@ CASES = {
 
 
 def mla(case: str, **overrides: object) -> GPT:
-    """A tiny MLA model (4 heads of 8) with sharp attention: queries and the latent scaled up, so that which keys a
-    query sees changes its output (a random model at initialisation hardly depends on its context)."""
+    """A tiny MLA model (4 heads of 8) with sharp attention: queries and the latent scaled up, so
+    that which keys a query sees changes its output (a random model at initialisation hardly depends
+    on its context)."""
     torch.manual_seed(0)
     m = tiny_model(None, **CASES[case] | overrides)
     with torch.no_grad():
@@ -64,9 +66,10 @@ def test_a_ragged_batch_from_the_latent_cache_equals_each_prompt_alone(case: str
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_absorbed_step_equals_the_unabsorbed_one(case: str) -> None:
-    """With a cache, LatentAttention folds kv_b's key half into the query and applies its value half after attention;
-    without, it builds every head's K and V: the two agree to 1e-5 in fp32, for a whole block and one token at a time,
-    and the cache holds the latent and the rotary key only, one head of kv_lora_rank + qk_rope_head_dim, no V."""
+    """With a cache, LatentAttention folds kv_b's key half into the query and applies its value half
+    after attention; without, it builds every head's K and V: the two agree to 1e-5 in fp32, for a
+    whole block and one token at a time, and the cache holds the latent and the rotary key only, one
+    head of kv_lora_rank + qk_rope_head_dim, no V."""
     m = mla(case)
     attn = m.transformer.h[1].attn
     assert isinstance(attn, LatentAttention)
@@ -80,12 +83,13 @@ def test_the_absorbed_step_equals_the_unabsorbed_one(case: str) -> None:
     torch.testing.assert_close(absorbed, unabsorbed, rtol=0, atol=ATOL)
     c = m.config
     assert (
-        cache.k.shape == (2, 2, 1, 12, c.kv_lora_rank + c.qk_rope_head_dim) and cache.v.numel() == 0
+        cache.kinds[0].k.shape == (2, 2, 1, 12, c.kv_lora_rank + c.qk_rope_head_dim)
+        and cache.kinds[0].v.numel() == 0
     )
     latent, k_rope = attn.kv_a(x).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
-    torch.testing.assert_close(cache.k[1, :, 0, :, : c.kv_lora_rank], attn.kv_norm(latent))
+    torch.testing.assert_close(cache.kinds[0].k[1, :, 0, :, : c.kv_lora_rank], attn.kv_norm(latent))
     if rope is not None:  # the rotary key is stored rotated; the latent carries no position
-        assert not torch.allclose(cache.k[1, :, 0, :, c.kv_lora_rank :], k_rope)
+        assert not torch.allclose(cache.kinds[0].k[1, :, 0, :, c.kv_lora_rank :], k_rope)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -121,17 +125,19 @@ def test_latent_cache_bytes_and_parameters_follow_the_formulas(case: str) -> Non
 
 @pytest.mark.parametrize("case", ["r8-rope", "r12-learned"])
 def test_greedy_tokens_past_block_size_from_the_cache_equal_recomputation(case: str) -> None:
-    """The window slides past block_size (the rows' own caches refilled and compacted) as for GQA: each row of a
-    padded batch gets its prompt's tokens alone, which equal the by-hand recomputation."""
+    """The window slides past block_size (the rows' own caches refilled and compacted) as for GQA:
+    each row of a padded batch gets its prompt's tokens alone, which equal the by-hand
+    recomputation."""
     assert distinct(rows_as_by_hand(mla(case, block_size=16))) >= 10
 
 
 @pytest.mark.parametrize("case", ["r8-rope", "r24-rope-q16"])
 def test_the_static_step_equals_the_cached_forward(case: str) -> None:
-    """decode_static (CUDA graphs replay it; the compiled CPU step exports it) writes the latent cache in place."""
+    """decode_static (CUDA graphs replay it; the compiled CPU step exports it) writes the latent
+    cache in place."""
     ref, static, filled = static_steps_match(mla(case), range(5, 8), 20)
     for cache in (static, filled):
-        torch.testing.assert_close(cache.k[..., :8, :], ref.k[..., :8, :])
+        torch.testing.assert_close(cache.kinds[0].k[..., :8, :], ref.kinds[0].k[..., :8, :])
 
 
 def test_mla_trains_and_compiles_without_graph_breaks() -> None:
@@ -164,8 +170,9 @@ def test_bad_mla_and_block_keys_are_one_line(overrides: dict, names: list[str]) 
 
 
 def test_the_llama_block_is_rmsnorm_and_swiglu_with_gpt2s_parameter_budget() -> None:
-    """norm='rmsnorm', mlp='swiglu': RMSNorm without bias and c_proj(silu(c_gate(x)) * c_fc(x)) of 8/3 n_embd
-    (rounded to 8) hidden units, about the GELU MLP's weights; the defaults are GPT-2's block."""
+    """norm='rmsnorm', mlp='swiglu': RMSNorm without bias and c_proj(silu(c_gate(x)) * c_fc(x)) of
+    8/3 n_embd (rounded to 8) hidden units, about the GELU MLP's weights; the defaults are GPT-2's
+    block."""
     llama = tiny_model(None, "rope", norm="rmsnorm", mlp="swiglu", bias=False)
     gpt2 = tiny_model(None, "rope", bias=False)
     assert llama.config.mlp_hidden == 88 and gpt2.config.mlp_hidden == 128

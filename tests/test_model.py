@@ -37,7 +37,7 @@ def test_param_counts_and_kv_bytes_follow_the_formulas(D: int, H: int, G: int) -
             assert m.config.kv_cache_bytes(batch, seq, dtype) == expected
             cache = m.make_kv_cache(batch, seq, dtype=dtype)
             assert cache.nbytes == expected
-            assert cache.k.shape == (L, batch, G, seq, hd)
+            assert cache.kinds[0].k.shape == (L, batch, G, seq, hd)
 
 
 def test_mqa_cache_is_n_head_times_smaller_than_mha() -> None:
@@ -119,14 +119,15 @@ def test_gqa_equals_mha_with_kv_heads_copied_within_groups(
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("mask", [False, True])
 def test_gqa_attention_equals_explicit_repeat_reference(mask: bool, T: int) -> None:
-    """fast_paths.attention with 2 K/V heads for 8 query heads (enable_gqa, or one query per head under a mask)."""
+    """fast_paths.attention with 2 K/V heads for 8 query heads (enable_gqa, or one query per head
+    under a mask)."""
     q, k, v = torch.randn(2, 8, T, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
     m = torch.rand(2, 1, T, 9) > 0.3 if mask else None
     if m is not None:
         m[..., 0] = True
-    elif (
-        T > 1
-    ):  # no mask means causal, aligned bottom-right as after a cache: here, with 9 keys, only Tq == Tk is
+    elif T > 1:
+        # no mask means causal, aligned bottom-right as after a cache: here, with 9 keys, only
+        # Tq == Tk is
         k, v = k[:, :, :T], v[:, :, :T]
     k_rep, v_rep = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)
     scores = q @ k_rep.transpose(-1, -2) / 4.0
@@ -146,7 +147,8 @@ def test_gqa_attention_equals_explicit_repeat_reference(mask: bool, T: int) -> N
 @pytest.mark.parametrize("case", ["causal", "mask", "decode"])
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
-    """The plain-matmul attention that bf16 training on CPU takes computes SDPA's function, values and gradients."""
+    """The plain-matmul attention that bf16 training on CPU takes computes SDPA's function, values
+    and gradients."""
     T, Tk = (6, 6) if case == "causal" else (6, 9) if case == "mask" else (1, 9)
     q = torch.randn(2, 4, T, 16, requires_grad=True)
     k, v = (torch.randn(2, n_kv_head, Tk, 16, requires_grad=True) for _ in range(2))
@@ -173,8 +175,9 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
 def test_training_attention_equals_each_projection_rotated_by_hand(
     n_kv_head: int, bias: bool
 ) -> None:
-    """Without a cache, q, k and v come from one product and q and k are rotated as one (fast_paths.joint_linear):
-    against each Linear on its own and RoPE written as complex products, values and the weights' gradients."""
+    """Without a cache, q, k and v come from one product and q and k are rotated as one
+    (fast_paths.joint_linear): against each Linear on its own and RoPE written as complex products,
+    values and the weights' gradients."""
     torch.manual_seed(0)
     B, T, H, hd = 2, 7, 4, 8
     attn = CausalSelfAttention(0, H * hd, H, n_kv_head, bias, 0.0)
@@ -213,8 +216,9 @@ def test_training_attention_equals_each_projection_rotated_by_hand(
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 def test_one_query_attention_over_a_bf16_cache_equals_sdpa(n_kv_head: int, compiled: bool) -> None:
-    """Decoding in bf16 on CPU, attention() takes one_query_attention: SDPA's function of the fp32 values to bf16
-    rounding, eager (fp32 products) and compiled (bf16 products), each K/V head serving its queries."""
+    """Decoding in bf16 on CPU, attention() takes one_query_attention: SDPA's function of the fp32
+    values to bf16 rounding, eager (fp32 products) and compiled (bf16 products), each K/V head
+    serving its queries."""
     q = torch.randn(2, 4, 1, 16)
     k, v = (torch.randn(2, n_kv_head, 37, 16) for _ in range(2))
     ref_k, ref_v = (t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v))
@@ -232,8 +236,9 @@ def test_one_query_attention_over_a_bf16_cache_equals_sdpa(n_kv_head: int, compi
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 def test_one_query_attention_under_a_mask_equals_sdpa(n_kv_head: int) -> None:
-    """CUDA's one-token step (cached, masked: a padded batch, a local layer's ring, the graph's whole cache) takes
-    one_query_attention with the mask: SDPA's output in fp32, each row's hidden keys left out."""
+    """CUDA's one-token step (cached, masked: a padded batch, a local layer's ring, the graph's
+    whole cache) takes one_query_attention with the mask: SDPA's output in fp32, each row's hidden
+    keys left out."""
     q = torch.randn(3, 4, 1, 16)
     k, v = (torch.randn(3, n_kv_head, 37, 16) for _ in range(2))
     mask = torch.rand(3, 1, 1, 37) < 0.6
@@ -255,9 +260,10 @@ def test_one_query_attention_under_a_mask_equals_sdpa(n_kv_head: int) -> None:
 def test_linear_split_across_threads_equals_plain_linear(
     monkeypatch: pytest.MonkeyPatch, threads: int, bias: bool, copy: bool
 ) -> None:
-    """The decoding path of fast_paths.Linear (few rows, no autograd) computes the same product as nn.Linear, also when
-    out_features is not a multiple of the thread count, with the weight's views or its (in, out) copy (padded with
-    zero features to a multiple of the thread count); with autograd it is nn.Linear's own path."""
+    """The decoding path of fast_paths.Linear (few rows, no autograd) computes the same product as
+    nn.Linear, also when out_features is not a multiple of the thread count, with the weight's views
+    or its (in, out) copy (padded with zero features to a multiple of the thread count); with
+    autograd it is nn.Linear's own path."""
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_BYTES", 0 if copy else 2**40)
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", copy)
     before = torch.get_num_threads()
@@ -377,21 +383,22 @@ def test_training_forward_compiles_without_graph_breaks(variant: str, pos_encodi
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_static_decode_step_equals_the_cached_forward(variant: str, pos_encoding: str) -> None:
-    """decode_static (fixed shapes: K/V written at a tensor position, the whole cache read under a mask), which
-    CUDA graphs replay, and its form over the filled length (the compiled CPU step's) give the logits of
-    GPT.forward's one-token step and write the same cache."""
+    """decode_static (fixed shapes: K/V written at a tensor position, the whole cache read under a
+    mask), which CUDA graphs replay, and its form over the filled length (the compiled CPU step's)
+    give the logits of GPT.forward's one-token step and write the same cache."""
     ref, static, filled = static_steps_match(
         tiny_model(VARIANTS[variant], pos_encoding), range(5, 7), 20
     )
     for cache in (static, filled):
-        torch.testing.assert_close(cache.k[..., :7, :], ref.k[..., :7, :])
-        torch.testing.assert_close(cache.v[..., :7, :], ref.v[..., :7, :])
-        assert not cache.k[..., 7:, :].any()
+        torch.testing.assert_close(cache.kinds[0].k[..., :7, :], ref.kinds[0].k[..., :7, :])
+        torch.testing.assert_close(cache.kinds[0].v[..., :7, :], ref.kinds[0].v[..., :7, :])
+        assert not cache.kinds[0].k[..., 7:, :].any()
 
 
 def test_generate_slides_its_window_reusing_the_cache() -> None:
-    """Past block_size the window slides and refills the same cache; the tokens match recomputation's, for a lively
-    model whose tokens follow its window (a random one repeats a token whatever it sees)."""
+    """Past block_size the window slides and refills the same cache; the tokens match
+    recomputation's, for a lively model whose tokens follow its window (a random one repeats a token
+    whatever it sees)."""
     model = lively(tiny_model(2, "rope", block_size=8))
     idx = torch.randint(
         0, 61, (4, 3)

@@ -1,7 +1,7 @@
-"""Local layers (window, window_pattern): a local layer's output ignores the tokens beyond its window (a hand-built
-oracle); a local layer's cache is a ring of its window's slots, whose bytes follow the per-layer formula; and every
-decoding path gives what recomputation with the same masks gives (chunks, padding, past block_size, the static and
-compiled steps)."""
+"""Local layers (window, window_pattern): a local layer's output ignores the tokens beyond its
+window (a hand-built oracle); a local layer's cache is a ring of its window's slots, whose bytes
+follow the per-layer formula; and every decoding path gives what recomputation with the same masks
+gives (chunks, padding, past block_size, the static and compiled steps)."""
 
 import pytest
 import torch
@@ -46,8 +46,8 @@ def windowed(
 
 
 def test_the_mask_is_the_window_written_out_by_hand() -> None:
-    """Queries at 5, 6 over keys 0..6 with window 3, row 1 left-padded by 2 slots: each query sees itself and the 2
-    slots before it, never a pad slot unless it is one (then only itself)."""
+    """Queries at 5, 6 over keys 0..6 with window 3, row 1 left-padded by 2 slots: each query sees
+    itself and the 2 slots before it, never a pad slot unless it is one (then only itself)."""
     mask = attention_mask(2, 5, torch.tensor([0, 2]), torch.device("cpu"), window=3)
     want = torch.tensor(
         [
@@ -70,9 +70,10 @@ def test_the_mask_is_the_window_written_out_by_hand() -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_local_layer_ignores_the_tokens_beyond_its_window(case: str) -> None:
-    """Layer 0 local (window 4), layer 1 global: the local layer's output at the last position is the same whatever
-    the token 4 places back, and moves with the one 3 places back; the model's output moves with the first token
-    (the global layer reads the local layer's output at every position)."""
+    """Layer 0 local (window 4), layer 1 global: the local layer's output at the last position is
+    the same whatever the token 4 places back, and moves with the one 3 places back; the model's
+    output moves with the first token (the global layer reads the local layer's output at every
+    position)."""
     m = windowed(case)
     assert m.config.layer_windows == [4, None]
     outs = []
@@ -100,8 +101,9 @@ def test_cached_steps_chunks_and_padding_equal_recomputation_with_the_windows(ca
 
 @pytest.mark.parametrize("window", [1, 40])
 def test_a_ring_of_one_slot_or_of_the_whole_cache_equals_recomputation(window: int) -> None:
-    """A window of 1 (a local layer sees only its own token) and one longer than the cache (its ring: the cache's
-    max_len slots, never turned; the window below block_size, as GPTConfig requires)."""
+    """A window of 1 (a local layer sees only its own token) and one longer than the cache (its
+    ring: the cache's max_len slots, never turned; the window below block_size, as GPTConfig
+    requires)."""
     m = windowed("gqa-rope", window=window, pattern="SSL", n_layer=3, block_size=48)
     cached_chunks_match(m)
     padded_steps_match(m)
@@ -111,8 +113,9 @@ def test_a_ring_of_one_slot_or_of_the_whole_cache_equals_recomputation(window: i
 def test_greedy_tokens_past_block_size_equal_recomputation_with_the_windows(
     case: str, window: int
 ) -> None:
-    """Rows slide (block_size // 2 = 8 tokens kept, 7 refilled on their own) and the batch's cache is moved left:
-    each local layer's ring (5 slots: fewer than a refill writes; 12: more) turns with it."""
+    """Rows slide (block_size // 2 = 8 tokens kept, 7 refilled on their own) and the batch's cache
+    is moved left: each local layer's ring (5 slots: fewer than a refill writes; 12: more) turns
+    with it."""
     m = windowed(case, window=window, pattern="SL", n_layer=3, block_size=16)
     assert m.config.layer_windows == [window, None, None]
     assert distinct(rows_as_by_hand(m)) >= 10
@@ -122,8 +125,9 @@ def test_greedy_tokens_past_block_size_equal_recomputation_with_the_windows(
 def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_layer_formula(
     window: int,
 ) -> None:
-    """3 layers, the first two local: a global layer keeps every position, a local one min(window, max_len) (its
-    ring); GQA's 2 K/V heads of 8 features, or MLA's latent of 16 and rotary key of 4, in fp32."""
+    """3 layers, the first two local: a global layer keeps every position, a local one
+    min(window, max_len) (its ring); GQA's 2 K/V heads of 8 features, or MLA's latent of 16 and
+    rotary key of 4, in fp32."""
     B, max_len = 3, 32
     kept = 2 * min(window, max_len) + max_len  # the layers' positions
     for case, heads, k_width, v_width in [("gqa-rope", 2, 8, 8), ("mla-rope", 1, 20, 0)]:
@@ -131,8 +135,8 @@ def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_laye
         want = B * kept * heads * (k_width + v_width) * 4
         cache = m.make_kv_cache(B, max_len)
         assert cache.nbytes == m.config.kv_cache_bytes(B, max_len) == want, case
-        assert cache.ring_k.shape == (2, B, heads, min(window, max_len), k_width)
-        assert cache.k.shape == (1, B, heads, max_len, k_width)
+        assert cache.kinds[1].k.shape == (2, B, heads, min(window, max_len), k_width)
+        assert cache.kinds[0].k.shape == (1, B, heads, max_len, k_width)
     full = GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=4096)
     pattern = GPTConfig(
         n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=4096, window=256, window_pattern="S"
@@ -143,8 +147,8 @@ def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_laye
 
 @pytest.mark.parametrize("case", ["gqa-rope", "mla-rope"])
 def test_the_static_step_masks_each_local_layer_to_its_window(case: str) -> None:
-    """decode_static (CUDA graphs replay it), over the whole cache or its filled length, equals the cached forward
-    from the first token, while the ring fills and past it."""
+    """decode_static (CUDA graphs replay it), over the whole cache or its filled length, equals the
+    cached forward from the first token, while the ring fills and past it."""
     static_steps_match(windowed(case, window=3, block_size=24), range(1, 12), 24)
 
 

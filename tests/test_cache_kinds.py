@@ -1,0 +1,69 @@
+"""The cache owns its layout (issue 55): each kind of layer keeps its own cache (attention.Rows for
+the global layers, attention.Ring for the local ones), the engine calls their operations (update,
+refill, shift, the static view, tensors) and no code outside attention.py reads or writes the
+tensors; and the model's one line, GPTConfig.describe, which every script prints."""
+
+import re
+
+import torch
+
+from attention import KVCache, Ring, Rows
+from conftest import ROOT, tiny_model
+from model import GPTConfig
+
+# a cache's tensors by any of the names the engine ever used for them
+CACHE_TENSORS = re.compile(r"\b\w*cache\w*\.(k|v|ring_k|ring_v|kinds|where)\b")
+
+
+def test_no_code_outside_attention_py_touches_a_caches_tensors() -> None:
+    files = [ROOT / "model.py", *sorted((ROOT / "smallgpt").glob("*.py"))]
+    files += [p for p in sorted(ROOT.glob("*.py")) if p.name not in ("attention.py", "model.py")]
+    found = [f"{p.name}:{n}: {line.strip()}" for p in files
+             for n, line in enumerate(p.read_text().splitlines(), 1) if CACHE_TENSORS.search(line)]
+    assert found == []
+
+
+def test_each_kind_of_layer_has_its_own_cache_and_the_bytes_add_up() -> None:
+    m = tiny_model(2, pos_encoding="rope", n_layer=3, window=4, window_pattern="SL", block_size=32)
+    cache = m.make_kv_cache(2, 16)
+    rows, ring = cache.kinds
+    assert type(rows) is Rows and type(ring) is Ring
+    assert rows.k.shape == (2, 2, 2, 16, 8) and ring.k.shape == (1, 2, 2, 4, 8)
+    assert cache.nbytes == m.config.kv_cache_bytes(2, 16) == (2 * 16 + 4) * 2 * 2 * 2 * 8 * 4
+    assert [t.data_ptr() for t in KVCache.of_tensors(cache.tensors(), cache.windows).tensors()] == [
+        t.data_ptr() for t in cache.tensors()]
+    assert cache.grows() == [True, True, False, False]
+
+
+def test_refill_and_shift_move_each_kinds_positions() -> None:
+    """Written by hand: a row's own cache of 3 positions refilled right-aligned at pos 6 lands at
+    slots 3..5 of the rows and, in the ring of 4, at slots 3 % 4, 4 % 4, 5 % 4; a shift by 2 moves
+    the rows' positions 2..5 to 0..3 and turns the ring by 2."""
+    windows = [4, None]
+    cache = KVCache.zeros(windows, 2, 8, 1, 1, 1, "cpu", torch.float32)
+    cache.pos = 6
+    own = KVCache.zeros(windows, 1, 3, 1, 1, 1, "cpu", torch.float32)
+    rows, ring = own.kinds
+    rows.k[0, 0, 0, :, 0] = torch.tensor([10.0, 11, 12])
+    ring.k[0, 0, 0, :, 0] = torch.tensor([20.0, 21, 22])  # a ring of 3 slots (min(4, 3)): 20 at 0
+    own.pos = 3
+    cache.refill([1], own)
+    big_rows, big_ring = cache.kinds
+    assert big_rows.k[0, 1, 0, :, 0].tolist() == [0, 0, 0, 10, 11, 12, 0, 0]
+    assert big_rows.k[0, 0].abs().sum() == 0  # the other row untouched
+    assert big_ring.k[0, 1, 0, :, 0].tolist() == [21, 22, 0, 20]  # positions 4, 5, -, 3
+    cache.shift(2)
+    assert cache.pos == 4
+    assert big_rows.k[0, 1, 0, :4, 0].tolist() == [0, 10, 11, 12]
+    assert big_ring.k[0, 1, 0, :, 0].tolist() == [0, 20, 21, 22]  # positions -, 1, 2, 3 after it
+
+
+def test_describe_is_the_models_one_line() -> None:
+    base = dict(n_layer=3, n_head=4, n_embd=32, block_size=32)
+    gqa = GPTConfig(**base, n_kv_head=2, pos_encoding="rope", window=8, window_pattern="SSL")
+    assert gqa.describe() == ("GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1] of 3"
+                              " (window 8)")
+    mla = GPTConfig(**base, kv_lora_rank=16, pos_encoding="rope")
+    assert mla.describe() == ("MLA (n_head=4, kv_lora_rank=16, qk_rope_head_dim=4, q_lora_rank=None)"
+                              ", rope positions")
+    assert GPTConfig(**base, n_kv_head=1).describe() == "MQA (n_head=4, n_kv_head=1), learned positions"
