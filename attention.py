@@ -1,10 +1,11 @@
-"""The attention kinds behind one interface to the block and the KV cache, with the rotary positions and masks they
-share: CausalSelfAttention (MHA, GQA or MQA, set by its number of K/V heads) and LatentAttention (Multi-head Latent
-Attention, whose cache holds one low-rank latent and one rotary key per token); the masks also cut a local layer's
-keys to its window (GPTConfig.window). model.py builds them from GPTConfig.
+"""The attention kinds behind one interface to the block and the KV cache, with the rotary positions
+and masks they share: CausalSelfAttention (MHA, GQA or MQA, set by its number of K/V heads) and
+LatentAttention (Multi-head Latent Attention, whose cache holds one low-rank latent and one rotary
+key per token); the masks also cut a local layer's keys to its window (GPTConfig.window). model.py
+builds them from GPTConfig.
 
-GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, MLA: https://arxiv.org/abs/2405.04434
-"""
+GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, MLA:
+https://arxiv.org/abs/2405.04434"""
 
 from typing import Protocol
 
@@ -51,13 +52,13 @@ def latent_problems(
     rope = qk_rope_head_dim
     if type(rope) is not int or rope < 0 or (rope == 0) != (pos_encoding == "learned"):
         problems.append(
-            f"qk_rope_head_dim={rope!r} must be a positive integer with pos_encoding='rope', 0 with "
-            "'learned'"
+            f"qk_rope_head_dim={rope!r} must be a positive integer with pos_encoding='rope', "
+            "0 with 'learned'"
         )
     if n_kv_head != n_head:
         problems.append(
-            f"n_kv_head={n_kv_head} does not apply to MLA (every head has its own K and V, made from the "
-            "latent): leave it out"
+            f"n_kv_head={n_kv_head} does not apply to MLA (every head has its own K and V, made "
+            "from the latent): leave it out"
         )
     if problems or type(n_embd) is not int or type(n_head) is not int or n_head < 1:
         return problems
@@ -67,54 +68,52 @@ def latent_problems(
             f"qk_rope_head_dim={rope} is wider than a head (head_dim={head_dim}): give at most "
             f"{head_dim}"
         )
-    elif (
-        kv_lora_rank + rope >= 2 * n_embd
-    ):  # MHA caches K and V: 2 n_embd features a token and layer
+    elif kv_lora_rank + rope >= 2 * n_embd:  # MHA caches 2 n_embd features a token and layer
         problems.append(
-            f"kv_lora_rank={kv_lora_rank} with qk_rope_head_dim={rope} caches {kv_lora_rank + rope} "
-            f"features a token, not fewer than the {2 * n_embd} of the K and V it replaces (2 n_embd): "
-            f"give kv_lora_rank below {2 * n_embd - rope}"
+            f"kv_lora_rank={kv_lora_rank} with qk_rope_head_dim={rope} caches "
+            f"{kv_lora_rank + rope} features a token, not fewer than the {2 * n_embd} of the K and "
+            f"V it replaces (2 n_embd): give kv_lora_rank below {2 * n_embd - rope}"
         )
     return problems
 
 
 def window_problems(window: int | None, pattern: str, block_size: int) -> list[str]:
-    """What is wrong with GPTConfig's local-layer keys, alone and against block_size (GPTConfig checks that
-    some layer is local)."""
-    if isinstance(pattern, str) and pattern and set(pattern) <= {"s", "l", "S", "L"}:
-        if pattern != pattern.upper():
-            return [
-                f"window_pattern={pattern!r}: its letters are upper case, window_pattern={pattern.upper()!r} "
-                "(compare.py's variant names spell them lower case, e.g. mha-sl8)"
-            ]
-    else:
+    """What is wrong with GPTConfig's local-layer keys, alone and against block_size (GPTConfig
+    checks that some layer is local)."""
+    letters = isinstance(pattern, str) and pattern and set(pattern) <= {"s", "l", "S", "L"}
+    if not letters:
         return [
-            f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), e.g. 'SSSL'"
+            f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), "
+            "e.g. 'SSSL'"
+        ]
+    if pattern != pattern.upper():
+        return [
+            f"window_pattern={pattern!r}: its letters are upper case, "
+            f"window_pattern={pattern.upper()!r} (compare.py's variant names spell them lower "
+            "case, e.g. mha-sl8)"
         ]
     if window is None:
-        return (
-            [f"window_pattern={pattern!r} has local layers (S): give their window"]
-            if "S" in pattern
-            else []
-        )
+        if "S" in pattern:
+            return [f"window_pattern={pattern!r} has local layers (S): give their window"]
+        return []
     if type(window) is not int or window < 1:
         return [f"window={window!r} must be a positive integer (the tokens a local layer sees)"]
     if "S" not in pattern:
         return [
-            f"window={window} with window_pattern={pattern!r}: no layer is local; give a pattern with S, e.g. "
-            "'SSSL' (the last layer is always global)"
+            f"window={window} with window_pattern={pattern!r}: no layer is local; give a pattern "
+            "with S, e.g. 'SSSL' (the last layer is always global)"
         ]
     if type(block_size) is int and window >= block_size:
         return [
-            f"window={window} is not below block_size={block_size}, so a local layer would see what a global "
-            f"one sees: give a window below {block_size}, or leave window out"
+            f"window={window} is not below block_size={block_size}, so a local layer would see "
+            f"what a global one sees: give a window below {block_size}, or leave window out"
         ]
     return []
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm with this project's epsilon, computed in its weight's dtype: under autocast a bf16 input would
-    miss the fused kernel (and warn)."""
+    """torch's RMSNorm with this project's epsilon, computed in its weight's dtype: under
+    autocast a bf16 input would miss the fused kernel (and warn)."""
 
     def __init__(self, width: int) -> None:
         super().__init__(width, eps=NORM_EPS)
@@ -355,7 +354,8 @@ class StaticKVCache:
         heads = torch.arange(cache.kinds[0].k.size(2), device=device)[None, :]
         self.rows = (batch, heads)  # (B, heads) slots of one position
         keys = torch.arange(length or cache.max_len, device=device)
-        # a global layer over its first length slots sees them all; over all of them, those up to pos
+        # a global layer over its first length slots sees them all; over all of them, those up to
+        # pos
         self.masks = {None: None if length else (keys <= pos)[None, None, None, :]}
         if cache.ring:  # a local layer: its ring's written slots, all in its window
             seen = ring_positions(pos + 1, cache.ring, device) >= 0
@@ -379,22 +379,25 @@ Mask = torch.Tensor | None  # bool (B or 1, 1, T, Tk), True where a query sees a
 
 
 def rope_tables(dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's cos and sin (https://arxiv.org/abs/2104.09864) for `dim` rotated features, each (length, dim // 2)."""
+    """RoPE's cos and sin (https://arxiv.org/abs/2104.09864) for `dim` rotated features, each
+    (length, dim // 2)."""
     inv_freq = theta ** -(torch.arange(0, dim, 2, dtype=torch.float32) / dim)  # (dim // 2,)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, heads, T, dim) half by half in fp32; cos, sin are (B or 1, 1, T, dim // 2). A bf16 x is made fp32
-    first: products of one dtype run vectorised, mixed ones do not (docs/performance-cpu.md "Training")."""
+    """Rotate x (B, heads, T, dim) half by half in fp32; cos, sin are (B or 1, 1, T, dim // 2). A
+    bf16 x is made fp32 first: products of one dtype run vectorised, mixed ones do not
+    (docs/performance-cpu.md "Training")."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
 def ring_positions(end: int | torch.Tensor, ring: int, device: torch.device) -> torch.Tensor:
-    """The position each slot of a ring of `ring` slots holds (KVCache: position p at slot p % ring) once positions
-    below end are written: the newest such, negative where none is yet. end: an int or a 1-element tensor."""
+    """The position each slot of a ring of `ring` slots holds (KVCache: position p at slot p %
+    ring) once positions below end are written: the newest such, negative where none is yet. end:
+    an int or a 1-element tensor."""
     last = end - 1
     return last - (last - torch.arange(ring, device=device)).remainder(ring)  # (ring,)
 
@@ -407,18 +410,17 @@ def attention_mask(
     window: int | None = None,
     ring: int | None = None,
 ) -> Mask:
-    """The mask (B or 1, 1, T, Tk) of queries at start..start+T-1 over the keys at 0..start+T-1, or None where none is
-    needed: a causal block from an empty cache, or one token without padding (SDPA's is_causal aligns top-left), that
-    no window cuts. Left padding (pad[b] slots in row b) is hidden from real queries; a pad query sees only itself,
-    so no row is fully masked (which gives NaNs). window (a local layer's): a query sees only itself and the
-    window - 1 slots before it. ring: the slots of a local layer's cache (KVCache), whose keys are then the ring's
-    slots, for a chunk followed by its own."""
-    if (
-        ring is not None and start > 0
-    ):  # the keys KVCache.update returns: the ring's slots (then a chunk's own)
-        if (
-            T == 1 and pad is None and start + 1 >= ring
-        ):  # every slot written: all of them in the window
+    """The mask (B or 1, 1, T, Tk) of queries at start..start+T-1 over the keys at 0..start+T-1,
+    or None where none is needed: a causal block from an empty cache, or one token without
+    padding (SDPA's is_causal aligns top-left), that no window cuts. Left padding (pad[b] slots
+    in row b) is hidden from real queries; a pad query sees only itself, so no row is fully
+    masked (which gives NaNs). window (a local layer's): a query sees only itself and the window
+    - 1 slots before it. ring: the slots of a local layer's cache (KVCache), whose keys are then
+    the ring's slots, for a chunk followed by its own."""
+    # the keys KVCache.update returns: the ring's slots (then a chunk's own)
+    if ring is not None and start > 0:
+        # every slot written: all of them in the window
+        if T == 1 and pad is None and start + 1 >= ring:
             return None
         key_pos = ring_positions(start + (T == 1), ring, device)
         if T > 1:
@@ -460,9 +462,8 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, C = x.shape  # C is n_embd
         H, G, hd = self.n_head, self.n_kv_head, self.head_dim
-        if (
-            kv_cache is None and rope is not None
-        ):  # q, k and v as one product, q and k rotated as one
+        # q, k and v as one product, q and k rotated as one
+        if kv_cache is None and rope is not None:
             qkv = (
                 joint_linear(x, self.c_q, self.c_k, self.c_v)
                 .view(B, T, H + 2 * G, hd)
@@ -470,10 +471,10 @@ class CausalSelfAttention(nn.Module):
             )
             qk, v = qkv.split((H + G, G), dim=1)
             q, k = apply_rope(qk, *rope).split((H, G), dim=1)
-        else:  # each Linear on its own: decoding's few-row products (fast_paths.Linear), and faster on CUDA without
-            q = (
-                self.c_q(x).view(B, T, H, hd).transpose(1, 2)
-            )  # RoPE (docs/performance-cpu.md "Training")
+        else:
+            # each Linear on its own: decoding's few-row products (fast_paths.Linear), and faster on
+            # CUDA without RoPE (docs/performance-cpu.md "Training")
+            q = self.c_q(x).view(B, T, H, hd).transpose(1, 2)
             k = self.c_k(x).view(B, T, G, hd).transpose(1, 2)
             v = self.c_v(x).view(B, T, G, hd).transpose(1, 2)
             if rope is not None:
@@ -488,18 +489,21 @@ class CausalSelfAttention(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """Multi-head Latent Attention (DeepSeek-V2, section 2.1): K and V of every head are up-projected (kv_b) from one
-    latent of kv_lora_rank features a token, and positions ride on rope_dim extra query/key features, the rotary key
-    shared by the heads (decoupled RoPE); the latent carries no position. Queries come from x directly, or through
-    their own latent of q_lora_rank. Names follow DeepSeek's (q_a, q_b, kv_a, kv_b) where GPT-2's have no match.
+    """Multi-head Latent Attention (DeepSeek-V2, section 2.1): K and V of every head are
+    up-projected (kv_b) from one latent of kv_lora_rank features a token, and positions ride on
+    rope_dim extra query/key features, the rotary key shared by the heads (decoupled RoPE); the
+    latent carries no position. Queries come from x directly, or through their own latent of
+    q_lora_rank. Names follow DeepSeek's (q_a, q_b, kv_a, kv_b) where GPT-2's have no match.
 
-    Training builds K and V from the latent. With a cache (decoding), the cache holds [latent | rotary key] as one
-    K head and nothing as V, and kv_b's key half is folded into the query and its value half applied after attention
-    (V2's appendix C): attention is MQA over that one head, its values the latent (the key's first kv_lora_rank
-    features), so K and V of the heads are never rebuilt."""
+    Training builds K and V from the latent. With a cache (decoding), the cache holds [latent |
+    rotary key] as one K head and nothing as V, and kv_b's key half is folded into the query and
+    its value half applied after attention (V2's appendix C): attention is MQA over that one
+    head, its values the latent (the key's first kv_lora_rank features), so K and V of the heads
+    are never rebuilt."""
 
     # Linears whose weight forward reads as a matrix: the absorbed step multiplies by kv_b's halves
-    # itself and never calls kv_b while decoding, so smallgpt/quantize.py keeps these in the model's dtype
+    # itself and never calls kv_b while decoding, so smallgpt/quantize.py keeps these in the model's
+    # dtype
     matrices: tuple[str, ...] = ("kv_b",)
 
     def __init__(
@@ -547,33 +551,28 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a(x).split(
             (R, self.rope_dim), dim=-1
         )  # (B, T, R), (B, T, rope_dim)
-        latent, k_rope = (
-            self.kv_norm(latent),
-            k_rope[:, None],
-        )  # the rotary key: one head, (B, 1, T, rope_dim)
+        # the rotary key: one head, (B, 1, T, rope_dim)
+        latent, k_rope = (self.kv_norm(latent), k_rope[:, None])
         if rope is not None:
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
         dropout_p = self.dropout if self.training else 0.0
         scale = (hd + self.rope_dim) ** -0.5  # as if K held head_dim + rope_dim features a head
-        if kv_cache is None:  # K and V of every head from the latent
-            k, v = (
-                self.kv_b(latent).view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)
-            )  # (B, H, T, head_dim)
+        if kv_cache is None:
+            # K and V of every head from the latent, each (B, H, T, head_dim)
+            kv = self.kv_b(latent).view(B, T, H, 2, hd)
+            k, v = kv.permute(3, 0, 2, 1, 4).unbind(0)
             k = torch.cat((k, k_rope.expand(B, H, T, self.rope_dim)), dim=-1)
-            y = attention(
-                torch.cat((q, q_rope), dim=-1), k, v, mask, dropout_p, cached=False, scale=scale
-            )
-        else:  # absorbed: q . (W_uk latent) = (q W_uk) . latent, and softmax-weighted latents times W_uv
+            q = torch.cat((q, q_rope), dim=-1)
+            y = attention(q, k, v, mask, dropout_p, cached=False, scale=scale)
+        else:
+            # absorbed: q . (W_uk latent) = (q W_uk) . latent, then the softmax-weighted latents
+            # times W_uv. The cache holds [latent | rotary key], one head, and no V.
             key = torch.cat((latent[:, None], k_rope), dim=-1)  # (B, 1, T, R + rope_dim)
-            key, _ = kv_cache.update(
-                self.layer, key, key[..., :0]
-            )  # (B, 1, Tk, R + rope_dim), V: nothing
-            w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(
-                1
-            )  # each head's key and value maps, (H, hd, R)
+            key, _ = kv_cache.update(self.layer, key, key[..., :0])  # (B, 1, Tk, R + rope_dim)
+            # each head's key and value maps, (H, hd, R)
+            w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(1)
             q = torch.cat((q @ w_uk, q_rope), dim=-1)  # (B, H, T, R + rope_dim)
-            y = (
-                attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale) @ w_uv.mT
-            )  # (B,H,T,hd)
+            latents = attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale)
+            y = latents @ w_uv.mT  # (B, H, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y))

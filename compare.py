@@ -1,19 +1,29 @@
-"""Compare attention variants: train MHA, GQA, MQA (and MLA) versions of one config over seeds (and sizes, and MHA ->
-GQA/MQA/MLA conversions), then report what each costs and scores, with intervals that tell a difference from noise.
+r"""Compare attention variants: train MHA, GQA, MQA (and MLA) versions of one config over seeds
+(and sizes, and MHA -> GQA/MQA/MLA conversions), then report what each costs and scores, with
+intervals that tell a difference from noise.
 
-    python compare.py config/compare/cpu.py --seeds=3                 # sweep + report in the config's out_dir
-    python compare.py config/compare/cpu.py --variants=[mha,gqa2,mqa,mla32] --match=params  # MLA beside them
-    python compare.py config/compare/cpu.py --seeds=3 --mode=plan     # the runs and an estimated time, no training
-    python compare.py config/compare/cpu.py --match=[width,params]    # also variants widened to MHA's parameters
+    # sweep + report in the config's out_dir
+    python compare.py config/compare/cpu.py --seeds=3
+    # MLA beside them
+    python compare.py config/compare/cpu.py --variants=[mha,gqa2,mqa,mla32] --match=params
+    # the runs and an estimated time, no training
+    python compare.py config/compare/cpu.py --seeds=3 --mode=plan
+    # also variants widened to MHA's parameters
+    python compare.py config/compare/cpu.py --match=[width,params]
+    # the GQA paper's conversion ablations
     python compare.py config/compare/cpu.py --convert=True --convert_methods=[mean,first,random] \
-        --uptrain_fractions=[0,0.05,0.1]                                # the GQA paper's conversion ablations
-    python compare.py config/compare/cpu.py --mode=report             # the report alone, from the runs' logs
-    python compare.py config/train_gpt2.py --mode=costs               # parameters and KV-cache bytes of every n_kv_head
-    python compare.py config/compare/cpu.py --max_iters=480 --extend=True  # a finished sweep on
+        --uptrain_fractions=[0,0.05,0.1]
+    # the report alone, from the runs' logs
+    python compare.py config/compare/cpu.py --mode=report
+    # parameters and KV-cache bytes of every n_kv_head
+    python compare.py config/train_gpt2.py --mode=costs
+    # a finished sweep on
+    python compare.py config/compare/cpu.py --max_iters=480 --extend=True
 
-Positional arguments and --key=value flags of train.py's TrainConfig describe the base run; the keys below steer
-the comparison. Each run trains in <out_dir>/<variant>-s<seed> (sizes: <n_layer>x<n_embd>-<variant>-s<seed>) with
-wandb group <out_dir name> and tags naming its variant, seed and size.
+Positional arguments and --key=value flags of train.py's TrainConfig describe the base run; the
+keys below steer the comparison. Each run trains in <out_dir>/<variant>-s<seed> (sizes:
+<n_layer>x<n_embd>-<variant>-s<seed>) with wandb group <out_dir name> and tags naming its variant,
+seed and size.
 
 Variant names (--variants) are lower case: mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>, each with
 -<window_pattern><window> for local layers (mha-sl8 is train.py's --window_pattern=SL --window=8).
@@ -39,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT
 from smallgpt import recall, report, runtime, sweep
 from smallgpt.atomic import (
     atomic_open,
@@ -54,28 +64,24 @@ from smallgpt.convert import check_latent_target
 from smallgpt.data import Batches, data_dir, load_meta, vocab_size_of
 from smallgpt.measure import cached_step_throughput, default_kv_heads, table, training_seconds
 from smallgpt.runtime import Placement
+from smallgpt.variant import MHA, Variant
 
 # the MLA keys that a variant's name leaves at their defaults: the base run is not MLA
 MLA_KEYS = ("qk_rope_head_dim", "q_lora_rank", "latent_norm")
 # a run's budget and learning-rate schedule: resumed with others, it changes its schedule midway
 SCHEDULE_KEYS = ("max_iters", "warmup_iters", "lr_decay_iters", "decay_lr")
 
-# What compare.py writes at the root of a comparison (beside its runs' folders); the first marks it (smallgpt/atomic.py)
+# What compare.py writes at the root of a comparison (beside its runs' folders); the first marks it
+# (smallgpt/atomic.py)
 COMPARISON_FILES = ("compare.json", report.SPEED_FILE, "report.md", "report.csv", "report.png")
 COMPARISON_TEMPS = "|".join(map(re.escape, COMPARISON_FILES))  # those written through a temp file
-
-
-def variant(base: TrainConfig, name: str, vocab_size: int = 1) -> GPTConfig:
-    """The base run's model as the variant name says (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>; -sssl64...)."""
-    return sweep.variant_config(
-        dataclasses.replace(base.model_config(vocab_size), n_kv_head=base.n_head), name
-    )
 
 
 def timings(
     runs: list[sweep.Run], base: TrainConfig, place: Placement
 ) -> dict[tuple, tuple[float, float]]:
-    """Each shape's seconds per training step and per evaluation batch (measure.training_seconds: 5 timed steps)."""
+    """Each shape's seconds per training step and per evaluation batch (measure.training_seconds: 5
+    timed steps)."""
     shapes = {r.shape: r.model for r in runs}
     return {
         k: training_seconds(m, base.batch_size, base.optimizer, place) for k, m in shapes.items()
@@ -108,60 +114,64 @@ def show_plan(
 
 
 def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device: str) -> None:
-    """The cached-step decode speed on device of each shape not measured yet, speed_repeats times interleaved over
-    the shapes (so drift on a shared machine spreads over all of them), into root/speed.json."""
+    """The cached-step decode speed on device of each shape not measured yet, speed_repeats times
+    interleaved over the shapes (so drift on a shared machine spreads over all of them), into
+    root/speed.json."""
     path = root / report.SPEED_FILE
     stored = json.loads(path.read_text()) if path.is_file() else {}
-    shapes = {
-        report.speed_key(r.model, cfg.decode_context, cfg.decode_batch): r.model for r in runs
-    }
+    shapes = {}
+    for r in runs:
+        shapes[report.speed_key(r.model, cfg.decode_context, cfg.decode_batch)] = r.model
     todo = {k: m for k, m in shapes.items() if len(stored.get(k, [])) < cfg.speed_repeats}
     if not todo:
         return
     print(
-        f"decode speed of {len(todo)} shapes, batch {cfg.decode_batch} at {cfg.decode_context} positions, "
-        f"{cfg.speed_repeats} repeats ...",
+        f"decode speed of {len(todo)} shapes, batch {cfg.decode_batch} at {cfg.decode_context} "
+        f"positions, {cfg.speed_repeats} repeats ...",
         flush=True,
     )
-    t0, fresh = time.perf_counter(), {k: [] for k in todo}
+    t0 = time.perf_counter()
+    fresh = {k: [] for k in todo}
     for _ in range(cfg.speed_repeats):
         for k, m in todo.items():
-            fresh[k].append(
-                cached_step_throughput(
-                    m, cfg.decode_batch, cfg.decode_context, cfg.decode_steps, device
-                )
+            tok_s = cached_step_throughput(
+                m, cfg.decode_batch, cfg.decode_context, cfg.decode_steps, device
             )
+            fresh[k].append(tok_s)
     with atomic_open(path, "w") as f:
         json.dump(stored | fresh, f, indent=1)
     print(f"measured in {time.perf_counter() - t0:.0f} s: {path}")
 
 
 def costs(cfg: CompareConfig, base: TrainConfig) -> str:
-    """Parameters and KV-cache bytes for every n_kv_head that divides n_head and each MLA or windowed variant of
-    --variants (no training)."""
+    """Parameters and KV-cache bytes for every n_kv_head that divides n_head and each MLA or
+    windowed variant of --variants (no training)."""
     vocab = vocab_size_of(base.dataset) or 50304  # GPT-2's, padded
-    rows = []
+    mha = sweep.mha_config(base, vocab)
+    # every n_kv_head that divides n_head, then the MLA and windowed variants of --variants
     divisors = sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True)
-    for name in [f"gqa{g}" for g in divisors] + [
-        n for n in cfg.variants if n.startswith("mla") or "-" in n
-    ]:
-        mcfg = variant(base, name, vocab)
+    models = [dataclasses.replace(mha, n_kv_head=g) for g in divisors]
+    for variant in map(Variant.parse, cfg.variants):
+        if variant.kind == "mla" or variant.window is not None:
+            models.append(variant.config(mha))
+    rows = []
+    for mcfg in models:
         with torch.device("meta"):
             model = GPT(mcfg)
         kv = mcfg.kv_cache_bytes(1, mcfg.block_size, getattr(torch, cfg.kv_dtype))
-        kind = (
-            f"MLA (kv_lora_rank={mcfg.kv_lora_rank})" if mcfg.kv_lora_rank else mcfg.attention_kind
-        )
-        kind += f", window {mcfg.window} in {mcfg.window_pattern}" if mcfg.window else ""
+        kv_column = f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)"
+        kind = mcfg.attention_kind
+        if kind == "MLA":
+            kind += f" (kv_lora_rank={mcfg.kv_lora_rank})"
+        if mcfg.window:
+            kind += f", window {mcfg.window} in {mcfg.window_pattern}"
         rows.append(
             {
                 "n_kv_head": mcfg.n_kv_head,
                 "kind": kind,
                 "params (M)": round(model.num_params() / 1e6, 2),
                 "attention params/layer": model.attention_params_per_layer(),
-                f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)": round(
-                    kv / 2**20, 2
-                ),
+                kv_column: round(kv / 2**20, 2),
             }
         )
     text = table(rows)
@@ -209,40 +219,45 @@ def check_base_keys(given: dict) -> None:
             )
 
 
-def check_variants(cfg: CompareConfig, base: TrainConfig, names: list[str], key: str) -> None:
+def check_variants(
+    cfg: CompareConfig, base: TrainConfig, variants: list[Variant], key: str
+) -> None:
     """Each variant a valid model at each size, no two of them one model, each named as what it
     is (gqa<n_head> is mha), each MLA conversion possible: else a UserError naming the variant."""
     listed = f"{key}={getattr(cfg, key)}"
     for _, sbase in sweep.sizes(cfg.sizes, base):
         size = f"{sbase.n_layer}x{sbase.n_embd}"
+        mha = sweep.mha_config(sbase, 1)
         models = {}
-        seen = {}  # what tells one variant's model from another's -> the first name that gave it
-        for name in names:
+        seen = {}  # what tells one variant's model from another's -> the first variant that gave it
+        for variant in variants:
             try:
-                models[name] = variant(sbase, name)
+                models[variant] = variant.config(mha)
             except ValueError as e:
                 raise UserError(f"{listed} at {size}: {e}") from e
-            model = models[name]
+            model = models[variant]
             shape = (model.n_kv_head, model.kv_lora_rank, tuple(model.layer_windows))
-            other = seen.setdefault(shape, name)
-            if other != name:
+            other = seen.setdefault(shape, variant)
+            if other != variant:
                 windows = f", layer windows {model.layer_windows}" if model.window else ""
                 raise UserError(
-                    f"{listed}: {other} and {name} are the same model at {size} "
+                    f"{listed}: {other} and {variant} are the same model at {size} "
                     f"({model.attention_kind}, {model.kv_sizes}{windows}): list one of "
                     f"them"
                 )
-        for name, model in models.items():
-            canonical = sweep.variant_name(model)
-            if canonical != name:
+        for variant, model in models.items():
+            canonical = Variant.from_config(model)
+            if canonical != variant:
                 raise UserError(
-                    f"{listed}: {name} is {canonical} at n_head={model.n_head}: name it {canonical}"
+                    f"{listed}: {variant} is {canonical} at n_head={model.n_head}: name it "
+                    f"{canonical}"
                 )
-            if cfg.convert and model.kv_lora_rank is not None:  # and each MLA conversion possible
+            # and each MLA conversion possible
+            if cfg.convert and model.attention_kind == "MLA":
                 try:
                     check_latent_target(model)
                 except UserError as e:
-                    raise UserError(f"convert=True to {name} at {size}: {e}") from e
+                    raise UserError(f"convert=True to {variant} at {size}: {e}") from e
 
 
 def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
@@ -253,28 +268,31 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     base = build(TrainConfig, given_train)
     if not cfg.variants:
         cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
-    names, key = sweep.variant_names(cfg, base.n_head), "variants" if cfg.variants else "kv_heads"
+    key = "variants" if cfg.variants else "kv_heads"
+    listed = f"{key}={getattr(cfg, key)}"
+    try:
+        variants = sweep.compared_variants(cfg, sweep.mha_config(base, 1))
+    except ValueError as e:  # K/V heads that n_head cannot have
+        raise UserError(f"{listed}: {e}") from e
+    # the keys that steer conversions, given without any
     given = given_values(CompareConfig, ours)
-    if not cfg.convert and (
-        steer := [
-            k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale") if k in given
-        ]
-    ):
+    steer = [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale") if k in given]
+    if steer and not cfg.convert:
         raise UserError(
             f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them"
         )
-    if cfg.convert and "mha" not in names:
-        raise UserError(
-            f"convert=True converts the MHA runs: {key}={getattr(cfg, key)} must hold "
-            + (f"n_head={base.n_head}" if key == "kv_heads" else "mha")
-        )
+    if cfg.convert and MHA not in variants:
+        held = f"n_head={base.n_head}" if key == "kv_heads" else "mha"
+        raise UserError(f"convert=True converts the MHA runs: {listed} must hold {held}")
+
     same = repeated([round(f * base.max_iters) for f in cfg.uptrain_fractions])
     if cfg.convert and same is not None:
         raise UserError(
             f"uptrain_fractions={cfg.uptrain_fractions} give {same} of max_iters={base.max_iters} "
-            f"iterations twice: the same uptraining twice; give fractions 1/{base.max_iters} apart or more"
+            f"iterations twice: the same uptraining twice; give fractions 1/{base.max_iters} "
+            f"apart or more"
         )
-    check_variants(cfg, base, names, key)
+    check_variants(cfg, base, variants, key)
     return cfg, base
 
 
@@ -318,14 +336,9 @@ def check_budgets(
     changed = {}  # a run's folder -> its checkpoint's schedule keys that differ from the plan's
     trained_to = {}  # ... -> its checkpoint's iteration
     for run in runs:
-        stored = sweep.trained(run)
+        stored = checkpoint_of(run, meta, dataset)
         if stored is None:
             continue
-        try:  # the dataset prepared again, with other tokens, since the run trained
-            if meta is not None:
-                check_vocabulary(run.model.vocab_size, meta, stored["data_meta"], dataset)
-        except UserError as e:
-            raise UserError(f"{run.dir.name}: {e}") from e
         now = planned[run.dir]
         was = {
             k: v for k, v in stored["config"].items() if k in SCHEDULE_KEYS and v != getattr(now, k)
@@ -335,19 +348,49 @@ def check_budgets(
             trained_to[run.dir] = stored["iter_num"]
     if not changed:
         return
+    if not cfg.extend:
+        raise UserError(other_budget(changed, planned))
+    check_extension(runs, planned, changed, trained_to)
+
+
+def checkpoint_of(run: sweep.Run, meta: dict | None, dataset: str) -> dict | None:
+    """What run's checkpoint was trained as (sweep.trained; None without one), refused where the
+    dataset (its meta) was prepared again, with other tokens, since the run trained."""
+    stored = sweep.trained(run)
+    if stored is None or meta is None:
+        return stored
+    try:
+        check_vocabulary(run.model.vocab_size, meta, stored["data_meta"], dataset)
+    except UserError as e:
+        raise UserError(f"{run.dir.name}: {e}") from e
+    return stored
+
+
+def other_budget(changed: dict[Path, dict], planned: dict[Path, TrainConfig]) -> str:
+    """Why the runs of changed (folder -> their checkpoints' schedule keys that differ from the
+    plan's) are not resumed without --extend=True."""
     first = next(iter(changed))
     was = ", ".join(f"{k}={v}" for k, v in changed[first].items())
     now = ", ".join(f"{k}={getattr(planned[first], k)}" for k in changed[first])
     who = f"{first.name} has a checkpoint"
     if len(changed) > 1:
         who = f"{first.name} and {len(changed) - 1} other runs have checkpoints"
-    if not cfg.extend:
-        raise UserError(
-            f"{who} of another budget ({first.name}: {was}; this sweep: {now}): "
-            f"resumed, a run would change its learning-rate schedule midway, and the "
-            f"report would set it beside runs of another budget; use another out_dir, "
-            f"or --extend=True to train such runs on to this budget"
-        )
+    return (
+        f"{who} of another budget ({first.name}: {was}; this sweep: {now}): "
+        f"resumed, a run would change its learning-rate schedule midway, and the "
+        f"report would set it beside runs of another budget; use another out_dir, "
+        f"or --extend=True to train such runs on to this budget"
+    )
+
+
+def check_extension(
+    runs: list[sweep.Run],
+    planned: dict[Path, TrainConfig],
+    changed: dict[Path, dict],
+    trained_to: dict[Path, int],
+) -> None:
+    """What --extend=True cannot do with the runs of changed: shorten one (trained_to: each one's
+    checkpoint's iteration), or keep the conversions made of a model it trains on."""
     for folder, iters in trained_to.items():
         if iters > planned[folder].max_iters:
             raise UserError(
@@ -370,50 +413,48 @@ def check_budgets(
 
 
 def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
-    """The sweep (or, with mode 'plan', what it would run). SIGTERM or SIGINT stops it cleanly: its train.py saves
-    and ends, one line says where the sweep stopped, and it exits 143 or 130; run the same command to resume."""
+    """The sweep (or, with mode 'plan', what it would run). SIGTERM or SIGINT stops it cleanly: its
+    train.py saves and ends, one line says where the sweep stopped, and it exits 143 or 130; run the
+    same command to resume."""
     vocab = vocab_size_of(base.dataset)
     if vocab is None and cfg.mode != "plan":
-        load_meta(
-            data_dir(base.dataset)
-        )  # a sweep stops here: the missing dataset's one-line error
-    runs = sweep.plan(
-        cfg, base, vocab or 50304, root
-    )  # a plan needs no data: GPT-2's padded vocabulary stands in
-    check_runs(cfg, base, runs)  # before any work: a run that cannot train, or would mix budgets
-    if "mha" not in sweep.variant_names(cfg, base.n_head):
-        key, add = ("variants", "mha") if cfg.variants else ("kv_heads", base.n_head)
+        # a sweep stops here: the missing dataset's one-line error
+        load_meta(data_dir(base.dataset))
+    # a plan needs no data: GPT-2's padded vocabulary stands in
+    runs = sweep.plan(cfg, base, vocab or 50304, root)
+    # before any work: a run that cannot train, or would mix budgets
+    check_runs(cfg, base, runs)
+    if MHA not in sweep.compared_variants(cfg, sweep.mha_config(base, 1)):
+        key = "variants" if cfg.variants else "kv_heads"
+        add = "mha" if cfg.variants else base.n_head
         print(
-            f"no MHA in {key}={getattr(cfg, key)} (n_head={base.n_head}): the report compares these variants but "
-            f"shows no difference to MHA; add {add} to {key} for that",
+            f"no MHA in {key}={getattr(cfg, key)} (n_head={base.n_head}): the report compares "
+            f"these variants but shows no difference to MHA; add {add} to {key} for that",
             flush=True,
         )
     with sweep.Stop() as stop:
         try:
-            place = runtime.place(
-                base.device, base.dtype, base.n_embd
-            )  # as each run's train.py decides
-            timed = (
-                runs if cfg.mode == "plan" else [r for r in runs if not sweep.finished(r)]
-            )  # to estimate
+            # the device and dtype, as each run's train.py decides them
+            place = runtime.place(base.device, base.dtype, base.n_embd)
+            # the shapes to time for the estimate: a plan's every run, a sweep's runs left
+            timed = runs if cfg.mode == "plan" else [r for r in runs if not sweep.finished(r)]
             times = timings(timed, base, place)
             if cfg.mode == "plan":
                 show_plan(runs, times, base, place.device)
                 return
-            with folder_lock(
-                root, "compare.py"
-            ):  # one sweep in a folder at a time (each run locks its own too)
-                remove_stale_temps(
-                    root, COMPARISON_TEMPS
-                )  # what a killed compare.py left half-written
+            # one sweep in a folder at a time (each run locks its own too)
+            with folder_lock(root, "compare.py"):
+                # what a killed compare.py left half-written
+                remove_stale_temps(root, COMPARISON_TEMPS)
                 mark_comparison(root)
                 sweep.launch_all(runs, times, base.eval_iters, stop)
                 stop.where = "while measuring the decode speeds"
                 measure_speeds(cfg, runs, root, place.device)
         except sweep.Stopped as e:
+            finished = sum(map(sweep.finished, runs))
             print(
-                f"{e}: {sum(map(sweep.finished, runs))} of {len(runs)} runs finished; run the same command again "
-                f"to resume (a run cut short goes on from its checkpoint)",
+                f"{e}: {finished} of {len(runs)} runs finished; run the same command again to "
+                f"resume (a run cut short goes on from its checkpoint)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -431,12 +472,14 @@ def mark_comparison(root: Path) -> None:
 
 def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | None:
     """A line saying the sweep into root is still running (a compare.py holds its lock), or None."""
-    if (holder := lock_holder(root)) is None:
+    holder = lock_holder(root)
+    if holder is None:
         return None
     runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
+    finished = sum(map(sweep.finished, runs))
     return (
-        f"The sweep is still running ({holder}): {sum(map(sweep.finished, runs))} of {len(runs)} runs "
-        f"finished. This report shows those finished so far; make it again when the sweep ends."
+        f"The sweep is still running ({holder}): {finished} of {len(runs)} runs finished. This "
+        f"report shows those finished so far; make it again when the sweep ends."
     )
 
 

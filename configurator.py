@@ -1,8 +1,9 @@
 """nanoGPT's command line, `python train.py config/a.py --key=value ...`, checked by a dataclass.
 
 Config files are trusted Python, run in a fresh namespace; their top-level names and the --key=value
-overrides are applied in order, each checked against the dataclass's field types (smallgpt/fieldtypes.py).
-Nothing here touches globals(). run_cli prints a UserError (smallgpt/errors.py) as one line."""
+overrides are applied in order, each checked against the dataclass's field types
+(smallgpt/fieldtypes.py). Nothing here touches globals(). run_cli prints a UserError
+(smallgpt/errors.py) as one line."""
 
 import ast
 import dataclasses
@@ -143,5 +144,5 @@ def run_cli(
         message = " ".join(str(e).split())  # one line, whatever line breaks the message holds
         print(f"{prefix}error: {message}", file=sys.stderr)
         sys.exit(2)
-    finally:  # the exit then skips collecting torch's objects: 0.7 s (docs/performance-cpu.md "Start-up")
+    finally:  # the exit then skips collecting torch's objects (docs/performance-cpu.md "Start-up")
         gc.freeze()

@@ -1,6 +1,9 @@
-"""Turn any local UTF-8 text file into a dataset (smallgpt/data.py's layout: train.bin, val.bin, meta.json):
+"""Turn any local UTF-8 text file into a dataset (smallgpt/data.py's layout: train.bin, val.bin,
+meta.json):
 
-python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=char   # or gpt2, or bpe --vocab_size=N
+    python dataset.py --input=notes.txt --out_dir=data/notes --tokenizer=char
+
+or --tokenizer=gpt2, or --tokenizer=bpe --vocab_size=N.
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback

@@ -57,19 +57,7 @@ class GPTConfig:
         sizes_known = all(type(n) is int and n > 0 for n in (self.n_embd, self.n_head))
         if self.kv_lora_rank is not None and self.qk_rope_head_dim is None and sizes_known:
             self.qk_rope_head_dim = self.head_dim // 2 if self.pos_encoding == "rope" else 0
-        problems: list[str] = []
-        for name in (
-            "block_size",
-            "vocab_size",
-            "n_layer",
-            "n_head",
-            "n_kv_head",
-            "n_embd",
-            "mlp_hidden",
-        ):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                problems.append(f"{name}={value!r} must be a positive integer")
+        problems = self.size_problems()
         problems += attention.latent_problems(
             self.kv_lora_rank,
             self.qk_rope_head_dim,
@@ -89,20 +77,45 @@ class GPTConfig:
                 f"S among the first {self.n_layer - 1} layers, or leave window out"
             )
         if not problems:  # the sizes are integers, so their ratios can be checked
-            if self.n_embd % self.n_head:
-                problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-            if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
-                problems.append(
-                    f"n_head={self.n_head} must be divisible by "
-                    f"n_kv_head={self.n_kv_head} (1 <= n_kv_head <= n_head; "
-                    "n_head: MHA, 1: MQA, a divisor in between: GQA)"
-                )
+            problems += self.ratio_problems()
+        problems += self.choice_problems(rope_checkable=not problems)
+        problems += self.unused_keys()
+        if problems:
+            raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+
+    def size_problems(self) -> list[str]:
+        """The sizes that are not positive integers."""
+        problems = []
+        sizes = ("block_size", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd")
+        for name in (*sizes, "mlp_hidden"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        return problems
+
+    def ratio_problems(self) -> list[str]:
+        """Heads that do not divide the width, K/V heads that do not divide the heads."""
+        problems = []
+        if self.n_embd % self.n_head:
+            problems.append(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_kv_head > self.n_head or self.n_head % self.n_kv_head:
+            problems.append(
+                f"n_head={self.n_head} must be divisible by "
+                f"n_kv_head={self.n_kv_head} (1 <= n_kv_head <= n_head; "
+                "n_head: MHA, 1: MQA, a divisor in between: GQA)"
+            )
+        return problems
+
+    def choice_problems(self, rope_checkable: bool) -> list[str]:
+        """Keys that name a choice (positions, activation, norm, MLP) or a rate out of range;
+        rope_checkable: the sizes are sound, so the rotary width can be checked."""
+        problems = []
         if not (isinstance(self.dropout, int | float) and 0.0 <= self.dropout < 1.0):
             problems.append(f"dropout={self.dropout!r} must be a number in [0, 1)")
         if self.pos_encoding not in POS_ENCODINGS:
             choices = ", ".join(POS_ENCODINGS)
             problems.append(f"pos_encoding={self.pos_encoding!r} must be one of {choices}")
-        elif self.pos_encoding == "rope" and not problems and self.rope_dim % 2:
+        elif self.pos_encoding == "rope" and rope_checkable and self.rope_dim % 2:
             what = "qk_rope_head_dim" if self.kv_lora_rank else "head_dim"
             problems.append(f"pos_encoding='rope' needs an even {what}, got {what}={self.rope_dim}")
         if self.gelu not in ("exact", "tanh"):
@@ -112,9 +125,7 @@ class GPTConfig:
                 problems.append(f"{key}={getattr(self, key)!r} must be one of {', '.join(choices)}")
         if not (isinstance(self.rope_theta, int | float) and self.rope_theta > 0):
             problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
-        problems += self.unused_keys()
-        if problems:
-            raise ValueError("invalid GPTConfig: " + "; ".join(problems))
+        return problems
 
     def unused_keys(self) -> list[str]:
         """Keys set away from their defaults where this model has no use for them."""
@@ -416,7 +427,8 @@ class GPT(nn.Module):
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        # CPU: torch's default loop (foreach was no faster); fused drifts gloo ranks apart (performance-cpu.md)
+        # CPU: torch's default loop (foreach was no faster); fused drifts gloo ranks apart
+        # (performance-cpu.md)
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
 
     def flops_per_token(self, seq_len: int | None = None) -> int:

@@ -36,8 +36,10 @@ def decode(
     n_tokens = 0
     first = ready = last = None
     longest = 0.0
+    # one seeded generator: the same samples on every run
     generator = torch.Generator(idx.device).manual_seed(cfg.seed)
     t0 = time.perf_counter()
+    # each step gives every row's new text (None: the row has stopped)
     for pieces in stream_text(
         model,
         tok,
@@ -54,10 +56,13 @@ def decode(
         compile_step=cfg.compile,
     ):
         n_tokens += sum(p is not None for p in pieces)
+        # stream a single sample; keep a batch's rows to print whole
         if B == 1:
             print(pieces[0] or "", end="", flush=True)
         else:
-            texts = [text + (p or "") for text, p in zip(texts, pieces, strict=True)]
+            pairs = zip(texts, pieces, strict=True)
+            texts = [text + (p or "") for text, p in pairs]
+        # time the step, remembering the longest (a compile)
         now = (time.perf_counter() - t0, n_tokens)
         if last is not None and now[0] - last[0] > longest:
             longest = now[0] - last[0]
@@ -68,31 +73,44 @@ def decode(
 
 
 def main(cfg: SampleConfig) -> None:
-    compiled = cfg.compile and not cfg.quantize  # on a CPU with native bf16, auto: bf16
+    # pick the device and dtype (on a CPU with native bf16, auto: bf16)
+    compiled = cfg.compile and not cfg.quantize
     place = runtime.place(cfg.device, cfg.dtype, compiled_decode=compiled, training=False)
-    device, dtype = place.device, place.dtype
+    device = place.device
+    dtype = place.dtype
+    # load the model and the tokenizer its dataset was made with
     run = load_run(parse_source(cfg.init_from), cfg.out_dir, device)
-    model, tok = run.model, run.tokenizer
+    model = run.model
+    tok = run.tokenizer
     del run  # the checkpoint's other tensors
-    if tok.n_vocab > model.config.vocab_size:  # e.g. its dataset prepared again since
+    vocab_size = model.config.vocab_size
+    if tok.n_vocab > vocab_size:  # e.g. its dataset prepared again since
         raise UserError(
-            f"the tokenizer has {tok.n_vocab} tokens, the model only "
-            f"{model.config.vocab_size}: not the dataset this checkpoint was trained "
-            f"on"
+            f"the tokenizer has {tok.n_vocab} tokens, the model only {vocab_size}: "
+            "not the dataset this checkpoint was trained on"
         )
-    model = quantize(model.to(device=device, dtype=dtype), cfg.quantize).eval()
+    model = model.to(device=device, dtype=dtype)
+    model = quantize(model, cfg.quantize).eval()
+    # encode the prompts, num_samples rows each, left-padded into one batch
     prompts = [p for p in read_prompts(cfg.start) for _ in range(cfg.num_samples)]
-    idx, pad = left_pad(encode_prompts(tok, prompts, model.config.block_size), device=device)
+    ids = encode_prompts(tok, prompts, model.config.block_size)
+    idx, pad = left_pad(ids, device=device)
     padded = bool(pad.any())
+    if not padded:
+        pad = None
+    # decode: a single sample streams after its prompt
     if len(prompts) == 1:
-        print(prompts[0], end="", flush=True)  # the sample streams after its prompt
-    texts, n_new, times = decode(model, tok, idx, pad if padded else None, cfg)
+        print(prompts[0], end="", flush=True)
+    texts, n_new, times = decode(model, tok, idx, pad, cfg)
+    # print a batch's samples, each after its prompt
     if len(prompts) == 1:
         print(flush=True)  # the text was streamed
     else:
         for prompt, text in zip(prompts, texts, strict=True):
             print(f"{prompt}{text}\n---------------", flush=True)
-    summary(model, cfg, idx, n_new, times, dtype, compiled_step=cfg.compile and not padded)
+    # one line of speed and cache size on stderr
+    compiled_step = cfg.compile and not padded
+    summary(model, cfg, idx, n_new, times, dtype, compiled_step)
 
 
 def summary(
@@ -109,8 +127,13 @@ def summary(
     B = idx.size(0)
     cached = min(c.block_size, idx.size(1) + cfg.max_new_tokens - 1)
     kv = c.kv_cache_bytes(B, cached, model.transformer.wte.weight.dtype) if cfg.kv_cache else 0
-    elapsed, prefill_s = (times[-1][0], times[0][0]) if times else (0.0, 0.0)
-    speed = f"{n_new / max(elapsed, 1e-9):,.0f} tok/s, prefill {prefill_s * 1000:.1f} ms"
+    elapsed = 0.0
+    prefill_s = 0.0
+    if times:
+        elapsed = times[-1][0]
+        prefill_s = times[0][0]
+    tok_s = n_new / max(elapsed, 1e-9)
+    speed = f"{tok_s:,.0f} tok/s, prefill {prefill_s * 1000:.1f} ms"
     on_cpu = idx.device.type == "cpu"
     if compiled_step and on_cpu and cfg.kv_cache and n_new >= 4:
         ready_s, ready_n = times[1]  # the end of the longest step: the compile

@@ -3,7 +3,8 @@
 Single process, or DDP / FSDP under torchrun (nccl on CUDA, gloo on CPU):
     torchrun --standalone --nproc_per_node=4 train.py config/train_gpt2.py [--parallel=fsdp]
 
-Keys: TrainConfig (smallgpt/configs.py, `--help`); from the command to the first step: docs/architecture.md
+Keys: TrainConfig (smallgpt/configs.py, `--help`); from the command to the first step:
+docs/architecture.md
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
@@ -31,9 +32,8 @@ from smallgpt.optim import lr_at, make_optimizer, state_bytes
 from smallgpt.runlog import RunLog
 
 RUN_FILES = ("ckpt.pt", "log.jsonl", "config.json")  # in out_dir (also wandb/, ckpt-*.pt)
-RUN_TEMPS = (
-    r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"  # the files written through a temp (atomic.temp_path)
-)
+# the files written through a temp (atomic.temp_path)
+RUN_TEMPS = r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"
 
 
 @torch.no_grad()
@@ -61,9 +61,11 @@ def init_model(
     fsdp = cfg.parallel == "fsdp"
     model, ckpt = load_model(cfg, vocab_size, ckpt)
     if model is None and ckpt is None:  # a new model
-        return sharding.build(cfg.model_config(vocab_size), device, dtype, cfg.seed, fsdp), None
+        config = cfg.model_config(vocab_size)
+        return sharding.build(config, device, dtype, cfg.seed, fsdp), None
     if model is None:  # resumed under FSDP: the sharded checkpoint holds the weights
-        return sharding.build(GPTConfig(**ckpt["model_config"]), device, dtype, None, fsdp), ckpt
+        config = GPTConfig(**ckpt["model_config"])
+        return sharding.build(config, device, dtype, None, fsdp), ckpt
     model = model.to(device)
     if fsdp:
         model = sharding.shard(model, device, dtype)
@@ -81,18 +83,19 @@ def load_model(
             f"{existing} holds another run: --init_from=resume (or auto) continues it; "
             f"to start a new run, choose another out_dir or delete that one first"
         )
-    if source.kind != "resume":  # pretrained weights set the model keys the run records
-        ignored = {"init_from"} | (
-            {f.name for f in fields(GPTConfig)} if source.pretrained else set()
-        )
+    if source.kind != "resume":
+        ignored = {"init_from"}
+        if source.pretrained:  # pretrained weights set the model keys the run records
+            ignored |= {f.name for f in fields(GPTConfig)}
         checkpoint.check_no_other_log(Path(cfg.out_dir), asdict(cfg), ignored)
     if source.kind == "scratch":
         return None, None
     if source.pretrained:
         model = checkpoint.load_run(source, tokenizer=False).model
-        return convert.for_finetuning(
+        model = convert.for_finetuning(
             model, str(source), vocab_size, cfg.dropout, cfg.block_size, cfg.n_kv_head
-        ), None
+        )
+        return model, None
     resume = source.kind == "resume"
     if ckpt is None:
         ckpt = checkpoint.load_checkpoint(source.checkpoint_path(cfg.out_dir), "cpu", mmap=True)
@@ -139,21 +142,29 @@ def train_step(
     """One step over this rank's accum micro-batches: their mean loss (no sync), and if taken."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro in range(accum):
+        # this rank's micro-batch of the step
         x, y = batches.train(it, proc.rank * accum + micro)
-        with sharding.gradient_sync(model, raw_model, micro == accum - 1), amp:  # once a step
+        # forward; gradients sync only on the last micro-step
+        last = micro == accum - 1
+        with sharding.gradient_sync(model, raw_model, last), amp:
             _, loss = model(x, y)
+        # backward, scaled for fp16 and averaged over the micro-steps
         scaler.scale(loss / accum).backward()
         loss_sum += loss.detach() / accum
     taken = True
+    # clip the gradient (inf: measure its norm, clip nothing)
     if grad_clip > 0 or skip_nonfinite:
         scaler.unscale_(optimizer)
-        max_norm = grad_clip if grad_clip > 0 else math.inf  # inf: measure the norm, clip nothing
-        norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), max_norm)
+        max_norm = grad_clip if grad_clip > 0 else math.inf
+        params = raw_model.parameters()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if skip_nonfinite:  # one host sync; the norm is the same on every rank
             taken = bool(torch.isfinite(sharding.whole(norm)))
+    # step the optimizer, unless the gradient was not finite
     if taken:
         scaler.step(optimizer)
     scaler.update()
+    # flush the gradients as soon as we can, no need for this memory anymore
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, taken
 
@@ -174,9 +185,8 @@ class Trainer:
         data = data_dir(cfg.dataset)
         self.batches = Batches(data, cfg.block_size, cfg.batch_size, cfg.seed, proc.device)
         meta = self.batches.meta
-        recall.check_dataset(
-            cfg.final_evals, meta, cfg.block_size, str(data)
-        )  # not after the training
+        # the final evals' tasks fit the data: said now, not after the training
+        recall.check_dataset(cfg.final_evals, meta, cfg.block_size, str(data))
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards in place)
@@ -259,11 +269,7 @@ class Trainer:
         configurator.print_config(cfg)
         log = RunLog(cfg, model_cfg, self.iter_num)  # iter_num > 0: resumed
         params = self.raw_model.num_params() / 1e6
-        heads = f"n_head={model_cfg.n_head}, {model_cfg.kv_sizes}"
-        print(
-            f"model: {params:.2f}M parameters, {model_cfg.attention_kind} ({heads}), "
-            f"{model_cfg.pos_encoding} positions"
-        )
+        print(f"model: {params:.2f}M parameters, {model_cfg.describe()}")
         return log
 
     def run(self) -> None:
@@ -294,6 +300,7 @@ class Trainer:
         cfg = self.cfg
         proc = self.proc
         while True:
+            # determine and set the learning rate for this iteration
             lr = lr_at(
                 self.iter_num,
                 cfg.learning_rate,
@@ -304,6 +311,7 @@ class Trainer:
             )
             for group in self.optimizer.param_groups:  # a checkpoint from before lr_scale has none
                 group["lr"] = lr * group.get("lr_scale", 1.0)
+            # evaluate the loss on train/val sets and write checkpoints
             skip_first = self.iter_num == 0 and not cfg.eval_at_start
             at_eval = self.iter_num % cfg.eval_interval == 0 and not skip_first
             if at_eval or self.iter_num == cfg.max_iters or cfg.eval_only:
@@ -312,10 +320,14 @@ class Trainer:
                     self.evaluate_and_save(lr, rng)
             if cfg.eval_only or self.iter_num >= cfg.max_iters:
                 break
+            # forward, backward and update
             self.step()
-            at_log = self.iter_num % cfg.log_interval == 0 or self.iter_num == cfg.max_iters
+            # timing and logging
+            last = self.iter_num == cfg.max_iters
+            at_log = self.iter_num % cfg.log_interval == 0 or last
             if at_log:
                 self.log_progress(lr)
+            # on a signal: save after this step and stop
             if runtime.stop_requested(signals, proc, at_log):
                 rng = runtime.rng_states(proc)
                 if proc.is_master:
@@ -376,7 +388,8 @@ class Trainer:
         self.t_last = time.perf_counter()  # ms/iter leaves evaluation out
 
     def final_evals(self) -> None:
-        """smallgpt/recall.py's tasks on the final model (induction, position, MQAR), in one record."""
+        """smallgpt/recall.py's tasks on the final model (induction, position, MQAR), in one
+        record."""
         cfg = self.cfg
         results = recall.run_tasks(
             cfg.final_evals,

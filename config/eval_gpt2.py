@@ -1,5 +1,6 @@
-# Evaluate OpenAI's gpt2 on OpenWebText (python data/openwebtext/prepare.py first): train/val loss, no training.
-# python train.py config/eval_gpt2.py
+# Evaluate OpenAI's gpt2 on OpenWebText (python data/openwebtext/prepare.py first): train/val loss,
+# no training.
+#   python train.py config/eval_gpt2.py
 out_dir = "out-eval-gpt2"
 init_from = "gpt2"
 dataset = "openwebtext"

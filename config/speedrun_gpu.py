@@ -1,7 +1,8 @@
-# A GPU speedrun against karpathy/nanoGPT's config/train_shakespeare_char.py (6 layers, 6 heads, 384 wide, block 256,
-# batch 64, 5000 iterations, 21 evaluations of 200 batches): the same model size with rotary positions, Muon for the
-# blocks' matrices (AdamW for the rest), bf16 and torch.compile, 2000 iterations and one evaluation at the end.
-# Measured on an H100 (docs/gpu.md): the bench below runs both sides on the same data in one command.
+# A GPU speedrun against karpathy/nanoGPT's config/train_shakespeare_char.py (6 layers, 6 heads, 384
+# wide, block 256, batch 64, 5000 iterations, 21 evaluations of 200 batches): the same model size
+# with rotary positions, Muon for the blocks' matrices (AdamW for the rest), bf16 and torch.compile,
+# 2000 iterations and one evaluation at the end. Measured on an H100 (docs/gpu.md): the bench below
+# runs both sides on the same data in one command.
 #   python train.py config/speedrun_gpu.py
 #   python bench.py --mode=nanogpt --nanogpt_dir=../nanoGPT config/speedrun_gpu.py
 out_dir = "out-speedrun-gpu"

@@ -1,6 +1,7 @@
 # GPT-2 (124M) on OpenWebText, as nanoGPT: 8 GPUs with DDP,
 #   torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2.py
-# 12 batch * 1024 block * 40 accumulation = 491,520 tokens per iteration; 600k iterations, about 300B tokens.
+# 12 batch * 1024 block * 40 accumulation = 491,520 tokens per iteration; 600k iterations, about
+# 300B tokens.
 out_dir = "out-gpt2"
 wandb_log = True
 wandb_project = "owt"

@@ -1,13 +1,15 @@
-# GPT-2 XL (1.56B parameters) on OpenWebText with FSDP: each of 8 GPUs holds an eighth of the weights, gradients
-# and AdamW moments (~3.1 GB instead of DDP's ~25 GB: docs/training.md), so the rest of the memory is for activations.
+# GPT-2 XL (1.56B parameters) on OpenWebText with FSDP: each of 8 GPUs holds an eighth of the
+# weights, gradients and AdamW moments (~3.1 GB instead of DDP's ~25 GB: docs/training.md), so the
+# rest of the memory is for activations.
 #   torchrun --standalone --nproc_per_node=8 train.py config/train_gpt2_xl_fsdp.py
-# Several nodes: the same with --nnodes/--rdzv_endpoint; out_dir must be on a file system every node sees.
-# 8 batch * 1024 block * 64 accumulation = 524,288 tokens per iteration.
+# Several nodes: the same with --nnodes/--rdzv_endpoint; out_dir must be on a file system every node
+# sees. 8 batch * 1024 block * 64 accumulation = 524,288 tokens per iteration.
 out_dir = "out-gpt2-xl"
 wandb_log = True
 wandb_project = "owt"
 wandb_run_name = "gpt2-xl-fsdp"
-init_from = "auto"  # resume after a restart or pre-emption (sharded checkpoints, readable at any process count)
+# resume after a restart or pre-emption (sharded checkpoints, readable at any process count)
+init_from = "auto"
 
 dataset = "openwebtext"
 batch_size = 8

@@ -1,7 +1,9 @@
-# A baby GPT on the embedded pycode_char dataset (Python stdlib source, char-level); about 2-3 minutes on a 2-core
-# CPU. The fast recipe (config/train_cpu_fast.py's): rotary positions, Muon for the blocks' matrices (AdamW for the
-# rest), 900 iterations. The AdamW recipe it replaced: config/train_pycode_char_adamw.py (docs/recipes.md).
-# python train.py config/train_pycode_char.py   (attention variants: --n_kv_head=2 for GQA, --n_kv_head=1 for MQA)
+# A baby GPT on the embedded pycode_char dataset (Python stdlib source, char-level); about 2-3
+# minutes on a 2-core CPU. The fast recipe (config/train_cpu_fast.py's): rotary positions, Muon for
+# the blocks' matrices (AdamW for the rest), 900 iterations. The AdamW recipe it replaced:
+# config/train_pycode_char_adamw.py (docs/recipes.md).
+#   python train.py config/train_pycode_char.py
+# Attention variants: --n_kv_head=2 for GQA, --n_kv_head=1 for MQA.
 out_dir = "out-pycode-char"
 eval_interval = 450
 eval_at_start = False

@@ -1,6 +1,7 @@
-# The quick start's recipe before the fast one (AdamW, 2,000 iterations; about 5 minutes on a 2-core CPU), kept to
-# compare with it side by side (docs/recipes.md):
-#   python bench.py --mode=recipes --configs='[config/train_pycode_char_adamw.py,config/train_pycode_char.py]'
+# The quick start's recipe before the fast one (AdamW, 2,000 iterations; about 5 minutes on a 2-core
+# CPU), kept to compare with it side by side (docs/recipes.md):
+#   python bench.py --mode=recipes \
+#       --configs='[config/train_pycode_char_adamw.py,config/train_pycode_char.py]'
 out_dir = "out-pycode-char-adamw"
 eval_interval = 250
 eval_iters = 40

@@ -1,5 +1,6 @@
-# nanoGPT's shakespeare_char baby GPT (6 layers, 6 heads, 384 wide, block 256), sized for a GPU: a few minutes on
-# an A100. Prepare first: python data/shakespeare_char/prepare.py  (offline: --input=path/to/input.txt)
+# nanoGPT's shakespeare_char baby GPT (6 layers, 6 heads, 384 wide, block 256), sized for a GPU: a
+# few minutes on an A100. Prepare first (offline: --input=path/to/input.txt):
+#   python data/shakespeare_char/prepare.py
 out_dir = "out-shakespeare-char"
 eval_interval = 250
 eval_iters = 200

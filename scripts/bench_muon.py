@@ -1,6 +1,6 @@
-"""Muon's step time: one matrix at a time (optim.Muon before issue 47, written out here) against optim.Muon's
-batched step, on the block matrices of config/train_cpu_fast.py's 4x128 model, Newton-Schulz in fp32 and in bf16
-(docs/performance-cpu.md "Training").
+"""Muon's step time: one matrix at a time (optim.Muon before issue 47, written out here) against
+optim.Muon's batched step, on the block matrices of config/train_cpu_fast.py's 4x128 model,
+Newton-Schulz in fp32 and in bf16 (docs/performance-cpu.md "Training").
 
     python scripts/bench_muon.py
 """

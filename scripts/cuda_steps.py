@@ -1,6 +1,7 @@
-"""On a CUDA machine: the one-token step CUDA graphs replay (static_step.decode_static) against the eager cached step,
-and greedy generation with and without CUDA graphs and on CPU, for local layers (rings) and MLA, fp32 and bf16.
-Called by `bash scripts/gpu_check.sh steps`; prints one line per check (docs/gpu.md has what it gave)."""
+"""On a CUDA machine: the one-token step CUDA graphs replay (static_step.decode_static) against the
+eager cached step, and greedy generation with and without CUDA graphs and on CPU, for local layers
+(rings) and MLA, fp32 and bf16. Called by `bash scripts/gpu_check.sh steps`; prints one line per
+check (docs/gpu.md has what it gave)."""
 
 import torch
 
@@ -33,7 +34,8 @@ def model(overrides: dict) -> GPT:
 
 @torch.inference_mode()
 def static_against_eager(m: GPT, dtype: torch.dtype) -> float:
-    """The largest logit difference of decode_static (whole cache, masked) and the eager step over 60 steps."""
+    """The largest logit difference of decode_static (whole cache, masked) and the eager step over
+    60 steps."""
     m = m.to("cuda", dtype)
     idx = torch.randint(0, 96, (2, 61), device="cuda")
     ref, static = m.make_kv_cache(2), m.make_kv_cache(2)
@@ -48,7 +50,8 @@ def static_against_eager(m: GPT, dtype: torch.dtype) -> float:
 
 @torch.inference_mode()
 def greedy(m: GPT, device: str, graph: bool) -> list[list[int]]:
-    """Greedy tokens past block_size: batch 2 from 3 tokens, then a padded batch of prompts of 9 and 2 tokens."""
+    """Greedy tokens past block_size: batch 2 from 3 tokens, then a padded batch of prompts of 9 and
+    2 tokens."""
     m = m.to(device, torch.float32)
     gen = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 96, (2, 3), generator=gen).to(device)
@@ -69,11 +72,14 @@ def main() -> None:
             greedy(model(overrides), "cpu", False),
             *(greedy(model(overrides), "cuda", g) for g in (False, True)),
         )
-        agree = lambda a, b: sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))  # noqa: E731
+
+        def agree(a: list[list[int]], b: list[list[int]]) -> int:
+            return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
         total = sum(map(len, cpu))
         print(
-            f"{name} fp32 greedy, {total} tokens ({len(set(sum(cpu, [])))} distinct): graph = eager "
-            f"{agree(graph, eager)}, cuda eager = cpu {agree(eager, cpu)}"
+            f"{name} fp32 greedy, {total} tokens ({len(set(sum(cpu, [])))} distinct): "
+            f"graph = eager {agree(graph, eager)}, cuda eager = cpu {agree(eager, cpu)}"
         )
 
 

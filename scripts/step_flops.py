@@ -1,8 +1,9 @@
-"""Where a training step of a config's model goes (config/train_cpu_fast.py's by default), and at what FLOP/s: the
-forward, the backward and the optimizer (Muon's Newton-Schulz for the blocks' matrices, AdamW for the rest, or AdamW
-alone) timed apart (the median of 20 steps after 5, random tokens, bf16 autocast where the box has native bf16),
-each part's FLOPs by formula, against the CPU's measured matmul peak (runtime.peak_flops). docs/performance-cpu.md
-"Where the step's time goes".
+"""Where a training step of a config's model goes (config/train_cpu_fast.py's by default), and at
+what FLOP/s: the forward, the backward and the optimizer (Muon's Newton-Schulz for the blocks'
+matrices, AdamW for the rest, or AdamW alone) timed apart (the median of 20 steps after 5, random
+tokens, bf16 autocast where the box has native bf16), each part's FLOPs by formula, against the
+CPU's measured matmul peak (runtime.peak_flops). docs/performance-cpu.md "Where the step's time
+goes".
 
     python scripts/step_flops.py [config/train_pycode_char.py]
 """
@@ -20,8 +21,8 @@ from smallgpt.optim import Muon, make_optimizer
 
 
 def newton_schulz_flops(model: GPT, steps: int = 5) -> int:
-    """Muon's orthogonalisation of every matrix in the blocks: per iteration on (r, c), r <= c: X X^T (2 r r c),
-    the Gram matrix squared (2 r r r) and that polynomial times X (2 r r c)."""
+    """Muon's orthogonalisation of every matrix in the blocks: per iteration on (r, c), r <= c:
+    X X^T (2 r r c), the Gram matrix squared (2 r r r) and that polynomial times X (2 r r c)."""
     total = 0
     for name, p in model.named_parameters():
         if p.dim() == 2 and name.startswith("transformer.h."):
@@ -75,9 +76,10 @@ def main() -> None:
     }
     peak = runtime.peak_flops("cpu", dtype)
     print(
-        f"# {config}: {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch_size} x {cfg.block_size}, {dtype}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, matmul peak {peak / 1e9:.0f} GFLOP/s; "
-        f"{optimizer}"
+        f"# {config}: {cfg.n_layer}x{cfg.n_embd}, "
+        f"batch {cfg.batch_size} x {cfg.block_size}, {dtype}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"matmul peak {peak / 1e9:.0f} GFLOP/s; {optimizer}"
     )
     print("| part | ms (median of 20) | GFLOP | GFLOP/s | of peak |")
     print("|---|---|---|---|---|")
@@ -85,7 +87,8 @@ def main() -> None:
         ms = 1000 * statistics.median(times)
         rate = flops[part] / (ms / 1000)
         print(
-            f"| {part} | {ms:.1f} | {flops[part] / 1e9:.3f} | {rate / 1e9:.1f} | {rate / peak:.1%} |"
+            f"| {part} | {ms:.1f} | {flops[part] / 1e9:.3f} | "
+            f"{rate / 1e9:.1f} | {rate / peak:.1%} |"
         )
     print(f"| step | {1000 * sum(statistics.median(t) for t in parts.values()):.1f} | | | |")
 

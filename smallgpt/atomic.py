@@ -1,7 +1,8 @@
-"""Files that are never half-written: everything the project writes for keeps (checkpoints, token files, reports)
-goes through atomic_open, so a crash or kill -9 at any moment leaves the previous file intact. Folders that never
-hold two runs at once: folder_lock. And deletes that name only what the project wrote: a temp name of its own
-pattern (temp_path), removed when stale under the lock of its folder (remove_stale_temps)."""
+"""Files that are never half-written: everything the project writes for keeps (checkpoints, token
+files, reports) goes through atomic_open, so a crash or kill -9 at any moment leaves the previous
+file intact. Folders that never hold two runs at once: folder_lock. And deletes that name only what
+the project wrote: a temp name of its own pattern (temp_path), removed when stale under the lock of
+its folder (remove_stale_temps)."""
 
 import fcntl
 import os
@@ -21,16 +22,17 @@ TEMP_MARK = ".smallgpt-"  # a temp file or folder is .<name>.smallgpt-<8 hex dig
 
 
 def temp_path(path: str | Path) -> Path:
-    """A fresh name beside path for writing it before a rename: unique (two writers never share one), hidden, and
-    of a pattern only this project writes, so that a stale one (a kill -9) can be told and removed."""
+    """A fresh name beside path for writing it before a rename: unique (two writers never share
+    one), hidden, and of a pattern only this project writes, so that a stale one (a kill -9) can be
+    told and removed."""
     path = Path(path)
     return path.with_name(f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}")
 
 
 def remove_stale_temps(folder: str | Path, names: str) -> None:
-    """Delete the temp files and folders that writers of folder/<name> left behind (temp_path's), for each name
-    that the regular expression names matches. Call it only under the lock that every writer of those names holds:
-    then none of them is being written."""
+    """Delete the temp files and folders that writers of folder/<name> left behind (temp_path's),
+    for each name that the regular expression names matches. Call it only under the lock that every
+    writer of those names holds: then none of them is being written."""
     folder = Path(folder)
     if not folder.is_dir():
         return
@@ -45,7 +47,8 @@ def remove_stale_temps(folder: str | Path, names: str) -> None:
 
 
 def cannot_write(path: Path, e: OSError) -> UserError:
-    """The one line for a file or folder that the system refused to create at path (read-only, a file in the way)."""
+    """The one line for a file or folder that the system refused to create at path (read-only, a
+    file in the way)."""
     return UserError(
         f"cannot write {path} ({e.strerror or e}): is {path.parent} a folder you can write?"
     )
@@ -53,8 +56,8 @@ def cannot_write(path: Path, e: OSError) -> UserError:
 
 @contextmanager
 def atomic_open(path: str | Path, mode: str = "wb", **open_args: object) -> Iterator[IO]:
-    """Open a temp file beside path (temp_path) for writing; on a clean exit flush it, fsync it and rename it over
-    path, on an exception delete it (path is left as it was)."""
+    """Open a temp file beside path (temp_path) for writing; on a clean exit flush it, fsync it and
+    rename it over path, on an exception delete it (path is left as it was)."""
     path = Path(path)
     tmp = temp_path(path)
     try:
@@ -74,9 +77,10 @@ def atomic_open(path: str | Path, mode: str = "wb", **open_args: object) -> Iter
 
 @contextmanager
 def folder_lock(folder: str | Path, what: str) -> Iterator[None]:
-    """Hold an OS lock on folder/.lock for the block (the folder is made if need be): another process asking for
-    it is refused at once, told who holds it. The OS releases it when the holder exits, even by kill -9, so it is
-    never stale. A folder made here and left holding only the lock is removed at the end."""
+    """Hold an OS lock on folder/.lock for the block (the folder is made if need be): another
+    process asking for it is refused at once, told who holds it. The OS releases it when the holder
+    exits, even by kill -9, so it is never stale. A folder made here and left holding only the lock
+    is removed at the end."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"out_dir {folder} is a file, not a folder")
@@ -91,15 +95,14 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
+            holder = f.read().strip() or "another process"
             raise UserError(
-                f"{folder} is in use by {f.read().strip() or 'another process'}: wait for it to end, or "
-                f"choose another out_dir"
+                f"{folder} is in use by {holder}: wait for it to end, or choose another out_dir"
             ) from None
         f.seek(0)
         f.truncate()
-        f.write(
-            f"{what} (pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})"
-        )
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        f.write(f"{what} (pid {os.getpid()} on {socket.gethostname()}, since {since})")
         f.flush()
         try:
             yield
@@ -112,8 +115,8 @@ def folder_lock(folder: str | Path, what: str) -> Iterator[None]:
 
 
 def lock_holder(folder: Path) -> str | None:
-    """Who holds folder's lock (folder_lock's: e.g. a sweep's root while compare.py runs), or None; tried
-    without waiting, and let go at once."""
+    """Who holds folder's lock (folder_lock's: e.g. a sweep's root while compare.py runs), or None;
+    tried without waiting, and let go at once."""
     lock = folder / ".lock"
     if not lock.is_file():
         return None
@@ -125,9 +128,10 @@ def lock_holder(folder: Path) -> str | None:
     return None
 
 
-# What this project writes into a folder, by the file that marks each kind (a run's checkpoint or log, a dataset's
-# meta.json, an export's smallgpt.json, a comparison's compare.json, written when compare.py makes it, or its
-# measures): the rule for any command that writes into or replaces a folder.
+# What this project writes into a folder, by the file that marks each kind (a run's checkpoint or
+# log, a dataset's meta.json, an export's smallgpt.json, a comparison's compare.json, written when
+# compare.py makes it, or its measures): the rule for any command that writes into or replaces a
+# folder.
 KIND_MARKERS = {
     "a run": ("ckpt.pt", "log.jsonl"),
     "a dataset": ("meta.json",),
@@ -137,7 +141,8 @@ KIND_MARKERS = {
 
 
 def folder_kind(folder: str | Path) -> str:
-    """What folder holds: 'nothing' (absent or empty), 'a run', 'a dataset', 'an export', or 'other files'."""
+    """What folder holds: 'nothing' (absent or empty), 'a run', 'a dataset', 'an export', or 'other
+    files'."""
     folder = Path(folder)
     if not folder.is_dir() or not any(p.name != ".lock" for p in folder.iterdir()):
         return "nothing"
@@ -148,9 +153,10 @@ def folder_kind(folder: str | Path) -> str:
 
 
 def check_replaceable(dest: str | Path, kind: str, keep: tuple[str | Path, ...] = ()) -> bool:
-    """Whether dest may be replaced by a new `kind` ('an export', ...): True when it holds one (written by this
-    project as that kind of thing), False when it is absent or empty. A UserError when it holds anything else, or is
-    (or contains) the working directory or one of the paths in keep: --overwrite never deletes those."""
+    """Whether dest may be replaced by a new `kind` ('an export', ...): True when it holds one
+    (written by this project as that kind of thing), False when it is absent or empty. A UserError
+    when it holds anything else, or is (or contains) the working directory or one of the paths in
+    keep: --overwrite never deletes those."""
     dest = Path(dest).resolve()
     for path in (Path.cwd(), *map(Path, keep)):
         path = path.resolve()
@@ -164,15 +170,16 @@ def check_replaceable(dest: str | Path, kind: str, keep: tuple[str | Path, ...] 
         return False
     if held != kind:
         raise UserError(
-            f"{dest} holds {held}, not {kind} written by this project: --overwrite replaces only {kind}; "
-            f"choose another destination (nothing was deleted)"
+            f"{dest} holds {held}, not {kind} written by this project: --overwrite replaces only "
+            f"{kind}; choose another destination (nothing was deleted)"
         )
     return True
 
 
 def check_writes_into(folder: str | Path, kind: str, writes: tuple[str, ...]) -> None:
-    """A command that writes `kind` (its files `writes`) into folder goes on only where the folder holds nothing, the
-    same kind, or other files none of which it would replace; else a UserError (nothing was written)."""
+    """A command that writes `kind` (its files `writes`) into folder goes on only where the folder
+    holds nothing, the same kind, or other files none of which it would replace; else a UserError
+    (nothing was written)."""
     held = folder_kind(folder)
     clobbered = [name for name in writes if (Path(folder) / name).exists()]
     if held not in ("nothing", kind) and (held != "other files" or clobbered):

@@ -1,9 +1,10 @@
-"""Where a run's weights come from, read once: init_from parsed into a Source, and load_run, the one way in for every
-script (a checkpoint, OpenAI's GPT-2 through Hugging Face, or an exported folder). Checkpoints: the only code that
-knows their format. Conversions of the weights (K/V heads, fine-tuning fits) are smallgpt/convert.py's.
+"""Where a run's weights come from, read once: init_from parsed into a Source, and load_run, the one
+way in for every script (a checkpoint, OpenAI's GPT-2 through Hugging Face, or an exported folder).
+Checkpoints: the only code that knows their format. Conversions of the weights (K/V heads,
+fine-tuning fits) are smallgpt/convert.py's.
 
-A checkpoint is {'model': state_dict, 'model_config': asdict(GPTConfig), **state} with plain data only, written
-atomically and loaded with weights_only=True (it cannot run code).
+A checkpoint is {'model': state_dict, 'model_config': asdict(GPTConfig), **state} with plain data
+only, written atomically and loaded with weights_only=True (it cannot run code).
 """
 
 import json
@@ -21,22 +22,27 @@ import torch
 
 from model import GPT, GPTConfig
 from smallgpt.atomic import atomic_open, temp_path
+from smallgpt.convert import CONVERTED_KEYS
 from smallgpt.data import data_dir, load_meta, open_tokens
 from smallgpt.errors import UserError, first_line
 from smallgpt.hf import GPT2_NAMES, from_hf
 from smallgpt.tokenizer import folder_tokenizer, gpt2_folder_vocab, load_tokenizer
 
-KEPT_NAME = re.compile(
-    r"ckpt-(\d{7,})\.pt"
-)  # the names keep_last writes: ckpt-<iteration, zero-padded to 7>.pt
-SOURCES = f"'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', {', '.join(GPT2_NAMES)} or 'hf:<folder>'"
+# the names keep_last writes: ckpt-<iteration, zero-padded to 7>.pt
+KEPT_NAME = re.compile(r"ckpt-(\d{7,})\.pt")
+SOURCES = (
+    "'scratch', 'resume', 'auto', 'convert:<checkpoint or run folder>', "
+    f"{', '.join(GPT2_NAMES)} or 'hf:<folder>'"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Source:
-    """Where a run's weights come from: init_from read once, here (no other module reads its prefixes)."""
+    """Where a run's weights come from: init_from read once, here (no other module reads its
+    prefixes)."""
 
-    kind: str  # 'scratch', 'resume', 'auto', 'convert', 'gpt2' (OpenAI's, by hub name) or 'hf' (a local folder)
+    # 'scratch', 'resume', 'auto', 'convert', 'gpt2' (OpenAI's, by hub name) or 'hf' (a folder)
+    kind: str
     where: str = ""  # convert: a checkpoint file or run folder; gpt2: the hub name; hf: the folder
 
     @property
@@ -51,7 +57,8 @@ class Source:
         return Source("resume" if (Path(out_dir) / "ckpt.pt").exists() else "scratch")
 
     def checkpoint_path(self, out_dir: str | Path) -> Path:
-        """The checkpoint file a resume (out_dir's) or a conversion (a file, or a run folder's) reads."""
+        """The checkpoint file a resume (out_dir's) or a conversion (a file, or a run folder's)
+        reads."""
         if self.kind in ("resume", "auto"):
             return Path(out_dir) / "ckpt.pt"
         path = Path(self.where)
@@ -65,7 +72,8 @@ class Source:
 
 
 def parse_source(init_from: str) -> Source:
-    """init_from as a Source; a ValueError saying what is wrong (the configs' checks turn it into their message)."""
+    """init_from as a Source; a ValueError saying what is wrong (the configs' checks turn it into
+    their message)."""
     if init_from in ("scratch", "resume", "auto"):
         return Source(init_from)
     if init_from in GPT2_NAMES:
@@ -80,8 +88,9 @@ def parse_source(init_from: str) -> Source:
 
 @dataclass(slots=True)
 class Run:
-    """What load_run gives back: the model with its weights, its tokenizer (None unless asked for), the dataset's
-    meta it was trained on and the checkpoint it came from (None for pretrained weights)."""
+    """What load_run gives back: the model with its weights, its tokenizer (None unless asked for),
+    the dataset's meta it was trained on and the checkpoint it came from (None for pretrained
+    weights)."""
 
     model: GPT
     tokenizer: Any
@@ -101,40 +110,38 @@ def load_run(
     tokenizer: bool = True,
     ckpt: dict[str, Any] | None = None,
 ) -> Run:
-    """The one way in for a run's weights (train.py, sample.py, export.py, the benchmarks): a checkpoint (resume:
-    out_dir's; convert: the source's, as it is: train.py converts it), or GPT-2's or a Hugging Face folder's weights;
-    with the tokenizer its text was numbered by. ckpt: the checkpoint, where the caller has read it already."""
+    """The one way in for a run's weights (train.py, sample.py, export.py, the benchmarks): a
+    checkpoint (resume: out_dir's; convert: the source's, as it is: train.py converts it), or
+    GPT-2's or a Hugging Face folder's weights; with the tokenizer its text was numbered by. ckpt:
+    the checkpoint, where the caller has read it already."""
     source = source.resolved(out_dir)
     if source.kind == "scratch":
         raise ValueError("a run from scratch has no weights to load")
     if source.pretrained:
         model = from_hf(source.where)
-        return Run(model, folder_tokenizer(source.where) if tokenizer else None, None, None)
+        tok = folder_tokenizer(source.where) if tokenizer else None
+        return Run(model, tok, None, None)
     if ckpt is None:
         ckpt = load_checkpoint(source.checkpoint_path(out_dir), device, mmap=device == "cpu")
     meta = ckpt.get("data_meta")
-    if (
-        tokenizer and not meta
-    ):  # an older checkpoint: its dataset's meta, if the dataset is still there
+    if tokenizer and not meta:  # an older checkpoint: its dataset's meta, if still there
         meta = load_meta(data_dir(run_config(ckpt).get("dataset", "?")))
-    return Run(model_from_checkpoint(ckpt), load_tokenizer(meta) if tokenizer else None, meta, ckpt)
+    tok = load_tokenizer(meta) if tokenizer else None
+    return Run(model_from_checkpoint(ckpt), tok, meta, ckpt)
 
 
 def size_estimate(model: GPT, optimizer_bytes: int, data_meta: dict) -> int:
-    """The bytes of a checkpoint of model: its weights, the optimizer's state, the dataset's meta (a BPE's whole
-    tokenizer) and a few small things (config, RNG states)."""
-    return (
-        sum(p.nbytes for p in model.parameters())
-        + optimizer_bytes
-        + len(json.dumps(data_meta))
-        + 2**16
-    )
+    """The bytes of a checkpoint of model: its weights, the optimizer's state, the dataset's meta (a
+    BPE's whole tokenizer) and a few small things (config, RNG states)."""
+    weights = sum(p.nbytes for p in model.parameters())
+    small = 2**16  # the config, the RNG states
+    return weights + optimizer_bytes + len(json.dumps(data_meta)) + small
 
 
 def check_out_dir(out_dir: Path, ckpt_bytes: int, keep_last: int = 0) -> None:
-    """Fail before training, not at a save, if out_dir is not writable or has too little free space: at a save the
-    new file is written beside the old one (and the keep_last kept ones), so the run needs room for
-    max(keep_last, 1) + 1 checkpoints, less the one already there."""
+    """Fail before training, not at a save, if out_dir is not writable or has too little free space:
+    at a save the new file is written beside the old one (and the keep_last kept ones), so the run
+    needs room for max(keep_last, 1) + 1 checkpoints, less the one already there."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -146,13 +153,16 @@ def check_out_dir(out_dir: Path, ckpt_bytes: int, keep_last: int = 0) -> None:
             f"cannot write into out_dir {out_dir} ({e.strerror or e}): choose a folder you can "
             f"write"
         ) from e
-    existing = (out_dir / "ckpt.pt").stat().st_size if (out_dir / "ckpt.pt").is_file() else 0
-    need, free = (max(keep_last, 1) + 1) * ckpt_bytes - existing, shutil.disk_usage(out_dir).free
+    existing = 0
+    if (out_dir / "ckpt.pt").is_file():
+        existing = (out_dir / "ckpt.pt").stat().st_size
+    need = (max(keep_last, 1) + 1) * ckpt_bytes - existing
+    free = shutil.disk_usage(out_dir).free
     if free < need:
         raise UserError(
-            f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but the run's checkpoints need about "
-            f"{need / 2**20:,.1f} MiB ({ckpt_bytes / 2**20:,.1f} MiB each, keep_last={keep_last}): free "
-            f"some space or choose another out_dir"
+            f"out_dir {out_dir} has {free / 2**20:,.1f} MiB free, but the run's checkpoints need "
+            f"about {need / 2**20:,.1f} MiB ({ckpt_bytes / 2**20:,.1f} MiB each, "
+            f"keep_last={keep_last}): free some space or choose another out_dir"
         )
 
 
@@ -162,8 +172,8 @@ DROP_VOCAB_SIZE = "drop vocab_size (the dataset's is the default) or raise it"
 def check_vocabulary(
     vocab_size: int, meta: dict, trained_on: dict | None, dataset: str, advice: str | None = None
 ) -> None:
-    """The model must have a row for each of the dataset's tokens, and a resumed one the tokens it was trained on;
-    advice: what the error line tells to do (default: a training run's)."""
+    """The model must have a row for each of the dataset's tokens, and a resumed one the tokens it
+    was trained on; advice: what the error line tells to do (default: a training run's)."""
     if trained_on and any(trained_on.get(k) != meta.get(k) for k in ("tokenizer", "chars", "bpe")):
         raise UserError(
             f"the checkpoint was trained on other tokens than dataset {dataset}'s (its tokenizer "
@@ -180,22 +190,23 @@ def check_vocabulary(
 def check_pretrained_tokenizer(
     source: Source, meta: dict, dataset: str, advice: str | None = None
 ) -> None:
-    """Pretrained weights (GPT-2's, or a Hugging Face folder's) must be fine-tuned on text their own tokenizer
-    numbers: GPT-2's on a GPT-2 BPE dataset; a folder's tokenizer (its tokenizer.json, else GPT-2's) must give the
-    dataset's own ids for the start of its val split. advice: what the error line tells to do (default: a
-    fine-tuning run's)."""
+    """Pretrained weights (GPT-2's, or a Hugging Face folder's) must be fine-tuned on text their own
+    tokenizer numbers: GPT-2's on a GPT-2 BPE dataset; a folder's tokenizer (its tokenizer.json,
+    else GPT-2's) must give the dataset's own ids for the start of its val split. advice: what the
+    error line tells to do (default: a fine-tuning run's)."""
     if not source.pretrained:
         return
     folder = Path(source.where)
     if source.kind == "gpt2" or not (folder / "tokenizer.json").exists():
-        if (
-            source.kind == "hf" and (folder / "config.json").is_file()
-        ):  # else from_hf says what is missing
-            gpt2_folder_vocab(folder)  # GPT-2's BPE reads a GPT-2 folder only; any other is refused
+        # GPT-2's BPE reads a GPT-2 folder only, any other is refused (no config.json: from_hf
+        # says what is missing)
+        if source.kind == "hf" and (folder / "config.json").is_file():
+            gpt2_folder_vocab(folder)
         if meta.get("tokenizer") != "gpt2":
             raise UserError(
-                f"{source} reads GPT-2's BPE tokens, and dataset {dataset} is {meta.get('tokenizer')}"
-                f"-level: {advice or 'fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)'}"
+                f"{source} reads GPT-2's BPE tokens, and dataset {dataset} is "
+                f"{meta.get('tokenizer')}-level: "
+                f"{advice or 'fine-tune it on a GPT-2 BPE dataset (e.g. data/shakespeare)'}"
             )
         return
     ids = open_tokens(data_dir(dataset), "val", meta)[:2000].tolist()
@@ -206,37 +217,37 @@ def check_pretrained_tokenizer(
         same = False
     if not same:
         raise UserError(
-            f"the tokenizer of {folder} numbers dataset {dataset}'s text otherwise than the dataset "
-            f"does: {advice or 'fine-tune on a dataset made with that tokenizer'}"
+            f"the tokenizer of {folder} numbers dataset {dataset}'s text otherwise than the "
+            f"dataset does: {advice or 'fine-tune on a dataset made with that tokenizer'}"
         )
 
 
 def check_no_other_log(out_dir: Path, config: dict, ignored: set[str]) -> None:
-    """A run from the start into an out_dir with a log but no checkpoint goes on only if that log is its own (a
-    run killed before its first save, started again with the same config, keys in ignored aside), never appending
-    to another run's."""
+    """A run from the start into an out_dir with a log but no checkpoint goes on only if that log is
+    its own (a run killed before its first save, started again with the same config, keys in ignored
+    aside), never appending to another run's."""
     if not (out_dir / "log.jsonl").exists():
         return
     try:
         logged = json.loads((out_dir / "config.json").read_text())
     except (OSError, ValueError):
         logged = None
-    ours = {
-        k: v for k, v in json.loads(json.dumps(config)).items() if k not in ignored
-    }  # as JSON: lists
+    as_json = json.loads(json.dumps(config))  # tuples as lists, as the log holds them
+    ours = {k: v for k, v in as_json.items() if k not in ignored}
     if not isinstance(logged, dict) or {k: logged.get(k) for k in ours} != ours:
         raise UserError(
-            f"{out_dir} holds another run's log.jsonl (with no checkpoint: it stopped before its first "
-            f"save): choose another out_dir, or delete that one first"
+            f"{out_dir} holds another run's log.jsonl (with no checkpoint: it stopped before its "
+            "first save): choose another out_dir, or delete that one first"
         )
 
 
 def save_checkpoint(
     path: str | Path, model: GPT, keep_last: int = 0, model_state: dict | None = None, **state: Any
 ) -> None:
-    """Write {'model', 'model_config', **state} atomically (atomic_open): a crash mid-write leaves the previous
-    checkpoint intact. 'model' is model_state (default: model's state_dict); state holds plain data only.
-    keep_last > 0 also keeps the file as ckpt-<state's iter_num>.pt beside it, and only the keep_last newest."""
+    """Write {'model', 'model_config', **state} atomically (atomic_open): a crash mid-write leaves
+    the previous checkpoint intact. 'model' is model_state (default: model's state_dict); state
+    holds plain data only. keep_last > 0 also keeps the file as ckpt-<state's iter_num>.pt beside
+    it, and only the keep_last newest."""
     path = Path(path)
     try:
         with atomic_open(path) as f:
@@ -258,14 +269,14 @@ def save_checkpoint(
 
 
 def keep_copy(path: Path, iter_num: int, keep_last: int) -> None:
-    """Keep the checkpoint just written at path as ckpt-<iter_num>.pt too, and only the keep_last newest of those:
-    files of exactly that name (seven digits), the only ones pruned, so a user's ckpt-best.pt or ckpt-5.pt stays."""
+    """Keep the checkpoint just written at path as ckpt-<iter_num>.pt too, and only the keep_last
+    newest of those: files of exactly that name (seven digits), the only ones pruned, so a user's
+    ckpt-best.pt or ckpt-5.pt stays."""
     kept = path.with_name(f"ckpt-{iter_num:07d}.pt")
     part = temp_path(kept)
     try:
-        os.link(
-            path, part
-        )  # no extra disk: path is replaced by the next save, never rewritten in place
+        # no extra disk: path is replaced by the next save, never rewritten in place
+        os.link(path, part)
     except OSError:  # a file system without hard links
         shutil.copyfile(path, part)
     os.replace(part, kept)
@@ -278,8 +289,8 @@ def keep_copy(path: Path, iter_num: int, keep_last: int) -> None:
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu", mmap: bool = False
 ) -> dict[str, Any]:
-    """A checkpoint written by save_checkpoint, loaded with weights_only=True (mmap: its tensors are read from the
-    file when used)."""
+    """A checkpoint written by save_checkpoint, loaded with weights_only=True (mmap: its tensors are
+    read from the file when used)."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path} is a folder, not a checkpoint file")
@@ -287,9 +298,8 @@ def load_checkpoint(
         raise UserError(
             f"no checkpoint at {path}: train one first (python train.py ...) or fix out_dir"
         )
-    if not zipfile.is_zipfile(
-        path
-    ):  # torch.save writes a zip archive; its directory is at the end of the file
+    # torch.save writes a zip archive; its directory is at the end of the file
+    if not zipfile.is_zipfile(path):
         raise UserError(
             f"checkpoint {path} is corrupt or truncated (not a whole torch.save archive)"
         )
@@ -300,16 +310,14 @@ def load_checkpoint(
         unsafe = re.search(
             r"Unsupported global: GLOBAL (\S+)|unsupported GLOBAL (\S+) whose module", str(e)
         )
-        if (
-            unsafe is None
-        ):  # torch's message advises weights_only=False first: quote the unpickler's reason
+        # torch's message advises weights_only=False first: quote the unpickler's reason
+        if unsafe is None:
             reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
-            raise UserError(
-                f"checkpoint {path} is corrupt ({reason[1].strip() if reason else first_line(e)})"
-            ) from e
+            why = reason[1].strip() if reason else first_line(e)
+            raise UserError(f"checkpoint {path} is corrupt ({why})") from e
         raise UserError(
-            f"refusing to load {path}: it holds {unsafe[1] or unsafe[2]}, not only tensors and plain data, "
-            f"and loading it could run code"
+            f"refusing to load {path}: it holds {unsafe[1] or unsafe[2]}, not only tensors and "
+            "plain data, and loading it could run code"
         ) from e
     except (RuntimeError, EOFError, OSError) as e:
         raise UserError(f"checkpoint {path} is corrupt or truncated ({first_line(e)})") from e
@@ -325,18 +333,21 @@ def load_checkpoint(
 
 
 def run_config(ckpt: dict[str, Any]) -> dict[str, Any]:
-    """The config of the run that wrote ckpt, as a dict ({} from an older checkpoint without one)."""
+    """The config of the run that wrote ckpt, as a dict ({} from an older checkpoint without
+    one)."""
     return ckpt["config"] if isinstance(ckpt.get("config"), dict) else {}
 
 
 def start_from(
     source: Source, out_dir: str | Path
 ) -> tuple[dict[str, Any] | None, dict[str, Any], str]:
-    """The checkpoint a run from source starts from, read here once (train.py passes it on), the config keys it
-    gives the run, and where they come from. To resume ('resume', or 'auto' with a checkpoint in out_dir): the run's
-    config and its model's (a fine-tuned GPT-2 keeps GPT-2's shape), out_dir and init_from aside; to convert: the
-    model's but n_kv_head. (None, {}, '') where there is none."""
-    source, path = source.resolved(out_dir), source.checkpoint_path(out_dir)
+    """The checkpoint a run from source starts from, read here once (train.py passes it on), the
+    config keys it gives the run, and where they come from. To resume ('resume', or 'auto' with a
+    checkpoint in out_dir): the run's config and its model's (a fine-tuned GPT-2 keeps GPT-2's
+    shape), out_dir and init_from aside; to convert: the model's but the keys a conversion changes
+    (convert.CONVERTED_KEYS). (None, {}, '') where there is none."""
+    path = source.checkpoint_path(out_dir)
+    source = source.resolved(out_dir)
     if source.kind == "resume" and path.is_file():
         ckpt = load_checkpoint(path, "cpu", mmap=True)
         keys = {
@@ -347,11 +358,9 @@ def start_from(
         return ckpt, keys, f"the run config in {path}"
     if source.kind == "convert" and path.is_file():
         ckpt = load_checkpoint(path, "cpu", mmap=True)
-        return (
-            ckpt,
-            {k: v for k, v in ckpt["model_config"].items() if k != "n_kv_head"},
-            f"the model in {path}",
-        )
+        kept = ckpt["model_config"].items()
+        keys = {k: v for k, v in kept if k not in CONVERTED_KEYS}
+        return ckpt, keys, f"the model in {path}"
     return None, {}, ""
 
 

@@ -1,8 +1,8 @@
-"""The compiled one-token decoding step on CPU (generation.stream's compile_step=True): decode_static exported
-(torch.export) and compiled ahead of time by AOTInductor, holding no weights of its own. The model lends it its
-tensors at each stream; the layer products run inductor's CPU GEMM template, which reads each weight in a blocked
-layout, so those weights are lent as blocked copies made from the model's own (docs/performance-cpu.md "Decoding").
-"""
+"""The compiled one-token decoding step on CPU (generation.stream's compile_step=True):
+decode_static exported (torch.export) and compiled ahead of time by AOTInductor, holding no
+weights of its own. The model lends it its tensors at each stream; the layer products run
+inductor's CPU GEMM template, which reads each weight in a blocked layout, so those weights are
+lent as blocked copies made from the model's own (docs/performance-cpu.md "Decoding")."""
 
 import hashlib
 import io
@@ -29,13 +29,14 @@ from smallgpt.fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
 from smallgpt.quantize import Int8Linear
 from smallgpt.static_step import decode_static
 
-# Products of weights up to this size run inductor's CPU GEMM template inside the compiled step, faster than MKL's
-# for these small products; larger ones (GPT-2's lm_head) keep Linear's split product, which streams them faster
-# (docs/performance-cpu.md "Decoding").
+# Products of weights up to this size run inductor's CPU GEMM template inside the compiled step,
+# faster than MKL's for these small products; larger ones (GPT-2's lm_head) keep Linear's split
+# product, which streams them faster (docs/performance-cpu.md "Decoding").
 TEMPLATE_MAX_BYTES = SPLIT_COPY_BYTES
-# The template is picked per product shape by timing it against ATen's product (inductor's autotuning). The package
-# first holds the weights it was compiled with in a side folder: that is where the blocked layouts are read from.
-# The timings of each choice stay out of the user's terminal.
+# The template is picked per product shape by timing it against ATen's product (inductor's
+# autotuning). The package first holds the weights it was compiled with in a side folder: that is
+# where the blocked layouts are read from. The timings of each choice stay out of the user's
+# terminal.
 TEMPLATE_CONFIGS = {
     "max_autotune_gemm": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
@@ -46,11 +47,13 @@ TEMPLATE_CONFIGS = {
 
 
 class SplitStep(nn.Module):
-    """decode_static of idx at the last of positions (arange(length)), attending over all of them in the K/V tensors k
-    and v (a local layer over its ring, in ring_k and ring_v). With template, every fast_paths.Linear of a weight up to
-    TEMPLATE_MAX_BYTES multiplies unsplit (the GEMM template takes it), as does every quantize.Int8Linear (faster than
-    torch's int8 kernel); the others use the split weights that Linear made for this thread count (prepare_splits
-    first), buffers here, so that export sees them as weights of the step, as the model's parameters."""
+    """decode_static of idx at the last of positions (arange(length)), attending over all of them
+    in the K/V tensors k and v (a local layer over its ring, in ring_k and ring_v). With
+    template, every fast_paths.Linear of a weight up to TEMPLATE_MAX_BYTES multiplies unsplit
+    (the GEMM template takes it), as does every quantize.Int8Linear (faster than torch's int8
+    kernel); the others use the split weights that Linear made for this thread count
+    (prepare_splits first), buffers here, so that export sees them as weights of the step, as the
+    model's parameters."""
 
     def __init__(self, model: nn.Module, template: bool) -> None:
         super().__init__()
@@ -87,24 +90,25 @@ class SplitStep(nn.Module):
                 m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
             kv_cache = KVCache.of_tensors(list(cache), self.model.config.layer_windows)
             logits = decode_static(self.model, idx, positions[-1:], kv_cache, positions.size(0))
-            return logits, logits[:, -1].argmax(
-                dim=-1
-            )  # inside the graph: ~10x faster than ATen's CPU argmax
+            greedy = logits[:, -1].argmax(dim=-1)  # inside the graph: faster than ATen's argmax
+            return logits, greedy
         finally:
             for m, split in made:
                 m.split = split
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """Every tensor the step reads besides its inputs, by name (a tied weight under each of its names)."""
+        """Every tensor the step reads besides its inputs, by name (a tied weight under each of
+        its names)."""
         return dict(self.named_parameters(remove_duplicate=False)) | dict(
             self.named_buffers(remove_duplicate=False)
         )
 
 
 def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
-    """A Linear's weight (out, in) as inductor's CPU GEMM template reads a constant one: (out / block rounded up, in,
-    block), output features padded with zeros to a multiple of block; with vnni > 1 (bf16 products on AMX or
-    AVX512-BF16), each run of vnni input features stored together for every output feature of a block."""
+    """A Linear's weight (out, in) as inductor's CPU GEMM template reads a constant one: (out /
+    block rounded up, in, block), output features padded with zeros to a multiple of block; with
+    vnni > 1 (bf16 products on AMX or AVX512-BF16), each run of vnni input features stored
+    together for every output feature of a block."""
     n, k = weight.shape
     parts = -(-n // block)
     w = F.pad(weight, (0, 0, 0, parts * block - n)).view(parts, block, k).transpose(1, 2)
@@ -117,9 +121,10 @@ def blocked(weight: torch.Tensor, block: int, vnni: int = 1) -> torch.Tensor:
 
 
 def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
-    """A stand-in for the i-th weight while compiling: integers in [0, 128) in a scrambled order (exact in bf16 and
-    int8, so that any other layout of them differs), the first one -1 - i % 128, the order shifted by i // 128 (so
-    that probes of the same shape and first element differ)."""
+    """A stand-in for the i-th weight while compiling: integers in [0, 128) in a scrambled order
+    (exact in bf16 and int8, so that any other layout of them differs), the first one -1 - i %
+    128, the order shifted by i // 128 (so that probes of the same shape and first element
+    differ)."""
     p = ((torch.arange(weight.numel()) * 7919 + i // 128) % 128).to(weight.dtype).view(weight.shape)
     p.view(-1)[0] = -1 - i % 128
     return nn.Parameter(p, requires_grad=False) if isinstance(weight, nn.Parameter) else p
@@ -128,9 +133,10 @@ def probe(weight: torch.Tensor, i: int) -> torch.Tensor:
 def blocked_sources(
     package: bytes, probes: list[tuple[str, torch.Tensor]]
 ) -> dict[str, list] | None:
-    """{constant: [name of the weight, block, vnni]} for every constant that inductor made at compile time (the
-    package's weights besides the probes and the step's other tensors): the probe that it is blocked(probe, block,
-    vnni) of, among those with its first element; None if one is anything else."""
+    """{constant: [name of the weight, block, vnni]} for every constant that inductor made at
+    compile time (the package's weights besides the probes and the step's other tensors): the
+    probe that it is blocked(probe, block, vnni) of, among those with its first element; None if
+    one is anything else."""
     sources = {}
     with zipfile.ZipFile(io.BytesIO(package)) as z:
         config = [n for n in z.namelist() if n.endswith("/weights_config.json")]
@@ -176,8 +182,9 @@ def without_weights(package: bytes) -> bytes:
 
 
 def package_key(what: str) -> str:
-    """The cache name of a compiled step: a hash of its program and settings, without the program's source comments
-    ('# File: /path/model.py:291 in forward, ...'), so that a checkout elsewhere finds the packages compiled here."""
+    """The cache name of a compiled step: a hash of its program and settings, without the
+    program's source comments ('# File: /path/model.py:291 in forward, ...'), so that a checkout
+    elsewhere finds the packages compiled here."""
     return hashlib.sha256(re.sub(r"^\s*# File: .*$", "", what, flags=re.M).encode()).hexdigest()[
         :40
     ]
@@ -186,49 +193,77 @@ def package_key(what: str) -> str:
 def compile_step(
     step: SplitStep, idx: torch.Tensor, cache: KVCache, block_size: int
 ) -> tuple[Any, dict] | None:
-    """step exported for inputs shaped as idx and as the cache's tensors (MLA's v: no width), with any number of
-    filled positions and of cache positions in [2, block_size] (the first at most the second; a local layer's ring
-    as the cache's), compiled by AOTInductor
-    with its weights left out, loaded; and blocked_sources' map of the blocked weights it reads. The package and the
-    map are kept in inductor's cache folder under a hash of the exported program, for later processes. None where the
-    template made a constant that is not a blocked weight (then compile the step without it)."""
-    top = max(block_size, 3)
-    length, slots = (
-        torch.export.Dim("length", min=2, max=top),
-        torch.export.Dim("cache", min=2, max=top),
-    )
-    # exported on a small cache of its own, 2 of its 3 positions filled: sizes that can tell the two apart
-    example = (idx, torch.arange(2, device=idx.device), *cache.example(3))
-    dims = tuple({3: slots} if grows else None for grows in cache.grows())
-    program = torch.export.export(
-        step, example, dynamic_shapes=(None, {0: length}, dims), strict=False  # dims: *cache's
-    )
-    configs = {"aot_inductor.package_constants_in_so": False} | (
-        TEMPLATE_CONFIGS if step.template else {}
-    )
+    """step exported for inputs shaped as idx and as the cache's tensors (MLA's v: no width),
+    with any number of filled positions and of cache positions in [2, block_size] (the first at
+    most the second; a local layer's ring as the cache's), compiled by AOTInductor with its
+    weights left out, loaded; and blocked_sources' map of the blocked weights it reads. The
+    package and the map are kept in inductor's cache folder under a hash of the exported program,
+    for later processes. None where the template made a constant that is not a blocked weight
+    (then compile the step without it)."""
+    program = export_step(step, idx, cache, block_size)
+    configs = {"aot_inductor.package_constants_in_so": False}
+    if step.template:
+        configs |= TEMPLATE_CONFIGS
     what = (
-        f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {torch.get_num_threads()} threads "
-        f"{configs}\n{program}"
+        f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} "
+        f"{torch.get_num_threads()} threads {configs}\n{program}"
     )
     path = Path(cache_dir()) / "smallgpt" / f"step-{package_key(what)}.pt2"
-    if (
-        zipfile.is_zipfile(path) and path.with_suffix(".json").exists()
-    ):  # torch warns on a cut-short one
-        try:
-            return torch._inductor.aoti_load_package(str(path)), json.loads(
-                path.with_suffix(".json").read_text()
-            )
-        except (RuntimeError, ValueError):  # unreadable: compiled again below
-            pass
+    found = load_cached(path)
+    if found is not None:
+        return found
+    compiled = compile_package(program, configs, step.template)
+    if compiled is None:
+        return None
+    package, sources = compiled
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(path.with_suffix(".json"), "w") as f:
+        f.write(json.dumps(sources))
+    with atomic_open(path) as f:
+        f.write(package)
+    return torch._inductor.aoti_load_package(io.BytesIO(package)), sources
+
+
+def export_step(
+    step: SplitStep, idx: torch.Tensor, cache: KVCache, block_size: int
+) -> torch.export.ExportedProgram:
+    """step exported with two dynamic sizes: the filled positions and the cache's positions."""
+    top = max(block_size, 3)
+    length = torch.export.Dim("length", min=2, max=top)
+    slots = torch.export.Dim("cache", min=2, max=top)
+    # on a small cache of its own, 2 of its 3 positions filled: sizes that tell the two apart
+    example = (idx, torch.arange(2, device=idx.device), *cache.example(3))
+    dims = tuple({3: slots} if grows else None for grows in cache.grows())  # the *cache inputs
+    shapes = (None, {0: length}, dims)
+    return torch.export.export(step, example, dynamic_shapes=shapes, strict=False)
+
+
+def load_cached(path: Path) -> tuple[Any, dict] | None:
+    """The package and map compiled before at path, loaded; None where there is none whole."""
+    # torch warns on a cut-short one
+    if not (zipfile.is_zipfile(path) and path.with_suffix(".json").exists()):
+        return None
+    try:
+        sources = json.loads(path.with_suffix(".json").read_text())
+        return torch._inductor.aoti_load_package(str(path)), sources
+    except (RuntimeError, ValueError):  # unreadable: compiled again
+        return None
+
+
+def compile_package(
+    program: torch.export.ExportedProgram, configs: dict, template: bool
+) -> tuple[bytes, dict] | None:
+    """The AOTInductor package of program without its weights, and the map of the blocked weights
+    it reads (blocked_sources); None where the template made a constant that is no such weight."""
     try:
         cpp_builder.get_cpp_compiler()
     except InvalidCxxCompiler as e:
         raise UserError(
-            "compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set CXX), "
-            "or decode without compile"
+            "compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set "
+            "CXX), or decode without compile"
         ) from e
-    # compiled on stand-ins of the matrices the template may block (any, as a split's odd rows can be one), each
-    # telling which it is in its blocked layout
+    # compiled on stand-ins of the matrices the template may block (any, as a split's odd rows can
+    # be one), each telling which it is in its blocked layout
     probes = [
         (tensors, name, t)
         for tensors in (program.state_dict, program.constants)
@@ -239,39 +274,30 @@ def compile_step(
     for tensors, name, p in probes:
         tensors[name] = p
     package = io.BytesIO()
-    with (
-        warnings.catch_warnings()
-    ):  # torch's own, nothing the user can act on: pickling the program's tree specs,
+    # torch's own warnings, nothing the user can act on: pickling the program's tree specs,
+    # autotuning, packing weights that are views
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
-        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)  # autotuning,
-        warnings.filterwarnings(
-            "ignore", "No complete tensor found", UserWarning
-        )  # packing weights that are views
+        warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+        warnings.filterwarnings("ignore", "No complete tensor found", UserWarning)
         torch._inductor.aoti_compile_and_package(
             program, package_path=package, inductor_configs=configs
         )
-    sources = (
-        blocked_sources(package.getvalue(), [(name, p) for _, name, p in probes])
-        if step.template
-        else {}
-    )
+    if not template:
+        return package.getvalue(), {}
+    sources = blocked_sources(package.getvalue(), [(name, p) for _, name, p in probes])
     if sources is None:
         return None
-    package = without_weights(package.getvalue()) if step.template else package.getvalue()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_open(path.with_suffix(".json"), "w") as f:
-        f.write(json.dumps(sources))
-    with atomic_open(path) as f:
-        f.write(package)
-    return torch._inductor.aoti_load_package(io.BytesIO(package)), sources
+    return without_weights(package.getvalue()), sources
 
 
 def lend(
     weights: dict[str, torch.Tensor], sources: dict[str, list], before: dict[str, tuple]
 ) -> dict[str, tuple]:
-    """What a compiled step reads, by name, as (tensor, what it was made from): the step's weights, and for each
-    blocked constant the blocked copy of its weight, reused from `before` while that weight is the same tensor
-    unchanged (weights made under inference_mode have no version to tell that by)."""
+    """What a compiled step reads, by name, as (tensor, what it was made from): the step's
+    weights, and for each blocked constant the blocked copy of its weight, reused from `before`
+    while that weight is the same tensor unchanged (weights made under inference_mode have no
+    version to tell that by)."""
     lent = {name: (t, None) for name, t in weights.items()}
     for name, (source, *layout) in sources.items():
         w = weights[source]
@@ -284,22 +310,23 @@ def lend(
     return lent
 
 
-# Each model's compiled steps by what else their code depends on (CompiledStep.__call__): the package, its blocked
-# constants' sources, and the tensors last lent
+# Each model's compiled steps by what else their code depends on (CompiledStep.__call__): the
+# package, its blocked constants' sources, and the tensors last lent
 STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict, dict]]]" = (
     weakref.WeakKeyDictionary()
 )
 
 
 class CompiledStep:
-    """decode_static exported (torch.export) and compiled ahead of time by AOTInductor for the one-token steps on
-    CPU: the step's ~300 small ops become a few fused C++ loops around the products (inductor's GEMM template for the
-    layers', fast_paths.Linear's split for the larger lm_head), run from C++ with no Python or dynamo guards in
-    between. Attention reads the filled cache positions only; their count and the cache's length are the dynamic
-    sizes, so one compiled step serves every length and cache of a model at one batch size and thread count. It
-    holds no weights: each CompiledStep lends it the model's tensors (no copies) and blocked copies of the layer
-    weights (made again when a weight changes), so it reads them as they are at each stream
-    (docs/performance-cpu.md "Decoding")."""
+    """decode_static exported (torch.export) and compiled ahead of time by AOTInductor for the
+    one-token steps on CPU: the step's ~300 small ops become a few fused C++ loops around the
+    products (inductor's GEMM template for the layers', fast_paths.Linear's split for the larger
+    lm_head), run from C++ with no Python or dynamo guards in between. Attention reads the filled
+    cache positions only; their count and the cache's length are the dynamic sizes, so one
+    compiled step serves every length and cache of a model at one batch size and thread count. It
+    holds no weights: each CompiledStep lends it the model's tensors (no copies) and blocked
+    copies of the layer weights (made again when a weight changes), so it reads them as they are
+    at each stream (docs/performance-cpu.md "Decoding")."""
 
     def __init__(self, model: nn.Module, kv_cache: object) -> None:
         self.model, self.cache = model, kv_cache
@@ -311,12 +338,12 @@ class CompiledStep:
         self.run: Callable | None = None
 
     def __call__(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as in GPT.forward, and
-        each row's greedy token (B,) where the compiled step computed it (None after an eager step)."""
+        """Logits (B, 1, vocab) of idx (B, 1) at the cache's position, which advances by one, as
+        in GPT.forward, and each row's greedy token (B,) where the compiled step computed it
+        (None after an eager step)."""
         length = self.cache.pos + 1
-        if (
-            length < 2
-        ):  # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
+        # the one length export cannot leave dynamic (it specializes sizes 0 and 1): eager
+        if length < 2:
             return self.model(idx, kv_cache=self.cache)[0], None
         if self.run is None:
             self.run = self.load()
@@ -326,12 +353,12 @@ class CompiledStep:
         return logits, greedy
 
     def load(self) -> Callable:
-        """The compiled step for this model, batch size and thread count (compiled on first use), lent its tensors."""
+        """The compiled step for this model, batch size and thread count (compiled on first use),
+        lent its tensors."""
         steps = STEPS.setdefault(self.model, {})
         found = None
-        while (
-            found is None
-        ):  # the step's code depends on these besides the model: compiled once for each
+        # the step's code depends on these besides the model: compiled once for each
+        while found is None:
             weights = self.step.weights()
             key = (
                 tuple(self.idx.shape),
@@ -350,9 +377,8 @@ class CompiledStep:
                 if key in steps
                 else compile_step(self.step, self.idx, self.cache, self.model.config.block_size)
             )
-            if (
-                found is None
-            ):  # the template made a constant that is not a blocked weight: the step without it
+            # the template made a constant that is not a blocked weight: the step without it
+            if found is None:
                 self.step = SplitStep(self.model, template=False)
         package, sources = found
         lent = lend(weights, sources, steps[key][2] if key in steps else {})

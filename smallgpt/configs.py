@@ -1,5 +1,6 @@
-"""The keys of train.py, sample.py and compare.py: one dataclass each, its defaults and its checks (a ValueError
-naming the numbers, said by configurator.py as one line), importable by the modules below the scripts."""
+"""The keys of train.py, sample.py and compare.py: one dataclass each, its defaults and its checks
+(a ValueError naming the numbers, said by configurator.py as one line), importable by the modules
+below the scripts."""
 
 import re
 from dataclasses import dataclass, field, fields
@@ -14,6 +15,7 @@ from smallgpt.generation import check_sampling
 from smallgpt.hf import GPT2_NAMES
 from smallgpt.quantize import QUANTIZE
 from smallgpt.recall import task_problems
+from smallgpt.variant import Variant
 
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
 
@@ -35,13 +37,13 @@ class TrainConfig:
     always_save_checkpoint: bool = False  # False: save only when val loss improves
     keep_last: int = 0  # also keep the last K checkpoints, ckpt-<iteration>.pt (hard links)
     # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if there is one: for restarts),
-    # 'convert:<ckpt or out_dir>' (MHA made GQA/MQA by n_kv_head, or MLA by kv_lora_rank: uptraining), GPT-2
-    # ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or 'hf:<local folder>' (GPT-2, or export.py's
-    # Starcoder2/GPTBigCode): pretrained weights decide the model but for PRETRAINED_KEYS
+    # 'convert:<ckpt or out_dir>' (MHA made GQA/MQA by n_kv_head, or MLA by kv_lora_rank:
+    # uptraining), GPT-2 ('gpt2', 'gpt2-medium', 'gpt2-large', 'gpt2-xl') or 'hf:<local folder>'
+    # (GPT-2, or export.py's Starcoder2/GPTBigCode): pretrained weights decide the model but for
+    # PRETRAINED_KEYS
     init_from: str = "scratch"
-    convert_method: str = (
-        "mean"  # a K/V group's head: its heads' 'mean', 'first' or 'random' (MLA: SVD)
-    )
+    # a K/V group's head: its heads' 'mean', 'first' or 'random' (MLA: SVD)
+    convert_method: str = "mean"
     # logging: wandb honours WANDB_MODE (online, offline, disabled); log.jsonl is always written
     wandb_log: bool = False
     wandb_project: str = "smallgpt"
@@ -82,18 +84,32 @@ class TrainConfig:
     peak_flops: float | None = None  # the device's peak FLOP/s for MFU; None: a table or a probe
 
     def __post_init__(self) -> None:
-        problems = []
-        for key in (
+        problems = self.count_problems()
+        problems += task_problems("final_evals", self.final_evals)
+        try:
+            source = parse_source(self.init_from)
+        except ValueError as e:
+            problems.append(str(e))
+            source = Source("scratch")
+        problems += self.choice_problems()
+        problems += self.schedule_problems()
+        if problems:
+            raise ValueError("invalid config: " + "; ".join(problems))
+        # the model's own checks, before any work (pretrained weights decide their own model)
+        if source.kind in ("scratch", "auto", "convert"):
+            self.model_config(vocab_size=1)
+
+    def count_problems(self) -> list[str]:
+        """Sizes and counts that must be positive, and those that must not be negative."""
+        positive = (
             "eval_interval",
             "log_interval",
             "eval_iters",
             "gradient_accumulation_steps",
             "batch_size",
             "block_size",
-        ):
-            if getattr(self, key) < 1:
-                problems.append(f"{key}={getattr(self, key)} must be positive")
-        for key in (
+        )
+        not_negative = (
             "max_iters",
             "warmup_iters",
             "lr_decay_iters",
@@ -102,32 +118,41 @@ class TrainConfig:
             "weight_decay",
             "grad_clip",
             "keep_last",
-        ):
+            "seed",
+        )
+        problems = []
+        for key in positive:
+            if getattr(self, key) < 1:
+                problems.append(f"{key}={getattr(self, key)} must be positive")
+        for key in not_negative:
             if getattr(self, key) < 0:
                 problems.append(f"{key}={getattr(self, key)} must not be negative")
-        problems += task_problems("final_evals", self.final_evals)
+        return problems
+
+    def choice_problems(self) -> list[str]:
+        """Keys that name one of a few choices, and the choices that do not go together."""
+        problems = []
         if self.nonfinite not in ("stop", "skip"):
             problems.append(f"nonfinite={self.nonfinite!r} must be 'stop' or 'skip'")
-        try:
-            source = parse_source(self.init_from)
-        except ValueError as e:
-            problems.append(str(e))
-            source = Source("scratch")
         if self.convert_method not in CONVERT_METHODS:
-            problems.append(
-                f"convert_method={self.convert_method!r} must be one of {', '.join(CONVERT_METHODS)}"
-            )
+            methods = ", ".join(CONVERT_METHODS)
+            problems.append(f"convert_method={self.convert_method!r} must be one of {methods}")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
         if self.optimizer not in ("adamw", "muon"):
             problems.append(f"optimizer={self.optimizer!r} must be 'adamw' or 'muon'")
         elif self.optimizer == "muon" and self.parallel == "fsdp":
             problems.append(
-                "optimizer='muon' does not go with parallel='fsdp' (Muon orthogonalises whole matrices, "
-                "FSDP shards them): use optimizer='adamw', or parallel='ddp'"
+                "optimizer='muon' does not go with parallel='fsdp' (Muon orthogonalises whole "
+                "matrices, FSDP shards them): use optimizer='adamw', or parallel='ddp'"
             )
-        if self.seed < 0:
-            problems.append(f"seed={self.seed} must not be negative")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
+        return problems
+
+    def schedule_problems(self) -> list[str]:
+        """A learning-rate schedule that would rise as it decays, or end before its warm-up."""
+        problems = []
         if self.decay_lr and self.min_lr > self.learning_rate:
             problems.append(
                 f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: "
@@ -138,12 +163,7 @@ class TrainConfig:
                 f"lr_decay_iters={self.lr_decay_iters} is below warmup_iters="
                 f"{self.warmup_iters}: the decay would end before the warm-up does"
             )
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
-        if problems:
-            raise ValueError("invalid config: " + "; ".join(problems))
-        if source.kind in ("scratch", "auto", "convert"):  # else the model is the weights'
-            self.model_config(vocab_size=1)  # the model's own checks, before any work
+        return problems
 
     def model_config(self, vocab_size: int) -> GPTConfig:
         """The model these keys describe; vocab_size is the dataset's unless the config sets one."""
@@ -231,59 +251,48 @@ class SampleConfig:
             raise ValueError("; ".join(problems))
 
 
-# a variant's name, all lower case: its kind and size (mha, gqa<n_kv_head>, mqa,
-# mla<kv_lora_rank>), then its local layers' pattern and window, if any (mha-sssl64:
-# window_pattern='SSSL', window=64). The names' one grammar: sweep.variant_config reads its groups
-VARIANT = re.compile(
-    r"(?P<kind>mha|mqa|gqa(?P<n_kv_head>[1-9][0-9]*)"
-    r"|mla(?P<kv_lora_rank>[1-9][0-9]*))"
-    r"(?:-(?P<pattern>[sl]+)(?P<window>[1-9][0-9]*))?"
-)
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
 
 
 @dataclass(slots=True)
 class CompareConfig:
-    mode: str = "all"  # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
-    kv_heads: list[int] = field(
-        default_factory=list
-    )  # the variants; empty: n_head, a middle divisor, 1
-    variants: list[str] = field(
-        default_factory=list
-    )  # or by name (VARIANT): mha, gqa2, mqa, mla32, mha-sssl64...
+    # 'train' (the sweep), 'report', 'all' (both), 'plan' (the runs and their time) or 'costs'
+    mode: str = "all"
+    # the variants by their K/V heads; empty: n_head, a middle divisor, 1
+    kv_heads: list[int] = field(default_factory=list)
+    # or by name (smallgpt/variant.py): mha, gqa2, mqa, mla32, mha-sssl64...
+    variants: list[str] = field(default_factory=list)
     seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
-    # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters); 'params': the
-    # GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both: each variant twice
+    # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters);
+    # 'params': the GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both:
+    # each variant twice
     match: list[str] = field(default_factory=lambda: ["width"])
-    sizes: list[tuple[int, int] | str] = field(
-        default_factory=list
-    )  # (n_layer, n_embd), 'LxD' or a preset name
-    convert: bool = False  # also convert each seed's MHA model to each GQA/MQA/MLA variant (all global), uptrain it
-    convert_methods: list[str] = field(
-        default_factory=lambda: ["mean"]
-    )  # K/V heads: mean, first or random
-    uptrain_fractions: list[float] = field(
-        default_factory=lambda: [0.1]
-    )  # of the base run's max_iters (0: none)
-    uptrain_lr_scale: float = (
-        1.0  # uptraining's peak learning rates (after its own warm-up), over the base run's
-    )
+    # (n_layer, n_embd), 'LxD' or a preset name
+    sizes: list[tuple[int, int] | str] = field(default_factory=list)
+    # also convert each seed's MHA model to each GQA/MQA/MLA variant (all global), uptrain it
+    convert: bool = False
+    # K/V heads: mean, first or random
+    convert_methods: list[str] = field(default_factory=lambda: ["mean"])
+    # of the base run's max_iters (0: none)
+    uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])
+    # uptraining's peak learning rates (after its own warm-up), over the base run's
+    uptrain_lr_scale: float = 1.0
     # True: train the runs trained at another budget (max_iters, warmup_iters, lr_decay_iters,
     # decay_lr) on to this one, from their checkpoints; False: refuse to, before any training
     extend: bool = False
     kv_seq_len: int = 8192  # the KV-cache column for a sequence length and batch of your choice
     kv_batch: int = 8
     kv_dtype: str = "bfloat16"
-    # decode speed where the KV cache dominates what a step reads: this batch, this many positions cached (each
-    # variant's shape with random weights, float32; the median of decode_steps one-token steps), measured
-    # speed_repeats times per shape, interleaved, after the runs, and stored in <out_dir>/speed.json
+    # decode speed where the KV cache dominates what a step reads: this batch, this many positions
+    # cached (each variant's shape with random weights, float32; the median of decode_steps
+    # one-token steps), measured speed_repeats times per shape, interleaved, after the runs, and
+    # stored in <out_dir>/speed.json
     decode_batch: int = 8
     decode_context: int = 4096
     decode_steps: int = 16
     speed_repeats: int = 3
-    train_args: list[str] = field(
-        default_factory=list
-    )  # filled from the command line: files and train.py flags
+    # filled from the command line: files and train.py flags
+    train_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         problems = []
@@ -313,9 +322,11 @@ class CompareConfig:
         problems += variant_problems(self.variants)
         if not self.match or any(m not in ("width", "params") for m in self.match):
             problems.append(f"match={self.match} must be width, params or [width,params]")
-        if not self.convert_methods or any(m not in CONVERT_METHODS for m in self.convert_methods):
+        unknown_methods = [m for m in self.convert_methods if m not in CONVERT_METHODS]
+        if not self.convert_methods or unknown_methods:
+            methods = ", ".join(CONVERT_METHODS)
             problems.append(
-                f"convert_methods={self.convert_methods}: each must be one of {', '.join(CONVERT_METHODS)}"
+                f"convert_methods={self.convert_methods}: each must be one of {methods}"
             )
         if not self.uptrain_fractions or any(not 0 <= f <= 1 for f in self.uptrain_fractions):
             problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
@@ -326,8 +337,11 @@ class CompareConfig:
             raise ValueError("; ".join(problems))
 
     def repeats(self) -> list[str]:
-        """A problem for each list key with an item twice (the same runs again, same folders), and each bad size."""
-        sizes, problems = [], []
+        """A problem for each list key with an item twice (the same runs again, same folders), and
+        each bad size."""
+        sizes = []
+        problems = []
+
         for size in self.sizes:
             try:
                 sizes.append("{}x{}".format(*size_of(size)))
@@ -344,17 +358,18 @@ class CompareConfig:
         for key, items in named.items():
             if (again := repeated(items)) is not None:
                 problems.append(
-                    f"{key}={getattr(self, key)} lists {again} twice: each item names its own runs, so "
-                    f"a repeat would train the same runs again; list it once"
+                    f"{key}={getattr(self, key)} lists {again} twice: each item names its own "
+                    f"runs, so a repeat would train the same runs again; list it once"
                 )
         return problems
 
 
 def variant_problems(names: list[str]) -> list[str]:
-    """What is wrong with names of --variants (VARIANT): a name in upper case, a name of nothing."""
+    """What is wrong with names of --variants (Variant.parse): a name in upper case, a name of
+    nothing."""
     problems = []
-    bad = [name for name in names if not VARIANT.fullmatch(name)]
-    cased = [name for name in bad if VARIANT.fullmatch(name.lower())]
+    bad = [name for name in names if not is_variant(name)]
+    cased = [name for name in bad if is_variant(name.lower())]
     if cased:
         lower = ", ".join(name.lower() for name in cased)
         problems.append(
@@ -371,6 +386,15 @@ def variant_problems(names: list[str]) -> list[str]:
     return problems
 
 
+def is_variant(name: str) -> bool:
+    """Whether name is a variant's name (Variant.parse reads it)."""
+    try:
+        Variant.parse(name)
+    except ValueError:
+        return False
+    return True
+
+
 def repeated(items: list) -> object | None:
     """The first item listed again in items, None if they are distinct."""
     return next((item for i, item in enumerate(items) if item in items[:i]), None)
@@ -381,15 +405,15 @@ SIZE_PRESETS = {"tiny": (2, 64), "mini": (4, 128), "small": (6, 256), "medium": 
 
 
 def size_of(size: str | list[int] | tuple[int, ...]) -> tuple[int, int]:
-    """(n_layer, n_embd) of one item of --sizes: 'LxD' (two positive decimal integers), a preset name or a pair; a
-    ValueError saying what a size is otherwise."""
+    """(n_layer, n_embd) of one item of --sizes: 'LxD' (two positive decimal integers), a preset
+    name or a pair; a ValueError saying what a size is otherwise."""
     pair = tuple(size) if not isinstance(size, str) else SIZE_PRESETS.get(size, ())
     if match := isinstance(size, str) and re.fullmatch(r"([0-9]+)x([0-9]+)", size):
         pair = int(match[1]), int(match[2])
     if len(pair) != 2 or min(pair) < 1:
         presets = ", ".join(f"{k}={L}x{D}" for k, (L, D) in SIZE_PRESETS.items())
         raise ValueError(
-            f"sizes: {size!r} is neither n_layer x n_embd (two positive decimal integers, e.g. 4x128, or "
-            f"a pair (4, 128)) nor a preset ({presets})"
+            f"sizes: {size!r} is neither n_layer x n_embd (two positive decimal integers, "
+            f"e.g. 4x128, or a pair (4, 128)) nor a preset ({presets})"
         )
     return pair

@@ -1,6 +1,6 @@
-"""Conversions of a model's weights: MHA -> GQA/MQA by pooling K/V heads (the GQA paper's uptraining start, and its
-ablations), MHA -> MLA by MHA2MLA's partial RoPE and joint SVD, and pretrained weights fitted to the run that
-fine-tunes them.
+"""Conversions of a model's weights: MHA -> GQA/MQA by pooling K/V heads (the GQA paper's uptraining
+start, and its ablations), MHA -> MLA by MHA2MLA's partial RoPE and joint SVD, and pretrained
+weights fitted to the run that fine-tunes them.
 """
 
 import math
@@ -15,8 +15,8 @@ from smallgpt.errors import UserError
 def for_finetuning(
     model: GPT, name: str, vocab_size: int, dropout: float, block_size: int, n_kv_head: int | None
 ) -> GPT:
-    """Pretrained weights (GPT-2's, an exported model's; name: where they came from) with a run's dropout, cropped
-    to its block_size, and pooled to its n_kv_head if given."""
+    """Pretrained weights (GPT-2's, an exported model's; name: where they came from) with a run's
+    dropout, cropped to its block_size, and pooled to its n_kv_head if given."""
     if vocab_size > model.config.vocab_size:
         raise UserError(
             f"the dataset's vocab_size={vocab_size} exceeds GPT-2's {model.config.vocab_size}: "
@@ -28,30 +28,27 @@ def for_finetuning(
             f"block_size={block_size} is beyond the {model.config.block_size} positions {name}'s "
             f"weights learned: give block_size <= {model.config.block_size}"
         )
-    config = replace(
-        model.config,
-        dropout=dropout,
-        block_size=min(block_size, model.config.block_size) if learned else block_size,
-    )  # rotary positions are computed, not learned: any block_size
+    if learned:  # rotary positions are computed, not learned: any block_size
+        block_size = min(block_size, model.config.block_size)
+    config = replace(model.config, dropout=dropout, block_size=block_size)
     state = model.state_dict()
     if "transformer.wpe.weight" in state:
         state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: config.block_size]
     model = GPT(config)
     model.load_state_dict(state)
-    return (
-        convert_kv_heads(model, n_kv_head)
-        if n_kv_head and n_kv_head != model.config.n_kv_head
-        else model
-    )
+    if n_kv_head and n_kv_head != model.config.n_kv_head:
+        return convert_kv_heads(model, n_kv_head)
+    return model
 
 
 CONVERT_METHODS = ("mean", "first", "random")
 
 
 def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int = 0) -> GPT:
-    """A copy of model with n_kv_head K/V heads, query, output and every other weight unchanged; each new K (and V)
-    head is, by method (the GQA paper's ablation, https://arxiv.org/abs/2305.13245 s2.1 and fig. 5), the mean of
-    the heads of its group, the first head of its group, or drawn afresh as a new model made with seed would be."""
+    """A copy of model with n_kv_head K/V heads, query, output and every other weight unchanged;
+    each new K (and V) head is, by method (the GQA paper's ablation,
+    https://arxiv.org/abs/2305.13245 s2.1 and fig. 5), the mean of the heads of its group, the first
+    head of its group, or drawn afresh as a new model made with seed would be."""
     old = model.config.n_kv_head
     try:
         config = replace(model.config, n_kv_head=n_kv_head)  # checks that n_kv_head divides n_head
@@ -65,17 +62,20 @@ def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int
     converted = GPT(config).to(next(model.parameters()).device)
     if method == "random":
         converted.init_weights(seed)
-    fresh, state = converted.state_dict(), model.state_dict()
+    fresh = converted.state_dict()
+    state = model.state_dict()
+    kv_names = ("attn.c_k.weight", "attn.c_k.bias", "attn.c_v.weight", "attn.c_v.bias")
     for name, t in state.items():
-        if name.endswith(("attn.c_k.weight", "attn.c_k.bias", "attn.c_v.weight", "attn.c_v.bias")):
-            # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...) -> one head per group
-            grouped = t.view(n_kv_head, old // n_kv_head, config.head_dim, *t.shape[1:])
-            pooled = {"mean": grouped.mean(dim=1), "first": grouped[:, 0], "random": None}[method]
-            state[name] = (
-                fresh[name]
-                if pooled is None
-                else pooled.reshape(n_kv_head * config.head_dim, *t.shape[1:])
-            )
+        if not name.endswith(kv_names):
+            continue
+        if method == "random":
+            state[name] = fresh[name]
+            continue
+        # (old * head_dim, ...) -> (n_kv_head, old / n_kv_head, head_dim, ...)
+        grouped = t.view(n_kv_head, old // n_kv_head, config.head_dim, *t.shape[1:])
+        # one head per group: (n_kv_head, head_dim, ...)
+        pooled = grouped.mean(dim=1) if method == "mean" else grouped[:, 0]
+        state[name] = pooled.reshape(n_kv_head * config.head_dim, *t.shape[1:])
     converted.load_state_dict(state)
     return converted
 
@@ -85,13 +85,13 @@ CONVERTED_KEYS = ("n_kv_head", "kv_lora_rank", "qk_rope_head_dim", "latent_norm"
 
 
 def for_uptraining(model: GPT, target: GPTConfig, method: str, seed: int) -> GPT:
-    """The MHA model converted to the target's attention, for train.py's --init_from=convert: MLA where the target
-    sets kv_lora_rank (to_latent), else target.n_kv_head K/V heads pooled by method (convert_kv_heads)."""
+    """The MHA model converted to the target's attention, for train.py's --init_from=convert: MLA
+    where the target sets kv_lora_rank (to_latent), else target.n_kv_head K/V heads pooled by method
+    (convert_kv_heads)."""
     if target.kv_lora_rank is None:
         return convert_kv_heads(model, target.n_kv_head, method, seed)
-    if (
-        target.latent_norm
-    ):  # an RMSNorm on the latent has no MHA counterpart: the converted model has none
+    # an RMSNorm on the latent has no MHA counterpart: the converted model has none
+    if target.latent_norm:
         raise UserError(
             "converting to MLA (kv_lora_rank) gives a model without the latent's RMSNorm: add "
             "--latent_norm=False"
@@ -105,10 +105,11 @@ def for_uptraining(model: GPT, target: GPTConfig, method: str, seed: int) -> GPT
 
 
 def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None) -> GPT:
-    """A copy of an MHA model as MLA without the latent's norm (latent_norm=False), every weight outside attention
-    unchanged, by MHA2MLA (https://arxiv.org/abs/2502.14837): partial RoPE keeping every (head_dim /
-    qk_rope_head_dim)-th frequency (section 3.1, S_uniform), then one SVD of each layer's keys and values together
-    (section 3.2, SVD_joint). With learned positions it is exact at kv_lora_rank = n_embd (docs/compare.md)."""
+    """A copy of an MHA model as MLA without the latent's norm (latent_norm=False), every weight
+    outside attention unchanged, by MHA2MLA (https://arxiv.org/abs/2502.14837): partial RoPE keeping
+    every (head_dim / qk_rope_head_dim)-th frequency (section 3.1, S_uniform), then one SVD of each
+    layer's keys and values together (section 3.2, SVD_joint). With learned positions it is exact at
+    kv_lora_rank = n_embd (docs/compare.md)."""
     source = model.config
     if source.attention_kind != "MHA":
         raise UserError(
@@ -141,9 +142,12 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
 
 
 def check_latent_target(config: GPTConfig) -> None:
-    """That an MHA model converts to the MLA config (to_latent), else a UserError saying why: its rotary width must
-    divide head_dim (MLA's frequencies are then MHA's) and its latent be no wider than n_embd (W_kv's rank at most)."""
-    head_dim, rope_dim, rank = config.head_dim, config.qk_rope_head_dim, config.kv_lora_rank
+    """That an MHA model converts to the MLA config (to_latent), else a UserError saying why: its
+    rotary width must divide head_dim (MLA's frequencies are then MHA's) and its latent be no wider
+    than n_embd (W_kv's rank at most)."""
+    head_dim = config.head_dim
+    rope_dim = config.qk_rope_head_dim
+    rank = config.kv_lora_rank
     if rope_dim and head_dim % rope_dim:
         fits = [d for d in range(2, head_dim + 1, 2) if head_dim % d == 0]
         raise UserError(
@@ -158,9 +162,10 @@ def check_latent_target(config: GPTConfig) -> None:
 
 
 def rotary_features(head_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The features of an MHA head that stay rotary in MLA, in the MLA rotary key's order, and the others (NoPE).
-    MHA rotates pairs (i, i + head_dim/2) at theta^(-2i/head_dim), MLA pairs (j, j + rope_dim/2) at
-    theta^(-2j/rope_dim): the same frequency where i = j head_dim / rope_dim (S_uniform)."""
+    """The features of an MHA head that stay rotary in MLA, in the MLA rotary key's order, and the
+    others (NoPE). MHA rotates pairs (i, i + head_dim/2) at theta^(-2i/head_dim), MLA pairs
+    (j, j + rope_dim/2) at theta^(-2j/rope_dim): the same frequency where
+    i = j head_dim / rope_dim (S_uniform)."""
     step = head_dim // rope_dim if rope_dim else 1
     first = torch.arange(rope_dim // 2) * step  # the pairs' first features, i < head_dim / 2
     rope = torch.cat((first, first + head_dim // 2))
@@ -176,15 +181,20 @@ def padded(t: torch.Tensor, width: int) -> torch.Tensor:
 
 @torch.no_grad()
 def latent_attention(mha: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
-    """One layer's LatentAttention weights from its CausalSelfAttention weights (MHA), named as in the modules.
+    """One layer's LatentAttention weights from its CausalSelfAttention weights (MHA), named as in
+    the modules.
 
     Each head's query is [its NoPE features, zero-padded to head_dim | its rotary ones], scaled by
-    sqrt((head_dim + rope_dim) / head_dim) since MLA divides scores by sqrt(head_dim + rope_dim), MHA by
-    sqrt(head_dim). The rotary key shared by the heads is the mean of theirs. kv_b's rows hold each head's [key's NoPE
-    features, zero-padded | value]: W_kv = U S V^T, truncated to kv_lora_rank, is split as kv_b = U sqrt(S) and
-    kv_a's latent rows = sqrt(S) V^T. Biases: the key's NoPE bias adds the same to all of a query's scores (softmax
-    ignores it: dropped); the value's comes out of attention unchanged (weights sum to one: into c_proj's bias)."""
-    H, hd, R, r = config.n_head, config.head_dim, config.kv_lora_rank, config.qk_rope_head_dim
+    sqrt((head_dim + rope_dim) / head_dim) since MLA divides scores by sqrt(head_dim + rope_dim),
+    MHA by sqrt(head_dim). The rotary key shared by the heads is the mean of theirs. kv_b's rows
+    hold each head's [key's NoPE features, zero-padded | value]: W_kv = U S V^T, truncated to
+    kv_lora_rank, is split as kv_b = U sqrt(S) and kv_a's latent rows = sqrt(S) V^T. Biases: the
+    key's NoPE bias adds the same to all of a query's scores (softmax ignores it: dropped); the
+    value's comes out of attention unchanged (weights sum to one: into c_proj's bias)."""
+    H = config.n_head
+    hd = config.head_dim
+    R = config.kv_lora_rank
+    r = config.qk_rope_head_dim
     rope, nope = rotary_features(hd, r)
     q_scale = math.sqrt((hd + r) / hd)
     heads = {
@@ -194,10 +204,10 @@ def latent_attention(mha: dict[str, torch.Tensor], config: GPTConfig) -> dict[st
     def query(t: torch.Tensor) -> torch.Tensor:  # (H, hd, ...) -> (H * (hd + r), ...)
         return q_scale * torch.cat((padded(t[:, nope], hd), t[:, rope]), dim=1).flatten(0, 1)
 
-    k, v = heads["c_k.weight"], heads["c_v.weight"]  # (H, hd, n_embd)
-    w_kv = torch.stack((padded(k[:, nope], hd), v), dim=1).flatten(
-        0, 2
-    )  # (2 * n_embd, n_embd), kv_b's rows
+    k = heads["c_k.weight"]  # (H, hd, n_embd)
+    v = heads["c_v.weight"]  # (H, hd, n_embd)
+    w_kv = torch.stack((padded(k[:, nope], hd), v), dim=1)  # (H, 2, hd, n_embd)
+    w_kv = w_kv.flatten(0, 2)  # (2 * n_embd, n_embd), kv_b's rows
     u, s, vh = torch.linalg.svd(w_kv.double(), full_matrices=False)
     root = s[:R].sqrt()
     out = {

@@ -1,6 +1,6 @@
-"""The corpus pipeline of the web-scale preparers (data/openwebtext, data/fineweb_edu): a Hugging Face text corpus,
-from the hub or from local parquet/json/text files, tokenised with GPT-2's BPE into a dataset folder (dataset.py's
-layout) without holding the corpus in memory.
+"""The corpus pipeline of the web-scale preparers (data/openwebtext, data/fineweb_edu): a Hugging
+Face text corpus, from the hub or from local parquet/json/text files, tokenised with GPT-2's BPE
+into a dataset folder (dataset.py's layout) without holding the corpus in memory.
 """
 
 import glob
@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,9 +19,9 @@ from smallgpt.tokenizer import gpt2_encoding
 
 @contextmanager
 def reading(source: str, local: bool) -> Iterator[None]:
-    """Errors of loading a corpus, or of reading it (a stream reads its files only as it goes), as one line: no
-    network, no cache, files that are not what they say (empty ones among them: datasets raises StopIteration for
-    an empty JSON file)."""
+    """Errors of loading a corpus, or of reading it (a stream reads its files only as it goes), as
+    one line: no network, no cache, files that are not what they say (empty ones among them:
+    datasets raises StopIteration for an empty JSON file)."""
     import datasets
     import pyarrow
 
@@ -37,28 +38,27 @@ def reading(source: str, local: bool) -> Iterator[None]:
         root = e  # datasets wraps the reader's error (pyarrow's) in its own
         while root.__cause__ is not None:
             root = root.__cause__
-        why = type(root).__name__ + (f": {first_line(root)}" if str(root).strip() else "")
-        hint = (
-            "are they empty, or not of the kind their names say?"
-            if local
-            else "with no network, pass local parquet/json/text files as --input=PATH"
-        )
+        why = type(root).__name__
+        if str(root).strip():
+            why += f": {first_line(root)}"
+        hint = "with no network, pass local parquet/json/text files as --input=PATH"
+        if local:
+            hint = "are they empty, or not of the kind their names say?"
         raise UserError(f"cannot load {source} ({why}); {hint}") from e
 
 
 def load_corpus(hub_id: str, name: str | None, local: str | None, streaming: bool) -> object:
-    """A Hugging Face text corpus: from the hub, or from local parquet/json/text files (a path or a glob)."""
+    """A Hugging Face text corpus: from the hub, or from local parquet/json/text files (a path or a
+    glob)."""
     import datasets
 
-    if (
-        local and "://" not in local and not glob.glob(local)
-    ):  # (datasets says "Couldn't find cache for ...")
+    # datasets would say "Couldn't find cache for ..."
+    if local and "://" not in local and not glob.glob(local):
         raise UserError(f"no file matches --input={local}")
     with reading(local or hub_id, bool(local)):
         if local:
-            kind = {"jsonl": "json", "txt": "text"}.get(
-                local.rsplit(".", 1)[-1], local.rsplit(".", 1)[-1]
-            )
+            suffix = local.rsplit(".", 1)[-1]
+            kind = {"jsonl": "json", "txt": "text"}.get(suffix, suffix)
             return datasets.load_dataset(kind, data_files=local, split="train", streaming=streaming)
         return datasets.load_dataset(
             hub_id, name, split="train", streaming=streaming, trust_remote_code=False
@@ -75,57 +75,75 @@ def prepare_corpus(
     source: str = "the corpus",
     local: bool = True,
 ) -> None:
-    """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every val_every-th document
-    into val.bin and the others into train.bin (uint16), through dataset.writing_dataset: an interrupted or failed run
-    leaves the previous dataset intact; a re-run starts over."""
-    from tqdm import tqdm
-
+    """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every
+    val_every-th document into val.bin and the others into train.bin (uint16), through
+    dataset.writing_dataset: an interrupted or failed run leaves the previous dataset intact; a
+    re-run starts over."""
     enc = gpt2_encoding()
+    ds = tokenized(ds, enc, text_field, max_docs, num_proc)
+    counts = write_splits(ds, out_dir, val_every, enc.n_vocab, source, local)
+    print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
+
+
+def tokenized(ds: object, enc: Any, text_field: str, max_docs: int | None, num_proc: int) -> object:
+    """ds's first max_docs documents (all of them if None), each as its ids (enc's BPE) and an
+    end-of-text token: made as they are read, for a stream."""
 
     def tokenize(example: dict) -> dict:
-        if not isinstance(text := example[text_field], str):
+        text = example[text_field]
+        if not isinstance(text, str):
             raise UserError(f"a document's {text_field!r} is {text!r}, not a string")
         return {"ids": [*enc.encode_ordinary(text), enc.eot_token]}
 
     streaming = not hasattr(ds, "__len__")
-    if (
-        ds.column_names is not None and text_field not in ds.column_names
-    ):  # None: a stream that does not say
+    columns = ds.column_names  # None: a stream that does not say
+    if columns is not None and text_field not in columns:
         raise UserError(
-            f"the corpus has no {text_field!r} column (its columns: {', '.join(ds.column_names)})"
+            f"the corpus has no {text_field!r} column (its columns: {', '.join(columns)})"
         )
     if not streaming and len(ds) == 0:
         raise UserError("the corpus has no documents")
-    ds = (
-        ds.take(max_docs)
-        if streaming and max_docs
-        else ds.select(range(min(max_docs, len(ds))))
-        if max_docs
-        else ds
-    )
-    ds = ds.map(tokenize, **({} if streaming else {"num_proc": num_proc, "desc": "tokenizing"}))
-    counts, i = {"train": 0, "val": 0}, -1
-    # the files are renamed into place only after the last document: an error leaves a dataset in out_dir as it was
+    if max_docs and streaming:
+        ds = ds.take(max_docs)
+    elif max_docs:
+        ds = ds.select(range(min(max_docs, len(ds))))
+    if streaming:
+        return ds.map(tokenize)
+    return ds.map(tokenize, num_proc=num_proc, desc="tokenizing")
+
+
+def write_splits(
+    ds: object, out_dir: Path, val_every: int, vocab_size: int, source: str, local: bool
+) -> dict[str, int]:
+    """Every val_every-th document's ids into out_dir's val.bin, the others into train.bin
+    (uint16), and the tokens each split got."""
+    from tqdm import tqdm
+
+    counts = {"train": 0, "val": 0}
+    i = -1
+    # the files are renamed into place only after the last document: an error leaves a dataset in
+    # out_dir as it was
     with writing_dataset(out_dir) as (files, meta), reading(source, local):
         for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
             split = "val" if i % val_every == 0 else "train"
-            files[f"{split}.bin"].write(np.asarray(example["ids"], dtype=np.uint16).tobytes())
+            ids = np.asarray(example["ids"], dtype=np.uint16)
+            files[f"{split}.bin"].write(ids.tobytes())
             counts[split] += len(example["ids"])
         if i < 0:
             raise UserError(f"{source} has no documents")
         if not all(counts.values()):
             raise UserError(
-                f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, or a "
-                f"smaller val_every"
+                f"{i + 1} documents at val_every={val_every} leave a split empty: more documents, "
+                "or a smaller val_every"
             )
         meta.update(
             tokenizer="gpt2",
-            vocab_size=enc.n_vocab,
+            vocab_size=vocab_size,
             dtype="uint16",
             train_tokens=counts["train"],
             val_tokens=counts["val"],
         )
-    print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
+    return counts
 
 
 @dataclass(slots=True)

@@ -1,10 +1,10 @@
-"""Token datasets on disk, as nanoGPT lays them out: data/<name>/{train,val}.bin (flat token ids) + meta.json,
-and the training batches drawn from them.
+"""Token datasets on disk, as nanoGPT lays them out: data/<name>/{train,val}.bin (flat token ids) +
+meta.json, and the training batches drawn from them.
 
-meta.json (JSON, not pickle, so loading a dataset cannot run code) holds the token dtype, vocab_size and the
-tokenizer: 'char' with its character list, 'gpt2' (tiktoken BPE), or 'bpe' (a byte-level BPE trained on the text by
-Hugging Face tokenizers, kept beside it as tokenizer.json). The root's dataset.py is the command line that turns
-any local text file into such a dataset (prepare_text).
+meta.json (JSON, not pickle, so loading a dataset cannot run code) holds the token dtype, vocab_size
+and the tokenizer: 'char' with its character list, 'gpt2' (tiktoken BPE), or 'bpe' (a byte-level BPE
+trained on the text by Hugging Face tokenizers, kept beside it as tokenizer.json). The root's
+dataset.py is the command line that turns any local text file into such a dataset (prepare_text).
 """
 
 import json
@@ -38,22 +38,18 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def writing_dataset(
     out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.bin")
 ) -> Iterator[tuple[dict, dict]]:
-    """Write a dataset folder: the block writes the named files ({name: binary temp file}) and fills the meta dict;
-    then meta.json is removed, the files are renamed into place and meta.json is written, last. A failure in the block
-    leaves a dataset in out_dir as it was; a folder without meta.json is never taken as complete (load_meta)."""
+    """Write a dataset folder: the block writes the named files ({name: binary temp file}) and fills
+    the meta dict; then meta.json is removed, the files are renamed into place and meta.json is
+    written, last. A failure in the block leaves a dataset in out_dir as it was; a folder without
+    meta.json is never taken as complete (load_meta)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder: choose another --out_dir")
-    check_writes_into(
-        out_dir, "a dataset", (*names, "meta.json")
-    )  # e.g. not into a run or an export
+    files = (*names, "meta.json")
+    check_writes_into(out_dir, "a dataset", files)  # e.g. not into a run or an export
     meta: dict = {}
-    with (
-        folder_lock(out_dir, "a dataset's preparation"),
-        ExitStack() as stack,
-    ):  # one writer at a time
-        remove_stale_temps(
-            out_dir, "|".join(map(re.escape, (*names, "meta.json")))
-        )  # a killed one's
+    # one writer at a time
+    with folder_lock(out_dir, "a dataset's preparation"), ExitStack() as stack:
+        remove_stale_temps(out_dir, "|".join(map(re.escape, files)))  # a killed one's
         # the temp files are renamed when the stack closes, after meta.json is gone
         yield {name: stack.enter_context(atomic_open(out_dir / name)) for name in names}, meta
         (out_dir / "meta.json").unlink(missing_ok=True)
@@ -63,12 +59,14 @@ def writing_dataset(
 
 
 def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
-    """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json (writing_dataset)."""
-    dtype, bpe = token_dtype(meta["vocab_size"]), meta.get("bpe")
-    with writing_dataset(out_dir, ("train.bin", "val.bin") + (BPE_FILE,) * (bpe is not None)) as (
-        files,
-        written,
-    ):
+    """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json
+    (writing_dataset)."""
+    dtype = token_dtype(meta["vocab_size"])
+    bpe = meta.get("bpe")
+    names = ("train.bin", "val.bin")
+    if bpe is not None:
+        names += (BPE_FILE,)
+    with writing_dataset(out_dir, names) as (files, written):
         if bpe is not None:
             files[BPE_FILE].write(bpe.encode())
         for split, ids in (("train", train_ids), ("val", val_ids)):
@@ -80,18 +78,17 @@ def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, met
             val_tokens=int(len(val_ids)),
         )
     print(
-        f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size {meta['vocab_size']}"
+        f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size "
+        f"{meta['vocab_size']}"
     )
 
 
 def load_meta(path: Path) -> dict:
     file = path / "meta.json"
     if not file.is_file():
-        hint = (
-            f"run python data/{path.name}/prepare.py first"
-            if (DATA_ROOT / path.name / "prepare.py").is_file()
-            else "prepare it first (python dataset.py --help)"
-        )
+        hint = "prepare it first (python dataset.py --help)"
+        if (DATA_ROOT / path.name / "prepare.py").is_file():
+            hint = f"run python data/{path.name}/prepare.py first"
         raise UserError(f"no dataset at {path} (missing meta.json): {hint}")
     try:
         meta = json.loads(file.read_text())
@@ -99,21 +96,23 @@ def load_meta(path: Path) -> dict:
         raise UserError(f"{file} is not valid JSON ({e}); prepare the dataset again") from e
     if problems := meta_problems(meta):
         raise UserError(
-            f"{file} is damaged or not a dataset's meta ({'; '.join(problems)}): prepare the dataset again"
+            f"{file} is damaged or not a dataset's meta ({'; '.join(problems)}): prepare the "
+            "dataset again"
         )
-    if (
-        meta.get("tokenizer") == "bpe"
-    ):  # the tokenizer travels with the meta (into checkpoints, to export.py)
+    # the tokenizer travels with the meta (into checkpoints, to export.py)
+    if meta.get("tokenizer") == "bpe":
         if not (path / BPE_FILE).is_file():
             raise UserError(
-                f"{path / BPE_FILE} is missing (the dataset's BPE tokenizer); prepare the dataset again"
+                f"{path / BPE_FILE} is missing (the dataset's BPE tokenizer); prepare the dataset "
+                "again"
             )
         meta["bpe"] = (path / BPE_FILE).read_text(encoding="utf-8")
     return meta
 
 
 def meta_problems(meta: object) -> list[str]:
-    """What is missing or wrong in a dataset's meta.json: the fields that reading its tokens relies on."""
+    """What is missing or wrong in a dataset's meta.json: the fields that reading its tokens relies
+    on."""
     if not isinstance(meta, dict):
         return ["not a JSON object"]
     counts = ("vocab_size", "train_tokens", "val_tokens")
@@ -122,30 +121,27 @@ def meta_problems(meta: object) -> list[str]:
         for k in counts
         if not isinstance(meta.get(k), int) or isinstance(meta.get(k), bool) or meta[k] < 0
     ]
+    vocab_size = meta.get("vocab_size")
     if meta.get("dtype") not in ("uint16", "uint32"):
         problems.append(f"dtype is {meta.get('dtype')!r}, not uint16 or uint32")
-    elif (
-        isinstance(meta.get("vocab_size"), int)
-        and meta["vocab_size"] > np.iinfo(meta["dtype"]).max + 1
-    ):
-        problems.append(f"vocab_size {meta['vocab_size']} does not fit {meta['dtype']}")
-    examples = meta.get(
-        "example_tokens"
-    )  # a dataset of whole examples, each its own training row (data/mqar)
+    elif isinstance(vocab_size, int) and vocab_size > np.iinfo(meta["dtype"]).max + 1:
+        problems.append(f"vocab_size {vocab_size} does not fit {meta['dtype']}")
+    # a dataset of whole examples, each its own training row (data/mqar)
+    examples = meta.get("example_tokens")
     if examples is not None:
         whole = isinstance(examples, int) and examples > 1
         splits = [meta.get(k) for k in ("train_tokens", "val_tokens")]
         if not whole or any(isinstance(n, int) and n % examples for n in splits):
             problems.append(
-                f"example_tokens is {examples!r}, not a whole number above 1 that divides both splits"
+                f"example_tokens is {examples!r}, not a whole number above 1 that divides both "
+                "splits"
             )
     if meta.get("tokenizer") not in ("char", "gpt2", "bpe"):
         problems.append(f"tokenizer is {meta.get('tokenizer')!r}, not char, gpt2 or bpe")
     elif meta["tokenizer"] == "char":
         chars = meta.get("chars")
-        if not isinstance(chars, list) or not all(
-            isinstance(c, str) and len(c) == 1 for c in chars
-        ):
+        listed = isinstance(chars, list)
+        if not listed or not all(isinstance(c, str) and len(c) == 1 for c in chars):
             problems.append("a char dataset without its list of characters")
         elif len(set(chars)) != len(chars) or len(chars) != meta.get("vocab_size"):
             problems.append(
@@ -157,16 +153,15 @@ def meta_problems(meta: object) -> list[str]:
 
 def vocab_size_of(dataset: str) -> int | None:
     """The dataset's vocab_size if it has been prepared, else None."""
-    return (
-        load_meta(data_dir(dataset))["vocab_size"]
-        if (data_dir(dataset) / "meta.json").is_file()
-        else None
-    )
+    if not (data_dir(dataset) / "meta.json").is_file():
+        return None
+    return load_meta(data_dir(dataset))["vocab_size"]
 
 
 def open_tokens(path: Path, split: str, meta: dict, mask: bool = False) -> np.memmap:
-    """The split's token ids as a read-only memmap, after checking the file against meta.json; mask: its loss mask
-    instead (an example dataset's <split>_mask.bin, one byte a token: 1 where the token is a target to learn)."""
+    """The split's token ids as a read-only memmap, after checking the file against meta.json; mask:
+    its loss mask instead (an example dataset's <split>_mask.bin, one byte a token: 1 where the
+    token is a target to learn)."""
     file = path / (f"{split}_mask.bin" if mask else f"{split}.bin")
     if not file.is_file():
         raise UserError(f"{file} is missing; prepare the dataset again")
@@ -176,36 +171,36 @@ def open_tokens(path: Path, split: str, meta: dict, mask: bool = False) -> np.me
     if size != expected * dtype.itemsize:
         raise UserError(
             f"{file} has {size:,} bytes, but meta.json says {expected:,} tokens of {dtype.name} "
-            f"({expected * dtype.itemsize:,} bytes): the file is truncated or from another preparation; "
-            f"prepare the dataset again"
+            f"({expected * dtype.itemsize:,} bytes): the file is truncated or from another "
+            "preparation; prepare the dataset again"
         )
     return np.memmap(file, dtype=dtype, mode="r")
 
 
 class Batches:
-    """Random windows of block_size + 1 tokens from a dataset folder, as (inputs, targets) on device; from a dataset
-    of examples (meta's example_tokens), random whole examples, their targets -1 (ignored by the loss) where the
-    mask says the token is not one to learn. The batch of (iteration, micro-step) depends on the seed alone, so a run
-    draws the same data with any number of DDP ranks, and again when resumed."""
+    """Random windows of block_size + 1 tokens from a dataset folder, as (inputs, targets) on
+    device; from a dataset of examples (meta's example_tokens), random whole examples, their targets
+    -1 (ignored by the loss) where the mask says the token is not one to learn. The batch of
+    (iteration, micro-step) depends on the seed alone, so a run draws the same data with any number
+    of DDP ranks, and again when resumed."""
 
     def __init__(
         self, path: Path, block_size: int, batch_size: int, seed: int, device: str
     ) -> None:
-        self.path, self.block_size, self.batch_size, self.seed, self.device = (
-            path,
-            block_size,
-            batch_size,
-            seed,
-            device,
-        )
+        self.path = path
+        self.block_size = block_size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.device = device
         self.meta = load_meta(path)
         self.example = self.meta.get("example_tokens")
         if self.example and block_size + 1 != self.example:
             raise UserError(
-                f"{path} holds examples of {self.example} tokens, each a row of its own: train with "
-                f"block_size={self.example - 1} (block_size={block_size} was given)"
+                f"{path} holds examples of {self.example} tokens, each a row of its own: train "
+                f"with block_size={self.example - 1} (block_size={block_size} was given)"
             )
-        self.stamps = {}  # each split's file as this run first read it: another preparation replaces the file
+        # each split's file as this run first read it: another preparation replaces the file
+        self.stamps = {}
         for split in ("train", "val"):
             n = len(open_tokens(path, split, self.meta))
             if n <= block_size:
@@ -225,9 +220,8 @@ class Batches:
                 f"tokens are no longer the ones the run started on; resume it on the new data "
                 f"(--init_from=resume) or restart it"
             )
-        data = open_tokens(
-            self.path, split, self.meta
-        )  # a fresh memmap each time avoids a slow memory build-up
+        # a fresh memmap each time avoids a slow memory build-up
+        data = open_tokens(self.path, split, self.meta)
         rng = np.random.default_rng([self.seed, *key])
         T = self.block_size
         if self.example:  # whole examples, their first tokens at multiples of T + 1
@@ -235,12 +229,12 @@ class Batches:
         else:
             ix = rng.integers(0, len(data) - T, size=self.batch_size)
         ids = np.stack([data[i : i + T + 1] for i in ix])  # (B, T + 1)
-        if (top := int(ids.max())) >= self.meta[
-            "vocab_size"
-        ]:  # an embedding lookup would fail with no file named
+        top = int(ids.max())
+        if top >= self.meta["vocab_size"]:  # an embedding lookup would fail with no file named
             raise UserError(
-                f"{file} holds token id {top}, beyond the vocab_size {self.meta['vocab_size']} of its "
-                f"meta.json: the file is damaged or from another tokenizer; prepare the dataset again"
+                f"{file} holds token id {top}, beyond the vocab_size {self.meta['vocab_size']} of "
+                "its meta.json: the file is damaged or from another tokenizer; prepare the dataset "
+                "again"
             )
         buf = torch.from_numpy(ids.astype(np.int64))
         if self.example:  # targets the mask leaves out: -1, which the loss ignores
@@ -256,9 +250,8 @@ class Batches:
     def train(self, it: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get("train", 0, it, micro)
 
-    def eval(
-        self, split: str, k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # the same batches at every eval
+    def eval(self, split: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k-th eval batch of split: the same at every eval."""
         return self.get(split, 1, ("train", "val").index(split), k)
 
 
@@ -272,8 +265,8 @@ def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, n
     n = int(len(ids) * (1 - val_fraction))
     if not 0 < val_fraction < 1 or not 0 < n < len(ids):
         raise UserError(
-            f"{len(ids)} tokens at val_fraction={val_fraction} leave a split empty: val_fraction must be "
-            f"in (0, 1), and the text long enough for both"
+            f"{len(ids)} tokens at val_fraction={val_fraction} leave a split empty: val_fraction "
+            "must be in (0, 1), and the text long enough for both"
         )
     return ids[:n], ids[n:]
 
@@ -281,7 +274,8 @@ def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, n
 def read_text(path: str, what: str = "input file") -> str:
     """A UTF-8 text file's contents, or one line saying why not."""
     if not Path(path).is_file():
-        raise UserError(f"{what} {path} {'is not a file' if Path(path).exists() else 'not found'}")
+        why = "is not a file" if Path(path).exists() else "not found"
+        raise UserError(f"{what} {path} {why}")
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -294,8 +288,8 @@ def download_text(url: str) -> str:
             return r.read().decode("utf-8")
     except OSError as e:  # URLError, timeouts and refused connections are all OSErrors
         raise UserError(
-            f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local copy "
-            f"as --input=FILE"
+            f"cannot download {url} ({getattr(e, 'reason', e)}); with no network, pass a local "
+            "copy as --input=FILE"
         ) from e
 
 
@@ -306,8 +300,8 @@ def prepare_text(
     val_fraction: float = 0.1,
     vocab_size: int | None = None,
 ) -> None:
-    """Tokenise one text (char-level, GPT-2 BPE, or a BPE of vocab_size trained on it) and write it as a dataset
-    with a train/val split."""
+    """Tokenise one text (char-level, GPT-2 BPE, or a BPE of vocab_size trained on it) and write it
+    as a dataset with a train/val split."""
     if not text:
         raise UserError("the text is empty: nothing to make a dataset of")
     if vocab_size is not None and tokenizer != "bpe":
@@ -316,7 +310,8 @@ def prepare_text(
         )
     if tokenizer == "char":
         tok = CharTokenizer.from_text(text)
-        ids, meta = tok.encode_array(text), tok.meta()
+        ids = tok.encode_array(text)
+        meta = tok.meta()
     elif tokenizer == "gpt2":
         enc = gpt2_encoding()
         ids = np.array(enc.encode_ordinary(text), dtype=np.int64)
@@ -327,14 +322,14 @@ def prepare_text(
         tok = train_bpe(text, vocab_size)
         if tok.n_vocab < vocab_size:  # BPE stops when no pair of tokens is left to merge
             print(
-                f"note: the text allows only {tok.n_vocab:,} BPE tokens, not the {vocab_size:,} asked for: the "
-                f"dataset's vocab_size is {tok.n_vocab:,} (more text makes more merges possible)"
+                f"note: the text allows only {tok.n_vocab:,} BPE tokens, not the {vocab_size:,} "
+                f"asked for: the dataset's vocab_size is {tok.n_vocab:,} (more text makes more "
+                "merges possible)"
             )
-        ids, meta = (
-            tok.encode_array(text),
-            {"tokenizer": "bpe", "vocab_size": tok.n_vocab, "bpe": tok.tok.to_str()},
-        )
+        ids = tok.encode_array(text)
+        meta = {"tokenizer": "bpe", "vocab_size": tok.n_vocab, "bpe": tok.tok.to_str()}
     else:
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char', 'gpt2' or 'bpe'")
 
-    write_dataset(out_dir, *split_ids(ids, val_fraction), meta)
+    train_ids, val_ids = split_ids(ids, val_fraction)
+    write_dataset(out_dir, train_ids, val_ids, meta)

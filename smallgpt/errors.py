@@ -1,7 +1,7 @@
 """UserError, a mistake the user fixes, and how the scripts say it: one line, no traceback.
 
-Every script imports this module (through configurator.py) before torch, so its sys.excepthook also says a Ctrl-C
-while the libraries import in one line."""
+Every script imports this module (through configurator.py) before torch, so its sys.excepthook also
+says a Ctrl-C while the libraries import in one line."""
 
 import sys
 import types

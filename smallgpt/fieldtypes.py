@@ -1,6 +1,7 @@
-"""The values a config file or a --key=value flag gives a dataclass, checked against its fields: an unknown key
-is named with its close matches, each value converted to its field's type hint (checked_values) or refused in one
-line. And with_fields_of, a dataclass that takes another's fields (TrainConfig takes GPTConfig's)."""
+"""The values a config file or a --key=value flag gives a dataclass, checked against its fields: an
+unknown key is named with its close matches, each value converted to its field's type hint
+(checked_values) or refused in one line. And with_fields_of, a dataclass that takes another's fields
+(TrainConfig takes GPTConfig's)."""
 
 import dataclasses
 import difflib
@@ -17,49 +18,75 @@ from smallgpt.errors import UserError
 T = TypeVar("T")
 
 
-def coerce(
-    key: str, value: Any, hint: Any, source: str, raw: str | None, expected: str = ""
-) -> Any:
-    """value converted to the type hint, or a UserError naming key, value, type and source."""
-    if (
-        hint in (int, float) and isinstance(value, str) and not _finite(value)
-    ):  # nan, inf, -infinity
+def coerce(key: str, value: Any, hint: Any, source: str, raw: str | None) -> Any:
+    """value converted to the type hint, or a UserError naming key, value, type and source (raw:
+    the text typed on the command line, if any)."""
+    # nan, inf, -infinity
+    if hint in (int, float) and isinstance(value, str) and not _finite(value):
         raise OutOfRange(f"{key}={value} (from {source}) must be a finite number")
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
+    expected = _name(hint)
     if origin in (typing.Union, types.UnionType):
         if (value is None or raw == "None") and type(None) in args:
             return None
         expected = " or ".join(map(_name, args))
-        for member in [a for a in args if a is not type(None)]:  # the first type that takes it
-            try:
-                return coerce(key, value, member, source, raw)
-            except OutOfRange:  # the right type, a value it cannot hold: say that, not "wrong type"
-                raise
-            except UserError:
-                pass
+        result = _coerce_union(key, value, args, source, raw)
     elif origin in (list, tuple) and args:
-        items = value
         quoted = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
         if raw is not None and args[0] is str and not quoted:  # text as typed: --tags=[1,2e3]
             value = raw
-        if isinstance(value, str):  # --tags=a,b or --methods=[a,b]
-            inner = value.removeprefix("[").removesuffix("]")
-            items = [part.strip() for part in inner.split(",") if part.strip()]
-        elif not isinstance(value, list | tuple):
-            items = [value]  # --kv_heads=3: a list of one
+        result = _coerce_sequence(key, value, origin, args, source)
+    else:
+        result = _coerce_scalar(key, value, hint, source, raw)
+    if result is not NOT_TAKEN:
+        return result
+    given = raw if raw is not None else repr(value)
+    raise UserError(
+        f"{key}={given} (from {source}) has the wrong type: "
+        f"expected {expected}, got {type(value).__name__}"
+    )
+
+
+NOT_TAKEN = object()  # what a _coerce_ helper gives for a value its type does not take
+
+
+def _coerce_union(key: str, value: Any, args: tuple, source: str, raw: str | None) -> Any:
+    """value as the first of the union's member types (args) that takes it, or NOT_TAKEN."""
+    for member in [a for a in args if a is not type(None)]:
         try:
-            if origin is tuple and Ellipsis not in args:  # fixed size, e.g. (n_layer, n_embd)
-                if len(items) == len(args):
-                    pairs = zip(items, args, strict=True)
-                    return [coerce(key, item, member, source, None) for item, member in pairs]
-            else:
-                return [coerce(key, item, args[0], source, None) for item in items]
-        except OutOfRange:
+            return coerce(key, value, member, source, raw)
+        except OutOfRange:  # the right type, a value it cannot hold: say that, not "wrong type"
             raise
         except UserError:
             pass
-    elif hint is bool:
+    return NOT_TAKEN
+
+
+def _coerce_sequence(key: str, value: Any, origin: type, args: tuple, source: str) -> Any:
+    """value as a list of the member types args (origin: list, or a tuple's), or NOT_TAKEN."""
+    items = value
+    if isinstance(value, str):  # --tags=a,b or --methods=[a,b]
+        inner = value.removeprefix("[").removesuffix("]")
+        items = [part.strip() for part in inner.split(",") if part.strip()]
+    elif not isinstance(value, list | tuple):
+        items = [value]  # --kv_heads=3: a list of one
+    try:
+        if origin is tuple and Ellipsis not in args:  # fixed size, e.g. (n_layer, n_embd)
+            if len(items) != len(args):
+                return NOT_TAKEN
+            pairs = zip(items, args, strict=True)
+            return [coerce(key, item, member, source, None) for item, member in pairs]
+        return [coerce(key, item, args[0], source, None) for item in items]
+    except OutOfRange:
+        raise
+    except UserError:
+        return NOT_TAKEN
+
+
+def _coerce_scalar(key: str, value: Any, hint: Any, source: str, raw: str | None) -> Any:
+    """value as a bool, int, float or str (hint), or NOT_TAKEN (as for any other hint)."""
+    if hint is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -71,20 +98,16 @@ def coerce(
         if isinstance(value, int | float) and not isinstance(value, bool):
             return _in_range(key, float(value), source)
     elif hint is str:
-        if raw is not None:  # from the command line: the text as typed, unless a quoted literal
-            value = value if isinstance(value, str) else raw
+        # from the command line: the text as typed, unless a quoted literal
+        if raw is not None and not isinstance(value, str):
+            value = raw
         if isinstance(value, str):
             return os.path.expanduser(value) if key in PATH_KEYS else value
-    name = expected or _name(hint)
-    given = raw if raw is not None else repr(value)
-    raise UserError(
-        f"{key}={given} (from {source}) has the wrong type: "
-        f"expected {name}, got {type(value).__name__}"
-    )
+    return NOT_TAKEN
 
 
-# The keys that name a file or folder: a leading ~ is the home folder, as a shell reads ~ at a word's start
-# (a shell leaves --out_dir=~/x as it is)
+# The keys that name a file or folder: a leading ~ is the home folder, as a shell reads ~ at a
+# word's start (a shell leaves --out_dir=~/x as it is)
 PATH_KEYS = ("out_dir", "dataset", "input", "to", "gguf", "llama_cpp", "nanogpt_dir")
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32
@@ -121,7 +144,8 @@ def _in_range(key: str, value: int | float, source: str) -> int | float:
 
 
 def _finite(text: str) -> bool:
-    """False for text that Python reads as a float that is not finite (nan, inf, -Infinity), else True."""
+    """False for text that Python reads as a float that is not finite (nan, inf, -Infinity), else
+    True."""
     try:
         return math.isfinite(float(text))
     except ValueError:  # not a number at all: a wrong type, said as such
@@ -172,9 +196,10 @@ def checked_values(
         if key not in hints:  # '' too: --=5
             raise unknown_key(key, known, source)
     typed = raws or {}
-    return {
-        key: coerce(key, value, hints[key], source, typed.get(key)) for key, value in items.items()
-    }
+    checked = {}
+    for key, value in items.items():
+        checked[key] = coerce(key, value, hints[key], source, typed.get(key))
+    return checked
 
 
 def unknown_key(key: str, known: list[str], source: str) -> UserError:

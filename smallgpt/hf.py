@@ -1,10 +1,10 @@
-"""This project's GPT as a stock Hugging Face transformers model (no code of ours needed to load it): rotary
-positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel (MHA; GQA with each K/V
-head repeated for its group, exact but without the smaller cache) or GPTBigCodeForCausalLM with multi_query (MQA);
-Llama's block as LlamaForCausalLM (with local layers: GraniteSWAForCausalLM), MLA as DeepseekV3ForCausalLM
-(smallgpt/hf_llama.py).
-The weight mapping, the tokenizer as a transformers one, and llama.cpp's converter from such a folder to GGUF;
-export.py writes the folder with a model card. Dropout is training's only: the exported model has none.
+"""This project's GPT as a stock Hugging Face transformers model (no code of ours needed to load
+it): rotary positions as Starcoder2ForCausalLM (any n_kv_head), learned positions as GPT2LMHeadModel
+(MHA; GQA with each K/V head repeated for its group, exact but without the smaller cache) or
+GPTBigCodeForCausalLM with multi_query (MQA); Llama's block as LlamaForCausalLM (with local layers:
+GraniteSWAForCausalLM), MLA as DeepseekV3ForCausalLM (smallgpt/hf_llama.py). The weight mapping, the
+tokenizer as a transformers one, and llama.cpp's converter from such a folder to GGUF; export.py
+writes the folder with a model card. Dropout is training's only: the exported model has none.
 """
 
 import dataclasses
@@ -39,16 +39,13 @@ STARCODER2_LAYER = {
 }
 
 
-GPT2_NAMES = (
-    "gpt2",
-    "gpt2-medium",
-    "gpt2-large",
-    "gpt2-xl",
-)  # OpenAI's GPT-2 on the Hugging Face hub
+# OpenAI's GPT-2 on the Hugging Face hub
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 def target_class(config: Any) -> str:
-    """The transformers class that holds a model of config (a GPTConfig); one that none holds: a UserError."""
+    """The transformers class that holds a model of config (a GPTConfig); one that none holds: a
+    UserError."""
     if name := llama_class(config):
         return name
     if config.pos_encoding == "rope":
@@ -57,8 +54,9 @@ def target_class(config: Any) -> str:
 
 
 def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
-    """A transformers model (float32, eval mode) that computes what model computes. llama_cpp: the one llama.cpp's
-    converter reads (a rotary GPT-2 block gets zero biases: llama.cpp's Starcoder2 requires them; MLA: hf_llama)."""
+    """A transformers model (float32, eval mode) that computes what model computes. llama_cpp: the
+    one llama.cpp's converter reads (a rotary GPT-2 block gets zero biases: llama.cpp's Starcoder2
+    requires them; MLA: hf_llama)."""
     import transformers
 
     c = model.config
@@ -66,17 +64,17 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     if kind == "DeepseekV3ForCausalLM":
         cls_name, hf_config, state = deepseek(c, sd, llama_cpp)
-    elif kind in ("LlamaForCausalLM", "GraniteSWAForCausalLM"):
-        cls_name, hf_config, state = (llama if kind == "LlamaForCausalLM" else granite_swa)(c, sd)
-    else:
-        if llama_cpp and c.pos_encoding == "rope" and not c.bias:
-            sd |= {
-                k.replace(".weight", ".bias"): torch.zeros(v.shape[0])
-                for k, v in sd.items()
-                if k.startswith("transformer.h.") and k.endswith(".weight") and ".ln_" not in k
-            }
+    elif kind == "LlamaForCausalLM":
+        cls_name, hf_config, state = llama(c, sd)
+    elif kind == "GraniteSWAForCausalLM":
+        cls_name, hf_config, state = granite_swa(c, sd)
+    elif c.pos_encoding == "rope":
+        if llama_cpp and not c.bias:  # llama.cpp's Starcoder2 requires biases: zeros
+            sd |= zero_biases(sd)
             c = dataclasses.replace(c, bias=True)
-        cls_name, hf_config, state = (starcoder2 if c.pos_encoding == "rope" else gpt2)(c, sd)
+        cls_name, hf_config, state = starcoder2(c, sd)
+    else:
+        cls_name, hf_config, state = gpt2(c, sd)
     hf = getattr(transformers, cls_name)(hf_config)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
@@ -88,9 +86,19 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
     return hf.eval()
 
 
+def zero_biases(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A zero bias for each weight of sd's blocks but the norms'."""
+    return {
+        k.replace(".weight", ".bias"): torch.zeros(v.shape[0])
+        for k, v in sd.items()
+        if k.startswith("transformer.h.") and k.endswith(".weight") and ".ln_" not in k
+    }
+
+
 def starcoder2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """Rotary positions: Starcoder2's config and weights. It rotates halves of each head (rotate_half), as
-    model.apply_rope does, and query head h reads K/V head h // (n_head / n_kv_head), as SDPA's enable_gqa."""
+    """Rotary positions: Starcoder2's config and weights. It rotates halves of each head
+    (rotate_half), as model.apply_rope does, and query head h reads K/V head
+    h // (n_head / n_kv_head), as SDPA's enable_gqa."""
     import transformers
 
     config = transformers.Starcoder2Config(
@@ -129,11 +137,18 @@ def starcoder2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str,
 
 
 def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """Learned positions: GPTBigCode with multi_query for MQA, else GPT-2 (GQA's K/V heads repeated for their
-    groups); both hold Q, K and V as one c_attn, and biases everywhere (zeros where the model has none)."""
+    """Learned positions: GPTBigCode with multi_query for MQA, else GPT-2 (GQA's K/V heads repeated
+    for their groups); both hold Q, K and V as one c_attn, and biases everywhere (zeros where the
+    model has none)."""
+    mqa = c.attention_kind == "MQA"
+    name = "GPTBigCodeForCausalLM" if mqa else "GPT2LMHeadModel"
+    return name, gpt2_config(c, mqa), gpt2_state(c, sd, mqa)
+
+
+def gpt2_config(c: Any, mqa: bool) -> Any:
+    """The transformers config of gpt2's class: GPTBigCode's with multi_query, else GPT-2's."""
     import transformers
 
-    mqa = c.attention_kind == "MQA"
     common = dict(
         vocab_size=c.vocab_size,
         n_positions=c.block_size,
@@ -150,186 +165,209 @@ def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch
         bos_token_id=None,
         eos_token_id=None,
     )
+    if mqa:
+        return transformers.GPTBigCodeConfig(multi_query=True, **common)
     # n_ctx: GPT-2's old name for n_positions, which llama.cpp's converter reads
-    config = (
-        transformers.GPTBigCodeConfig(multi_query=True, **common)
-        if mqa
-        else transformers.GPT2Config(n_ctx=c.block_size, **common)
-    )
+    return transformers.GPT2Config(n_ctx=c.block_size, **common)
+
+
+def repeated_heads(c: Any, t: torch.Tensor) -> torch.Tensor:
+    """K or V rows (n_kv_head * head_dim, ...) with each head repeated for its group of query
+    heads: (n_embd, ...), as GPT-2 holds them."""
     group = c.n_head // c.n_kv_head
-    conv = (lambda t: t) if mqa else (lambda t: t.t())  # GPT-2's Conv1D stores (in, out)
+    heads = t.view(c.n_kv_head, c.head_dim, *t.shape[1:])  # (n_kv_head, head_dim, ...)
+    return heads.repeat_interleave(group, 0).reshape(c.n_embd, *t.shape[1:])
 
-    def kv(
-        t: torch.Tensor,
-    ) -> torch.Tensor:  # GPT-2 holds every head: each K/V head repeated for its group
-        return (
-            t
-            if mqa
-            else t.view(c.n_kv_head, c.head_dim, *t.shape[1:])
-            .repeat_interleave(group, 0)
-            .reshape(c.n_embd, *t.shape[1:])
-        )
 
-    state = {
-        k: sd[k]
-        for k in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight")
-    }
+# a block's modules, each with a weight (and a bias, zeros where the model has none, in GPT-2)
+GPT2_MODULES = (
+    "attn.c_q",
+    "attn.c_k",
+    "attn.c_v",
+    "attn.c_proj",
+    "mlp.c_fc",
+    "mlp.c_proj",
+    "ln_1",
+    "ln_2",
+)
+
+
+def gpt2_state(c: Any, sd: dict[str, torch.Tensor], mqa: bool) -> dict[str, torch.Tensor]:
+    """gpt2's weights: Q, K and V in one c_attn, a bias for each module. GPT-2's Conv1D stores
+    (in, out) and every head; GPTBigCode's multi-query Linear stores (out, in) and one K/V head."""
+
+    def kv(t: torch.Tensor) -> torch.Tensor:
+        return t if mqa else repeated_heads(c, t)
+
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        return t if mqa else t.t()
+
+    kept = ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight")
+    state = {k: sd[k] for k in kept}
     state["transformer.ln_f.bias"] = sd.get("transformer.ln_f.bias", torch.zeros(c.n_embd))
     for i in range(c.n_layer):
         p = f"transformer.h.{i}."
-        w = {
-            n: sd[p + f"{n}.weight"]
-            for n in (
-                "attn.c_q",
-                "attn.c_k",
-                "attn.c_v",
-                "attn.c_proj",
-                "mlp.c_fc",
-                "mlp.c_proj",
-                "ln_1",
-                "ln_2",
-            )
-        }
+        w = {n: sd[p + f"{n}.weight"] for n in GPT2_MODULES}
         b = {n: sd.get(p + f"{n}.bias", torch.zeros(t.shape[0])) for n, t in w.items()}
-        state |= {
-            p + "attn.c_attn.weight": conv(
-                torch.cat([w["attn.c_q"], kv(w["attn.c_k"]), kv(w["attn.c_v"])])
-            ),
-            p + "attn.c_attn.bias": torch.cat(
-                [b["attn.c_q"], kv(b["attn.c_k"]), kv(b["attn.c_v"])]
-            ),
-        }
+        qkv_weight = [w["attn.c_q"], kv(w["attn.c_k"]), kv(w["attn.c_v"])]
+        qkv_bias = [b["attn.c_q"], kv(b["attn.c_k"]), kv(b["attn.c_v"])]
+        state[p + "attn.c_attn.weight"] = conv(torch.cat(qkv_weight))
+        state[p + "attn.c_attn.bias"] = torch.cat(qkv_bias)
         for n in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj", "ln_1", "ln_2"):
-            state |= {p + f"{n}.weight": conv(w[n]) if "." in n else w[n], p + f"{n}.bias": b[n]}
-    return "GPTBigCodeForCausalLM" if mqa else "GPT2LMHeadModel", config, state
+            is_linear = "." in n  # not a norm
+            state[p + f"{n}.weight"] = conv(w[n]) if is_linear else w[n]
+            state[p + f"{n}.bias"] = b[n]
+    return state
 
 
 def from_transformers(folder: str) -> GPT:
-    """This project's model from a Starcoder2, multi-query GPTBigCode, Llama, GraniteSWA or DeepSeek-V3 folder (what
-    export.py writes for all but GPT-2); what this model cannot hold (untied embeddings, a sliding window shorter than
-    the positions, another norm epsilon, activation or rope type, LayerNorm biases without the others, experts) is
-    refused in one line. GPT-2 folders: from_hf."""
+    """This project's model from a Starcoder2, multi-query GPTBigCode, Llama, GraniteSWA or
+    DeepSeek-V3 folder (what export.py writes for all but GPT-2); what this model cannot hold
+    (untied embeddings, a sliding window shorter than the positions, another norm epsilon,
+    activation or rope type, LayerNorm biases without the others, experts) is refused in one line.
+    GPT-2 folders: from_hf."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    c, sd = hf.config, {k: v.float() for k, v in hf.state_dict().items()}
+    c = hf.config
+    sd = {k: v.float() for k, v in hf.state_dict().items()}
     if c.model_type in MODEL_TYPES:  # Llama's block: Llama or DeepSeek-V3
         config, state = from_llama_block(folder, c, sd)
         return with_weights(GPT(config), state)
     act = getattr(c, "hidden_act", None) or getattr(c, "activation_function", None)
-    window, eps = (
-        getattr(c, "sliding_window", None),
-        getattr(c, "norm_epsilon", getattr(c, "layer_norm_epsilon", 0)),
-    )
+    if bad := unheld(c, sd, act):
+        raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
+    gelu = "exact" if act == "gelu" else "tanh"
+    if c.model_type == "starcoder2":
+        config, state = from_starcoder2(c, sd, gelu)
+    else:
+        config, state = from_gpt_bigcode(c, sd, gelu)
+    model = GPT(config)
+    wanted = model.state_dict().keys()
+    return with_weights(model, {ours: t for ours, t in state.items() if ours in wanted})
+
+
+def unheld(c: Any, sd: dict[str, torch.Tensor], act: str | None) -> list[str]:
+    """What a Starcoder2 or GPTBigCode config c (activation act) and its weights sd hold that this
+    model cannot, each as the setting that says it."""
+    window = getattr(c, "sliding_window", None)
+    eps = getattr(c, "norm_epsilon", getattr(c, "layer_norm_epsilon", 0))
     rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type", "default")
-    ln_bias = any(sd[k].any() for k in sd if k.endswith(("layernorm.bias", "model.norm.bias")))
+    norm_biases = ("layernorm.bias", "model.norm.bias")
+    ln_bias = any(sd[k].any() for k in sd if k.endswith(norm_biases))
+    short_window = window is not None and window < getattr(c, "max_position_embeddings", 0)
+    not_mqa = c.model_type == "gpt_bigcode" and not c.multi_query
+    only_ln_bias = c.model_type == "starcoder2" and not c.use_bias and ln_bias
     problems = {
         f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
         f"hidden_act={act!r}": act not in ("gelu", "gelu_pytorch_tanh", "gelu_new"),
-        f"sliding_window={window}": window is not None
-        and window < getattr(c, "max_position_embeddings", 0),
+        f"sliding_window={window}": short_window,
         f"norm epsilon {eps}": eps != 1e-5,
         f"rope_type={rope!r}": rope != "default",
-        "multi_query=False": c.model_type == "gpt_bigcode" and not c.multi_query,
-        "LayerNorm biases with use_bias=False": c.model_type == "starcoder2"
-        and not c.use_bias
-        and ln_bias,
+        "multi_query=False": not_mqa,
+        "LayerNorm biases with use_bias=False": only_ln_bias,
     }
-    if bad := [what for what, true in problems.items() if true]:
-        raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
-    gelu = "exact" if act == "gelu" else "tanh"
-    state = {}
-    if c.model_type == "starcoder2":
-        config = GPTConfig(
-            block_size=c.max_position_embeddings,
-            vocab_size=c.vocab_size,
-            n_layer=c.num_hidden_layers,
-            n_head=c.num_attention_heads,
-            n_kv_head=c.num_key_value_heads,
-            n_embd=c.hidden_size,
-            bias=c.use_bias,
-            pos_encoding="rope",
-            rope_theta=float(c.rope_parameters["rope_theta"]),
-            gelu=gelu,
-            mlp_hidden=c.intermediate_size,
-        )
-        names = {
-            "transformer.wte.weight": "model.embed_tokens.weight",
-            "transformer.ln_f.weight": "model.norm.weight",
-            "transformer.ln_f.bias": "model.norm.bias",
-        }
-        names |= {
-            f"transformer.h.{i}.{ours}.{kind}": f"model.layers.{i}.{theirs}.{kind}"
-            for i in range(c.num_hidden_layers)
-            for ours, theirs in STARCODER2_LAYER.items()
-            for kind in ("weight", "bias")
-        }
-    else:  # multi-query GPTBigCode: Q, K and V in one c_attn (nn.Linear), every bias
-        config = GPTConfig(
-            block_size=c.n_positions,
-            vocab_size=c.vocab_size,
-            n_layer=c.n_layer,
-            n_head=c.n_head,
-            n_kv_head=1,
-            n_embd=c.n_embd,
-            bias=True,
-            pos_encoding="learned",
-            gelu=gelu,
-            mlp_hidden=c.n_inner or 4 * c.n_embd,
-        )
-        names = {k: k for k in sd if "c_attn" not in k and k != "lm_head.weight"}
-        for i in range(c.n_layer):
-            for kind in ("weight", "bias"):
-                p = f"transformer.h.{i}.attn."
-                q, k, v = sd[f"{p}c_attn.{kind}"].split(
-                    [c.n_embd, config.head_dim, config.head_dim]
-                )
-                state |= {f"{p}c_q.{kind}": q, f"{p}c_k.{kind}": k, f"{p}c_v.{kind}": v}
-    model = GPT(config)
-    wanted = model.state_dict().keys()
-    state |= {ours: sd[theirs] for ours, theirs in names.items() if ours in wanted and theirs in sd}
-    return with_weights(model, state)
+    return [what for what, true in problems.items() if true]
+
+
+def from_starcoder2(
+    c: Any, sd: dict[str, torch.Tensor], gelu: str
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """A Starcoder2 config as ours, and its weights under our names (more than the model may
+    take: a LayerNorm's zero biases where it has none)."""
+    config = GPTConfig(
+        block_size=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        n_kv_head=c.num_key_value_heads,
+        n_embd=c.hidden_size,
+        bias=c.use_bias,
+        pos_encoding="rope",
+        rope_theta=float(c.rope_parameters["rope_theta"]),
+        gelu=gelu,
+        mlp_hidden=c.intermediate_size,
+    )
+    names = {
+        "transformer.wte.weight": "model.embed_tokens.weight",
+        "transformer.ln_f.weight": "model.norm.weight",
+        "transformer.ln_f.bias": "model.norm.bias",
+    }
+    names |= {
+        f"transformer.h.{i}.{ours}.{kind}": f"model.layers.{i}.{theirs}.{kind}"
+        for i in range(c.num_hidden_layers)
+        for ours, theirs in STARCODER2_LAYER.items()
+        for kind in ("weight", "bias")
+    }
+    return config, {ours: sd[theirs] for ours, theirs in names.items() if theirs in sd}
+
+
+def from_gpt_bigcode(
+    c: Any, sd: dict[str, torch.Tensor], gelu: str
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """A multi-query GPTBigCode config as ours, and its weights under our names: Q, K and V are
+    one c_attn there (an nn.Linear), and every module has a bias."""
+    config = GPTConfig(
+        block_size=c.n_positions,
+        vocab_size=c.vocab_size,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_kv_head=1,
+        n_embd=c.n_embd,
+        bias=True,
+        pos_encoding="learned",
+        gelu=gelu,
+        mlp_hidden=c.n_inner or 4 * c.n_embd,
+    )
+    state = {k: t for k, t in sd.items() if "c_attn" not in k and k != "lm_head.weight"}
+    sizes = [c.n_embd, config.head_dim, config.head_dim]  # all query heads, one K, one V
+    for i in range(c.n_layer):
+        p = f"transformer.h.{i}.attn."
+        for kind in ("weight", "bias"):
+            q, k, v = sd[f"{p}c_attn.{kind}"].split(sizes)
+            state[f"{p}c_q.{kind}"] = q
+            state[f"{p}c_k.{kind}"] = k
+            state[f"{p}c_v.{kind}"] = v
+    return config, state
 
 
 def with_weights(model: GPT, state: dict[str, torch.Tensor]) -> GPT:
-    """model with state's weights, every one given (strict), its output layer tied to the embeddings."""
+    """model with state's weights, every one given (strict), its output layer tied to the
+    embeddings."""
     model.load_state_dict(state | {"lm_head.weight": state["transformer.wte.weight"]})
     return model
 
 
-UNKNOWN = "<unk>"  # a char-level tokenizer's unknown token: more than one character, so never in its vocabulary
+# a char-level tokenizer's unknown token: more than one character, so never in its vocabulary
+UNKNOWN = "<unk>"
 
 
 def tokenizer(meta: dict) -> Any:
-    """The dataset's tokenizer as a transformers fast tokenizer: char-level (one token per character of the
-    dataset's list), GPT-2's BPE (from tiktoken's ranks, offline from $GPT2_BPE_FILE), or the dataset's own BPE."""
+    """The dataset's tokenizer as a transformers fast tokenizer: char-level (one token per character
+    of the dataset's list), GPT-2's BPE (from tiktoken's ranks, offline from $GPT2_BPE_FILE), or the
+    dataset's own BPE."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if meta.get("tokenizer") == "char":
         chars = meta["chars"]
-        # the unknown token is in no vocabulary of single characters: a character outside the dataset's is refused
-        # (tokenizers raises), never read as one of its characters
+        # the unknown token is in no vocabulary of single characters: a character outside the
+        # dataset's is refused (tokenizers raises), never read as one of its characters
         tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token=UNKNOWN))
-        tok.pre_tokenizer = pre_tokenizers.Split(
-            Regex(r"[\s\S]"), behavior="isolated"
-        )  # every character
+        every_character = Regex(r"[\s\S]")
+        tok.pre_tokenizer = pre_tokenizers.Split(every_character, behavior="isolated")
         tok.decoder = decoders.Fuse()  # joined with nothing between
         return PreTrainedTokenizerFast(tokenizer_object=tok)
     if meta.get("tokenizer") == "gpt2":
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
         enc = gpt2_encoding()
-        specials = sorted(
-            enc._special_tokens, key=enc._special_tokens.get
-        )  # each numbered after the ranks
-        assert [enc._special_tokens[t] for t in specials] == list(
-            range(len(enc._mergeable_ranks), enc.n_vocab)
-        )
+        specials = sorted(enc._special_tokens, key=enc._special_tokens.get)
+        after_ranks = range(len(enc._mergeable_ranks), enc.n_vocab)
+        assert [enc._special_tokens[t] for t in specials] == list(after_ranks)
         converter = TikTokenConverter(pattern=enc._pat_str, extra_special_tokens=specials)
-        converter.load_tiktoken_bpe = lambda _: (
-            enc._mergeable_ranks
-        )  # the ranks tiktoken holds, from any file
+        # the ranks tiktoken holds, whatever the file
+        converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks
         eot = {"eos_token": EOT, "bos_token": EOT} if enc.eot_token is not None else {}
         return PreTrainedTokenizerFast(tokenizer_object=converter.converted(), **eot)
     if meta.get("tokenizer") == "bpe":
@@ -340,9 +378,10 @@ def tokenizer(meta: dict) -> Any:
 
 
 def save(hf_model: Any, tok: Any, folder: Path) -> None:
-    """hf_model and tok into folder (save_pretrained), loadable by transformers 5 and by 4.57 (the version llama.cpp's
-    converter pins): 4.57 knows no TokenizersBackend class and reads the rotary base only from a top-level rope_theta,
-    5 only from rope_parameters, so both are written (docs/export.md)."""
+    """hf_model and tok into folder (save_pretrained), loadable by transformers 5 and by 4.57 (the
+    version llama.cpp's converter pins): 4.57 knows no TokenizersBackend class and reads the rotary
+    base only from a top-level rope_theta, 5 only from rope_parameters, so both are written
+    (docs/export.md)."""
     hf_model.save_pretrained(folder)
     tok.save_pretrained(folder)
     update_json(folder / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast"})
@@ -359,8 +398,9 @@ def update_json(file: Path, fields: dict) -> None:
 
 
 def check_weights(folder: Path) -> None:
-    """Each *.safetensors file in folder whole (its header read, its tensors' bytes all there), else one line naming
-    it: a truncated copy would otherwise fail inside safetensors with a traceback."""
+    """Each *.safetensors file in folder whole (its header read, its tensors' bytes all there), else
+    one line naming it: a truncated copy would otherwise fail inside safetensors with a
+    traceback."""
     from safetensors import SafetensorError, safe_open
 
     for file in sorted(folder.glob("*.safetensors")):
@@ -374,41 +414,20 @@ def check_weights(folder: Path) -> None:
 
 
 def from_hf(name_or_path: str) -> GPT:
-    """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium', 'gpt2-large',
-    'gpt2-xl') or a local folder written by save_pretrained. Its fused c_attn is split into c_q, c_k, c_v and its
-    Conv1D weights, stored (in, out), are transposed to Linear's (out, in). A Starcoder2, GPTBigCode, Llama or
-    DeepSeek-V3 folder (as export.py writes) goes through hf.from_transformers."""
+    """OpenAI's GPT-2 through Hugging Face transformers: a hub name ('gpt2', 'gpt2-medium',
+    'gpt2-large', 'gpt2-xl') or a local folder written by save_pretrained (from_gpt2). A
+    Starcoder2, GPTBigCode, Llama or DeepSeek-V3 folder (as export.py writes) goes through
+    hf.from_transformers."""
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
-    if (
-        name_or_path not in GPT2_NAMES
-    ):  # a local folder: from_pretrained would take a wrong one for a hub id
-        folder = Path(name_or_path)
-        if not (folder / "config.json").is_file():
-            raise UserError(
-                f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved by "
-                f"save_pretrained, or one of {', '.join(GPT2_NAMES)}"
-            )
-        check_weights(folder)  # a truncated copy: one line naming the file
-        try:
-            kind = json.loads((folder / "config.json").read_text()).get("model_type")
-        except (ValueError, AttributeError):
-            kind = None
-        if kind in (
-            "starcoder2",
-            "gpt_bigcode",
-            *MODEL_TYPES,
-        ):  # what export.py writes for all but GPT-2
+    # a local folder: from_pretrained would take a wrong one for a hub id
+    if name_or_path not in GPT2_NAMES:
+        kind = folder_model_type(Path(name_or_path))
+        if kind != "gpt2":  # what export.py writes for all but GPT-2
             return from_transformers(name_or_path)
-        if kind != "gpt2":
-            raise UserError(
-                f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by save_pretrained, nor "
-                f"a Llama or DeepSeek-V3 one (config.json's model_type is {kind!r}); a checkpoint of this "
-                f"project loads with init_from=resume and out_dir"
-            )
     try:
         hf = GPT2LMHeadModel.from_pretrained(name_or_path)
     except OSError as e:  # what transformers raises for no network, no cache or a bad folder
@@ -416,27 +435,55 @@ def from_hf(name_or_path: str) -> GPT:
             f"cannot load GPT-2 weights {name_or_path!r} ({first_line(e)}): with no network, "
             f"fill the Hugging Face cache once online, or pass a folder saved by save_pretrained"
         ) from e
-    c = hf.config
-    model = GPT(
-        GPTConfig(
-            block_size=c.n_positions,
-            vocab_size=c.vocab_size,
-            n_layer=c.n_layer,
-            n_head=c.n_head,
-            n_embd=c.n_embd,
-            bias=True,
-            gelu="tanh" if c.activation_function == "gelu_new" else "exact",
-            mlp_hidden=c.n_inner,
+    return from_gpt2(hf)
+
+
+def folder_model_type(folder: Path) -> str:
+    """The model_type of the save_pretrained folder, one from_hf loads; a UserError where there is
+    none, its weights are damaged, or no loader of ours reads it."""
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"no Hugging Face model folder at {folder} (no config.json): pass a folder saved "
+            f"by save_pretrained, or one of {', '.join(GPT2_NAMES)}"
         )
-    )  # None: 4 * n_embd, as GPT-2's own
+    check_weights(folder)  # a truncated copy: one line naming the file
+    try:
+        kind = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError):
+        kind = None
+    if kind not in ("gpt2", "starcoder2", "gpt_bigcode", *MODEL_TYPES):
+        raise UserError(
+            f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by "
+            "save_pretrained, nor a Llama or DeepSeek-V3 one (config.json's model_type is "
+            f"{kind!r}); a checkpoint of this project loads with init_from=resume and out_dir"
+        )
+    return kind
+
+
+def from_gpt2(hf: Any) -> GPT:
+    """This project's model from a GPT2LMHeadModel: its fused c_attn is split into c_q, c_k, c_v
+    and its Conv1D weights, stored (in, out), are transposed to Linear's (out, in)."""
+    c = hf.config
+    config = GPTConfig(
+        block_size=c.n_positions,
+        vocab_size=c.vocab_size,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_embd=c.n_embd,
+        bias=True,
+        gelu="tanh" if c.activation_function == "gelu_new" else "exact",
+        mlp_hidden=c.n_inner,  # None: 4 * n_embd, as GPT-2's own
+    )
+    model = GPT(config)
     state = {}
     for name, t in hf.state_dict().items():
-        if ".attn.c_attn." in name:
-            for part, piece in zip(("c_q", "c_k", "c_v"), t.split(c.n_embd, dim=-1), strict=True):
-                state[name.replace("c_attn", part)] = (
-                    piece.t() if name.endswith("weight") else piece
-                )
-        else:
-            state[name] = t.t() if name.endswith(("c_proj.weight", "c_fc.weight")) else t
+        if ".attn.c_attn." not in name:
+            conv1d = name.endswith(("c_proj.weight", "c_fc.weight"))
+            state[name] = t.t() if conv1d else t
+            continue
+        pieces = t.split(c.n_embd, dim=-1)
+        for part, piece in zip(("c_q", "c_k", "c_v"), pieces, strict=True):
+            is_weight = name.endswith("weight")
+            state[name.replace("c_attn", part)] = piece.t() if is_weight else piece
     model.load_state_dict(state)
     return model

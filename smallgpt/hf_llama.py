@@ -1,8 +1,7 @@
-"""Llama's block (norm='rmsnorm', mlp='swiglu') as stock transformers classes: rotary MHA/GQA/MQA as LlamaForCausalLM,
-with local layers (window) as GraniteSWAForCausalLM, MLA (kv_lora_rank) as a dense DeepseekV3ForCausalLM. The weight
-mappings both ways, and what no class holds, refused in one line; smallgpt/hf.py calls these
-(docs/export.md "Llama's block and
-MLA", "Local layers").
+"""Llama's block (norm='rmsnorm', mlp='swiglu') as stock transformers classes: rotary MHA/GQA/MQA as
+LlamaForCausalLM, with local layers (window) as GraniteSWAForCausalLM, MLA (kv_lora_rank) as a dense
+DeepseekV3ForCausalLM. The weight mappings both ways, and what no class holds, refused in one line;
+smallgpt/hf.py calls these (docs/export.md "Llama's block and MLA", "Local layers").
 """
 
 import math
@@ -35,21 +34,23 @@ DEEPSEEK_LAYER = {k: v for k, v in LLAMA_LAYER.items() if k not in ("attn.c_k", 
     "attn.kv_b": "self_attn.kv_b_proj",
 }
 MODEL_TYPES = ("llama", "deepseek_v3", "granite_swa")
-# GraniteSWA's per-head attention sink: this logit beside the scores leaves their softmax as it is (exp(-1e4) is 0)
+# GraniteSWA's per-head attention sink: this logit beside the scores leaves their softmax as it is
+# (exp(-1e4) is 0)
 NO_SINK = -1e4
-# transformers' DeepSeek attention normalises its latents (q_a_layernorm, kv_a_layernorm) with this epsilon whatever
-# rms_norm_eps says, and ours with NORM_EPS. RMSNorm(a z, eps) = RMSNorm(z, eps / a**2), so the rows that make a latent
-# are scaled by LATENT_SCALE on the way out and back on the way in: exact. llama.cpp uses rms_norm_eps there.
+# transformers' DeepSeek attention normalises its latents (q_a_layernorm, kv_a_layernorm) with this
+# epsilon whatever rms_norm_eps says, and ours with NORM_EPS. RMSNorm(a z, eps) =
+# RMSNorm(z, eps / a**2), so the rows that make a latent are scaled by LATENT_SCALE on the way out
+# and back on the way in: exact. llama.cpp uses rms_norm_eps there.
 HF_LATENT_EPS = 1e-6
 LATENT_SCALE = math.sqrt(HF_LATENT_EPS / NORM_EPS)
 
 
 def llama_class(c: GPTConfig) -> str | None:
-    """LlamaForCausalLM (GraniteSWAForCausalLM with local layers) or DeepseekV3ForCausalLM where c has Llama's block
-    or MLA, None for GPT-2's block (smallgpt/hf.py's classes); a model no stock class holds exactly
-    is refused in one line
-    naming the keys that would make it one."""
-    llama_block, windowed = (c.norm, c.mlp) == ("rmsnorm", "swiglu"), c.window is not None
+    """LlamaForCausalLM (GraniteSWAForCausalLM with local layers) or DeepseekV3ForCausalLM where c
+    has Llama's block or MLA, None for GPT-2's block (smallgpt/hf.py's classes); a model no stock
+    class holds exactly is refused in one line naming the keys that would make it one."""
+    llama_block = (c.norm, c.mlp) == ("rmsnorm", "swiglu")
+    windowed = c.window is not None
     if c.kv_lora_rank is not None:
         needs = {
             "norm='rmsnorm' and mlp='swiglu'": not llama_block,
@@ -66,22 +67,24 @@ def llama_class(c: GPTConfig) -> str | None:
         return "DeepseekV3ForCausalLM"
     if windowed and not (llama_block and c.pos_encoding == "rope"):
         raise UserError(
-            f"exporting local layers (window) needs norm='rmsnorm', mlp='swiglu' and pos_encoding='rope' "
-            f"(GraniteSWAForCausalLM: Llama's block with per-layer sliding windows); no stock class holds "
-            f"norm={c.norm!r}, mlp={c.mlp!r}, pos_encoding={c.pos_encoding!r} with a window"
+            "exporting local layers (window) needs norm='rmsnorm', mlp='swiglu' and "
+            "pos_encoding='rope' (GraniteSWAForCausalLM: Llama's block with per-layer sliding "
+            f"windows); no stock class holds norm={c.norm!r}, mlp={c.mlp!r}, "
+            f"pos_encoding={c.pos_encoding!r} with a window"
         )
     if (c.norm, c.mlp) == ("layernorm", "gelu"):
         return None
     if not llama_block:
         raise UserError(
             f"no stock transformers class holds norm={c.norm!r} with mlp={c.mlp!r}: export needs "
-            f"norm='rmsnorm' with mlp='swiglu' (LlamaForCausalLM) or norm='layernorm' with mlp='gelu' "
-            f"(Starcoder2ForCausalLM, GPT2LMHeadModel)"
+            "norm='rmsnorm' with mlp='swiglu' (LlamaForCausalLM) or norm='layernorm' with "
+            "mlp='gelu' (Starcoder2ForCausalLM, GPT2LMHeadModel)"
         )
     if c.pos_encoding != "rope":
         raise UserError(
-            "export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM); learned positions "
-            "export with norm='layernorm' and mlp='gelu' (GPT2LMHeadModel, GPTBigCodeForCausalLM)"
+            "export needs pos_encoding='rope' for Llama's block (LlamaForCausalLM); learned "
+            "positions export with norm='layernorm' and mlp='gelu' (GPT2LMHeadModel, "
+            "GPTBigCodeForCausalLM)"
         )
     return "GraniteSWAForCausalLM" if windowed else "LlamaForCausalLM"
 
@@ -89,8 +92,8 @@ def llama_class(c: GPTConfig) -> str | None:
 def renamed(
     sd: dict[str, torch.Tensor], n_layer: int, layer: dict[str, str], prefixes: tuple[str, str]
 ) -> dict[str, torch.Tensor]:
-    """sd's tensors under the other side's names: prefixes (ours, theirs) is ('transformer.', 'model.') out and
-    the reverse in; what sd lacks (a bias) is left out."""
+    """sd's tensors under the other side's names: prefixes (ours, theirs) is ('transformer.',
+    'model.') out and the reverse in; what sd lacks (a bias) is left out."""
     ours, theirs = prefixes
     names = {"wte.weight": "embed_tokens.weight", "ln_f.weight": "norm.weight"}
     names |= {
@@ -113,8 +116,9 @@ def rope_config(c: GPTConfig) -> dict[str, Any]:
 
 
 def llama(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """Llama's config and weights. Its attention rotates halves of each head (rotate_half), as attention.apply_rope
-    does, and query head h reads K/V head h // (n_head / n_kv_head), as SDPA's enable_gqa."""
+    """Llama's config and weights. Its attention rotates halves of each head (rotate_half), as
+    attention.apply_rope does, and query head h reads K/V head h // (n_head / n_kv_head), as SDPA's
+    enable_gqa."""
     import transformers
 
     config = transformers.LlamaConfig(
@@ -135,35 +139,29 @@ def llama(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str
         eos_token_id=None,
         **rope_config(c),
     )
-    return (
-        "LlamaForCausalLM",
-        config,
-        renamed(sd, c.n_layer, LLAMA_LAYER, ("transformer.", "model.")),
-    )
+    state = renamed(sd, c.n_layer, LLAMA_LAYER, ("transformer.", "model."))
+    return "LlamaForCausalLM", config, state
 
 
 def granite_swa(
     c: GPTConfig, sd: dict[str, torch.Tensor]
 ) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """Local layers: IBM's GraniteSWA, Llama's layers with a sliding window in those layer_types names (a query sees
-    itself and window - 1 before it, as ours), its multipliers at Llama's (scores scaled by head_dim ** -0.5, the
-    others 1) and its attention sinks at NO_SINK. llama.cpp's granite_swa reads the same pattern."""
+    """Local layers: IBM's GraniteSWA, Llama's layers with a sliding window in those layer_types
+    names (a query sees itself and window - 1 before it, as ours), its multipliers at Llama's
+    (scores scaled by head_dim ** -0.5, the others 1) and its attention sinks at NO_SINK.
+    llama.cpp's granite_swa reads the same pattern."""
     import transformers
 
     _, llama_config, state = llama(c, sd)
-    keys = {
-        k: v
-        for k, v in llama_config.to_dict().items()
-        if k not in ("head_dim", "model_type", "architectures")
-    }
-    config = transformers.GraniteSWAConfig(
-        **keys
-        | dict(
-            attention_multiplier=c.head_dim**-0.5,
-            sliding_window=c.window,
-            layer_types=["sliding_attention" if w else "full_attention" for w in c.layer_windows],
-        )
+    not_granite = ("head_dim", "model_type", "architectures")
+    keys = {k: v for k, v in llama_config.to_dict().items() if k not in not_granite}
+    layer_types = ["sliding_attention" if w else "full_attention" for w in c.layer_windows]
+    keys |= dict(
+        attention_multiplier=c.head_dim**-0.5,
+        sliding_window=c.window,
+        layer_types=layer_types,
     )
+    config = transformers.GraniteSWAConfig(**keys)
     state |= {
         f"model.layers.{i}.self_attn.sinks": torch.full((c.n_head,), NO_SINK)
         for i in range(c.n_layer)
@@ -174,10 +172,11 @@ def granite_swa(
 def deepseek(
     c: GPTConfig, sd: dict[str, torch.Tensor], llama_cpp: bool = False
 ) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """MLA: DeepSeek-V3's config, dense (first_k_dense_replace = n_layer: every MLP is Llama's, no expert is built),
-    and weights. Each head's query is [nope | rope] and kv_b's rows each head's [k | v], as ours. llama_cpp: the folder
-    llama.cpp's converter reads, whose deepseek2 rotates pairs (rope_interleave=True, the rotary rows permuted to
-    match) and normalises the latents with rms_norm_eps (so they are not rescaled)."""
+    """MLA: DeepSeek-V3's config, dense (first_k_dense_replace = n_layer: every MLP is Llama's, no
+    expert is built), and weights. Each head's query is [nope | rope] and kv_b's rows each head's [k
+    | v], as ours. llama_cpp: the folder llama.cpp's converter reads, whose deepseek2 rotates pairs
+    (rope_interleave=True, the rotary rows permuted to match) and normalises the latents with
+    rms_norm_eps (so they are not rescaled)."""
     import transformers
 
     config = transformers.DeepseekV3Config(
@@ -221,7 +220,8 @@ def deepseek(
 
 
 def latent_rows(state: dict[str, torch.Tensor], p: str, c: GPTConfig, scale: float) -> None:
-    """The rows of q_a and kv_a that make the latents, times scale (see LATENT_SCALE); they have no biases."""
+    """The rows of q_a and kv_a that make the latents, times scale (see LATENT_SCALE); they have no
+    biases."""
     kv_a = state[p + "kv_a_proj_with_mqa.weight"].clone()
     kv_a[: c.kv_lora_rank] *= scale
     state[p + "kv_a_proj_with_mqa.weight"] = kv_a
@@ -230,8 +230,9 @@ def latent_rows(state: dict[str, torch.Tensor], p: str, c: GPTConfig, scale: flo
 
 
 def pairs(state: dict[str, torch.Tensor], p: str, c: GPTConfig, to_pairs: bool) -> None:
-    """The rotary rows of the queries (each head's last qk_rope_head_dim) and of the shared key (kv_a's last) from
-    halves (x1 | x2, feature i rotated with i + dim/2) to pairs (x1[0], x2[0], x1[1], ...) or, to_pairs=False, back."""
+    """The rotary rows of the queries (each head's last qk_rope_head_dim) and of the shared key
+    (kv_a's last) from halves (x1 | x2, feature i rotated with i + dim/2) to pairs (x1[0], x2[0],
+    x1[1], ...) or, to_pairs=False, back."""
     rope = c.qk_rope_head_dim
 
     def reorder(rows: torch.Tensor) -> torch.Tensor:  # (..., rope, in)
@@ -248,51 +249,12 @@ def pairs(state: dict[str, torch.Tensor], p: str, c: GPTConfig, to_pairs: bool) 
 def from_llama_block(
     folder: str, c: Any, sd: dict[str, torch.Tensor]
 ) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """Our config and weights from a Llama or DeepSeek-V3 transformers config c and its weights sd; what this model
-    cannot hold (untied embeddings, another epsilon, activation or rope type, experts, ...) is refused in one line."""
-    mla = c.model_type == "deepseek_v3"
-    rope = c.rope_parameters or {}
-    head_dim = c.hidden_size // c.num_attention_heads
-    problems = {
-        f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
-        f"hidden_act={c.hidden_act!r}": c.hidden_act != "silu",
-        f"rms_norm_eps={c.rms_norm_eps}": c.rms_norm_eps != NORM_EPS,
-        f"rope_type={rope.get('rope_type')!r}": rope.get("rope_type", "default") != "default",
-        f"partial_rotary_factor={rope.get('partial_rotary_factor')}": rope.get(
-            "partial_rotary_factor", 1
-        )
-        != 1,
-    }
-    if mla:
-        problems |= {
-            f"experts (first_k_dense_replace={c.first_k_dense_replace} < num_hidden_layers="
-            f"{c.num_hidden_layers})": c.first_k_dense_replace < c.num_hidden_layers,
-            "attention_bias=True": c.attention_bias,
-            f"qk_nope_head_dim={c.qk_nope_head_dim}, v_head_dim={c.v_head_dim} (ours: both hidden_size / "
-            f"num_attention_heads = {head_dim})": not c.qk_nope_head_dim
-            == c.v_head_dim
-            == head_dim,
-            f"num_key_value_heads={c.num_key_value_heads}": c.num_key_value_heads
-            != c.num_attention_heads,
-        }
-    else:
-        problems |= {
-            f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}": c.attention_bias
-            != c.mlp_bias,
-            f"head_dim={getattr(c, 'head_dim', head_dim)} (ours: hidden_size / num_attention_heads = "
-            f"{head_dim})": getattr(c, "head_dim", head_dim) != head_dim,
-        }
-    local = {}
-    if c.model_type == "granite_swa":
-        problems |= granite_problems(c, sd, head_dim)
-        letters = "".join("S" if t == "sliding_attention" else "L" for t in c.layer_types)
-        local = (
-            dict(window=c.sliding_window, window_pattern=shortest_pattern(letters))
-            if "S" in letters
-            else {}
-        )
-    if bad := [what for what, true in problems.items() if true]:
+    """Our config and weights from a Llama, GraniteSWA or DeepSeek-V3 transformers config c and its
+    weights sd; what this model cannot hold (untied embeddings, another epsilon, activation or rope
+    type, experts, ...) is refused in one line."""
+    if bad := llama_block_problems(c, sd):
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
+    rope = c.rope_parameters or {}
     common = dict(
         block_size=c.max_position_embeddings,
         vocab_size=c.vocab_size,
@@ -305,11 +267,19 @@ def from_llama_block(
         mlp="swiglu",
         mlp_hidden=c.intermediate_size,
     )
-    if not mla:
-        config = GPTConfig(
-            n_kv_head=c.num_key_value_heads, bias=c.attention_bias, **common, **local
-        )
-        return config, renamed(sd, config.n_layer, LLAMA_LAYER, ("model.", "transformer."))
+    if c.model_type == "deepseek_v3":
+        return from_deepseek(c, sd, common)
+    n_kv_head = c.num_key_value_heads
+    local = granite_windows(c)
+    config = GPTConfig(n_kv_head=n_kv_head, bias=c.attention_bias, **common, **local)
+    return config, renamed(sd, config.n_layer, LLAMA_LAYER, ("model.", "transformer."))
+
+
+def from_deepseek(
+    c: Any, sd: dict[str, torch.Tensor], common: dict[str, Any]
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """MLA from a DeepSeek-V3 config c (common: the keys every Llama block gives) and its weights
+    sd: deepseek's inverse, the latents' rows scaled back and the rotary rows back to halves."""
     config = GPTConfig(
         bias=False,
         kv_lora_rank=c.kv_lora_rank,
@@ -326,33 +296,99 @@ def from_llama_block(
     return config, renamed(sd, config.n_layer, DEEPSEEK_LAYER, ("model.", "transformer."))
 
 
-def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict[str, bool]:
-    """Each thing a GraniteSWA config and its weights may hold that this model cannot (granite_swa's inverse), and
-    whether this folder holds it."""
-    sink = max(float(t.max()) for name, t in sd.items() if name.endswith(".sinks"))
+def granite_windows(c: Any) -> dict[str, Any]:
+    """GraniteSWA's sliding layers as our window and window_pattern: {} for none, or another
+    model."""
+    if c.model_type != "granite_swa":
+        return {}
+    letters = "".join("S" if t == "sliding_attention" else "L" for t in c.layer_types)
+    if "S" not in letters:
+        return {}
+    return dict(window=c.sliding_window, window_pattern=shortest_pattern(letters))
+
+
+def llama_block_problems(c: Any, sd: dict[str, torch.Tensor]) -> list[str]:
+    """What a Llama, GraniteSWA or DeepSeek-V3 config c and its weights sd hold that this model
+    cannot, each as the setting that says it."""
+    rope = c.rope_parameters or {}
+    head_dim = c.hidden_size // c.num_attention_heads
+    rope_type = rope.get("rope_type", "default")
+    partial = rope.get("partial_rotary_factor", 1)
+    problems = {
+        f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
+        f"hidden_act={c.hidden_act!r}": c.hidden_act != "silu",
+        f"rms_norm_eps={c.rms_norm_eps}": c.rms_norm_eps != NORM_EPS,
+        f"rope_type={rope.get('rope_type')!r}": rope_type != "default",
+        f"partial_rotary_factor={rope.get('partial_rotary_factor')}": partial != 1,
+    }
+    if c.model_type == "deepseek_v3":
+        problems |= deepseek_problems(c, head_dim)
+    else:
+        problems |= llama_problems(c, head_dim)
+    if c.model_type == "granite_swa":
+        problems |= granite_problems(c, sd, head_dim)
+    return [what for what, true in problems.items() if true]
+
+
+def deepseek_problems(c: Any, head_dim: int) -> dict[str, bool]:
+    """Each thing a DeepSeek-V3 config may hold that this model's MLA cannot, and whether c holds
+    it; head_dim: hidden_size / num_attention_heads."""
+    experts = (
+        f"experts (first_k_dense_replace={c.first_k_dense_replace} < "
+        f"num_hidden_layers={c.num_hidden_layers})"
+    )
+    head_dims = (
+        f"qk_nope_head_dim={c.qk_nope_head_dim}, v_head_dim={c.v_head_dim} (ours: both "
+        f"hidden_size / num_attention_heads = {head_dim})"
+    )
+    same_dims = c.qk_nope_head_dim == c.v_head_dim == head_dim
+    grouped = c.num_key_value_heads != c.num_attention_heads
     return {
-        f"attention_multiplier={c.attention_multiplier} (ours: head_dim ** -0.5)": not math.isclose(
-            c.attention_multiplier, head_dim**-0.5, rel_tol=1e-6
-        ),
-        f"embedding_multiplier={c.embedding_multiplier}, residual_multiplier={c.residual_multiplier}, "
-        f"logits_scaling={c.logits_scaling} (ours: 1)": (
-            c.embedding_multiplier,
-            c.residual_multiplier,
-            c.logits_scaling,
-        )
-        != (1, 1, 1),
+        experts: c.first_k_dense_replace < c.num_hidden_layers,
+        "attention_bias=True": c.attention_bias,
+        head_dims: not same_dims,
+        f"num_key_value_heads={c.num_key_value_heads}": grouped,
+    }
+
+
+def llama_problems(c: Any, head_dim: int) -> dict[str, bool]:
+    """Each thing a Llama (or GraniteSWA) config may hold that this model cannot, and whether c
+    holds it; head_dim: hidden_size / num_attention_heads."""
+    given = getattr(c, "head_dim", head_dim)
+    biases = f"attention_bias={c.attention_bias} with mlp_bias={c.mlp_bias}"
+    head_dims = f"head_dim={given} (ours: hidden_size / num_attention_heads = {head_dim})"
+    return {
+        biases: c.attention_bias != c.mlp_bias,
+        head_dims: given != head_dim,
+    }
+
+
+def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict[str, bool]:
+    """Each thing a GraniteSWA config and its weights may hold that this model cannot (granite_swa's
+    inverse), and whether this folder holds it."""
+    sink = max(float(t.max()) for name, t in sd.items() if name.endswith(".sinks"))
+    attention = f"attention_multiplier={c.attention_multiplier} (ours: head_dim ** -0.5)"
+    scaled = not math.isclose(c.attention_multiplier, head_dim**-0.5, rel_tol=1e-6)
+    multipliers = (
+        f"embedding_multiplier={c.embedding_multiplier}, "
+        f"residual_multiplier={c.residual_multiplier}, "
+        f"logits_scaling={c.logits_scaling} (ours: 1)"
+    )
+    others = (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling)
+    last = c.layer_types[-1]
+    last_layer = f"layer_types ending in {last!r} (our last layer is always global)"
+    return {
+        attention: scaled,
+        multipliers: others != (1, 1, 1),
         f"attention sinks (up to {sink:g})": sink > NO_SINK,
-        f"layer_types ending in {c.layer_types[-1]!r} (our last layer is always global)": c.layer_types[
-            -1
-        ]
-        != "full_attention",
+        last_layer: last != "full_attention",
         "a rope base per layer": len(set(c.layer_rope_theta)) > 1,
     }
 
 
 def shortest_pattern(letters: str) -> str:
-    """The shortest window_pattern whose repeats give every layer's letter, the last one global ('L'); the letters
-    themselves where none does (their last is 'S')."""
+    """The shortest window_pattern whose repeats give every layer's letter, the last one global
+    ('L'); the letters themselves where none does (their last is 'S')."""
     n = len(letters)
     return next(
         (letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[: n - 1] + "L" == letters),

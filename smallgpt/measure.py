@@ -1,6 +1,6 @@
-"""What bench.py, smallgpt/bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA variants of a model,
-timed decoding (from a prompt, and cached steps at long context), timed training steps (a sweep's plan), and
-markdown tables.
+"""What bench.py, smallgpt/bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA
+variants of a model, timed decoding (from a prompt, and cached steps at long context), timed
+training steps (a sweep's plan), and markdown tables.
 """
 
 import dataclasses
@@ -30,12 +30,14 @@ def timed_decode(
     gen: torch.Generator,
     compile_step: bool = False,
 ) -> list[float]:
-    """Seconds at which each new token was ready, from the start (prefill of a 1-token prompt included)."""
+    """Seconds at which each new token was ready, from the start (prefill of a 1-token prompt
+    included)."""
     idx = torch.randint(0, model.config.vocab_size, (batch, 1), generator=gen).to(
         model.transformer.wte.weight.device
     )
     synchronize(idx.device)
-    t0, stamps = time.perf_counter(), []
+    t0 = time.perf_counter()
+    stamps = []
     for _ in stream(
         model, idx, new_tokens, temperature=0, use_cache=use_cache, compile_step=compile_step
     ):
@@ -47,9 +49,10 @@ def timed_decode(
 def cached_step_throughput(
     config: GPTConfig, batch: int, context: int, steps: int, device: str
 ) -> float:
-    """Tokens/s of one-token decode steps for `batch` rows with `context` positions already cached (the median
-    step of `steps`): the memory-bound regime, where every step reads the whole KV cache. A model of config's shape
-    with random weights (speed does not depend on their values), float32, its block_size stretched to fit."""
+    """Tokens/s of one-token decode steps for `batch` rows with `context` positions already cached
+    (the median step of `steps`): the memory-bound regime, where every step reads the whole KV
+    cache. A model of config's shape with random weights (speed does not depend on their values),
+    float32, its block_size stretched to fit."""
     torch.manual_seed(0)
     model = (
         GPT(dataclasses.replace(config, block_size=context + steps, dropout=0.0)).to(device).eval()
@@ -71,8 +74,9 @@ def cached_step_throughput(
 def training_seconds(
     config: GPTConfig, batch_size: int, optimizer: str, place: Placement, steps: int = 5
 ) -> tuple[float, float]:
-    """Seconds of a training step (forward, backward, optimizer step; the median of steps after a warm-up) and of
-    an evaluation forward, on a (batch_size, block_size) batch of random tokens, for a model of config's shape."""
+    """Seconds of a training step (forward, backward, optimizer step; the median of steps after a
+    warm-up) and of an evaluation forward, on a (batch_size, block_size) batch of random tokens, for
+    a model of config's shape."""
     device = place.device
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, dropout=0.0)).to(device)
@@ -119,13 +123,11 @@ def table(rows: list[dict], columns: dict[str, str] | None = None) -> str:
     def fmt(v: object) -> str:
         if isinstance(v, float):
             return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4f}".rstrip("0").rstrip(".")
-        return (
-            "-"
-            if v is None
-            else f"{v:,}"
-            if isinstance(v, int) and not isinstance(v, bool)
-            else str(v)
-        )
+        if v is None:
+            return "-"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return str(v)
 
     lines = ["| " + " | ".join(columns.values()) + " |", "|" + "---|" * len(columns)]
     return "\n".join(

@@ -1,10 +1,10 @@
-"""Optimizers and the learning-rate schedule for train.py. --optimizer: 'adamw' (GPT.configure_optimizers) or
-'muon': Muon for the blocks' matrices, AdamW for the rest (embeddings and the tied lm_head, norms, biases), held as
-one optimizer.
+"""Optimizers and the learning-rate schedule for train.py. --optimizer: 'adamw'
+(GPT.configure_optimizers) or 'muon': Muon for the blocks' matrices, AdamW for the rest (embeddings
+and the tied lm_head, norms, biases), held as one optimizer.
 
-Muon (https://kellerjordan.github.io/posts/muon/) follows torch.optim.Muon's update, but computes the Newton-Schulz
-orthogonalisation in a dtype the device is fast in: torch's always uses bf16, which on a CPU without native bf16
-made a 600-step run take over 9 minutes instead of 100 s (docs/training.md "Config files and flags").
+Muon (https://kellerjordan.github.io/posts/muon/) follows torch.optim.Muon's update, but computes
+the Newton-Schulz orthogonalisation in a dtype the device is fast in: torch's always uses bf16,
+which is many times slower on a CPU without native bf16 (docs/training.md "Config files and flags").
 """
 
 import math
@@ -16,11 +16,8 @@ import torch
 from model import GPT
 from smallgpt.runtime import device_type, native_bf16
 
-NS_COEFFICIENTS = (
-    3.4445,
-    -4.7750,
-    2.0315,
-)  # torch.optim.Muon's (and Keller Jordan's) quintic iteration
+# torch.optim.Muon's (and Keller Jordan's) quintic iteration
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def lr_at(
@@ -31,7 +28,8 @@ def lr_at(
     lr_decay_iters: int,
     decay: bool = True,
 ) -> float:
-    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters (or constant if not decay)."""
+    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters (or constant
+    if not decay)."""
     if not decay:
         return learning_rate
     if it < warmup_iters:
@@ -45,8 +43,9 @@ def lr_at(
 def orthogonalised(
     grad: torch.Tensor, dtype: torch.dtype, steps: int = 5, eps: float = 1e-7
 ) -> torch.Tensor:
-    """grad, one matrix (rows, cols) or a stack of same-shaped ones (n, rows, cols), each with its singular values
-    pushed towards 1 by a Newton-Schulz iteration in dtype; a stack runs as batched products."""
+    """grad, one matrix (rows, cols) or a stack of same-shaped ones (n, rows, cols), each with its
+    singular values pushed towards 1 by a Newton-Schulz iteration in dtype; a stack runs as batched
+    products."""
     a, b, c = NS_COEFFICIENTS
     x = grad.to(dtype)
     x = x[None] if grad.dim() == 2 else x
@@ -61,10 +60,11 @@ def orthogonalised(
 
 
 class Muon(torch.optim.Optimizer):
-    """Momentum (Nesterov) whose update is orthogonalised, each matrix's step scaled by sqrt(max(1, rows / cols))
-    as torch.optim.Muon's default; decoupled weight decay. The matrices of one shape are orthogonalised as one stack
-    (modded-nanogpt's and nanochat's batching), momentum and updates with foreach kernels: a step runs a few batched
-    products per shape instead of each matrix's (docs/performance-cpu.md "Training")."""
+    """Momentum (Nesterov) whose update is orthogonalised, each matrix's step scaled by sqrt(max(1,
+    rows / cols)) as torch.optim.Muon's default; decoupled weight decay. The matrices of one shape
+    are orthogonalised as one stack (modded-nanogpt's and nanochat's batching), momentum and updates
+    with foreach kernels: a step runs a few batched products per shape instead of each matrix's
+    (docs/performance-cpu.md "Training")."""
 
     def __init__(
         self,
@@ -76,9 +76,8 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay})
         self.ns_dtype = ns_dtype
-        self.shapes: dict[
-            tuple[int, ...], dict[tuple[int, ...], list[int]]
-        ] = {}  # by the params stepped
+        # by the params stepped: where each shape's matrices are among them (same_shapes)
+        self.shapes: dict[tuple[int, ...], dict[tuple[int, ...], list[int]]] = {}
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None) -> None:
@@ -87,22 +86,22 @@ class Muon(torch.optim.Optimizer):
             if not params:
                 continue
             grads = [p.grad for p in params]
-            bufs = [
-                self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params
-            ]
+            bufs = []  # each parameter's momentum, made at its first step
+            for p in params:
+                bufs.append(self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)))
             torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
             nesterov = torch._foreach_lerp(grads, bufs, group["momentum"])
             if group["weight_decay"]:
                 torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
             for (rows, cols), at in self.same_shapes(params).items():
-                updates = orthogonalised(
-                    torch.stack([nesterov[i] for i in at]), self.ns_dtype
-                ).unbind(0)
+                stack = torch.stack([nesterov[i] for i in at])  # (len(at), rows, cols)
+                updates = orthogonalised(stack, self.ns_dtype).unbind(0)
                 scale = group["lr"] * math.sqrt(max(1.0, rows / cols))
                 torch._foreach_add_([params[i] for i in at], updates, alpha=-scale)
 
     def same_shapes(self, params: list[torch.Tensor]) -> dict[tuple[int, ...], list[int]]:
-        """Where in params each shape's matrices are, kept for the next steps over the same params."""
+        """Where in params each shape's matrices are, kept for the next steps over the same
+        params."""
         key = tuple(map(id, params))
         if key not in self.shapes:
             self.shapes[key] = {}
@@ -112,8 +111,9 @@ class Muon(torch.optim.Optimizer):
 
 
 class Chain(torch.optim.Optimizer):
-    """Several optimizers over disjoint parameters as one: one step, one zero_grad, one state_dict, and
-    param_groups listing all of theirs (train.py sets each group's lr from the schedule times its lr_scale)."""
+    """Several optimizers over disjoint parameters as one: one step, one zero_grad, one state_dict,
+    and param_groups listing all of theirs (train.py sets each group's lr from the schedule times
+    its lr_scale)."""
 
     def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
         self.optimizers = optimizers
@@ -134,14 +134,13 @@ class Chain(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         for o, s in zip(self.optimizers, state_dict["chain"], strict=True):
             o.load_state_dict(s)
-        self.param_groups = [
-            g for o in self.optimizers for g in o.param_groups
-        ]  # loading made new group dicts
+        # loading made new group dicts
+        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """The bytes of the state the optimizer will hold once it has stepped: AdamW two moments a parameter, Muon one
-    momentum (for the checkpoint's size, before the first step)."""
+    """The bytes of the state the optimizer will hold once it has stepped: AdamW two moments a
+    parameter, Muon one momentum (for the checkpoint's size, before the first step)."""
     if isinstance(optimizer, Chain):
         return sum(state_bytes(o) for o in optimizer.optimizers)
     slots = 1 if isinstance(optimizer, Muon) else 2
@@ -157,22 +156,25 @@ def make_optimizer(
     device: str,
     muon_lr: float,
 ) -> torch.optim.Optimizer:
-    """'adamw': GPT.configure_optimizers; 'muon': Muon (at muon_lr, no weight decay; orthogonalising in bf16 where
-    that is fast, else fp32) for the 2-D weights inside the blocks and that AdamW for every other parameter. Each
-    group has an lr_scale: its peak lr over learning_rate."""
+    """'adamw': GPT.configure_optimizers; 'muon': Muon (at muon_lr, no weight decay; orthogonalising
+    in bf16 where that is fast, else fp32) for the 2-D weights inside the blocks and that AdamW for
+    every other parameter. Each group has an lr_scale: its peak lr over learning_rate."""
     if kind == "adamw":
         opt = model.configure_optimizers(weight_decay, learning_rate, betas, device_type(device))
     else:
-        inner, rest = [], []
+        inner = []  # the blocks' matrices: Muon's
+        rest = []  # AdamW's
         for name, p in model.named_parameters():
-            (inner if p.dim() == 2 and name.startswith("transformer.h.") else rest).append(p)
+            if p.dim() == 2 and name.startswith("transformer.h."):
+                inner.append(p)
+            else:
+                rest.append(p)
         adamw = model.configure_optimizers(
             weight_decay, learning_rate, betas, device_type(device), params=rest
         )
         fast_bf16 = device.startswith("cuda") or (device == "cpu" and native_bf16())
-        opt = Chain(
-            Muon(inner, lr=muon_lr, ns_dtype=torch.bfloat16 if fast_bf16 else torch.float32), adamw
-        )
+        ns_dtype = torch.bfloat16 if fast_bf16 else torch.float32
+        opt = Chain(Muon(inner, lr=muon_lr, ns_dtype=ns_dtype), adamw)
     for group in opt.param_groups:
         group["lr_scale"] = group["lr"] / learning_rate if learning_rate else 1.0
     return opt

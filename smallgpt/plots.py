@@ -1,7 +1,6 @@
 """report.png for the attention-variant comparison (smallgpt/report.py): val loss by iteration, the
-gap to MHA against size,
-conversions by uptraining and, for runs trained with --final_evals, the loss by context position and the induction
-accuracy by distance (MQAR beside it).
+gap to MHA against size, conversions by uptraining and, for runs trained with --final_evals, the
+loss by context position and the induction accuracy by distance (MQAR beside it).
 """
 
 import statistics
@@ -23,19 +22,18 @@ def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     scratch_runs = [r for r in runs if not r["method"]]
+    scratch_rows = [r for r in rows if not r["method"]]
     conv = [r for r in rows if r["method"]]
+    recalls = [r["recall"] or {} for r in scratch_runs]
+    # the panels there is data for, each a function drawing on its axes
     panels = [lambda ax: loss_panel(ax, scratch_runs), lambda ax: gap_panel(ax, rows)]
     if conv:
         panels.append(lambda ax: conversion_panel(ax, conv))
-    if any((r["recall"] or {}).get("position") for r in scratch_runs):
+    if any(recall.get("position") for recall in recalls):
         panels.append(lambda ax: position_panel(ax, scratch_runs))
-    if any(
-        (r["recall"] or {}).get("induction") or (r["recall"] or {}).get("mqar")
-        for r in scratch_runs
-    ):
-        panels.append(
-            lambda ax: induction_panel(ax, scratch_runs, [r for r in rows if not r["method"]])
-        )
+    if any(recall.get("induction") or recall.get("mqar") for recall in recalls):
+        panels.append(lambda ax: induction_panel(ax, scratch_runs, scratch_rows))
+    # three to a line, the axes left over removed
     ncols = min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.6 * ncols + 0.5, 4.2 * nrows), squeeze=False)
@@ -59,16 +57,13 @@ def loss_panel(ax: Any, runs: list[dict]) -> None:
             curves[(run["size"], run["variant"])][e["iter"]].append(e["val_loss"])
     shown = []
     for (size, name), by_iter in curves.items():
-        its = sorted(
-            i for i in by_iter if i > 0
-        )  # the untrained first evaluation would flatten the rest
-        shown += [statistics.fmean(by_iter[i]) for i in its]
-        ax.plot(
-            its, [statistics.fmean(by_iter[i]) for i in its], marker=".", label=f"{size} {name}"
-        )
-    if shown and max(shown) > 3 * min(
-        shown
-    ):  # apart by orders of magnitude (a task some runs solve): log scale
+        # the untrained first evaluation would flatten the rest
+        its = sorted(i for i in by_iter if i > 0)
+        means = [statistics.fmean(by_iter[i]) for i in its]
+        shown += means
+        ax.plot(its, means, marker=".", label=f"{size} {name}")
+    # apart by orders of magnitude (a task some runs solve): log scale
+    if shown and max(shown) > 3 * min(shown):
         ax.set_yscale("log")
     elif shown:  # close together: zoom in, the early evaluations cut off
         ax.set_ylim(min(shown) * 0.98, min(max(shown), min(shown) * 1.6))
@@ -76,11 +71,11 @@ def loss_panel(ax: Any, runs: list[dict]) -> None:
 
 
 def gap_panel(ax: Any, rows: list[dict]) -> None:
-    """Each variant's paired gap to MHA (95% interval) against MHA's parameters, one point per size."""
+    """Each variant's paired gap to MHA (95% interval) against MHA's parameters, one point per
+    size."""
     size_params = {r["size"]: r["params"] for r in rows if r["variant"] == "mha"}
-    for name in dict.fromkeys(
-        r["variant"] for r in rows if not r["method"] and r["variant"] != "mha"
-    ):
+    variants = [r["variant"] for r in rows if not r["method"] and r["variant"] != "mha"]
+    for name in dict.fromkeys(variants):
         mine = [r for r in rows if r["variant"] == name and r["diff_vs_mha"] is not None]
         ax.errorbar(
             [size_params[r["size"]] for r in mine],
@@ -99,18 +94,15 @@ def gap_panel(ax: Any, rows: list[dict]) -> None:
 
 
 def conversion_panel(ax: Any, conv: list[dict]) -> None:
-    """Val loss by uptraining fraction per size x target x method, the same shape from scratch dashed."""
-    for size, t, method in dict.fromkeys(
-        (r["size"], conversion_target(r), r["method"]) for r in conv
-    ):
-        mine = sorted(
-            (
-                r
-                for r in conv
-                if (r["size"], conversion_target(r), r["method"]) == (size, t, method)
-            ),
-            key=lambda r: r["uptrain_fraction"],
-        )
+    """Val loss by uptraining fraction per size x target x method, the same shape from scratch
+    dashed."""
+
+    def line_of(r: dict) -> tuple[str, str, str]:
+        return r["size"], conversion_target(r), r["method"]
+
+    for size, t, method in dict.fromkeys(map(line_of, conv)):
+        mine = [r for r in conv if line_of(r) == (size, t, method)]
+        mine.sort(key=lambda r: r["uptrain_fraction"])
         ax.errorbar(
             [r["uptrain_fraction"] for r in mine],
             [r["val_loss"] for r in mine],
@@ -125,7 +117,8 @@ def conversion_panel(ax: Any, conv: list[dict]) -> None:
 
 
 def position_panel(ax: Any, runs: list[dict]) -> None:
-    """The val loss at each context position, mean over seeds (positions without a target left out)."""
+    """The val loss at each context position, mean over seeds (positions without a target left
+    out)."""
     by_position = defaultdict(lambda: defaultdict(list))  # (size, variant) -> {position: losses}
     for run in runs:
         for pos, loss in enumerate((run["recall"] or {}).get("position") or []):
@@ -141,16 +134,15 @@ def position_panel(ax: Any, runs: list[dict]) -> None:
 
 
 def induction_panel(ax: Any, runs: list[dict], rows: list[dict]) -> None:
-    """Induction accuracy by distance (mean over seeds), one line per size x variant; MQAR's pooled accuracy (95%
-    Wilson interval) as a star at the right, past the longest distance."""
-    by_distance = defaultdict(
-        lambda: defaultdict(list)
-    )  # (size, variant) -> {distance: accuracies}
+    """Induction accuracy by distance (mean over seeds), one line per size x variant; MQAR's pooled
+    accuracy (95% Wilson interval) as a star at the right, past the longest distance."""
+    # (size, variant) -> {distance: accuracies}
+    by_distance = defaultdict(lambda: defaultdict(list))
     for run in runs:
         for result in (run["recall"] or {}).get("induction") or []:
-            by_distance[(run["size"], run["variant"])][result["distance"]].append(
-                result["accuracy"]
-            )
+            mine = by_distance[(run["size"], run["variant"])]
+            mine[result["distance"]].append(result["accuracy"])
+    # a line per size x variant, its color kept for its MQAR star
     colors = {}
     for (size, name), accuracies in by_distance.items():
         distances = sorted(accuracies)
@@ -163,22 +155,25 @@ def induction_panel(ax: Any, runs: list[dict], rows: list[dict]) -> None:
         colors[(size, name)] = line[0].get_color()
     ticks = sorted({d for accuracies in by_distance.values() for d in accuracies})
     labels = [str(d) for d in ticks]
+    # MQAR's stars, at twice the longest distance; a row with no induction line gets a label
     mqar = [r for r in rows if r.get("mqar_acc") is not None]
     if mqar:
         at = 2 * ticks[-1] if ticks else 1
         for r in mqar:
+            key = (r["size"], r["variant"])
+            low = r["mqar_acc"] - r["mqar_acc_low"]
+            high = r["mqar_acc_high"] - r["mqar_acc"]
             ax.errorbar(
                 [at],
                 [r["mqar_acc"]],
-                yerr=[[r["mqar_acc"] - r["mqar_acc_low"]], [r["mqar_acc_high"] - r["mqar_acc"]]],
+                yerr=[[low], [high]],
                 marker="*",
                 capsize=3,
                 ms=10,
-                color=colors.get((r["size"], r["variant"])),
-                label=None
-                if (r["size"], r["variant"]) in colors
-                else f"{r['size']} {r['variant']}",
+                color=colors.get(key),
+                label=None if key in colors else f"{r['size']} {r['variant']}",
             )
+
         ticks.append(at)
         labels.append("MQAR")
     ax.set_xscale("log", base=2)

@@ -1,5 +1,5 @@
-"""Prompts for sample.py: the text --start gives (itself, FILE:path or LINES:path) and its token ids, each
-checked against the model's block_size."""
+"""Prompts for sample.py: the text --start gives (itself, FILE:path or LINES:path) and its token
+ids, each checked against the model's block_size."""
 
 from typing import Any
 

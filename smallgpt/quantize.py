@@ -1,10 +1,10 @@
-"""int8 weight-only quantization for decoding (`sample.py --quantize=int8`): every Linear of a GPT keeps its weight as
-int8 with one scale per output feature (symmetric, the row's largest magnitude maps to 127); activations, the
-embeddings and the norms stay in the model's dtype (on CPU an fp32 model's products take bf16 activations: torch's
-int8 kernel is fast for those only). A quarter of fp32's weight bytes, which is what a one-token
-step streams (docs/performance-cpu.md "int8 weights"). MLA's kv_b, which decoding reads as a matrix,
-keeps the model's dtype (quantize).
-"""
+"""int8 weight-only quantization for decoding (`sample.py --quantize=int8`): every Linear of a
+GPT keeps its weight as int8 with one scale per output feature (symmetric, the row's largest
+magnitude maps to 127); activations, the embeddings and the norms stay in the model's dtype (on
+CPU an fp32 model's products take bf16 activations: torch's int8 kernel is fast for those only).
+A quarter of fp32's weight bytes, which is what a one-token step streams (docs/performance-cpu.md
+"int8 weights"). MLA's kv_b, which decoding reads as a matrix, keeps the model's dtype
+(quantize)."""
 
 import torch
 import torch.nn as nn
@@ -17,7 +17,8 @@ BF16_ROW_MULTIPLE = 16
 
 
 class Int8Linear(nn.Module):
-    """A Linear whose weight is int8 (out, in) times a per-row scale (out,): y = (x @ weight.T) * scale + bias."""
+    """A Linear whose weight is int8 (out, in) times a per-row scale (out,): y = (x @ weight.T) *
+    scale + bias."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -28,9 +29,9 @@ class Int8Linear(nn.Module):
             "weight", (w.float() / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
         )
         self.register_buffer("scale", scale.to(w.dtype))
-        # the scale for bf16 products of fp32 activations (below), a buffer: inductor's lowering of the int8 product
-        # takes its scale as it comes, and a cast inside the graph is not realized for it. In the state dict too, so
-        # that loading one sets both scales.
+        # the scale for bf16 products of fp32 activations (below), a buffer: inductor's lowering of
+        # the int8 product takes its scale as it comes, and a cast inside the graph is not realized
+        # for it. In the state dict too, so that loading one sets both scales.
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16))
         self.bias = (
             None
@@ -40,9 +41,10 @@ class Int8Linear(nn.Module):
 
     def product_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype activations of dtype take in torch's CPU int8 kernel: bf16 for fp32 and bf16
-        ones (it is vectorised for bf16 only: fp32 runs 7-10x slower), but fp32 for rows that are no
-        multiple of BF16_ROW_MULTIPLE wide, past whose end its bf16 loop reads (wrong products or a
-        crash: SwiGLU's 88-wide hidden layer at n_embd 32, a q_lora_rank of 12)."""
+        ones (it is vectorised for bf16 only: docs/performance-cpu.md "int8 weights"), but fp32
+        for rows that are no multiple of BF16_ROW_MULTIPLE wide, past whose end its bf16 loop
+        reads (wrong products or a crash: SwiGLU's 88-wide hidden layer at n_embd 32, a
+        q_lora_rank of 12)."""
         if dtype not in (torch.float32, torch.bfloat16):
             return dtype
         return torch.bfloat16 if self.in_features % BF16_ROW_MULTIPLE == 0 else torch.float32
@@ -58,14 +60,16 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
 def quantize(model: nn.Module, kind: str) -> nn.Module:
-    """model with every nn.Linear replaced by its int8 form (kind 'int8'), in place, or as it is (kind ''). The
-    lm_head gets its own int8 copy: the token embedding it shares keeps its dtype, for the lookups.
-    A Linear that its module names in `matrices` (MLA's kv_b: attention.LatentAttention) keeps its
-    dtype too: the decode step reads its weight as a matrix and never calls it."""
+    """model with every nn.Linear replaced by its int8 form (kind 'int8'), in place, or as it is
+    (kind ''). The lm_head gets its own int8 copy: the token embedding it shares keeps its dtype,
+    for the lookups. A Linear that its module names in `matrices` (MLA's kv_b:
+    attention.LatentAttention) keeps its dtype too: the decode step reads its weight as a matrix
+    and never calls it."""
     if kind not in QUANTIZE:
         raise ValueError(f"quantize={kind!r} must be one of {QUANTIZE}")
     if kind:

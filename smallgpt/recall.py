@@ -1,7 +1,8 @@
-"""What attention is for, measured on any model this project loads: induction (copying a random segment seen
-earlier, Olsson et al. 2022, arXiv 2209.11895), the loss at each position of the context, and multi-query
-associative recall on an MQAR dataset (data/mqar, Zoology: Arora et al. 2023, arXiv 2312.04927). eval.py is the
-command; train.py runs the tasks of --final_evals at its final evaluation. Figures: docs/compare.md."""
+"""What attention is for, measured on any model this project loads: induction (copying a random
+segment seen earlier, Olsson et al. 2022, arXiv 2209.11895), the loss at each position of the
+context, and multi-query associative recall on an MQAR dataset (data/mqar, Zoology: Arora et al.
+2023, arXiv 2312.04927). eval.py is the command; train.py runs the tasks of --final_evals at its
+final evaluation. Figures: docs/compare.md."""
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -26,25 +27,25 @@ def task_problems(key: str, tasks: list[str]) -> list[str]:
 
 @torch.no_grad()
 def check_dataset(tasks: list[str], meta: dict, block_size: int, where: str) -> None:
-    """A UserError, before any training, for a task that a model of block_size on the dataset of meta (at where)
-    cannot run: mqar on a dataset that is not MQAR, induction with too few tokens or too short a context."""
+    """A UserError, before any training, for a task that a model of block_size on the dataset of
+    meta (at where) cannot run: mqar on a dataset that is not MQAR, induction with too few tokens or
+    too short a context."""
     if "mqar" in tasks:
         check_mqar(meta, where)
     if "induction" in tasks:
         length = default_length(block_size)
         if length < 2:
             raise UserError(
-                f"the induction task copies a quarter of the context, at least 2 tokens, so it needs "
-                f"block_size >= 8, not {block_size}: leave induction out of the tasks"
+                f"the induction task copies a quarter of the context, at least 2 tokens, so it "
+                f"needs block_size >= 8, not {block_size}: leave induction out of the tasks"
             )
-        if (
-            meta["vocab_size"] < 2 * length
-        ):  # said here of the run's keys, not of eval.py's induction_length
+        # said here of the run's keys, not of eval.py's induction_length
+        if meta["vocab_size"] < 2 * length:
             raise UserError(
-                f"the induction task copies a segment of {length} tokens (a quarter of block_size, at "
-                f"most 16), which needs {2 * length} distinct tokens (the segment's and as many for "
-                f"the filler), but the vocabulary has {meta['vocab_size']}: leave induction out of "
-                f"the tasks, or lower block_size"
+                f"the induction task copies a segment of {length} tokens (a quarter of "
+                f"block_size, at most 16), which needs {2 * length} distinct tokens (the "
+                f"segment's and as many for the filler), but the vocabulary has "
+                f"{meta['vocab_size']}: leave induction out of the tasks, or lower block_size"
             )
 
 
@@ -68,12 +69,12 @@ def token_losses(
     targets: torch.Tensor,
     amp: AbstractContextManager | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each position's loss and whether the model's top token is the target, both (B, T) and on CPU, for inputs
-    idx (B, T) and targets (B, T); a target of -1 (nothing to predict there) gets a NaN loss and counts as wrong."""
+    """Each position's loss and whether the model's top token is the target, both (B, T) and on CPU,
+    for inputs idx (B, T) and targets (B, T); a target of -1 (nothing to predict there) gets a NaN
+    loss and counts as wrong."""
     with amp or nullcontext():
-        logits, _ = model(
-            idx, targets
-        )  # (B, T, vocab_size): with targets the model returns every position's
+        # (B, T, vocab_size): with targets the model returns every position's
+        logits, _ = model(idx, targets)
     logits = logits.float()
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().clamp(min=0), reduction="none")
     loss = loss.view_as(targets).masked_fill(targets < 0, float("nan"))
@@ -82,7 +83,8 @@ def token_losses(
 
 
 def default_distances(block_size: int, length: int) -> list[int]:
-    """Distances from length up to the longest that fits block_size, doubling: 16, 32, ..., block_size - length."""
+    """Distances from length up to the longest that fits block_size, doubling: 16, 32, ...,
+    block_size - length."""
     longest = block_size - length
     distances = []
     d = length
@@ -93,13 +95,14 @@ def default_distances(block_size: int, length: int) -> list[int]:
 
 
 def check_induction(block_size: int, vocab: int, length: int, distances: list[int]) -> None:
-    """A UserError for an induction task this model cannot take: too few tokens, or a distance past block_size."""
+    """A UserError for an induction task this model cannot take: too few tokens, or a distance past
+    block_size."""
     if length < 2:
         raise UserError(f"induction_length={length}: a copied segment needs at least 2 tokens")
     if vocab < 2 * length:
         raise UserError(
-            f"induction_length={length} needs {2 * length} distinct tokens (the segment's and as many "
-            f"for the filler), but the vocabulary has {vocab}: lower induction_length"
+            f"induction_length={length} needs {2 * length} distinct tokens (the segment's and as "
+            f"many for the filler), but the vocabulary has {vocab}: lower induction_length"
         )
     for d in distances:
         if not length <= d <= block_size - length:
@@ -113,9 +116,9 @@ def check_induction(block_size: int, vocab: int, length: int, distances: list[in
 def induction_batch(
     rng: np.random.Generator, batch: int, vocab: int, length: int, distance: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, targets), each (batch, distance + length - 1): a segment of `length` distinct random tokens, filler
-    of other random tokens up to `distance`, then the segment again; the targets are the copy's tokens after its
-    first (the ones an induction head predicts), -1 elsewhere."""
+    """(inputs, targets), each (batch, distance + length - 1): a segment of `length` distinct random
+    tokens, filler of other random tokens up to `distance`, then the segment again; the targets are
+    the copy's tokens after its first (the ones an induction head predicts), -1 elsewhere."""
     rows = []
     for _ in range(batch):
         segment = rng.choice(vocab, size=length, replace=False)
@@ -124,9 +127,8 @@ def induction_batch(
         rows.append(np.concatenate([segment, filler, segment]))
     seq = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, distance + length)
     targets = seq[:, 1:].clone()
-    targets[
-        :, :distance
-    ] = -1  # before the copy's second token nothing is predictable from the context
+    # before the copy's second token nothing is predictable from the context
+    targets[:, :distance] = -1
     return seq[:, :-1], targets
 
 
@@ -142,20 +144,24 @@ def induction(
     amp: AbstractContextManager | None = None,
     progress: bool = False,
 ) -> list[dict]:
-    """At each distance: the mean loss, the top-1 accuracy and the number of predictions on the second copy of a
-    random segment (induction_batch), over `examples` sequences drawn from the first `vocab` token ids with seed."""
+    """At each distance: the mean loss, the top-1 accuracy and the number of predictions on the
+    second copy of a random segment (induction_batch), over `examples` sequences drawn from the
+    first `vocab` token ids with seed."""
     check_induction(model.config.block_size, vocab, length, distances)
     out = []
     for distance in distances:
         rng = np.random.default_rng([seed, distance])
-        losses, hits = [], []
+        losses = []
+        hits = []
         for b in batches_of(examples, batch_size, f"induction at {distance}", progress):
             idx, targets = induction_batch(rng, b, vocab, length, distance)
             loss, correct = token_losses(model, idx.to(device), targets.to(device), amp)
             keep = targets >= 0
             losses.append(loss[keep])
             hits.append(correct[keep])
-        loss, hit = torch.cat(losses), torch.cat(hits)
+        loss = torch.cat(losses)
+        hit = torch.cat(hits)
+
         out.append(
             {
                 "distance": distance,
@@ -175,8 +181,9 @@ def loss_by_position(
     amp: AbstractContextManager | None = None,
     progress: bool = False,
 ) -> list[float | None]:
-    """The mean loss at each context position 0..block_size-1 over the val split's eval_iters evaluation batches
-    (the ones train.py's val loss averages); None where no target counts (an MQAR dataset's non-answers)."""
+    """The mean loss at each context position 0..block_size-1 over the val split's eval_iters
+    evaluation batches (the ones train.py's val loss averages); None where no target counts (an MQAR
+    dataset's non-answers)."""
     total = torch.zeros(batches.block_size, dtype=torch.float64)
     count = torch.zeros(batches.block_size, dtype=torch.float64)
     for k in tqdm(range(eval_iters), desc="loss by position", disable=not progress):
@@ -194,8 +201,9 @@ def mqar(
     amp: AbstractContextManager | None = None,
     progress: bool = False,
 ) -> dict:
-    """Exact-match accuracy on the answers of an MQAR dataset's val examples (its eval_iters evaluation batches):
-    the top token at each answer position is the value of the key just queried."""
+    """Exact-match accuracy on the answers of an MQAR dataset's val examples (its eval_iters
+    evaluation batches): the top token at each answer position is the value of the key just
+    queried."""
     check_mqar(batches.meta, str(batches.path))
     correct = n = 0
     for k in tqdm(range(eval_iters), desc="mqar", disable=not progress):
@@ -226,9 +234,10 @@ def run_tasks(
     amp: AbstractContextManager | None = None,
     progress: bool = False,
 ) -> dict:
-    """{task: its result} for each of tasks (TASKS) on the model's device. batches: the dataset's (position and mqar
-    read its val split); vocab: the token ids induction draws from (default: the dataset's vocab_size); length:
-    induction's segment, by default 16 tokens or a quarter of the context. The model is put in eval mode and back."""
+    """{task: its result} for each of tasks (TASKS) on the model's device. batches: the dataset's
+    (position and mqar read its val split); vocab: the token ids induction draws from (default: the
+    dataset's vocab_size); length: induction's segment, by default 16 tokens or a quarter of the
+    context. The model is put in eval mode and back."""
     problems = task_problems("tasks", tasks)
     if problems:
         raise UserError(problems[0])
@@ -255,8 +264,9 @@ def run_tasks(
 
 
 def flat(results: dict) -> dict[str, float]:
-    """run_tasks's results as named numbers (a wandb summary): induction_acc@16, induction_loss@16, ..., mqar_acc;
-    position_loss_first and position_loss_last (the first and last positions with a target)."""
+    """run_tasks's results as named numbers (a wandb summary): induction_acc@16, induction_loss@16,
+    ..., mqar_acc; position_loss_first and position_loss_last (the first and last positions with a
+    target)."""
     out = {}
     for r in results.get("induction", []):
         out[f"induction_acc@{r['distance']}"] = r["accuracy"]

@@ -1,5 +1,6 @@
-"""A run's record: out_dir/log.jsonl (one JSON object per line: the config, then train and eval records), always
-written, and wandb when asked for; and read_run, which reads a log.jsonl back for reports and benchmarks.
+"""A run's record: out_dir/log.jsonl (one JSON object per line: the config, then train and eval
+records), always written, and wandb when asked for; and read_run, which reads a log.jsonl back for
+reports and benchmarks.
 """
 
 import contextlib
@@ -25,14 +26,15 @@ from smallgpt.errors import UserError, first_line
 
 
 class RunLog:
-    """Metrics to out_dir/log.jsonl (appended) and, if cfg.wandb_log, to wandb; the config also to config.json."""
+    """Metrics to out_dir/log.jsonl (appended) and, if cfg.wandb_log, to wandb; the config also to
+    config.json."""
 
     def __init__(self, cfg: TrainConfig, model_config: GPTConfig, start_iter: int) -> None:
         out = Path(cfg.out_dir)
-        self.path, self.wandb = out / "log.jsonl", None
-        if (
-            self.path.is_file() and self.path.stat().st_size
-        ):  # a line cut short by a kill stays a line of its own
+        self.path = out / "log.jsonl"
+        self.wandb = None
+        # a line cut short by a kill stays a line of its own
+        if self.path.is_file() and self.path.stat().st_size:
             with open(self.path, "rb+") as f:
                 f.seek(-1, os.SEEK_END)
                 if f.read(1) != b"\n":
@@ -81,8 +83,8 @@ class RunLog:
 
 
 def start_wandb(cfg: TrainConfig, default_name: str, run_id: str | None = None) -> Any:
-    """A wandb run (the run run_id again, if given), honouring WANDB_MODE; online without a reachable server it logs
-    offline instead of waiting."""
+    """A wandb run (the run run_id again, if given), honouring WANDB_MODE; online without a
+    reachable server it logs offline instead of waiting."""
     if os.environ.get("WANDB_MODE") == "":  # an empty WANDB_MODE crashes wandb.init
         del os.environ["WANDB_MODE"]
     import wandb
@@ -90,11 +92,12 @@ def start_wandb(cfg: TrainConfig, default_name: str, run_id: str | None = None) 
     mode = None  # WANDB_MODE's, else online
     url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
     if os.environ.get("WANDB_MODE", "online") == "online" and (why := unreachable(url)):
-        mode = "offline"  # online wandb would wait ~100 s for a network that is not there
+        mode = "offline"  # online wandb would wait out its timeout for a network that is not there
         print(
-            f"wandb: cannot reach {url} ({why}): logging offline to {cfg.out_dir}/wandb instead; upload it "
-            f"later with `wandb sync`, or set WANDB_MODE=offline to skip this check"
+            f"wandb: cannot reach {url} ({why}): logging offline to {cfg.out_dir}/wandb instead; "
+            f"upload it later with `wandb sync`, or set WANDB_MODE=offline to skip this check"
         )
+
     try:
         return wandb.init(
             project=cfg.wandb_project,
@@ -149,81 +152,103 @@ def versions() -> dict[str, str | None]:
 
 
 def read_run(run_dir: Path) -> dict:
-    """The latest run in run_dir/log.jsonl: its config and eval/train records, one per iteration (a resume's records
-    replace those a killed process logged after the checkpoint it resumed), wall-clock continued across resumes (a
-    record's wall_s: the time lost to a kill included); torn: whether the log ends in a line cut short (a process
-    killed while writing it, whatever it held); final_iter: the iteration of the run's final evaluation (the latest
-    attempt's max_iters, or where an eval_only attempt started); recall: the recall record logged at final_iter, or
-    None."""
-    path, records, torn = run_dir / "log.jsonl", [], False
+    """The latest run in run_dir/log.jsonl: its config and eval/train records, one per iteration (a
+    resume's records replace those a killed process logged after the checkpoint it resumed),
+    wall-clock continued across resumes (a record's wall_s: the time lost to a kill included); torn:
+    whether the log ends in a line cut short (a process killed while writing it, whatever it held);
+    final_iter: the iteration of the run's final evaluation (the latest attempt's max_iters, or
+    where an eval_only attempt started); recall: the recall record logged at final_iter, or None."""
+    path = run_dir / "log.jsonl"
+    records, torn = log_records(path)
+    records = records[latest_start(records, path) :]
+    run = by_iteration(records)
+    return {
+        "name": run_dir.name,
+        "config": records[0]["config"],
+        "model_config": records[0]["model_config"],
+        "evals": sorted(run["evals"].values(), key=lambda r: r["iter"]),
+        "trains": sorted(run["trains"].values(), key=lambda r: r["iter"]),
+        "torn": torn,
+        "final_iter": run["final_iter"],
+        "recall": run["recalls"].get(run["final_iter"]),
+    }
+
+
+def log_records(path: Path) -> tuple[list[dict], bool]:
+    """The records of a log.jsonl, and whether it ends in a line cut short (torn). A line cut short
+    is left out where it is the last or a config record follows it (a resume); any other line that
+    is not JSON is a UserError."""
+    records = []
+    torn = False
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for i, line in enumerate(lines, 1):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
-            if (
-                i == len(lines) or '"event": "config"' in lines[i]
-            ):  # a process killed mid-write leaves its last
-                torn = i == len(lines)  # line cut short (then a resume may follow)
+            # a process killed mid-write leaves its last line cut short (then a resume may follow)
+            if i == len(lines) or '"event": "config"' in lines[i]:
+                torn = i == len(lines)
                 continue
             raise UserError(
                 f"{path} line {i} is not a JSON record ({e.msg}): not a log written by train.py"
             ) from e
+    return records, torn
+
+
+def latest_start(records: list[dict], path: Path) -> int:
+    """The index of the latest fresh start's config record in records (a resume's is not one)."""
     starts = [
         i
         for i, r in enumerate(records)
-        if r.get("event") == "config"  # a fresh start, not a resume
+        if r.get("event") == "config"
         and r.get("start_iter", int(r["config"]["init_from"] == "resume")) == 0
     ]
     if not starts:
         raise UserError(f"{path} holds no run's config record: not a log written by train.py")
-    records = records[starts[-1] :]
-    offset, last = 0.0, 0.0
-    evals, trains, recalls = (
-        {},
-        {},
-        {},
-    )  # by iteration: a resume replaces what came after its checkpoint
+    return starts[-1]
+
+
+def by_iteration(records: list[dict]) -> dict:
+    """One run's records, its fresh start's config first, by iteration: {'evals', 'trains',
+    'recalls'}, each {iter: record} (a resume's records replace those logged after its checkpoint;
+    evals and trains get wall_s, the wall-clock continued across resumes), and 'final_iter'."""
+    evals = {}
+    trains = {}
+    recalls = {}
+    offset = 0.0  # the wall-clock seconds of the attempts before this one
+    last = 0.0  # ... and of this one, so far
     for r in records:
         if r["event"] == "config":
-            offset, last = offset + last, 0.0
-            final_iter = (
-                r.get("start_iter", 0) if r["config"].get("eval_only") else r["config"]["max_iters"]
-            )
+            # an attempt: its own clock and final evaluation; it replaces what came after its start
+            offset += last
+            last = 0.0
+            config = r["config"]
+            final_iter = r.get("start_iter", 0) if config.get("eval_only") else config["max_iters"]
             for kept in (evals, trains):
                 for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
                     del kept[it]
-        elif (
-            r["event"] == "recall"
-        ):  # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
+        elif r["event"] == "recall":
+            # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
             recalls[r["iter"]] = r
         else:
             last = r["elapsed_s"]
-            (evals if r["event"] == "eval" else trains)[r["iter"]] = r | {
-                "wall_s": offset + r["elapsed_s"]
-            }
-    return {
-        "name": run_dir.name,
-        "config": records[0]["config"],
-        "model_config": records[0]["model_config"],
-        "evals": sorted(evals.values(), key=lambda r: r["iter"]),
-        "trains": sorted(trains.values(), key=lambda r: r["iter"]),
-        "torn": torn,
-        "final_iter": final_iter,
-        "recall": recalls.get(final_iter),
-    }
+            kept = evals if r["event"] == "eval" else trains
+            kept[r["iter"]] = r | {"wall_s": offset + r["elapsed_s"]}
+    return {"evals": evals, "trains": trains, "recalls": recalls, "final_iter": final_iter}
 
 
 def unfinished(run: dict, final_iter: int | None = None) -> str | None:
-    """Why a run read_run returned is not finished, or None when it is: finished means its final evaluation (at
-    final_iter; default, the run's own) is logged, and whole: the log does not end in a line cut short."""
+    """Why a run read_run returned is not finished, or None when it is: finished means its final
+    evaluation (at final_iter; default, the run's own) is logged, and whole: the log does not end in
+    a line cut short."""
     final_iter = run["final_iter"] if final_iter is None else final_iter
     if run["torn"]:
         return "its log's last line is cut short (killed while writing it)"
     if not run["evals"]:
         return "no evaluation logged yet"
     if not any(e["iter"] == final_iter for e in run["evals"]):
-        return f"its last evaluation is at iteration {run['evals'][-1]['iter']}, its final one at {final_iter}"
+        last = run["evals"][-1]["iter"]
+        return f"its last evaluation is at iteration {last}, its final one at {final_iter}"
     if run["config"].get("final_evals") and run["recall"] is None:
         return "its final_evals are not logged yet (killed while they ran)"
     return None

@@ -1,6 +1,6 @@
-"""Where a script runs and how: device, dtype and autocast, the torchrun process group, the device's peak FLOP/s,
-the CPU allocator setting, each rank's random generators, and waiting for a device before reading a clock.
-train.py, sample.py, bench.py and compare.py share these.
+"""Where a script runs and how: device, dtype and autocast, the torchrun process group, the device's
+peak FLOP/s, the CPU allocator setting, each rank's random generators, and waiting for a device
+before reading a clock. train.py, sample.py, bench.py and compare.py share these.
 """
 
 import ctypes
@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from smallgpt.errors import UserError
 
-# Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain fp32).
-# The longest name found in torch.cuda.get_device_name() wins (gpu_peak_flops): "A100" over "A10", "H100 PCIe"
-# over "H100" (the SXM).
+# Dense peak FLOP/s by GPU name from datasheets, without sparsity: (bf16/fp16 tensor cores, plain
+# fp32). The longest name found in torch.cuda.get_device_name() wins (gpu_peak_flops): "A100" over
+# "A10", "H100 PCIe" over "H100" (the SXM).
 GPU_PEAK_FLOPS = {
     "H200": (989e12, 67e12),
     "H100": (989e12, 67e12),
@@ -60,7 +60,8 @@ def device_type(device: str) -> str:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> str:
-    """'auto' (CUDA, else MPS, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps', checked against this machine."""
+    """'auto' (CUDA, else MPS, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps', checked against this
+    machine."""
     if name == "auto":
         if torch.cuda.is_available():
             return f"cuda:{local_rank}"
@@ -77,16 +78,19 @@ def resolve_device(name: str, local_rank: int = 0) -> str:
 
 
 def setup_distributed(device: str, alone: bool = False) -> Dist:
-    """Join the torchrun process group when RANK/LOCAL_RANK/WORLD_SIZE are set (nccl on CUDA, gloo otherwise);
-    alone: a process started without torchrun makes a group of its own (FSDP needs one)."""
+    """Join the torchrun process group when RANK/LOCAL_RANK/WORLD_SIZE are set (nccl on CUDA, gloo
+    otherwise); alone: a process started without torchrun makes a group of its own (FSDP needs
+    one)."""
     torchrun = "RANK" in os.environ
     if not torchrun and not alone:
         return Dist(0, 0, 1, resolve_device(device, 0), True)
-    rank, local_rank, world = (
-        (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-        if torchrun
-        else (0, 0, 1)
-    )
+    rank = 0
+    local_rank = 0
+    world = 1
+    if torchrun:
+        rank = int(os.environ["RANK"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        world = int(os.environ["WORLD_SIZE"])
     dev = resolve_device(device, local_rank)
     if dev.startswith("cuda"):
         torch.cuda.set_device(dev)
@@ -104,10 +108,10 @@ def setup_distributed(device: str, alone: bool = False) -> Dist:
 
 
 def teardown_distributed() -> None:
-    """Leave the process group and end its backend's threads here, not during the interpreter's exit, where a gloo
-    worker thread that still releases a collective's tensors aborts the process ("terminate called without an active
-    exception"). Under FSDP, device meshes that DTensor's caches keep hold the group: they let go of it first, so
-    that destroying the group frees it."""
+    """Leave the process group and end its backend's threads here, not during the interpreter's
+    exit, where a gloo worker thread that still releases a collective's tensors aborts the process
+    ("terminate called without an active exception"). Under FSDP, device meshes that DTensor's
+    caches keep hold the group: they let go of it first, so that destroying the group frees it."""
     if not dist.is_initialized():
         return
     dist.destroy_process_group()
@@ -119,9 +123,8 @@ def teardown_distributed() -> None:
     gc.collect()  # the model's DTensors and the mesh they name, in reference cycles
 
 
-BF16_MIN_SPEEDUP = (
-    1.5  # bf16 products this much faster than fp32's: a whole step gains (docs/performance-cpu.md)
-)
+# bf16 products this much faster than fp32's: a whole step gains (docs/performance-cpu.md)
+BF16_MIN_SPEEDUP = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +150,8 @@ def place(
     compiled_decode: bool = False,
     training: bool = True,
 ) -> Placement:
-    """The device ('auto' or a name, resolve_device) and the dtype ('auto' or a name, resolve_dtype) to run in."""
+    """The device ('auto' or a name, resolve_device) and the dtype ('auto' or a name, resolve_dtype)
+    to run in."""
     resolved = resolve_device(device)
     return Placement(resolved, *resolve_dtype(dtype, resolved, n_embd, compiled_decode, training))
 
@@ -159,11 +163,12 @@ def resolve_dtype(
     compiled_decode: bool = False,
     training: bool = True,
 ) -> tuple[torch.dtype, str]:
-    """The dtype to run in on device ('cpu', 'cuda:1', or its type) and why. 'float32', 'bfloat16', 'float16' as
-    named (float16 trains on CUDA only, where a GradScaler runs; decoding needs none); 'auto': bf16 on CUDA GPUs that
-    have it; on a CPU that has bf16 instructions, bf16 for the compiled decode step (compiled_decode) and for
-    training a model n_embd wide when this CPU's bf16 products of that width measure at least BF16_MIN_SPEEDUP times
-    faster than fp32's (some CPUs with the instructions are slower in bf16); float32 everywhere else."""
+    """The dtype to run in on device ('cpu', 'cuda:1', or its type) and why. 'float32', 'bfloat16',
+    'float16' as named (float16 trains on CUDA only, where a GradScaler runs; decoding needs none);
+    'auto': bf16 on CUDA GPUs that have it; on a CPU that has bf16 instructions, bf16 for the
+    compiled decode step (compiled_decode) and for training a model n_embd wide when this CPU's bf16
+    products of that width measure at least BF16_MIN_SPEEDUP times faster than fp32's (some CPUs
+    with the instructions are slower in bf16); float32 everywhere else."""
     kind = device_type(device)
     if name == "float16" and kind != "cuda" and training:
         raise UserError(
@@ -172,30 +177,32 @@ def resolve_dtype(
         )
     if name != "auto":
         return getattr(torch, name), "as asked"
+    if kind == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16, "a CUDA GPU with bf16"
     if kind == "cuda":
-        bf16 = torch.cuda.is_bf16_supported()
-        return (
-            (torch.bfloat16, "a CUDA GPU with bf16")
-            if bf16
-            else (torch.float32, "a CUDA GPU without bf16")
-        )
-    if kind != "cpu" or not native_bf16():
-        return torch.float32, f"{kind}{' without native bf16' * (kind == 'cpu')}"
+        return torch.float32, "a CUDA GPU without bf16"
+    if kind != "cpu":
+        return torch.float32, kind
+    if not native_bf16():
+        return torch.float32, "cpu without native bf16"
     if compiled_decode:
         return torch.bfloat16, "CPU with native bf16, compiled decode step"
     if n_embd is None:
         return torch.float32, "CPU with native bf16, decoding without the compiled step"
     speedup = bf16_speedup(n_embd)
     why = f"CPU with native bf16, bf16 products {speedup:.2f}x fp32's at n_embd {n_embd}"
-    return (torch.bfloat16 if speedup >= BF16_MIN_SPEEDUP else torch.float32), why
+    if speedup >= BF16_MIN_SPEEDUP:
+        return torch.bfloat16, why
+    return torch.float32, why
 
 
 def bf16_speedup(width: int, rows: int = 1024) -> float:
-    """fp32's time over bf16's for the product of a (rows x width) and a (width x 4 width) matrix on this CPU, the
-    best of three 20 ms probes each, taken in turn so that a busy spell of the machine cannot slow one dtype's
-    probes alone (a training step's products are of this kind)."""
+    """fp32's time over bf16's for the product of a (rows x width) and a (width x 4 width) matrix on
+    this CPU, the best of three 20 ms probes each, taken in turn so that a busy spell of the machine
+    cannot slow one dtype's probes alone (a training step's products are of this kind)."""
     gen = torch.Generator().manual_seed(0)  # leaves the global RNG be
-    x, w = torch.randn(rows, width, generator=gen), torch.randn(width, 4 * width, generator=gen)
+    x = torch.randn(rows, width, generator=gen)
+    w = torch.randn(width, 4 * width, generator=gen)
     products = {
         dtype: lambda a=x.to(dtype), b=w.to(dtype): a @ b
         for dtype in (torch.float32, torch.bfloat16)
@@ -208,12 +215,13 @@ def bf16_speedup(width: int, rows: int = 1024) -> float:
 
 
 def seconds_per_call(fn: Callable[[], object], probes: int, probe_s: float) -> float:
-    """fn's time per call on this CPU: after one warm-up call, the fastest of `probes` probes, each calling it
-    for probe_s seconds."""
+    """fn's time per call on this CPU: after one warm-up call, the fastest of `probes` probes, each
+    calling it for probe_s seconds."""
     fn()
     times = []
     for _ in range(probes):
-        n, t0 = 0, time.perf_counter()
+        n = 0
+        t0 = time.perf_counter()
         while time.perf_counter() - t0 < probe_s:
             fn()
             n += 1
@@ -223,58 +231,62 @@ def seconds_per_call(fn: Callable[[], object], probes: int, probe_s: float) -> f
 
 def autocast(device: str, dtype: torch.dtype) -> AbstractContextManager:
     """Mixed precision in dtype on device (or its type), or nothing for float32."""
-    return (
-        nullcontext()
-        if dtype == torch.float32
-        else torch.autocast(device_type(device), dtype=dtype)
-    )
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type(device), dtype=dtype)
 
 
 def peak_flops(device: str, dtype: torch.dtype) -> float | None:
-    """The device's dense peak FLOP/s in dtype: the datasheet for known GPUs, the best of five short matmul probes
-    on CPU, else None (then MFU is not reported; TrainConfig.peak_flops overrides all of this)."""
+    """The device's dense peak FLOP/s in dtype: the datasheet for known GPUs, the best of five short
+    matmul probes on CPU, else None (then MFU is not reported; TrainConfig.peak_flops overrides all
+    of this)."""
     if device.startswith("cuda"):
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
     if device != "cpu":
         return None
-    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)).to(
-        dtype
-    )  # leaves the global RNG be
+    gen = torch.Generator().manual_seed(0)  # leaves the global RNG be
+    a = torch.randn(1024, 1024, generator=gen).to(dtype)
     return 2 * 1024**3 / seconds_per_call(lambda: a @ a, probes=5, probe_s=0.05)
 
 
 def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
-    """The datasheet's dense peak of the GPU torch names `name` ('NVIDIA H100 PCIe'), by the longest known model in
-    it (an H100 PCIe is not an SXM), in dtype (tensor cores for bf16/fp16, plain fp32); None if unknown."""
+    """The datasheet's dense peak of the GPU torch names `name` ('NVIDIA H100 PCIe'), by the longest
+    known model in it (an H100 PCIe is not an SXM), in dtype (tensor cores for bf16/fp16, plain
+    fp32); None if unknown."""
     key = max((k for k in GPU_PEAK_FLOPS if k in name), key=len, default=None)
     return None if key is None else GPU_PEAK_FLOPS[key][dtype == torch.float32]
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays off."""
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays
+    off."""
     cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.is_file() and bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo.read_text()))
+    if not cpuinfo.is_file():
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo.read_text()))
 
 
 def keep_freed_memory() -> None:
-    """With glibc, keep freed memory in the process instead of returning it to the system: a CPU training step frees
-    its activations and allocates them again the next step, and returned memory comes back as fresh pages, one fault
-    per 4 KiB (docs/performance-cpu.md). The cost: the process keeps its peak memory. A no-op without glibc."""
+    """With glibc, keep freed memory in the process instead of returning it to the system: a CPU
+    training step frees its activations and allocates them again the next step, and returned memory
+    comes back as fresh pages, one fault per 4 KiB (docs/performance-cpu.md). The cost: the process
+    keeps its peak memory. A no-op without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters (malloc.h)
-    libc.mallopt(
-        m_mmap_threshold, 32 * 2**20
-    )  # blocks up to 32 MiB (glibc's maximum) come from the heap ...
-    libc.mallopt(
-        m_trim_threshold, 2**30
-    )  # ... and the heap is not shrunk until 1 GiB of it is free
+    # mallopt's parameters (malloc.h)
+    m_trim_threshold = -1
+    m_mmap_threshold = -3
+    # blocks up to 32 MiB (glibc's maximum) come from the heap ...
+    libc.mallopt(m_mmap_threshold, 32 * 2**20)
+    # ... and the heap is not shrunk until 1 GiB of it is free
+    libc.mallopt(m_trim_threshold, 2**30)
 
 
 def synchronize(device: str | torch.device) -> None:
-    """Wait for the work queued on device (CUDA, MPS) before reading a clock; nothing to wait for on CPU."""
+    """Wait for the work queued on device (CUDA, MPS) before reading a clock; nothing to wait for on
+    CPU."""
     kind = torch.device(device).type
     if kind == "cuda":
         torch.cuda.synchronize(device)
@@ -283,14 +295,16 @@ def synchronize(device: str | torch.device) -> None:
 
 
 def seed_rank(seed: int, rank: int) -> None:
-    """Seed torch's generators (dropout's) for a rank: each rank draws masks of its own, as one process draws new
-    ones for each micro-batch. Weights (GPT.init_weights) and batches (Batches) have generators of their own."""
+    """Seed torch's generators (dropout's) for a rank: each rank draws masks of its own, as one
+    process draws new ones for each micro-batch. Weights (GPT.init_weights) and batches (Batches)
+    have generators of their own."""
     torch.manual_seed(seed + rank)
 
 
 def rng_states(d: Dist) -> list[dict]:
-    """Every rank's random generator states (dropout), by rank, for an exact resume: a collective under torchrun
-    (every rank calls it, rank 0 saves the list); batches need none (seeded per iteration)."""
+    """Every rank's random generator states (dropout), by rank, for an exact resume: a collective
+    under torchrun (every rank calls it, rank 0 saves the list); batches need none (seeded per
+    iteration)."""
     own = {"torch": torch.get_rng_state()}
     if d.device_type == "cuda":
         own["cuda"] = torch.cuda.get_rng_state_all()
@@ -302,9 +316,9 @@ def rng_states(d: Dist) -> list[dict]:
 
 
 def set_rng_states(states: list[dict] | dict, d: Dist, seed: int) -> None:
-    """This rank's generators as rng_states() left them in a checkpoint (CUDA's only on CUDA). Resumed on more
-    processes, a rank the checkpoint has no states for starts as in a new run (seed_rank); a checkpoint from before
-    per-rank states holds one dict, rank 0's."""
+    """This rank's generators as rng_states() left them in a checkpoint (CUDA's only on CUDA).
+    Resumed on more processes, a rank the checkpoint has no states for starts as in a new run
+    (seed_rank); a checkpoint from before per-rank states holds one dict, rank 0's."""
     states = [states] if isinstance(states, dict) else states
     if d.rank >= len(states):
         seed_rank(seed, d.rank)
@@ -316,8 +330,8 @@ def set_rng_states(states: list[dict] | dict, d: Dist, seed: int) -> None:
 
 
 def stop_requested(signals: list[int], d: Dist, at_log: bool) -> bool:
-    """Whether a signal asked the run to stop; under torchrun the ranks agree on it at log steps, so all stop
-    together."""
+    """Whether a signal asked the run to stop; under torchrun the ranks agree on it at log steps, so
+    all stop together."""
     if d.world_size == 1:
         return bool(signals)
     if not at_log:

@@ -1,10 +1,11 @@
-"""train.py's parallel training: DDP's wrapper, and FSDP2 (torch.distributed.fsdp.fully_shard) for --parallel=fsdp:
-each block and the root sharded over the processes, a model built on the meta device and initialised shard by shard,
-and sharded checkpoints written with torch.distributed.checkpoint (readable at any number of processes, with or
-without FSDP).
+"""train.py's parallel training: DDP's wrapper, and FSDP2 (torch.distributed.fsdp.fully_shard) for
+--parallel=fsdp: each block and the root sharded over the processes, a model built on the meta
+device and initialised shard by shard, and sharded checkpoints written with
+torch.distributed.checkpoint (readable at any number of processes, with or without FSDP).
 
-A sharded checkpoint is a folder `sharded-<iteration>` beside ckpt.pt; ckpt.pt (the full model, gathered) names it
-under 'sharded' and is written after it, so a crash at any point leaves a ckpt.pt whose folder is complete.
+A sharded checkpoint is a folder `sharded-<iteration>` beside ckpt.pt; ckpt.pt (the full model,
+gathered) names it under 'sharded' and is written after it, so a crash at any point leaves a ckpt.pt
+whose folder is complete.
 """
 
 import inspect
@@ -24,8 +25,9 @@ from smallgpt.errors import UserError, first_line
 
 
 def loaded_class(module: str, name: str) -> type | None:
-    """A class of torch's distributed packages if the package is imported, else None: only FSDP imports them (about
-    a second of start-up, so train.py does not), and a tensor or model made without them cannot be of their classes."""
+    """A class of torch's distributed packages if the package is imported, else None: only FSDP
+    imports them (about a second of start-up, so train.py does not), and a tensor or model made
+    without them cannot be of their classes."""
     package = sys.modules.get(module)
     return getattr(package, name) if package is not None else None
 
@@ -36,15 +38,14 @@ def is_dtensor(t: torch.Tensor) -> bool:
 
 
 def shard(model: GPT, device: str, dtype: torch.dtype) -> GPT:
-    """model with each block, then the root (embeddings, final norm, lm_head), sharded over the default process
-    group; on CUDA with a 16-bit dtype, computed in that dtype with gradients reduced in fp32."""
+    """model with each block, then the root (embeddings, final norm, lm_head), sharded over the
+    default process group; on CUDA with a 16-bit dtype, computed in that dtype with gradients
+    reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = (
-        MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        if device.startswith("cuda") and dtype != torch.float32
-        else MixedPrecisionPolicy()
-    )
+    mp = MixedPrecisionPolicy()
+    if device.startswith("cuda") and dtype != torch.float32:
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for block in model.transformer.h:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -54,11 +55,11 @@ def shard(model: GPT, device: str, dtype: torch.dtype) -> GPT:
 def build(
     config: GPTConfig, device: str, dtype: torch.dtype, seed: int | None, sharded: bool
 ) -> GPT:
-    """A new GPT made on the meta device, sharded (if sharded), then given memory on device (for its shards only)
-    and initialised there by GPT.init_weights from seed: every rank draws each parameter's
-    values in turn and keeps its shard, so any number of processes, sharded or not, starts from the same weights,
-    and one parameter at a time is whole in memory, never the model. seed None leaves the weights uninitialised
-    (a checkpoint is loaded next)."""
+    """A new GPT made on the meta device, sharded (if sharded), then given memory on device (for its
+    shards only) and initialised there by GPT.init_weights from seed: every rank draws each
+    parameter's values in turn and keeps its shard, so any number of processes, sharded or not,
+    starts from the same weights, and one parameter at a time is whole in memory, never the model.
+    seed None leaves the weights uninitialised (a checkpoint is loaded next)."""
     with torch.device("meta"):
         model = GPT(config)
     if sharded:
@@ -72,13 +73,13 @@ def build(
 
 
 def assign_shard(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a parameter's full value (on CPU) into it: its own shard where it is sharded (no communication)."""
+    """Copy a parameter's full value (on CPU) into it: its own shard where it is sharded (no
+    communication)."""
     if is_dtensor(param):
         from torch.distributed.tensor import distribute_tensor
 
-        value = distribute_tensor(
-            value, param.device_mesh, param.placements, src_data_rank=None
-        ).to_local()
+        mesh = param.device_mesh
+        value = distribute_tensor(value, mesh, param.placements, src_data_rank=None).to_local()
     local(param).copy_(value)
 
 
@@ -88,28 +89,28 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def ddp(model: torch.nn.Module, device: int | None) -> DDP:
-    """model wrapped by DDP (device: the CUDA device index, None on CPU), without a buffer broadcast at each forward
-    (the rotary tables are the same everywhere; torch 2.13 renamed that flag)."""
-    flag = (
-        "forward_sync_buffers"
-        if "forward_sync_buffers" in inspect.signature(DDP).parameters
-        else "broadcast_buffers"
-    )
-    return DDP(model, device_ids=None if device is None else [device], **{flag: False})
+    """model wrapped by DDP (device: the CUDA device index, None on CPU), without a buffer broadcast
+    at each forward (the rotary tables are the same everywhere; torch 2.13 renamed that flag)."""
+    flag = "broadcast_buffers"
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        flag = "forward_sync_buffers"
+    device_ids = None if device is None else [device]
+    return DDP(model, device_ids=device_ids, **{flag: False})
 
 
 def gradient_sync(
     model: torch.nn.Module, raw_model: torch.nn.Module, last: bool
 ) -> AbstractContextManager:
-    """Where the backward of a micro-batch runs: gradients are all-reduced (DDP) or reduce-scattered (FSDP) after
-    the last micro-batch of a step only, accumulated locally before it."""
+    """Where the backward of a micro-batch runs: gradients are all-reduced (DDP) or reduce-scattered
+    (FSDP) after the last micro-batch of a step only, accumulated locally before it."""
     if is_sharded(raw_model):
         raw_model.set_requires_gradient_sync(last)
     return model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
 
 
 def full_model_state(model: GPT) -> dict[str, torch.Tensor]:
-    """The whole model's state_dict on CPU, gathered on rank 0 (empty on the others): a collective."""
+    """The whole model's state_dict on CPU, gathered on rank 0 (empty on the others): a
+    collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(
@@ -128,7 +129,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(model: torch.nn.Module) -> bool:
-    """Whether every weight is finite; for a sharded model, on every rank (the ranks agree: a collective)."""
+    """Whether every weight is finite; for a sharded model, on every rank (the ranks agree: a
+    collective)."""
     flag = torch.tensor(float(all(bool(local(p).isfinite().all()) for p in model.parameters())))
     if is_sharded(model):
         flag = flag.to(local(next(model.parameters())).device)
@@ -149,12 +151,13 @@ SHARDED_NAME = re.compile(r"sharded-\d{7,}(\.tmp)?")  # save_sharded's folders, 
 def save_sharded(
     out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> str:
-    """Write the model and optimizer state, each rank its shards, to out_dir/sharded-<iter_num> (through a .tmp
-    folder renamed when every rank is done); returns the folder's name. A complete folder for iter_num is kept as
-    it is (the same iteration's state: saved again on a signal, or by a resumed run), never deleted and rewritten
-    under the ckpt.pt that names it."""
+    """Write the model and optimizer state, each rank its shards, to out_dir/sharded-<iter_num>
+    (through a .tmp folder renamed when every rank is done); returns the folder's name. A complete
+    folder for iter_num is kept as it is (the same iteration's state: saved again on a signal, or by
+    a resumed run), never deleted and rewritten under the ckpt.pt that names it."""
     name = f"sharded-{iter_num:07d}"
-    tmp, final = out_dir / (name + ".tmp"), out_dir / name
+    tmp = out_dir / (name + ".tmp")
+    final = out_dir / name
     if (final / ".metadata").is_file():
         return name
     import torch.distributed.checkpoint as dcp
@@ -174,11 +177,12 @@ def save_sharded(
 
 
 def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Read a folder written by save_sharded into model and optimizer, sharded or not, at any number of processes."""
+    """Read a folder written by save_sharded into model and optimizer, sharded or not, at any number
+    of processes."""
     if not (folder / ".metadata").is_file():
         raise UserError(
-            f"the sharded checkpoint {folder}, which {folder.parent / 'ckpt.pt'} names, is missing or "
-            f"incomplete: restore it, or start a new run"
+            f"the sharded checkpoint {folder}, which {folder.parent / 'ckpt.pt'} names, is missing "
+            "or incomplete: restore it, or start a new run"
         )
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -201,8 +205,9 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
 def checkpoint_state(
     out_dir: Path, iter_num: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict:
-    """What ckpt.pt holds of the model and optimizer: the optimizer's state; or, for a sharded model, the name of
-    the sharded checkpoint written now and the whole model gathered (collectives: every rank calls it)."""
+    """What ckpt.pt holds of the model and optimizer: the optimizer's state; or, for a sharded
+    model, the name of the sharded checkpoint written now and the whole model gathered (collectives:
+    every rank calls it)."""
     if not is_sharded(model):
         return {"optimizer": optimizer.state_dict()}
     return {
@@ -214,8 +219,8 @@ def checkpoint_state(
 def load_optimizer(
     ckpt: dict, out_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
-    """A checkpoint's optimizer state into optimizer, sharded or not: from the sharded checkpoint it names (with
-    the weights, at any number of processes), or from its own whole state."""
+    """A checkpoint's optimizer state into optimizer, sharded or not: from the sharded checkpoint it
+    names (with the weights, at any number of processes), or from its own whole state."""
     if "sharded" in ckpt:
         load_sharded(out_dir / ckpt["sharded"], model, optimizer)
     elif is_sharded(model):  # written without FSDP: parameters by number, not by name
@@ -225,27 +230,26 @@ def load_optimizer(
         )
 
         names = {id(p): n for n, p in model.named_parameters()}
-        saved, by_name = ckpt["optimizer"], {}
+        saved = ckpt["optimizer"]
+        by_name = {}  # the saved state's parameter numbers -> the model's names
         for group, ours in zip(saved["param_groups"], optimizer.param_groups, strict=True):
-            by_name |= {
-                i: names[id(p)] for i, p in zip(group["params"], ours["params"], strict=True)
-            }
+            numbered = zip(group["params"], ours["params"], strict=True)
+            by_name |= {i: names[id(p)] for i, p in numbered}
+        groups = [g | {"params": [by_name[i] for i in g["params"]]} for g in saved["param_groups"]]
         state = {
             "state": {by_name[i]: s for i, s in saved["state"].items()},
-            "param_groups": [
-                g | {"params": [by_name[i] for i in g["params"]]} for g in saved["param_groups"]
-            ],
+            "param_groups": groups,
         }
-        set_optimizer_state_dict(
-            model, optimizer, state, options=StateDictOptions(full_state_dict=True)
-        )
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, state, options=options)
     else:
         optimizer.load_state_dict(ckpt["optimizer"])
 
 
 def prune_sharded(out_dir: Path, iter_num: int) -> None:
-    """Delete the sharded-<iteration> folders (and unfinished .tmp ones) that neither ckpt.pt (at iter_num) nor a
-    kept ckpt-<iteration>.pt names: folders of exactly the names save_sharded writes, no other."""
+    """Delete the sharded-<iteration> folders (and unfinished .tmp ones) that neither ckpt.pt (at
+    iter_num) nor a kept ckpt-<iteration>.pt names: folders of exactly the names save_sharded
+    writes, no other."""
     kept = (KEPT_NAME.fullmatch(p.name) for p in out_dir.iterdir())
     keep = {f"sharded-{iter_num:07d}"} | {f"sharded-{match[1]}" for match in kept if match}
     for folder in out_dir.iterdir():
@@ -254,9 +258,9 @@ def prune_sharded(out_dir: Path, iter_num: int) -> None:
 
 
 def per_rank_bytes(config: GPTConfig, world_size: int) -> dict[str, int]:
-    """Bytes one rank holds for fp32 parameters, gradients and AdamW's two moments (4 x 4 bytes a parameter): with
-    DDP (whole) and with FSDP (rank 0's shards, from fully_shard on the meta device over a fake process group of
-    world_size ranks: no memory, no devices)."""
+    """Bytes one rank holds for fp32 parameters, gradients and AdamW's two moments (4 x 4 bytes a
+    parameter): with DDP (whole) and with FSDP (rank 0's shards, from fully_shard on the meta device
+    over a fake process group of world_size ranks: no memory, no devices)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())

@@ -1,9 +1,8 @@
-"""The one-token decoding step at fixed shapes, for the faster steps of the decoding engine: the CUDA graph
-(generation.CUDAGraphStep) and the compiled CPU step (smallgpt/compiled_step.py). K/V are written
-at a position held in a
-tensor and the cache is read whole under a mask (or up to a length), so every step has the same shapes and no host
-sync; the eager path (GPT.forward with a KVCache) computes the same logits (tests/test_model.py).
-"""
+"""The one-token decoding step at fixed shapes, for the faster steps of the decoding engine: the
+CUDA graph (generation.CUDAGraphStep) and the compiled CPU step (smallgpt/compiled_step.py). K/V
+are written at a position held in a tensor and the cache is read whole under a mask (or up to a
+length), so every step has the same shapes and no host sync; the eager path (GPT.forward with a
+KVCache) computes the same logits (tests/test_model.py)."""
 
 import torch
 

@@ -1,6 +1,7 @@
-"""Statistics over seeds for the comparison report: a mean with its Student t interval, the seed-paired difference
-of two variants with its own interval, the ratio of two decode speeds over their repeats with its interval, an
-accuracy pooled over seeds with its Wilson interval, and the sentences that say what they show.
+"""Statistics over seeds for the comparison report: a mean with its Student t interval, the
+seed-paired difference of two variants with its own interval, the ratio of two decode speeds over
+their repeats with its interval, an accuracy pooled over seeds with its Wilson interval, and the
+sentences that say what they show.
 """
 
 import math
@@ -33,7 +34,8 @@ def t_quantile(df: int, level: float = 0.95) -> float:
 
 
 def mean_interval(values: list[float], level: float = 0.95) -> Estimate:
-    """The mean and the half-width of its `level` interval, t(n - 1) * s / sqrt(n) (s: the sample deviation)."""
+    """The mean and the half-width of its `level` interval, t(n - 1) * s / sqrt(n) (s: the sample
+    deviation)."""
     n = len(values)
     if n == 0:
         raise ValueError("no values")
@@ -49,14 +51,15 @@ def mean_interval(values: list[float], level: float = 0.95) -> Estimate:
 def paired_difference(
     a: dict[int, float], b: dict[int, float], level: float = 0.95
 ) -> Estimate | None:
-    """a minus b, paired by seed (the seeds both have): the mean difference and its interval; None if none shared."""
+    """a minus b, paired by seed (the seeds both have): the mean difference and its interval; None
+    if none shared."""
     shared = sorted(a.keys() & b.keys())
     return mean_interval([a[s] - b[s] for s in shared], level) if shared else None
 
 
 def proportion_interval(correct: int, n: int, level: float = 0.95) -> tuple[float, float]:
-    """The Wilson score interval of the proportion correct / n: unlike a t interval, it stays inside [0, 1] at 0 or n
-    correct (Wilson 1927, https://doi.org/10.1080/01621459.1927.10502953)."""
+    """The Wilson score interval of the proportion correct / n: unlike a t interval, it stays inside
+    [0, 1] at 0 or n correct (Wilson 1927, https://doi.org/10.1080/01621459.1927.10502953)."""
     from scipy.stats import binomtest
 
     interval = binomtest(correct, n).proportion_ci(confidence_level=level, method="wilson")
@@ -74,10 +77,11 @@ class Accuracy:
 def pooled_accuracy(
     results: dict[int, dict], reference: dict[int, dict], level: float = 0.95
 ) -> Accuracy:
-    """The accuracy over {seed: result} (each result's "correct" of "n") pooled over the seeds with its Wilson
-    interval, and the seed-paired difference of the per-seed accuracies to reference's (None without a seed in
-    common)."""
-    correct, n = sum(r["correct"] for r in results.values()), sum(r["n"] for r in results.values())
+    """The accuracy over {seed: result} (each result's "correct" of "n") pooled over the seeds with
+    its Wilson interval, and the seed-paired difference of the per-seed accuracies to reference's
+    (None without a seed in common)."""
+    correct = sum(r["correct"] for r in results.values())
+    n = sum(r["n"] for r in results.values())
     diff = paired_difference(
         {seed: r["correct"] / r["n"] for seed, r in results.items()},
         {seed: r["correct"] / r["n"] for seed, r in reference.items()},
@@ -92,16 +96,19 @@ def verdict(name: str, reference: str, diff: Estimate | None) -> str:
         return f"{name}: no seed in common with {reference}, so no paired comparison."
     if diff.half_width is None:
         return (
-            f"{name}: {diff.mean:+.4f} nats against {reference} at 1 seed, with no interval: run --seeds=3 or "
-            f"more to tell a difference from noise."
+            f"{name}: {diff.mean:+.4f} nats against {reference} at 1 seed, with no interval: run "
+            f"--seeds=3 or more to tell a difference from noise."
         )
-    seeds = f"{diff.n} seeds, 95% interval of the seed-paired difference"
+    interval = "95% interval of the seed-paired difference"
     if diff.excludes_zero:
         side = "worse" if diff.mean > 0 else "better"
-        return f"{name} is {abs(diff.mean):.4f} ± {diff.half_width:.4f} nats {side} than {reference} ({seeds})."
+        return (
+            f"{name} is {abs(diff.mean):.4f} ± {diff.half_width:.4f} nats {side} than "
+            f"{reference} ({diff.n} seeds, {interval})."
+        )
     return (
         f"{name}: no difference from {reference} detected at {diff.n} seeds ({diff.mean:+.4f} ± "
-        f"{diff.half_width:.4f} nats; the {seeds[len(f'{diff.n} seeds, ') :]} includes 0)."
+        f"{diff.half_width:.4f} nats; the {interval} includes 0)."
     )
 
 
@@ -119,9 +126,9 @@ class SpeedRatio:
 
 
 def speed_ratio(a: list[float], b: list[float], level: float = 0.95) -> SpeedRatio | None:
-    """a's speed over b's from their repeats, paired in order (compare.py measures repeat i of every shape in one
-    round, so that drift hits both; unpaired repeats only widen the interval): the t interval of the mean log ratio,
-    back on the ratio scale. None without a repeat of each."""
+    """a's speed over b's from their repeats, paired in order (compare.py measures repeat i of every
+    shape in one round, so that drift hits both; unpaired repeats only widen the interval): the t
+    interval of the mean log ratio, back on the ratio scale. None without a repeat of each."""
     n = min(len(a), len(b))
     if n == 0:
         return None
@@ -137,13 +144,17 @@ def speed_ratio(a: list[float], b: list[float], level: float = 0.95) -> SpeedRat
 
 
 def speed_verdict(ratio: SpeedRatio, reference: str) -> str:
-    """One sentence on a decode speed against reference's: a ratio only where the repeats separate the two."""
+    """One sentence on a decode speed against reference's: a ratio only where the repeats separate
+    the two."""
     if ratio.low is None:
         return (
-            f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed in 1 repeat, with no interval: "
-            f"measure with --speed_repeats=3 or more to tell a difference from noise."
+            f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed in 1 repeat, with no "
+            f"interval: measure with --speed_repeats=3 or more to tell a difference from noise."
         )
     interval = f"95% interval {ratio.low:.2f}-{ratio.high:.2f}x over {ratio.n} paired repeats"
     if ratio.separated:
         return f"Its cached decode ran at {ratio.ratio:.2f}x {reference}'s speed ({interval})."
-    return f"Its cached decode speed is within noise of {reference}'s (the ratio's {interval} includes 1)."
+    return (
+        f"Its cached decode speed is within noise of {reference}'s (the ratio's {interval} "
+        f"includes 1)."
+    )

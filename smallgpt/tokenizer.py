@@ -1,6 +1,7 @@
-"""Tokenizers: a dataset's characters, GPT-2's BPE (tiktoken), or a byte-level BPE trained on the text (Hugging
-Face tokenizers), all with the interface sample.py uses of tiktoken's (encode, decode, decode_bytes, eot_token,
-n_vocab); and the tokenizer a dataset's meta, or a Hugging Face folder, names.
+"""Tokenizers: a dataset's characters, GPT-2's BPE (tiktoken), or a byte-level BPE trained on the
+text (Hugging Face tokenizers), all with the interface sample.py uses of tiktoken's (encode, decode,
+decode_bytes, eot_token, n_vocab); and the tokenizer a dataset's meta, or a Hugging Face folder,
+names.
 """
 
 import base64
@@ -15,13 +16,11 @@ import numpy as np
 
 from smallgpt.errors import UserError, first_line
 
-BPE_FILE = (
-    "tokenizer.json"  # a 'bpe' dataset's tokenizer, beside its meta.json; an exported folder's
-)
+# a 'bpe' dataset's tokenizer, beside its meta.json; an exported folder's
+BPE_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
-GPT2_BPE_ENV = (
-    "GPT2_BPE_FILE"  # a local gpt2.tiktoken (r50k_base) file, for machines with no network
-)
+# a local gpt2.tiktoken (r50k_base) file, for machines with no network
+GPT2_BPE_ENV = "GPT2_BPE_FILE"
 
 
 class CharTokenizer:
@@ -38,15 +37,14 @@ class CharTokenizer:
         return cls(sorted(set(text)))
 
     def encode(self, text: str) -> list[int]:
-        """The ids of text's characters; text written in the other Unicode normal form (a composed é against the
-        dataset's e and accent, or the reverse) is taken in the one the dataset has."""
+        """The ids of text's characters; text written in the other Unicode normal form (a composed é
+        against the dataset's e and accent, or the reverse) is taken in the one the dataset has."""
         forms = [text, *(unicodedata.normalize(f, text) for f in ("NFC", "NFD"))]
-        if not (known := [t for t in forms if set(t) <= self.stoi.keys()]):
+        known = [t for t in forms if set(t) <= self.stoi.keys()]
+        if not known:
             unknown = sorted(set(text) - self.stoi.keys())
-            raise UserError(
-                f"characters not in the dataset's vocabulary: "
-                f"{', '.join(f'{c!r} (U+{ord(c):04X})' for c in unknown)}"
-            )
+            listed = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown)
+            raise UserError(f"characters not in the dataset's vocabulary: {listed}")
         return [self.stoi[c] for c in known[0]]
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -62,9 +60,8 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] for i in ids)
 
-    def decode_bytes(
-        self, ids: list[int]
-    ) -> bytes:  # as tiktoken's, for incremental (streamed) decoding
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The bytes of ids' text, as tiktoken's, for incremental (streamed) decoding."""
         return self.decode(ids).encode()
 
     def meta(self) -> dict:
@@ -72,8 +69,9 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer (a 'bpe' dataset's, or an exported folder's tokenizer.json) with the
-    interface sample.py uses of tiktoken's: encode, decode, decode_bytes, eot_token, n_vocab."""
+    """A Hugging Face `tokenizers` tokenizer (a 'bpe' dataset's, or an exported folder's
+    tokenizer.json) with the interface sample.py uses of tiktoken's: encode, decode, decode_bytes,
+    eot_token, n_vocab."""
 
     def __init__(self, tokenizer_json: str, source: str = "the dataset's tokenizer.json") -> None:
         from tokenizers import Tokenizer
@@ -82,8 +80,8 @@ class HFTokenizer:
             self.tok = Tokenizer.from_str(tokenizer_json)
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot read
             raise UserError(
-                f"{source} is damaged or not a tokenizers file ({first_line(e)}): prepare the dataset "
-                f"again, or export the model again"
+                f"{source} is damaged or not a tokenizers file ({first_line(e)}): prepare the "
+                "dataset again, or export the model again"
             ) from e
         self.eot_token = self.tok.token_to_id(EOT)
         self.n_vocab = self.tok.get_vocab_size()
@@ -97,20 +95,22 @@ class HFTokenizer:
         try:
             ids = self.tok.encode(text, add_special_tokens=False).ids
             back = self.decode(ids)
-        except Exception:  # tokenizers raises a plain Exception: export.py's char-level one for a character it lacks
-            ids, back = [], "".join(c for c in text if self.tok.token_to_id(c) is not None)
+        # tokenizers raises a plain Exception: export.py's char-level one for a character it lacks
+        except Exception:
+            ids = []
+            back = "".join(c for c in text if self.tok.token_to_id(c) is not None)
         if back != text:  # older exports mapped what they lack to a real token
             raise UserError(
-                f"characters not in the tokenizer's vocabulary: {''.join(sorted(set(text) - set(back)))!r}"
+                "characters not in the tokenizer's vocabulary: "
+                f"{''.join(sorted(set(text) - set(back)))!r}"
             )
         return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def decode_bytes(
-        self, ids: list[int]
-    ) -> bytes:  # a token can end inside a character (streamed decoding)
+    def decode_bytes(self, ids: list[int]) -> bytes:
+        """The bytes of ids' text: a token can end inside a character (streamed decoding)."""
         if not self.byte_level:
             return self.decode(ids).encode()
         pieces = (self.tok.id_to_token(i) for i in ids)
@@ -119,39 +119,40 @@ class HFTokenizer:
         )
 
     def encode_array(self, text: str, piece_chars: int = 1 << 20) -> np.ndarray:
-        """encode() for long texts, with a progress bar: pieces of about piece_chars encoded in parallel, each cut
-        where a space sits between two ASCII letters, so the ids equal encode(text)'s (no pre-token spans a cut)."""
+        """encode() for long texts, with a progress bar: pieces of about piece_chars encoded in
+        parallel, each cut where a space sits between two ASCII letters, so the ids equal
+        encode(text)'s (no pre-token spans a cut)."""
         from tqdm import tqdm
 
-        cut, pieces, pos = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])"), [], 0
+        cut = re.compile(r"(?<=[A-Za-z]) (?=[A-Za-z])")
+        pieces = []
+        pos = 0
         while pos < len(text):
             m = cut.search(text, pos + piece_chars)
             pieces.append(text[pos : m.start() if m else len(text)])
             pos += len(pieces[-1])
         ids = []
-        with tqdm(
-            total=len(text), desc="encoding", unit="char", unit_scale=True, disable=len(pieces) < 8
-        ) as bar:
+        quiet = len(pieces) < 8
+        bar = tqdm(total=len(text), desc="encoding", unit="char", unit_scale=True, disable=quiet)
+        with bar:
             for i in range(0, len(pieces), 8):
                 batch = pieces[i : i + 8]
-                ids += [
-                    np.array(e.ids, dtype=np.int64)
-                    for e in self.tok.encode_batch(batch, add_special_tokens=False)
-                ]
+                encoded = self.tok.encode_batch(batch, add_special_tokens=False)
+                ids += [np.array(e.ids, dtype=np.int64) for e in encoded]
                 bar.update(sum(map(len, batch)))
         return np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
 
 
 def train_bpe(text: str, vocab_size: int) -> HFTokenizer:
-    """A byte-level BPE (GPT-2's pre-tokenizer and byte alphabet, <|endoftext|> as its one special token) of
-    vocab_size tokens, trained on text by Hugging Face tokenizers."""
+    """A byte-level BPE (GPT-2's pre-tokenizer and byte alphabet, <|endoftext|> as its one special
+    token) of vocab_size tokens, trained on text by Hugging Face tokenizers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if not len(alphabet) + 1 < vocab_size <= 2**32:
         raise UserError(
-            f"vocab_size={vocab_size} for a byte-level BPE must be above {len(alphabet) + 1} (the 256 "
-            f"bytes and {EOT})"
+            f"vocab_size={vocab_size} for a byte-level BPE must be above {len(alphabet) + 1} (the "
+            f"256 bytes and {EOT})"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -172,7 +173,8 @@ def train_bpe(text: str, vocab_size: int) -> HFTokenizer:
 
 
 def gpt2_encoding(bpe_file: str | None = None) -> "object":
-    """tiktoken's GPT-2 BPE: from bpe_file (or $GPT2_BPE_FILE) if given, else tiktoken's cache or download."""
+    """tiktoken's GPT-2 BPE: from bpe_file (or $GPT2_BPE_FILE) if given, else tiktoken's cache or
+    download."""
     import tiktoken
 
     bpe_file = bpe_file or os.environ.get(GPT2_BPE_ENV)
@@ -181,9 +183,8 @@ def gpt2_encoding(bpe_file: str | None = None) -> "object":
 
         try:  # one base64 token and its rank per line, as in r50k_base.tiktoken
             lines = Path(bpe_file).read_text().split("\n")
-            ranks = {
-                base64.b64decode(tok): int(rank) for tok, rank in (ln.split() for ln in lines if ln)
-            }
+            pairs = (ln.split() for ln in lines if ln)
+            ranks = {base64.b64decode(tok): int(rank) for tok, rank in pairs}
         except (OSError, ValueError) as e:
             raise UserError(f"cannot read GPT-2 BPE file {bpe_file}: {e}") from e
         return tiktoken.Encoding(
@@ -196,14 +197,15 @@ def gpt2_encoding(bpe_file: str | None = None) -> "object":
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken raises requests' errors (or others) when it cannot download
         raise UserError(
-            f"cannot load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use. Run "
-            f"once with network, point TIKTOKEN_CACHE_DIR at a cache that has it, or set "
+            f"cannot load the GPT-2 BPE ({type(e).__name__}): tiktoken downloads it on first use. "
+            "Run once with network, point TIKTOKEN_CACHE_DIR at a cache that has it, or set "
             f"{GPT2_BPE_ENV} to a local gpt2.tiktoken file"
         ) from e
 
 
 def load_tokenizer(meta: dict) -> "CharTokenizer | object":
-    """The tokenizer a dataset was made with: encode(str) -> ids, decode(ids) -> str, eot_token (or None)."""
+    """The tokenizer a dataset was made with: encode(str) -> ids, decode(ids) -> str, eot_token (or
+    None)."""
     if meta.get("tokenizer") == "char":
         return CharTokenizer(meta["chars"])
     if meta.get("tokenizer") == "gpt2":
@@ -211,44 +213,50 @@ def load_tokenizer(meta: dict) -> "CharTokenizer | object":
     if meta.get("tokenizer") == "bpe":
         return HFTokenizer(meta["bpe"])
     raise UserError(
-        f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char', 'gpt2' or 'bpe')"
+        f"unknown tokenizer {meta.get('tokenizer')!r} in meta.json (expected 'char', 'gpt2' or "
+        "'bpe')"
     )
 
 
 def encode_prompt(tok: "CharTokenizer | HFTokenizer | object", text: str) -> list[int]:
-    """A prompt's ids: <|endoftext|> written in it is the end-of-text token, as nanoGPT's sample.py reads it (a
-    dataset's text takes it as plain characters)."""
-    special = getattr(
-        tok, "special_tokens_set", None
-    )  # tiktoken refuses special tokens unless allowed
-    return tok.encode(text, allowed_special=special) if special is not None else tok.encode(text)
+    """A prompt's ids: <|endoftext|> written in it is the end-of-text token, as nanoGPT's sample.py
+    reads it (a dataset's text takes it as plain characters)."""
+    # tiktoken refuses special tokens unless allowed
+    special = getattr(tok, "special_tokens_set", None)
+    if special is None:
+        return tok.encode(text)
+    return tok.encode(text, allowed_special=special)
 
 
 def folder_tokenizer(name_or_path: str) -> "HFTokenizer | object":
-    """The tokenizer of a Hugging Face model folder (its tokenizer.json, as export.py writes); GPT-2's BPE for a hub
-    name, or for a GPT-2 folder without one whose embeddings hold GPT-2's tokens (said on stderr)."""
+    """The tokenizer of a Hugging Face model folder (its tokenizer.json, as export.py writes);
+    GPT-2's BPE for a hub name, or for a GPT-2 folder without one whose embeddings hold GPT-2's
+    tokens (said on stderr)."""
     folder = Path(name_or_path)
     if (folder / BPE_FILE).is_file():
         return HFTokenizer((folder / BPE_FILE).read_text(), str(folder / BPE_FILE))
     if not folder.is_dir():  # a hub name ('gpt2', ...)
         return gpt2_encoding()
-    vocab_size, enc = gpt2_folder_vocab(folder), gpt2_encoding()
+    vocab_size = gpt2_folder_vocab(folder)
+    enc = gpt2_encoding()
     if vocab_size < enc.n_vocab:
         raise UserError(
-            f"{folder} has no {BPE_FILE}, and its GPT-2 model's vocab_size={vocab_size} is below GPT-2's "
-            f"{enc.n_vocab} tokens: save the model's tokenizer there (tokenizer.save_pretrained)"
+            f"{folder} has no {BPE_FILE}, and its GPT-2 model's vocab_size={vocab_size} is below "
+            f"GPT-2's {enc.n_vocab} tokens: save the model's tokenizer there "
+            "(tokenizer.save_pretrained)"
         )
     print(
-        f"note: {folder} has no {BPE_FILE}: its text is read as GPT-2's BPE, as its config.json is a GPT-2 "
-        f"model's (model_type gpt2, vocab_size {vocab_size})",
+        f"note: {folder} has no {BPE_FILE}: its text is read as GPT-2's BPE, as its config.json is "
+        f"a GPT-2 model's (model_type gpt2, vocab_size {vocab_size})",
         file=sys.stderr,
     )
     return enc
 
 
 def gpt2_folder_vocab(folder: Path) -> int:
-    """The vocab_size of a folder without tokenizer.json whose config.json is a GPT-2 model's (GPT-2's BPE then reads
-    its text); any other such folder is refused in one line, never read as GPT-2's BPE."""
+    """The vocab_size of a folder without tokenizer.json whose config.json is a GPT-2 model's
+    (GPT-2's BPE then reads its text); any other such folder is refused in one line, never read as
+    GPT-2's BPE."""
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -256,8 +264,9 @@ def gpt2_folder_vocab(folder: Path) -> int:
     config = config if isinstance(config, dict) else {}
     if config.get("model_type") != "gpt2" or not isinstance(config.get("vocab_size"), int):
         raise UserError(
-            f"{folder} has no {BPE_FILE} (the tokenizer), and its config.json is not a GPT-2 model's "
-            f"(model_type {config.get('model_type')!r}), which GPT-2's BPE would read: save the model's "
-            f"tokenizer there (tokenizer.save_pretrained), or export the run again with export.py"
+            f"{folder} has no {BPE_FILE} (the tokenizer), and its config.json is not a GPT-2 "
+            f"model's (model_type {config.get('model_type')!r}), which GPT-2's BPE would read: "
+            "save the model's tokenizer there (tokenizer.save_pretrained), or export the run again "
+            "with export.py"
         )
     return config["vocab_size"]

@@ -15,27 +15,31 @@ import torch
 from model import GPT, GPTConfig
 
 VARIANTS = {"MHA": 4, "GQA": 2, "MQA": 1}  # n_kv_head for n_head=4
-# The GPT-2-shaped model (as bench.py --mode=hf builds it) that the tests compiling a decode step use where they can
-# (sample.py --compile, bench.py --mode=hf and --mode=int8 at batch 1; test_generate's MHA case at batch 2):
-# inductor's cache folder keeps one package per exported step, so the suite compiles each once (docs/testing.md).
+# The GPT-2-shaped model (as bench.py --mode=hf builds it) that the tests compiling a decode step
+# use where they can (sample.py --compile, bench.py --mode=hf and --mode=int8 at batch 1;
+# test_generate's MHA case at batch 2): inductor's cache folder keeps one package per exported step,
+# so the suite compiles each once (docs/testing.md).
 DECODE = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=96, bias=True, gelu="tanh")
-# The tests that compile a decode step (the suite's largest cost) run in two pytest-xdist groups, each one test after
-# another in one worker (scripts/test.sh runs two), so that both workers compile from the start: in a group, the first
-# test to need a step compiles it, the later ones load it from inductor's cache. COMPILES: the batch-1 DECODE step
-# (bench.py --mode=hf compiles it first, sample.py --compile loads it), the int8 one, GQA's without the template.
-# COMPILES_2: the batch-2 MHA and MLA steps, the bf16 one, then (last in test_generate.py, a minute or more after the
-# other group compiled it) the tests that load the batch-1 DECODE step; were it not there yet, they would compile it.
+# The tests that compile a decode step (the suite's largest cost) run in two pytest-xdist groups,
+# each one test after another in one worker (scripts/test.sh runs two), so that both workers compile
+# from the start: in a group, the first test to need a step compiles it, the later ones load it from
+# inductor's cache. COMPILES: the batch-1 DECODE step (bench.py --mode=hf compiles it first,
+# sample.py --compile loads it), the int8 one, GQA's without the template. COMPILES_2: the batch-2
+# MHA and MLA steps, the bf16 one, then (last in test_generate.py, a minute or more after the other
+# group compiled it) the tests that load the batch-1 DECODE step; were it not there yet, they would
+# compile it.
 COMPILES = pytest.mark.xdist_group("compiled_steps")
 COMPILES_2 = pytest.mark.xdist_group("compiled_steps_2")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked slow (several processes each) first: pytest-xdist hands out the groups above first (the
-    largest first), then the other tests in this order, so the longest start early rather than leave one worker
-    alone at the end. And the groups themselves: --dist loadgroup tells a group by a suffix on its tests' node ids,
-    which pytest-xdist 3.8 sets on an attribute that pytest 9.2 no longer reads (its node ids are structured), so
-    that each test went to any worker (pytest-xdist issue 1386): the suffix is set on the structured id here."""
+    """The tests marked slow (several processes each) first: pytest-xdist hands out the groups above
+    first (the largest first), then the other tests in this order, so the longest start early rather
+    than leave one worker alone at the end. And the groups themselves: --dist loadgroup tells a
+    group by a suffix on its tests' node ids, which pytest-xdist 3.8 sets on an attribute that
+    pytest 9.2 no longer reads (its node ids are structured), so that each test went to any worker
+    (pytest-xdist issue 1386): the suffix is set on the structured id here."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker, under --dist loadgroup
         for item in items:
@@ -50,8 +54,9 @@ def _seed() -> None:
 
 
 def sharpened(m: torch.nn.Module) -> torch.nn.Module:
-    """The model with its matrices scaled up 3x: at initialisation a random model's greedy tokens hardly depend on
-    the context (it mostly repeats itself), so a wrong window would go unnoticed."""
+    """The model with its matrices scaled up 3x: at initialisation a random model's greedy tokens
+    hardly depend on the context (it mostly repeats itself), so a wrong window would go
+    unnoticed."""
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -60,9 +65,10 @@ def sharpened(m: torch.nn.Module) -> torch.nn.Module:
 
 
 def lively(m: torch.nn.Module) -> torch.nn.Module:
-    """The model with sharp attention (queries and keys scaled 20x) and the blocks' other matrices 5x, embeddings
-    as they are: its greedy tokens depend on the context, so that a window off by one, or a stale or hidden cache
-    slot, changes them (sharpened's 3x of everything missed such bugs in most tiny models)."""
+    """The model with sharp attention (queries and keys scaled 20x) and the blocks' other matrices
+    5x, embeddings as they are: its greedy tokens depend on the context, so that a window off by
+    one, or a stale or hidden cache slot, changes them (sharpened's 3x of everything missed such
+    bugs in most tiny models)."""
     with torch.no_grad():
         for name, p in m.named_parameters():
             if p.dim() == 2 and not name.startswith(("transformer.wte", "transformer.wpe")):
@@ -71,14 +77,16 @@ def lively(m: torch.nn.Module) -> torch.nn.Module:
 
 
 def distinct(tokens: torch.Tensor | list | str) -> int:
-    """How many different tokens (or characters) greedy continuations hold: 1 or 2 for a degenerate one."""
+    """How many different tokens (or characters) greedy continuations hold: 1 or 2 for a degenerate
+    one."""
     return len(
         set(tokens if isinstance(tokens, str) else torch.as_tensor(tokens).flatten().tolist())
     )
 
 
 def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dict[int, float]:
-    """The candidates of top-k then top-p sampling and their probabilities, computed the slow way by hand."""
+    """The candidates of top-k then top-p sampling and their probabilities, computed the slow way by
+    hand."""
     order = sorted(range(logits.numel()), key=lambda i: -float(logits[i]))
     keep = order[:top_k] if top_k else order
     probs = torch.softmax(logits[keep], dim=-1).tolist()
@@ -94,7 +102,8 @@ def allowed(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> dic
 def assert_same_greedy_tokens(
     model: torch.nn.Module, hf: torch.nn.Module, prompt: torch.Tensor, n: int = 20
 ) -> None:
-    """Our greedy continuation of prompt equals transformers' (generate), and is not one token repeated."""
+    """Our greedy continuation of prompt equals transformers' (generate), and is not one token
+    repeated."""
     from smallgpt.generation import generate
 
     with torch.no_grad():
@@ -107,7 +116,8 @@ def assert_same_greedy_tokens(
 
 
 def first_and_last_loss(m: torch.nn.Module, steps: int) -> tuple[float, float]:
-    """The training forward compiles without graph breaks; then AdamW fits one batch of 2 x 32 for steps steps."""
+    """The training forward compiles without graph breaks; then AdamW fits one batch of 2 x 32 for
+    steps steps."""
     idx = torch.randint(0, 61, (2, 32))
     explanation = torch._dynamo.explain(m)(idx, idx)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -131,8 +141,8 @@ def config_error(**overrides: object) -> str:
 
 
 def cached_chunks_match(m: torch.nn.Module, atol: float = 1e-5) -> torch.Tensor:
-    """Chunks of 9, 1 and 7 tokens and then one token at a time through one cache give the last logits of the
-    prefix recomputed whole, for 3 rows of 32 random tokens; returns the tokens."""
+    """Chunks of 9, 1 and 7 tokens and then one token at a time through one cache give the last
+    logits of the prefix recomputed whole, for 3 rows of 32 random tokens; returns the tokens."""
     idx = torch.randint(0, 61, (3, 32))
     cache = m.make_kv_cache(3, 32)
     for a, b in [(0, 9), (9, 10), (10, 17), *((t, t + 1) for t in range(17, 32))]:
@@ -143,8 +153,8 @@ def cached_chunks_match(m: torch.nn.Module, atol: float = 1e-5) -> torch.Tensor:
 
 
 def padded_steps_match(m: torch.nn.Module, atol: float = 1e-5) -> None:
-    """A left-padded batch of prompts of 3, 11, 1 and 7 tokens, prefilled, then 6 one-token steps: each row's
-    logits are its prompt's alone, recomputed whole."""
+    """A left-padded batch of prompts of 3, 11, 1 and 7 tokens, prefilled, then 6 one-token steps:
+    each row's logits are its prompt's alone, recomputed whole."""
     from smallgpt.generation import left_pad
 
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (3, 11, 1, 7)]
@@ -162,9 +172,10 @@ def padded_steps_match(m: torch.nn.Module, atol: float = 1e-5) -> None:
 def static_steps_match(
     m: torch.nn.Module, steps: range, max_len: int
 ) -> tuple[object, object, object]:
-    """static_step.decode_static, over the whole cache under a mask (what CUDA graphs replay) and over its filled
-    length (the compiled CPU step's form), gives GPT.forward's one-token logits at each of steps, after a prefill of
-    steps.start tokens; returns the three caches (forward's, and the two static ones) to compare."""
+    """static_step.decode_static, over the whole cache under a mask (what CUDA graphs replay) and
+    over its filled length (the compiled CPU step's form), gives GPT.forward's one-token logits at
+    each of steps, after a prefill of steps.start tokens; returns the three caches (forward's, and
+    the two static ones) to compare."""
     from smallgpt.static_step import decode_static
 
     idx = torch.randint(0, 61, (2, steps.stop))
@@ -203,10 +214,11 @@ def tiny_model(
 
 
 ROOT = Path(__file__).resolve().parent.parent
-# The seed of the tests that bound DDP's and FSDP's drift from one process (float summation order, carried by
-# AdamW's normalised steps over 20 iterations). That drift depends on the initial weights: measured for test_ddp's
-# run under the per-name initialisation (GPT.init_weights), largest weight difference 1.7e-7 at seed 1338, 1.2e-7 at
-# 1339, but 2e-4 at 1337 (the weights agree to 1e-7 at iteration 10, then move apart), past the tests' 1e-4 bound.
+# The seed of the tests that bound DDP's and FSDP's drift from one process (float summation order,
+# carried by AdamW's normalised steps over 20 iterations). That drift depends on the initial
+# weights: measured for test_ddp's run under the per-name initialisation (GPT.init_weights), largest
+# weight difference 1.7e-7 at seed 1338, 1.2e-7 at 1339, but 2e-4 at 1337 (the weights agree to 1e-7
+# at iteration 10, then move apart), past the tests' 1e-4 bound.
 SEED = 1339
 TINY_TRAIN = [
     "--n_layer=2",
@@ -231,9 +243,10 @@ class Result:
 
 
 def cli(args: list[str], env: dict | None = None) -> Result:
-    """`python SCRIPT ARGS...` from the repo root, run in this process as __main__ (runpy): the script's own command
-    line, errors and exit status, without the 2-3 s a fresh interpreter spends importing torch. Tests that need a
-    process of their own (signals, torchrun, wandb, variables read at import) use subprocess instead."""
+    """`python SCRIPT ARGS...` from the repo root, run in this process as __main__ (runpy): the
+    script's own command line, errors and exit status, without the 2-3 s a fresh interpreter spends
+    importing torch. Tests that need a process of their own (signals, torchrun, wandb, variables
+    read at import) use subprocess instead."""
     script, *rest = args
     out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8") for _ in range(2))
     saved = dict(os.environ), sys.argv, os.getcwd()
@@ -267,8 +280,9 @@ def cli(args: list[str], env: dict | None = None) -> Result:
 def run(
     args: list[str], env: dict | None = None, timeout: float = 300, fresh: bool = False
 ) -> Result | subprocess.CompletedProcess:
-    """Run a python command in the repo root and fail with its output unless it succeeds: a script in this process
-    (cli), or in a fresh interpreter with fresh=True and for `-m module` / `-c code`."""
+    """Run a python command in the repo root and fail with its output unless it succeeds: a script
+    in this process (cli), or in a fresh interpreter with fresh=True and for `-m module` /
+    `-c code`."""
     if fresh or args[0].startswith("-"):
         r = subprocess.run(
             [sys.executable, *args],

@@ -162,8 +162,8 @@ def test_gguf_check_refuses_a_char_level_run_before_llama_cpp_runs(
 def test_tokenizer_files_for_llama_cpp_encode_as_tiktoken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """llama.cpp's converter reads GPT-2's tokenizer from vocab.json and merges.txt through transformers: the files
-    made from a tiktoken BPE must encode text as tiktoken does."""
+    """llama.cpp's converter reads GPT-2's tokenizer from vocab.json and merges.txt through
+    transformers: the files made from a tiktoken BPE must encode text as tiktoken does."""
     from transformers import AutoTokenizer, GPT2Config
 
     from smallgpt import bench_peers

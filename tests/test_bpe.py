@@ -1,5 +1,6 @@
-"""dataset.py --tokenizer=bpe: a byte-level BPE trained on the input by Hugging Face tokenizers, kept with the dataset
-as tokenizer.json, and the tokenizer of train.py, sample.py and export.py for that dataset."""
+"""dataset.py --tokenizer=bpe: a byte-level BPE trained on the input by Hugging Face tokenizers,
+kept with the dataset as tokenizer.json, and the tokenizer of train.py, sample.py and export.py for
+that dataset."""
 
 import json
 from pathlib import Path
@@ -14,7 +15,8 @@ from smallgpt.tokenizer import load_tokenizer
 
 @pytest.fixture(scope="module")
 def text() -> str:
-    """Code with indentation runs and blank lines, and characters of 2-4 UTF-8 bytes, which BPE tokens split."""
+    """Code with indentation runs and blank lines, and characters of 2-4 UTF-8 bytes, which BPE
+    tokens split."""
     src = "".join(
         (ROOT / name).read_text()
         for name in ("smallgpt/data.py", "model.py", "smallgpt/generation.py")
@@ -49,7 +51,8 @@ def test_bpe_dataset_has_the_vocabulary_asked_for_and_round_trips(
     )  # merges learned: well under a token a byte
     tok = load_tokenizer(load_meta(out))
     assert tok.decode(ids) == text and tok.encode(text) == ids
-    # encode_array's pieces (cut every ~200 characters here) give the ids of one encode of the whole text
+    # encode_array's pieces (cut every ~200 characters here) give the ids of one encode of the whole
+    # text
     assert tok.encode_array(text, piece_chars=200).tolist() == ids
     # token by token, the bytes join to the text's: tokens end inside 2-4 byte characters
     assert b"".join(tok.decode_bytes([i]) for i in ids) == text.encode()

@@ -18,8 +18,12 @@ CACHE_TENSORS = re.compile(r"\b\w*cache\w*\.(k|v|ring_k|ring_v|kinds|where)\b")
 def test_no_code_outside_attention_py_touches_a_caches_tensors() -> None:
     files = [ROOT / "model.py", *sorted((ROOT / "smallgpt").glob("*.py"))]
     files += [p for p in sorted(ROOT.glob("*.py")) if p.name not in ("attention.py", "model.py")]
-    found = [f"{p.name}:{n}: {line.strip()}" for p in files
-             for n, line in enumerate(p.read_text().splitlines(), 1) if CACHE_TENSORS.search(line)]
+    found = [
+        f"{p.name}:{n}: {line.strip()}"
+        for p in files
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if CACHE_TENSORS.search(line)
+    ]
     assert found == []
 
 
@@ -31,7 +35,8 @@ def test_each_kind_of_layer_has_its_own_cache_and_the_bytes_add_up() -> None:
     assert rows.k.shape == (2, 2, 2, 16, 8) and ring.k.shape == (1, 2, 2, 4, 8)
     assert cache.nbytes == m.config.kv_cache_bytes(2, 16) == (2 * 16 + 4) * 2 * 2 * 2 * 8 * 4
     assert [t.data_ptr() for t in KVCache.of_tensors(cache.tensors(), cache.windows).tensors()] == [
-        t.data_ptr() for t in cache.tensors()]
+        t.data_ptr() for t in cache.tensors()
+    ]
     assert cache.grows() == [True, True, False, False]
 
 
@@ -61,9 +66,12 @@ def test_refill_and_shift_move_each_kinds_positions() -> None:
 def test_describe_is_the_models_one_line() -> None:
     base = dict(n_layer=3, n_head=4, n_embd=32, block_size=32)
     gqa = GPTConfig(**base, n_kv_head=2, pos_encoding="rope", window=8, window_pattern="SSL")
-    assert gqa.describe() == ("GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1] of 3"
-                              " (window 8)")
+    assert gqa.describe() == (
+        "GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1] of 3 (window 8)"
+    )
     mla = GPTConfig(**base, kv_lora_rank=16, pos_encoding="rope")
-    assert mla.describe() == ("MLA (n_head=4, kv_lora_rank=16, qk_rope_head_dim=4, q_lora_rank=None)"
-                              ", rope positions")
-    assert GPTConfig(**base, n_kv_head=1).describe() == "MQA (n_head=4, n_kv_head=1), learned positions"
+    assert mla.describe() == (
+        "MLA (n_head=4, kv_lora_rank=16, qk_rope_head_dim=4, q_lora_rank=None), rope positions"
+    )
+    mqa = GPTConfig(**base, n_kv_head=1)
+    assert mqa.describe() == "MQA (n_head=4, n_kv_head=1), learned positions"

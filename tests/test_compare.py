@@ -25,6 +25,7 @@ from smallgpt.data import load_meta
 from smallgpt.errors import UserError
 from smallgpt.runlog import read_run
 from smallgpt.sweep import matched_mlp_hidden
+from smallgpt.variant import Variant
 
 SWEEP = [
     "--n_layer=2",
@@ -64,7 +65,8 @@ def test_converting_heads_already_equal_within_groups_keeps_the_logits(
     converted = convert_kv_heads(m, G).eval()
     assert converted.config.n_kv_head == G
     idx = torch.randint(0, 61, (2, 24))
-    # The weights are the same numbers; the logits differ at most by float rounding of SDPA over G vs 4 heads.
+    # The weights are the same numbers; the logits differ at most by float rounding of SDPA over G
+    # vs 4 heads.
     torch.testing.assert_close(
         converted(idx, targets=idx)[0], m(idx, targets=idx)[0], rtol=0, atol=1e-6
     )
@@ -120,9 +122,8 @@ def test_converted_checkpoint_trains_samples_and_resumes(
     src_evals = [
         r["val_loss"] for r in read_log(src) if r["event"] == "eval"
     ]  # at iterations 0 and 20
-    assert (
-        first["iter"] == 0 and first["val_loss"] < (src_evals[0] + src_evals[-1]) / 2
-    )  # near the trained model
+    # near the trained model
+    assert first["iter"] == 0 and first["val_loss"] < (src_evals[0] + src_evals[-1]) / 2
     out = run(
         ["sample.py", f"--out_dir={dst}", "--start=def ", "--max_new_tokens=20", "--device=cpu"]
     )
@@ -220,8 +221,8 @@ def test_params_match_widens_the_mlp_to_mhas_count_within_one_percent(
     count = lambda c: sum(p.numel() for p in GPT(c).parameters())  # noqa: E731
     target, got = count(mha), count(dataclasses.replace(config, mlp_hidden=hidden))
     assert abs(got - target) <= 0.01 * target
-    # by hand: each layer's K/V projections lose 2 * D * (H - G) * head_dim weights (+ biases); each unit of MLP
-    # width costs 2 * D weights (+ 1 bias); the nearest width
+    # by hand: each layer's K/V projections lose 2 * D * (H - G) * head_dim weights (+ biases); each
+    # unit of MLP width costs 2 * D weights (+ 1 bias); the nearest width
     lost = 2 * (64 * (4 - n_kv_head) * 16 + bias * (4 - n_kv_head) * 16)
     assert hidden == 256 + round(lost / (2 * 64 + bias))
     if n_kv_head == 4:
@@ -238,10 +239,8 @@ def test_student_t_interval_and_paired_difference_match_hand_computation() -> No
     assert est.half_width == pytest.approx(
         4.302653 * sd / math.sqrt(3), rel=1e-6
     )  # t(0.975, 2) from a table
-    a, b = (
-        {1: 1.60, 2: 1.58, 3: 1.63, 9: 2.0},
-        {1: 1.50, 2: 1.52, 3: 1.55, 7: 1.0},
-    )  # paired on seeds 1, 2, 3
+    # paired on seeds 1, 2, 3
+    a, b = ({1: 1.60, 2: 1.58, 3: 1.63, 9: 2.0}, {1: 1.50, 2: 1.52, 3: 1.55, 7: 1.0})
     d = stats.paired_difference(a, b)
     diffs = [0.10, 0.06, 0.08]
     sd = math.sqrt(sum((x - 0.08) ** 2 for x in diffs) / 2)
@@ -250,9 +249,8 @@ def test_student_t_interval_and_paired_difference_match_hand_computation() -> No
         and d.mean == pytest.approx(0.08)
         and d.half_width == pytest.approx(4.302653 * sd / math.sqrt(3), rel=1e-6)
     )
-    assert (
-        d.half_width < stats.mean_interval([1.60, 1.58, 1.63]).half_width
-    )  # pairing removes the seeds' spread
+    # pairing removes the seeds' spread
+    assert d.half_width < stats.mean_interval([1.60, 1.58, 1.63]).half_width
     assert stats.verdict("mqa", "MHA", d) == (
         "mqa is 0.0800 ± 0.0497 nats worse than MHA (3 seeds, 95% interval "
         "of the seed-paired difference)."
@@ -283,9 +281,8 @@ def test_speed_ratio_is_stated_only_when_the_paired_repeats_separate_it() -> Non
     noisy = stats.speed_ratio([26.0, 24.0, 837.0], [67.0, 149.0, 24.0])
     logs = [math.log(26 / 67), math.log(24 / 149), math.log(837 / 24)]
     mean = sum(logs) / 3
-    half = (
-        4.302653 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)
-    )  # t(0.975, 2) from a table
+    # t(0.975, 2) from a table
+    half = 4.302653 * math.sqrt(sum((x - mean) ** 2 for x in logs) / 2) / math.sqrt(3)
     assert noisy.n == 3 and not noisy.separated
     assert (noisy.ratio, noisy.low, noisy.high) == pytest.approx(
         (math.exp(mean), math.exp(mean - half), math.exp(mean + half)), rel=1e-6
@@ -298,9 +295,8 @@ def test_speed_ratio_is_stated_only_when_the_paired_repeats_separate_it() -> Non
     apart = stats.speed_ratio(
         [50.0, 52.0], [100.0, 101.0]
     )  # halved in both rounds: ln(0.5), ln(52/101)
-    half = (
-        12.706205 * abs(math.log(0.5) - math.log(52 / 101)) / 2
-    )  # t(0.975, 1) * s / sqrt(2), s = |a - b| / sqrt(2)
+    # t(0.975, 1) * s / sqrt(2), s = |a - b| / sqrt(2)
+    half = 12.706205 * abs(math.log(0.5) - math.log(52 / 101)) / 2
     assert apart.low == pytest.approx(math.sqrt(0.5 * 52 / 101) * math.exp(-half), rel=1e-6)
     assert apart.separated and "ran at 0.51x MHA's speed" in stats.speed_verdict(apart, "MHA")
     once = stats.speed_ratio([50.0], [100.0, 90.0])  # one pair: no interval
@@ -341,12 +337,10 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
         G, hidden = int(row["n_kv_head"]), int(row["mlp_hidden"])
         attn = 2 * D * D + 2 * D * D * G // H  # bias=False, the TrainConfig default
         assert int(row["attention_params"]) == L * attn
-        assert (
-            int(row["params"]) == L * (attn + 2 * D * hidden + 2 * D) + D + V * D + T * D
-        )  # learned positions
-        assert (
-            int(row["kv_bytes@40_bfloat16"]) == 2 * L * G * (D // H) * 2 * 40
-        )  # --decode_context=40
+        # learned positions
+        assert int(row["params"]) == L * (attn + 2 * D * hidden + 2 * D) + D + V * D + T * D
+        # --decode_context=40
+        assert int(row["kv_bytes@40_bfloat16"]) == 2 * L * G * (D // H) * 2 * 40
         assert int(row["kv_bytes@100x3"]) == 2 * L * 3 * G * 100 * (D // H) * 2
         assert int(row["decode_repeats"]) == 2 and 0 < float(row["decode_tok_s_min"]) <= float(
             row["decode_tok_s"]
@@ -356,7 +350,8 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
     assert abs(int(rows["mqa-params"]["params"]) - int(rows["mha"]["params"])) <= 0.01 * int(
         rows["mha"]["params"]
     )
-    # the statistics, by hand from each run's own log: mean, t interval with 1 degree of freedom, paired difference
+    # the statistics, by hand from each run's own log: mean, t interval with 1 degree of freedom,
+    # paired difference
     finals = {name: [final_val_loss(out / f"{name}-s{s}") for s in (1337, 1338)] for name in rows}
     for name, (a, b) in finals.items():
         assert float(rows[name]["val_loss"]) == pytest.approx((a + b) / 2, rel=1e-12)
@@ -368,7 +363,8 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
     assert float(rows["mqa-params"]["diff_vs_mha_ci95"]) == pytest.approx(
         T_975_1 * abs(d[0] - d[1]) / 2, rel=1e-6
     )
-    # fraction 0: evaluated right after conversion, nothing trained or saved; the same model the 0.5 run starts from
+    # fraction 0: evaluated right after conversion, nothing trained or saved; the same model the 0.5
+    # run starts from
     u0 = read_log(out / "mha-to-mqa-first-u0-s1337")
     assert [e["iter"] for e in u0 if e["event"] == "eval"] == [0] and not [
         e for e in u0 if e["event"] == "train"
@@ -378,9 +374,8 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
     assert [e["iter"] for e in u5] == [0, 15] and u5[0]["val_loss"] == finals[
         "mha-to-mqa-first-u0"
     ][0]
-    assert (
-        u5[-1]["val_loss"] == finals["mha-to-mqa-first-u0.5"][0]
-    )  # the uptrained model, not the first eval
+    # the uptrained model, not the first eval
+    assert u5[-1]["val_loss"] == finals["mha-to-mqa-first-u0.5"][0]
     config = read_log(out / "mha-to-mqa-first-u0.5-s1338")[0]["config"]
     assert (
         config["convert_method"] == "first"
@@ -405,8 +400,8 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
         and "- mqa-params" in md
     )
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
-    # the report alone reads the logs and the stored speeds: the same table, nothing measured again; with wandb
-    # (offline here), its rows also go to one wandb Table in a run of the sweep's group
+    # the report alone reads the logs and the stored speeds: the same table, nothing measured again;
+    # with wandb (offline here), its rows also go to one wandb Table in a run of the sweep's group
     before = (out / "report.csv").read_text()
     r = run(
         [*args, "--kv_seq_len=100", "--kv_batch=3", "--mode=report", "--wandb_log=True"],
@@ -445,8 +440,8 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
         for name, log in logs.items()
         if name != "mqa-params-s1338"
     )
-    # killed runs (a last line cut short, after the final evaluation; no evaluation yet) are left out of the report
-    # with a line
+    # killed runs (a last line cut short, after the final evaluation; no evaluation yet) are left
+    # out of the report with a line
     with open(out / "mha-s1338" / "log.jsonl", "a") as f:
         f.write('{"event": "eval", "iter": 4')
     mqa_log = out / "mqa-params-s1338" / "log.jsonl"
@@ -456,8 +451,8 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
     )  # the same run in an earlier sweep's folder: counted once
     r = run([*args, "--mode=report"])
     assert (
-        f"Left out of the report, unfinished: {out / 'mha-s1338'} (its log's last line is cut short (killed "
-        f"while writing it)); {out / 'mqa-params-s1338'} (no evaluation logged yet)"
+        f"Left out of the report, unfinished: {out / 'mha-s1338'} (its log's last line is cut "
+        f"short (killed while writing it)); {out / 'mqa-params-s1338'} (no evaluation logged yet)"
     ) in r.stderr
     assert (
         f"two runs of mha at seed 1337: {out / 'mha'} left out, {out / 'mha-s1337'} kept"
@@ -479,9 +474,10 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
 def test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """A kill while train.py wrote its final evaluation leaves the log's last line cut short and the checkpoint at
-    max_iters: the sweep counts the run unfinished and evaluates that checkpoint again (resuming alone would find
-    nothing to train), which gives the lost record back, the same number."""
+    """A kill while train.py wrote its final evaluation leaves the log's last line cut short and
+    the checkpoint at max_iters: the sweep counts the run unfinished and evaluates that
+    checkpoint again (resuming alone would find nothing to train), which gives the lost record
+    back, the same number."""
     out = tmp_path / "cmp"
     args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]"]
     run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
@@ -517,8 +513,8 @@ def alive(pid: int) -> bool:
 
 
 def start_sweep(args: list[str]) -> tuple[subprocess.Popen, int, str]:
-    """compare.py with args in a process of its own, once its train.py child has logged training progress; that
-    child's pid, and the output so far."""
+    """compare.py with args in a process of its own, once its train.py child has logged training
+    progress; that child's pid, and the output so far."""
     p = subprocess.Popen(
         [sys.executable, *args],
         cwd=ROOT,
@@ -543,7 +539,8 @@ def start_sweep(args: list[str]) -> tuple[subprocess.Popen, int, str]:
 
 
 def stop_sweep(p: subprocess.Popen, child: int, sig: signal.Signals) -> tuple[str, str]:
-    """Send compare.py sig; its stdout and stderr once it ended (both processes killed, whatever happened)."""
+    """Send compare.py sig; its stdout and stderr once it ended (both processes killed, whatever
+    happened)."""
     try:
         p.send_signal(sig)
         return p.communicate(timeout=60)
@@ -576,8 +573,9 @@ def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resume
         stdout = head + stdout
         assert p.returncode == 128 + sig and f"stopping on {sig.name} at iteration" in stdout
         assert [line for line in stderr.splitlines() if "stopped" in line] == [
-            f"stopped by {sig.name} in {out / 'mha-s1337'} (run 1 of the 1 left): 0 of 1 runs finished; run the "
-            f"same command again to resume (a run cut short goes on from its checkpoint)"
+            f"stopped by {sig.name} in {out / 'mha-s1337'} (run 1 of the 1 left): 0 of 1 runs "
+            f"finished; run the same command again to resume (a run cut short goes on from its "
+            f"checkpoint)"
         ]
         assert not alive(child)
         assert ("--init_from=resume" in stdout) == (
@@ -617,9 +615,8 @@ def test_killing_compare_ends_its_train_py_which_saves_first(
             os.kill(child, signal.SIGKILL)
         p.stdout.close()
         p.stderr.close()
-    assert (
-        0 < load_checkpoint(out / "mha-s1337" / "ckpt.pt")["iter_num"] < 100000
-    )  # SIGTERM: it saved and ended
+    # SIGTERM: it saved and ended
+    assert 0 < load_checkpoint(out / "mha-s1337" / "ckpt.pt")["iter_num"] < 100000
 
 
 def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_path: Path) -> None:
@@ -673,9 +670,10 @@ def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_i
 def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_costs(
     tmp_path: Path,
 ) -> None:
-    """--variants names each variant and its size; an MLA variant is trained with its kv_lora_rank, matched to MHA's
-    parameters by its MLP like the others, converted from MHA by the SVD (no latent norm, no K/V pooling method),
-    and listed by --mode=costs with its cache of kv_lora_rank + qk_rope_head_dim values a token and layer."""
+    """--variants names each variant and its size; an MLA variant is trained with its
+    kv_lora_rank, matched to MHA's parameters by its MLP like the others, converted from MHA by
+    the SVD (no latent norm, no K/V pooling method), and listed by --mode=costs with its cache of
+    kv_lora_rank + qk_rope_head_dim values a token and layer."""
     out = tmp_path / "cmp"
     r = run(
         [
@@ -752,8 +750,9 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
 
 
 def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> None:
-    """mha-sl8 is MHA with window_pattern='SL', window=8 (its name, folder, flags and model), gqa2-s4 GQA with local
-    layers of 4; a conversion is to an all-global variant only (a windowed one is trained from scratch)."""
+    """mha-sl8 is MHA with window_pattern='SL', window=8 (its name, folder, flags and model),
+    gqa2-s4 GQA with local layers of 4; a conversion is to an all-global variant only (a windowed
+    one is trained from scratch)."""
     out = tmp_path / "cmp"
     variants = "--variants=[mha,gqa2,mha-sl8,gqa2-s4]"
     r = run(
@@ -792,7 +791,7 @@ def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> Non
         runs["gqa2-s4"].model.layer_windows == [4, 4, None] and runs["gqa2-s4"].model.n_kv_head == 2
     )
     assert not any(a.startswith("--window") for a in runs["gqa2"].args)
-    assert [sweep.variant_name(run.model) for run in runs.values()] == [
+    assert [str(Variant.from_config(run.model)) for run in runs.values()] == [
         "mha",
         "gqa2",
         "mha-sl8",
@@ -812,17 +811,40 @@ def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> Non
         ]
     )
     row = next(line for line in r.stdout.splitlines() if "MHA, window 8 in SL" in line)
-    assert (
-        float(row.split("|")[-2]) == round((8 + 2 * 4096) * 2 * 4 * 8 * 4 / 2**20, 2) != 3
-    )  # 1 local, 2 global
+    # 1 local, 2 global
+    assert float(row.split("|")[-2]) == round((8 + 2 * 4096) * 2 * 4 * 8 * 4 / 2**20, 2) != 3
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["mha", "gqa2", "mqa", "mla16", "mha-sssl64", "gqa2-sssl64", "mqa-sssl64", "mla16-sssl64"],
+)
+def test_a_variant_name_round_trips_through_variant_and_its_model(name: str) -> None:
+    """The names' one grammar: Variant.parse reads what str(Variant) writes, and the model a name
+    makes of an all-global MHA model is named back as the same variant (from its attention_kind)."""
+    variant = Variant.parse(name)
+    assert str(variant) == format(variant) == f"{variant}" == name
+    assert Variant.parse(format(variant)) == variant
+    mha = GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=128, vocab_size=50)
+    model = variant.config(mha)
+    assert Variant.from_config(model) == variant
+    assert model.attention_kind == variant.kind.upper()
+    assert (model.window, model.window_pattern) == ((64, "SSSL") if "-" in name else (None, "L"))
+
+
+@pytest.mark.parametrize("name", ["MHA", "gqa0", "gqa", "mla", "mqa2", "mha-x8", "mha-s", "mha-"])
+def test_a_name_of_no_variant_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="is not a variant name"):
+        Variant.parse(name)
 
 
 @pytest.mark.slow  # 1 train.py process
 def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """The report's KV column (one sequence of decode_context = 40 tokens, bf16) counts the local layer's window of
-    8 and the global layer's 40 positions; the decode speed is measured for the windowed shape itself."""
+    """The report's KV column (one sequence of decode_context = 40 tokens, bf16) counts the local
+    layer's window of 8 and the global layer's 40 positions; the decode speed is measured for the
+    windowed shape itself."""
     out = tmp_path / "cmp"
     run(
         [
@@ -837,9 +859,8 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
     )
     (row,) = csv.DictReader(open(out / "report.csv"))
     assert row["variant"] == "mha-s8" and int(row["decode_repeats"]) == 2
-    assert (
-        int(row["kv_bytes@40_bfloat16"]) == (8 + 40) * 2 * 4 * 8 * 2
-    )  # positions x K and V x heads x head_dim x 2
+    # positions x K and V x heads x head_dim x 2
+    assert int(row["kv_bytes@40_bfloat16"]) == (8 + 40) * 2 * 4 * 8 * 2
     assert read_log(out / "mha-s8-s1337")[0]["model_config"]["window"] == 8
     assert [key for key in json.loads((out / "speed.json").read_text())] == [
         "2x32-h4-kv4-mlp128-learned-s8@40x2"
@@ -898,7 +919,8 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
         ),
         ("--n_head=6 --n_embd=48 --kv_heads=[6,4]", "n_head=6 must be divisible by n_kv_head=4"),
         (
-            "--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 --bias=True",
+            "--match=params --n_embd=4 --n_head=4 --n_layer=1 --vocab_size=2 --block_size=2 "
+            "--bias=True",
             "match=params: no MLP width gives mqa at 1x4 MHA's",
         ),
         (
@@ -950,7 +972,8 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
         ),
         (
             "--variants=[mha-s8,mha-sl8]",
-            "mha-s8 and mha-sl8 are the same model at 2x32 (MHA, n_kv_head=4, layer windows [8, None])",
+            "mha-s8 and mha-sl8 are the same model at 2x32 (MHA, n_kv_head=4, layer windows "
+            "[8, None])",
         ),
         ("--variants=[gqa4,mqa]", "variants=['gqa4', 'mqa']: gqa4 is mha at n_head=4: name it mha"),
         # a key that the names decide, or an MLA key, given to the base run: that key, and the names
@@ -965,8 +988,8 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
         ),
         (
             "--window_pattern=SSL",
-            "window_pattern='SSL' in the base run: compare.py gives each variant its local layers by "
-            "name, e.g. --variants=[mha,mha-ssl64]",
+            "window_pattern='SSL' in the base run: compare.py gives each variant its local layers "
+            "by name, e.g. --variants=[mha,mha-ssl64]",
         ),
         (
             "--q_lora_rank=8 --variants=[mha,mla16]",
@@ -1002,8 +1025,8 @@ def test_bad_sweep_settings_are_one_line_before_any_training(
     ("kv_dtype", "nbytes"), [(None, 2), ("float32", 4)]
 )  # the default: bfloat16
 def test_costs_table_lists_every_divisor(kv_dtype: str | None, nbytes: int) -> None:
-    """Every column of every n_kv_head that divides n_head, against closed forms written out here (no bias, learned
-    positions, the MLP 4 wide, lm_head tied to the token embedding)."""
+    """Every column of every n_kv_head that divides n_head, against closed forms written out here
+    (no bias, learned positions, the MLP 4 wide, lm_head tied to the token embedding)."""
     D, H, L, V, T = 384, 6, 2, 1000, 1024
     r = run(
         [
@@ -1035,9 +1058,8 @@ def test_costs_table_lists_every_divisor(kv_dtype: str | None, nbytes: int) -> N
     for row in rows:
         G = int(row["n_kv_head"])
         attn = 2 * D * D + 2 * D * G * hd  # c_q and c_proj, then c_k and c_v over G heads
-        params = (
-            V * D + T * D + L * (2 * D + attn + 2 * D * 4 * D) + D
-        )  # wte, wpe, blocks (2 LayerNorms), ln_f
+        # wte, wpe, blocks (2 LayerNorms), ln_f
+        params = V * D + T * D + L * (2 * D + attn + 2 * D * 4 * D) + D
         kv = 2 * L * 1 * G * T * hd * nbytes  # K and V, every layer, one sequence of T positions
         assert int(row["attention params/layer"].replace(",", "")) == attn
         assert float(row["params (M)"]) == round(params / 1e6, 2)

@@ -105,7 +105,10 @@ def test_keys_from_files_are_checked_like_flags(tmp_path: Path) -> None:
     [
         (
             ["--n_kv_heads=2"],
-            "error: unknown config key 'n_kv_heads' (from flag --n_kv_heads=2); did you mean n_kv_head",
+            (
+                "error: unknown config key 'n_kv_heads' (from flag --n_kv_heads=2); "
+                "did you mean n_kv_head"
+            ),
         ),
         (
             ["--batch_size=abc"],
@@ -158,8 +161,8 @@ def test_help_lists_the_keys_and_defaults() -> None:
 
 
 def test_train_config_has_every_model_key_and_passes_it_on() -> None:
-    """TrainConfig takes its model keys from GPTConfig itself: every GPTConfig field is a key (with train.py's own
-    defaults where it sets them) and reaches the model config."""
+    """TrainConfig takes its model keys from GPTConfig itself: every GPTConfig field is a key (with
+    train.py's own defaults where it sets them) and reaches the model config."""
     from model import GPTConfig
     from train import TrainConfig
 

@@ -1,6 +1,6 @@
-"""MHA -> MLA conversion (convert.to_latent, MHA2MLA's partial RoPE and joint SVD): exact where it can be (learned
-positions at full rank; a rotary model that already is partial-RoPE MHA), the truncated SVD where it is not, and
-train.py's --init_from=convert: --kv_lora_rank=R end to end."""
+"""MHA -> MLA conversion (convert.to_latent, MHA2MLA's partial RoPE and joint SVD): exact where it
+can be (learned positions at full rank; a rotary model that already is partial-RoPE MHA), the
+truncated SVD where it is not, and train.py's --init_from=convert: --kv_lora_rank=R end to end."""
 
 import math
 from contextlib import nullcontext
@@ -22,8 +22,9 @@ H, HD, C = 4, 8, 32  # tiny_model's heads, head_dim, n_embd
 
 
 def trained_like(m: GPT) -> GPT:
-    """The model with sharp attention and logits (queries and keys 20x, the other matrices 5x, embeddings 10x) and
-    random biases: its outputs depend on which keys a query sees, so a wrong row or scale changes them."""
+    """The model with sharp attention and logits (queries and keys 20x, the other matrices 5x,
+    embeddings 10x) and random biases: its outputs depend on which keys a query sees, so a wrong row
+    or scale changes them."""
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("bias"):
@@ -44,8 +45,8 @@ def heads(t: torch.Tensor) -> torch.Tensor:
 
 
 def stacked(attn: torch.nn.Module, nope: list[int]) -> torch.Tensor:
-    """kv_b's layout by hand: each head's key rows (its NoPE features, then zero rows up to head_dim), then its
-    value rows; (2 * n_embd, n_embd)."""
+    """kv_b's layout by hand: each head's key rows (its NoPE features, then zero rows up to
+    head_dim), then its value rows; (2 * n_embd, n_embd)."""
     k, v = heads(attn.c_k.weight), heads(attn.c_v.weight)
     rows = []
     for h in range(H):
@@ -118,9 +119,9 @@ def test_a_lower_rank_model_equals_mha_with_the_truncated_keys_and_values() -> N
 
 @pytest.mark.parametrize("rope_dim", [2, 4, 8])
 def test_a_rotary_model_that_already_is_partial_rope_converts_exactly(rope_dim: int) -> None:
-    """MHA whose queries have no NoPE features and whose heads share their rotary keys loses nothing to partial RoPE
-    or to pooling: at full rank the MLA model is the same function, which checks the frequencies kept, their order,
-    the scale correction and the pooled key."""
+    """MHA whose queries have no NoPE features and whose heads share their rotary keys loses nothing
+    to partial RoPE or to pooling: at full rank the MLA model is the same function, which checks the
+    frequencies kept, their order, the scale correction and the pooled key."""
     m = trained_like(tiny_model(None, "rope"))
     step = HD // rope_dim
     rope = [i for i in range(HD // 2) if i % step == 0]

@@ -61,9 +61,10 @@ def test_two_gloo_processes_match_one_process_with_twice_the_accumulation(
     )
     a, b = (load_checkpoint(tmp_path / name / "ckpt.pt")["model"] for name in ("ddp", "single"))
     assert a.keys() == b.keys() and not any(k.startswith("module.") for k in a)
-    # Same data, same order of updates; only float summation order differs (gloo all-reduce, 1 vs 2 threads).
-    # AdamW divides each gradient by its running RMS, so weights whose gradients are near zero can move apart by
-    # up to ~1e-5 of their lr * steps = 0.06 of travel: bound the largest difference at 1e-4 and the mean at 1e-6.
+    # Same data, same order of updates; only float summation order differs (gloo all-reduce, 1 vs 2
+    # threads). AdamW divides each gradient by its running RMS, so weights whose gradients are near
+    # zero can move apart by up to ~1e-5 of their lr * steps = 0.06 of travel: bound the largest
+    # difference at 1e-4 and the mean at 1e-6.
     diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
     assert diffs.max() < 1e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
     # only rank 0 logs and writes: each line once, and nothing but its files in out_dir
@@ -75,7 +76,8 @@ def test_two_gloo_processes_match_one_process_with_twice_the_accumulation(
         "log.jsonl",
     ]
     assert ddp[0]["event"] == "config" and sum(x["event"] == "config" for x in ddp) == 1
-    # MFU is each process's FLOP/s over its device's peak: the tokens of both processes count against 2 peaks
+    # MFU is each process's FLOP/s over its device's peak: the tokens of both processes count
+    # against 2 peaks
     per_token = GPT(GPTConfig(**ddp[0]["model_config"])).flops_per_token(
         ddp[0]["config"]["block_size"]
     )
@@ -105,11 +107,12 @@ def test_accumulation_not_divisible_by_world_size_is_one_clear_error(
         text=True,
         timeout=120,
     )
-    # a worker prints its one line and exits 2 (torchrun's report gives each worker's status); torchrun stops the
-    # other with SIGTERM (-15) if it is still running, and exits 1 itself (its ChildFailedError)
+    # a worker prints its one line and exits 2 (torchrun's report gives each worker's status);
+    # torchrun stops the other with SIGTERM (-15) if it is still running, and exits 1 itself (its
+    # ChildFailedError)
     line = (
-        "error: gradient_accumulation_steps=3 is not divisible by the 2 processes (it is the total over them), "
-        "e.g. 4"
+        "error: gradient_accumulation_steps=3 is not divisible by the 2 processes "
+        "(it is the total over them), e.g. 4"
     )
     errors = [x for x in r.stderr.splitlines() if "error:" in x]
     assert errors and len(set(errors)) == len(errors) <= 2, r.stderr[-3000:]
@@ -123,9 +126,10 @@ def test_accumulation_not_divisible_by_world_size_is_one_clear_error(
 
 
 def test_each_rank_resumes_its_own_dropout_generators(pycode_small: Path, tmp_path: Path) -> None:
-    """Each rank draws dropout masks of its own and the checkpoint keeps every rank's generator states: 2 gloo
-    processes stopped at iteration 10 and resumed to 20 give an uninterrupted run's losses and weights exactly (rank
-    1 given rank 0's states on resume would draw rank 0's masks)."""
+    """Each rank draws dropout masks of its own and the checkpoint keeps every rank's generator
+    states: 2 gloo processes stopped at iteration 10 and resumed to 20 give an uninterrupted run's
+    losses and weights exactly (rank 1 given rank 0's states on resume would draw rank 0's
+    masks)."""
     common = [
         f"--dataset={pycode_small}",
         *TINY_TRAIN,
@@ -164,8 +168,9 @@ def test_each_rank_resumes_its_own_dropout_generators(pycode_small: Path, tmp_pa
 def test_sigterm_to_one_rank_stops_both_and_rank_0_saves_once(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """SIGTERM to rank 1 only (a pre-emption notice reaching one worker): the ranks agree at the next log step,
-    rank 0 writes one checkpoint at the iteration both stopped at, torchrun exits 0, and the run resumes from it."""
+    """SIGTERM to rank 1 only (a pre-emption notice reaching one worker): the ranks agree at the
+    next log step, rank 0 writes one checkpoint at the iteration both stopped at, torchrun exits 0,
+    and the run resumes from it."""
     p = subprocess.Popen(
         [
             sys.executable,

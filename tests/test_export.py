@@ -1,5 +1,5 @@
-"""export.py: a trained run out to a transformers folder that stock classes load and that computes, decodes and
-tokenizes as this project does."""
+"""export.py: a trained run out to a transformers folder that stock classes load and that computes,
+decodes and tokenizes as this project does."""
 
 import base64
 import fcntl
@@ -18,8 +18,9 @@ import torch
 from conftest import ROOT, TINY_TRAIN, cli, read_log, run
 from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint
 
-# llama.cpp's converter stand-in (the suite has no llama.cpp): one JSON line per run in calls.jsonl beside it (its
-# arguments and the files of the folder it converts), and a file that starts as a GGUF does
+# llama.cpp's converter stand-in (the suite has no llama.cpp): one JSON line per run in calls.jsonl
+# beside it (its arguments and the files of the folder it converts), and a file that starts as a
+# GGUF does
 FAKE_CONVERTER = """
 import json, os, sys
 args = sys.argv[1:]
@@ -30,12 +31,14 @@ open(args[args.index("--outfile") + 1], "wb").write(b"GGUF" + bytes(12))
 
 
 def fake_llama_cpp(folder: Path) -> Path:
-    """A llama.cpp source folder (the converter above, the module gguf.CONVERT patches, a llama-simple that records its
-    runs too): the file each call is recorded in."""
+    """A llama.cpp source folder (the converter above, the module gguf.CONVERT patches, a
+    llama-simple that records its runs too): the file each call is recorded in."""
     (folder / "conversion").mkdir(parents=True)
     (folder / "conversion" / "__init__.py").write_text("")
     (folder / "conversion" / "base.py").write_text(
-        "class TextModel:\n    def get_vocab_base_pre(self, tokenizer):\n        raise NotImplementedError\n"
+        "class TextModel:\n"
+        "    def get_vocab_base_pre(self, tokenizer):\n"
+        "        raise NotImplementedError\n"
     )
     (folder / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
     simple = folder / "build" / "bin" / "llama-simple"
@@ -47,7 +50,8 @@ def fake_llama_cpp(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def char_run(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-iteration run on the char-level dataset, alone in its folder; tests must leave it as it is."""
+    """A 2-iteration run on the char-level dataset, alone in its folder; tests must leave it as it
+    is."""
     out = tmp_path_factory.mktemp("char_run") / "run"
     run(
         [
@@ -93,7 +97,8 @@ def bpe_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under folder and a hash of its bytes: what must be there, unchanged, after a refused command."""
+    """Every file under folder and a hash of its bytes: what must be there, unchanged, after a
+    refused command."""
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(folder.rglob("*"))
@@ -148,8 +153,9 @@ def test_export_loads_in_transformers_and_decodes_as_sample_py(
         "tokenizer.json",
         "README.md",
     } <= {p.name for p in folder.iterdir()}
-    # what transformers 4.57 (llama.cpp's converter's pin) reads besides 5's names: the tokenizer's class by a name
-    # both know, and the rotary base at the top level as well as in rope_parameters (docs/export.md)
+    # what transformers 4.57 (llama.cpp's converter's pin) reads besides 5's names: the tokenizer's
+    # class by a name both know, and the rotary base at the top level as well as in rope_parameters
+    # (docs/export.md)
     assert (
         json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
         == "PreTrainedTokenizerFast"
@@ -173,7 +179,8 @@ def test_export_loads_in_transformers_and_decodes_as_sample_py(
     val = np.fromfile(pycode_small / "val.bin", dtype=meta["dtype"])[:2000].tolist()
     text = "".join(meta["chars"][i] for i in val)
     assert tok(text)["input_ids"] == val and tok.decode(val) == text
-    # greedy text from transformers is sample.py's (within block_size: transformers has no sliding window)
+    # greedy text from transformers is sample.py's (within block_size: transformers has no sliding
+    # window)
     s = run(
         [
             "sample.py",
@@ -189,7 +196,8 @@ def test_export_loads_in_transformers_and_decodes_as_sample_py(
             **tok("def ", return_tensors="pt"), max_new_tokens=24, do_sample=False, pad_token_id=0
         )
     assert len(ids[0]) == 28 and s.stdout.startswith(tok.decode(ids[0]))
-    # back in: a run from the exported folder starts from the same model (its first evaluation is the run's last)
+    # back in: a run from the exported folder starts from the same model (its first evaluation is
+    # the run's last)
     if pos_encoding == "rope":
         shape = (
             "--n_layer=",
@@ -214,7 +222,10 @@ def test_export_loads_in_transformers_and_decodes_as_sample_py(
     assert f"n_kv_head={n_kv_head}" in card and "val loss" in card
     past = {
         "learned": "transformers cannot go past n_positions=32, nor llama.cpp past n_ctx=32",
-        "rope": "transformers and llama.cpp both run past 32 tokens, but the model never saw such positions",
+        "rope": (
+            "transformers and llama.cpp both run past 32 tokens, "
+            "but the model never saw such positions"
+        ),
     }
     assert past[pos_encoding] in card
 
@@ -332,7 +343,8 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(
     assert snapshot(dest) == before
     shutil.rmtree(dest / "run")
     (dest / "notes.md").unlink()
-    # what an export killed by -9 left beside dest: removed by the next export there, and nothing else is
+    # what an export killed by -9 left beside dest: removed by the next export there, and nothing
+    # else is
     stale = tmp_path / ".export.smallgpt-0123abcd"
     shutil.copytree(dest, stale)
     (tmp_path / ".export-mine").write_text("a user's file, of a name like an old temp folder's")
@@ -342,7 +354,8 @@ def test_overwrite_replaces_an_earlier_export_and_nothing_else(
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == [".export-mine", "export"]
     (tmp_path / ".export-mine").unlink()
-    # what is no export is never replaced, --overwrite or not: a folder of other files, a dataset, a file
+    # what is no export is never replaced, --overwrite or not: a folder of other files, a dataset, a
+    # file
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     data = tmp_path / "data"
@@ -367,10 +380,14 @@ def test_overwrite_never_deletes_the_run_nor_a_folder_holding_it(
     for to in (char_run, char_run.parent):
         refused(
             cli(["export.py", f"--out_dir={char_run}", f"--to={to}", "--overwrite=True"]),
-            f"is or contains {char_run.resolve()}: choose another destination (nothing was deleted)",
+            (
+                f"is or contains {char_run.resolve()}: "
+                "choose another destination (nothing was deleted)"
+            ),
         )
     assert snapshot(char_run.parent) == before
-    # --to=. from a folder holding the run (a process of its own: the working directory is the point)
+    # --to=. from a folder holding the run (a process of its own: the working directory is the
+    # point)
     work = tmp_path / "work"
     shutil.copytree(char_run, work / "run")
     before = snapshot(work)

@@ -1,6 +1,6 @@
-"""Llama's block (norm='rmsnorm', mlp='swiglu') out to stock transformers classes, LlamaForCausalLM (MHA, GQA, MQA)
-and a dense DeepseekV3ForCausalLM (MLA), and back through init_from=hf: the same logits and greedy tokens; what no
-stock class holds exactly, refused in one line naming the keys."""
+"""Llama's block (norm='rmsnorm', mlp='swiglu') out to stock transformers classes, LlamaForCausalLM
+(MHA, GQA, MQA) and a dense DeepseekV3ForCausalLM (MLA), and back through init_from=hf: the same
+logits and greedy tokens; what no stock class holds exactly, refused in one line naming the keys."""
 
 import dataclasses
 import json
@@ -49,9 +49,9 @@ CLASSES = {
 
 
 def sharp_model(**keys: object) -> GPT:
-    """A random Llama-block model made decisive: matrices 4x GPT-2's scale, norm weights drawn from [3, 9] and
-    biases from N(0, 0.2): its logits are peaked (max |logit| near 10), its greedy tokens depend on the context,
-    and a norm or bias mapped to the wrong place shows."""
+    """A random Llama-block model made decisive: matrices 4x GPT-2's scale, norm weights drawn from
+    [3, 9] and biases from N(0, 0.2): its logits are peaked (max |logit| near 10), its greedy tokens
+    depend on the context, and a norm or bias mapped to the wrong place shows."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(**LLAMA | keys)).eval()
     draw = torch.Generator().manual_seed(0)
@@ -101,8 +101,9 @@ def test_llama_block_exports_with_our_logits_greedy_tokens_and_comes_back(
     assert ours.abs().max() > 5  # peaked: a mapping error would show
     torch.testing.assert_close(logits(hf, idx), ours, rtol=0, atol=1e-4)
     assert_same_greedy_tokens(model, hf, idx[:, :8])
-    # its cache holds what ours does: MLA's latent and rotary key, or n_kv_head K/V heads; a sliding layer's the
-    # window - 1 positions before a token (ours: a ring of window slots, the token written in before attending)
+    # its cache holds what ours does: MLA's latent and rotary key, or n_kv_head K/V heads; a sliding
+    # layer's the window - 1 positions before a token (ours: a ring of window slots, the token
+    # written in before attending)
     with torch.no_grad():
         cache = hf(idx, use_cache=True).past_key_values
     window = model.config.window and model.config.window - 1
@@ -134,7 +135,8 @@ def test_deepseek_folder_is_dense_with_rotary_halves_and_rescaled_latents(tmp_pa
         8,
         4,
     )
-    # transformers' latent norms keep their own epsilon whatever rms_norm_eps says: hf_llama rescales for it
+    # transformers' latent norms keep their own epsilon whatever rms_norm_eps says: hf_llama
+    # rescales for it
     attn = load_strict(tmp_path).model.layers[0].self_attn
     assert (
         attn.kv_a_layernorm.variance_epsilon
@@ -145,8 +147,9 @@ def test_deepseek_folder_is_dense_with_rotary_halves_and_rescaled_latents(tmp_pa
 
 
 def test_small_latents_keep_our_norm_epsilon_in_transformers() -> None:
-    """Latents 10x smaller than sharp_model's, where transformers' latent epsilon (1e-6, not rms_norm_eps) would
-    change the logits: the rescaled rows (hf_llama.LATENT_SCALE) keep them ours; unscaled, they move 1e-3 or more."""
+    """Latents 10x smaller than sharp_model's, where transformers' latent epsilon (1e-6, not
+    rms_norm_eps) would change the logits: the rescaled rows (hf_llama.LATENT_SCALE) keep them ours;
+    unscaled, they move 1e-3 or more."""
     model, idx = sharp_model(**CASES["MLA-q"]), tokens()
     with torch.no_grad():
         for block in model.transformer.h:
@@ -161,8 +164,9 @@ def test_small_latents_keep_our_norm_epsilon_in_transformers() -> None:
 
 @pytest.mark.parametrize("case", ["MLA", "MLA-q"])
 def test_llama_cpp_folder_rotates_pairs_and_comes_back(case: str, tmp_path: Path) -> None:
-    """llama.cpp's deepseek2 rotates pairs and normalises the latents with rms_norm_eps: its folder, read so, is ours;
-    read as transformers reads it (rope_interleave=True), it comes back through init_from=hf: as it computes."""
+    """llama.cpp's deepseek2 rotates pairs and normalises the latents with rms_norm_eps: its folder,
+    read so, is ours; read as transformers reads it (rope_interleave=True), it comes back through
+    init_from=hf: as it computes."""
     model, idx = sharp_model(**CASES[case]), tokens()
     hf = to_hf(model, llama_cpp=True)
     assert hf.config.rope_interleave
@@ -197,7 +201,10 @@ def test_llama_cpp_folder_rotates_pairs_and_comes_back(case: str, tmp_path: Path
         ),
         (
             dict(kv_lora_rank=16, bias=True, mlp="gelu"),
-            "export needs norm='rmsnorm' and mlp='swiglu', bias=False for MLA (DeepseekV3ForCausalLM",
+            (
+                "export needs norm='rmsnorm' and mlp='swiglu', "
+                "bias=False for MLA (DeepseekV3ForCausalLM"
+            ),
         ),
         (dict(kv_lora_rank=16, pos_encoding="learned"), "export needs pos_encoding='rope' for MLA"),
         (
@@ -249,7 +256,10 @@ def test_what_no_stock_class_holds_is_refused_in_one_line_naming_the_keys(
                 "hidden_act": "gelu",
                 "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
             },
-            "cannot hold tie_word_embeddings=False, hidden_act='gelu', rms_norm_eps=1e-06, rope_type='linear'",
+            (
+                "cannot hold tie_word_embeddings=False, hidden_act='gelu', "
+                "rms_norm_eps=1e-06, rope_type='linear'"
+            ),
         ),
         ("GQA", {"mlp_bias": False}, "cannot hold attention_bias=True with mlp_bias=False"),
         (
@@ -294,7 +304,8 @@ def test_a_folder_our_model_cannot_hold_is_refused_in_one_line(
 
 
 def write_run(out: Path, **keys: object) -> None:
-    """A run folder holding a checkpoint of a sharpened model on a char-level dataset's 61 characters."""
+    """A run folder holding a checkpoint of a sharpened model on a char-level dataset's 61
+    characters."""
     meta = {"tokenizer": "char", "vocab_size": 61, "chars": list(string.printable[:61])}
     out.mkdir()
     save_checkpoint(

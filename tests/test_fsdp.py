@@ -1,5 +1,6 @@
-"""FSDP2 under torchrun with 2 gloo processes on CPU: agreement with one process, sharded checkpoints read at
-another process count, the gathered ckpt.pt for sample.py, the sharded memory accounting."""
+"""FSDP2 under torchrun with 2 gloo processes on CPU: agreement with one process, sharded
+checkpoints read at another process count, the gathered ckpt.pt for sample.py, the sharded memory
+accounting."""
 
 import os
 import signal
@@ -21,9 +22,9 @@ TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 def train(data: Path, out: Path, *extra: str, procs: int = 1, fresh: bool = True) -> str:
-    """train.py's stdout, under torchrun with 2 processes or in a process of its own (1 thread: as each rank), or
-    for one process with fresh=False in this one (for a run whose numbers are compared with no other run's: no fresh
-    interpreter's 2-3 s of imports)."""
+    """train.py's stdout, under torchrun with 2 processes or in a process of its own (1 thread: as
+    each rank), or for one process with fresh=False in this one (for a run whose numbers are
+    compared with no other run's: no fresh interpreter's 2-3 s of imports)."""
     args = [
         "train.py",
         f"--dataset={data}",
@@ -61,15 +62,17 @@ def plain(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_fsdp_matches_one_process(pycode_small: Path, plain: Path, tmp_path: Path) -> None:
     stdout = train(pycode_small, tmp_path, "--max_iters=20", "--parallel=fsdp", procs=2)
-    # The same initial weights (drawn parameter by parameter, each rank keeping its shard) and the same 2 x 8
-    # sequences a step; only the summation order of the gradient's reduce-scatter differs from one process's
-    # accumulation, a float rounding (~1e-7 relative) that AdamW's normalised steps carry over 20 steps: losses to
-    # 1e-5 relative, weights (std 0.02, lr 3e-3) to 1e-4 at most and 1e-6 on average, as for DDP (test_ddp).
+    # The same initial weights (drawn parameter by parameter, each rank keeping its shard) and the
+    # same 2 x 8 sequences a step; only the summation order of the gradient's reduce-scatter differs
+    # from one process's accumulation, a float rounding (~1e-7 relative) that AdamW's normalised
+    # steps carry over 20 steps: losses to 1e-5 relative, weights (std 0.02, lr 3e-3) to 1e-4 at
+    # most and 1e-6 on average, as for DDP (test_ddp).
     assert list(losses(tmp_path)) == list(range(1, 21))
     assert list(losses(tmp_path).values()) == pytest.approx(list(losses(plain).values()), rel=1e-5)
     diffs = weight_diffs(tmp_path, plain)
     assert diffs.max() < 1e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
-    # rank 0 alone prints and writes ckpt.pt; both ranks wrote their shards into the one folder ckpt.pt names
+    # rank 0 alone prints and writes ckpt.pt; both ranks wrote their shards into the one folder
+    # ckpt.pt names
     assert stdout.count("step 20:") == 1 and stdout.count("saved checkpoint") == 2
     ckpt = load_checkpoint(tmp_path / "ckpt.pt")
     assert ckpt["sharded"] == "sharded-0000020" and "optimizer" not in ckpt
@@ -90,9 +93,9 @@ def test_fsdp_matches_one_process(pycode_small: Path, plain: Path, tmp_path: Pat
 def test_sharded_checkpoint_resumes_at_another_process_count(
     pycode_small: Path, plain: Path, tmp_path: Path, first: tuple, then: tuple
 ) -> None:
-    """Written by 2 FSDP processes and resumed by one plain process, written by one FSDP process and resumed by 2,
-    or written whole by one plain process and resumed by 2 under FSDP: the loss curve continues as the
-    uninterrupted run's."""
+    """Written by 2 FSDP processes and resumed by one plain process, written by one FSDP process and
+    resumed by 2, or written whole by one plain process and resumed by 2 under FSDP: the loss curve
+    continues as the uninterrupted run's."""
     train(pycode_small, tmp_path, "--max_iters=10", f"--parallel={first[1]}", procs=first[0])
     train(
         pycode_small,
@@ -104,7 +107,8 @@ def test_sharded_checkpoint_resumes_at_another_process_count(
     )
     resumed, once = losses(tmp_path), losses(plain)
     assert list(resumed) == list(range(1, 21))
-    # the sharded folders that no checkpoint names are gone (the FSDP run's, once a plain run has saved)
+    # the sharded folders that no checkpoint names are gone (the FSDP run's, once a plain run has
+    # saved)
     assert [p.name for p in tmp_path.glob("sharded-*")] == ["sharded-0000020"] * (then[1] == "fsdp")
     assert list(resumed.values()) == pytest.approx(list(once.values()), rel=1e-5)
     diffs = weight_diffs(tmp_path, plain)
@@ -158,7 +162,8 @@ def test_the_gathered_checkpoint_samples_and_converts(pycode_small: Path, tmp_pa
 
 
 def gloo_threads() -> int:
-    """How many of this process's threads belong to a gloo process group (its worker and transport threads)."""
+    """How many of this process's threads belong to a gloo process group (its worker and transport
+    threads)."""
     return sum(
         Path(t, "comm").read_text().startswith(("pt_gloo", "gloo"))
         for t in Path("/proc/self/task").iterdir()
@@ -168,9 +173,10 @@ def gloo_threads() -> int:
 def test_an_fsdp_run_ends_its_gloo_threads_before_the_process_exits(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """DTensor's caches keep FSDP's device mesh and, through it, the process group alive past destroy_process_group:
-    its gloo threads then ran into the interpreter's exit, where one that still released a collective's tensors
-    aborted a rank now and then (SIGABRT, "terminate called without an active exception"). train.py ends them."""
+    """DTensor's caches keep FSDP's device mesh and, through it, the process group alive past
+    destroy_process_group: its gloo threads then ran into the interpreter's exit, where one that
+    still released a collective's tensors aborted a rank now and then (SIGABRT, "terminate called
+    without an active exception"). train.py ends them."""
     before = gloo_threads()
     run(
         [
@@ -247,8 +253,9 @@ def read_log_or_empty(out: Path) -> list[dict]:
 
 
 def test_per_rank_bytes_are_the_shards_of_fully_shard() -> None:
-    """16 bytes a parameter (fp32 weight, gradient, two AdamW moments): whole under DDP; under FSDP rank 0 holds
-    the first of world_size row chunks (torch.chunk, as FSDP2 shards dim 0) of each parameter."""
+    """16 bytes a parameter (fp32 weight, gradient, two AdamW moments): whole under DDP; under FSDP
+    rank 0 holds the first of world_size row chunks (torch.chunk, as FSDP2 shards dim 0) of each
+    parameter."""
     from smallgpt import sharding
 
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=36, block_size=10, vocab_size=37)

@@ -26,8 +26,8 @@ from smallgpt.generation import generate, left_pad, sample_logits, stream
 def test_greedy_with_and_without_cache_agree_past_block_size(
     variant: str, pos_encoding: str
 ) -> None:
-    """A lively model (its tokens depend on the context: a window off by one changes them) decodes the same tokens
-    with the cache as by recomputing each window, through several slides."""
+    """A lively model (its tokens depend on the context: a window off by one changes them) decodes
+    the same tokens with the cache as by recomputing each window, through several slides."""
     m = lively(tiny_model(VARIANTS[variant], pos_encoding, block_size=16))
     idx = torch.randint(0, 61, (2, 5))
     cached = generate(
@@ -64,7 +64,8 @@ def test_padded_batch_generates_what_each_prompt_does_alone(pos_encoding: str) -
 
 
 def test_eos_row_emits_only_eos_after_it_and_generation_stops_when_all_rows_have() -> None:
-    """eos is chosen as a token row 0 produces greedily (and row 1 never does), so the outcome is known in advance."""
+    """eos is chosen as a token row 0 produces greedily (and row 1 never does), so the outcome is
+    known in advance."""
     m = tiny_model(2)
     idx = torch.randint(0, 61, (2, 4))
     free = generate(m, idx, 12, temperature=0)[:, 4:].tolist()
@@ -120,7 +121,8 @@ def test_top_k_restricts_candidates() -> None:
 
 
 def test_stream_yields_each_token_before_computing_the_next() -> None:
-    """A stream computes lazily: nothing before the first token is asked for, then one forward pass per token."""
+    """A stream computes lazily: nothing before the first token is asked for, then one forward pass
+    per token."""
     m = tiny_model(1, "rope")
     idx = torch.randint(0, 61, (2, 3))
     calls = []
@@ -142,8 +144,8 @@ def test_stream_yields_each_token_before_computing_the_next() -> None:
 def rows_as_by_hand(
     m: torch.nn.Module, lengths: tuple[int, ...] = (15, 3, 20, 9), new: int = 40
 ) -> list[list[int]]:
-    """Greedy tokens of a padded batch of random prompts of these lengths, past block_size, each row checked
-    against by_hand's recomputation of its prompt alone; returns the rows' new tokens."""
+    """Greedy tokens of a padded batch of random prompts of these lengths, past block_size, each row
+    checked against by_hand's recomputation of its prompt alone; returns the rows' new tokens."""
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in lengths]
     idx, pad = left_pad(prompts)
     batch = generate(m, idx, new, temperature=0, pad=pad)[:, -new:].tolist()
@@ -153,8 +155,9 @@ def rows_as_by_hand(
 
 
 def by_hand(m: torch.nn.Module, prompt: list[int], new: int, use_cache: bool = False) -> list[int]:
-    """Greedy decoding written out for the test: the model sees the newest block_size tokens at most; when a token
-    would make it block_size + 1, only the newest block_size // 2 are kept (recomputed from scratch every step)."""
+    """Greedy decoding written out for the test: the model sees the newest block_size tokens at
+    most; when a token would make it block_size + 1, only the newest block_size // 2 are kept
+    (recomputed from scratch every step)."""
     bs, tokens = m.config.block_size, list(prompt)
     first = max(0, len(tokens) - bs)
     for _ in range(new):
@@ -171,9 +174,9 @@ def by_hand(m: torch.nn.Module, prompt: list[int], new: int, use_cache: bool = F
 def test_each_row_of_a_padded_batch_equals_its_prompt_alone_far_past_block_size(
     variant: str, pos_encoding: str, use_cache: bool
 ) -> None:
-    """Rows of unequal length (near block_size, short, cropped, ...) each slide their own window, so every row gets
-    what its prompt gets alone, for 3+ times block_size new tokens; alone == the by-hand recomputation, in every
-    case (a lively model: its tokens follow its window)."""
+    """Rows of unequal length (near block_size, short, cropped, ...) each slide their own window, so
+    every row gets what its prompt gets alone, for 3+ times block_size new tokens; alone == the
+    by-hand recomputation, in every case (a lively model: its tokens follow its window)."""
     m = lively(tiny_model(VARIANTS[variant], pos_encoding, block_size=16))
     prompts = [torch.randint(0, 61, (n,)).tolist() for n in (15, 3, 20, 9, 1, 12)]
     idx, pad = left_pad(prompts)
@@ -191,8 +194,9 @@ def test_each_row_of_a_padded_batch_equals_its_prompt_alone_far_past_block_size(
 
 
 def test_a_stream_asked_for_endless_tokens_keeps_bounded_memory() -> None:
-    """stream() keeps only what the windows reach (not a buffer of max_new_tokens): 10**12 asked, 100 taken, the
-    same tokens as generate() of 100, past block_size 16 with rows of a padded batch sliding at different steps."""
+    """stream() keeps only what the windows reach (not a buffer of max_new_tokens): 10**12 asked,
+    100 taken, the same tokens as generate() of 100, past block_size 16 with rows of a padded batch
+    sliding at different steps."""
     m = sharpened(tiny_model(2, "rope", block_size=16))
     idx, pad = left_pad([torch.randint(0, 61, (n,)).tolist() for n in (16, 3)])
     endless = torch.stack(
@@ -233,7 +237,8 @@ def test_meaningless_sampling_settings_are_refused(options: dict, message: str) 
 def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(
     top_k: int | None, top_p: float
 ) -> None:
-    """Only allowed tokens are drawn, each about as often as its renormalised probability (400 draws)."""
+    """Only allowed tokens are drawn, each about as often as its renormalised probability (400
+    draws)."""
     m = tiny_model(2)
     idx = torch.randint(0, 61, (1, 5))
     with torch.no_grad():
@@ -258,8 +263,9 @@ def test_top_k_and_top_p_through_generate_draw_exactly_the_allowed_tokens(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
-    """The stand-ins that the compiled step is compiled on (compiled_step.probe) are exact in each dtype, and the
-    blocked layouts of any two of the same shape differ, past 128 of them too (the first elements repeat)."""
+    """The stand-ins that the compiled step is compiled on (compiled_step.probe) are exact in each
+    dtype, and the blocked layouts of any two of the same shape differ, past 128 of them too (the
+    first elements repeat)."""
     w = torch.zeros(48, 32, dtype=dtype)
     probes = [compiled_step.probe(w, i) for i in range(300)]
     assert all(p.dtype == dtype and p.view(-1)[0] == -1 - i % 128 for i, p in enumerate(probes))
@@ -278,13 +284,15 @@ def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
 def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(
     variant: str, pos_encoding: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """compile_step=True (compiled_step.CompiledStep: GPT.decode_static exported and compiled by AOTInductor, one step
-    for every cache length) gives the eager logits and tokens, through window slides, compiled once, with each way a
-    product runs inside it: MHA as by default at this size (every product through inductor's GEMM template, reading
-    blocked copies of the weights), GQA without the template (every weight fast_paths.Linear's (in, out) copy padded to
-    the thread count: the lm_head's way at GPT-2's size), MLA (the absorbed step over its latent cache, in a ring in the
-    local first layer) with the layers' products through the template and the lm_head split over views of its weight,
-    its odd row (vocab 101) multiplied apart. A padded batch takes the eager step and still matches each prompt."""
+    """compile_step=True (compiled_step.CompiledStep: GPT.decode_static exported and compiled by
+    AOTInductor, one step for every cache length) gives the eager logits and tokens, through window
+    slides, compiled once, with each way a product runs inside it: MHA as by default at this size
+    (every product through inductor's GEMM template, reading blocked copies of the weights), GQA
+    without the template (every weight fast_paths.Linear's (in, out) copy padded to the thread
+    count: the lm_head's way at GPT-2's size), MLA (the absorbed step over its latent cache, in a
+    ring in the local first layer) with the layers' products through the template and the lm_head
+    split over views of its weight, its odd row (vocab 101) multiplied apart. A padded batch takes
+    the eager step and still matches each prompt."""
     if (
         variant != "MHA"
     ):  # GQA: no product through the template; MLA: all but the lm_head's (32 x 101 floats)
@@ -295,7 +303,8 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(
         fast_paths, "SPLIT_COPY_BYTES", 0 if variant == "GQA" else fast_paths.SPLIT_COPY_BYTES
     )
     monkeypatch.setattr(fast_paths, "SPLIT_COPY_WIDE", variant != "MLA")
-    # MLA: its latent cache, no V, the first layer local (its ring of 5 slots an input of the step too)
+    # MLA: its latent cache, no V, the first layer local (its ring of 5 slots an input of the step
+    # too)
     latent = (
         {"kv_lora_rank": 16, "vocab_size": 101, "window": 5, "window_pattern": "S"}
         if variant == "MLA"
@@ -355,9 +364,10 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(
 
 @COMPILES_2
 def test_compiled_bf16_step_gives_the_eager_logits_through_blocked_weights() -> None:
-    """In bf16 the compiled step's products run inductor's GEMM template too (AMX or AVX512-BF16 read the weights
-    with pairs of input features together, others as in fp32): each step's logits are the eager step's to bf16
-    rounding, read through blocked copies of the weights in whichever layout the template took."""
+    """In bf16 the compiled step's products run inductor's GEMM template too (AMX or AVX512-BF16
+    read the weights with pairs of input features together, others as in fp32): each step's logits
+    are the eager step's to bf16 rounding, read through blocked copies of the weights in whichever
+    layout the template took."""
     m = tiny_model(None, "rope", **DECODE).to(torch.bfloat16)
     idx = torch.randint(0, 96, (1, 40))
     cache, ref = m.make_kv_cache(1, 64), m.make_kv_cache(1, 64)
@@ -378,10 +388,11 @@ def test_compiled_bf16_step_gives_the_eager_logits_through_blocked_weights() -> 
 
 @COMPILES_2
 def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() -> None:
-    """Compiled steps are kept per model and batch size, and read the weights lent at each stream: two models whose
-    weights have the same shapes (4 and 2 heads over 32 features, so only the head count tells their steps apart),
-    and the first again at batch 2, streamed in turns past block_size, each decode their eager tokens. (The first is
-    the DECODE model: its batch-1 step is bench.py's and sample.py's, its batch-2 step
+    """Compiled steps are kept per model and batch size, and read the weights lent at each stream:
+    two models whose weights have the same shapes (4 and 2 heads over 32 features, so only the head
+    count tells their steps apart), and the first again at batch 2, streamed in turns past
+    block_size, each decode their eager tokens. (The first is the DECODE model: its batch-1 step is
+    bench.py's and sample.py's, its batch-2 step
     test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size's MHA case.)"""
     models = [tiny_model(None, "learned", **DECODE | {"n_head": h}) for h in (4, 2)]
     runs = [
@@ -403,10 +414,11 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
 
 @COMPILES_2
 def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> None:
-    """The compiled step's template products read blocked copies of the weights (compiled_step.lend): kept while a
-    weight is unchanged, made again when it changes in place (as under an optimizer) or is replaced, so the compiled
-    tokens follow the eager ones after each change (and each change does change them). Which products take the
-    template is autotuning's choice (timed): the weights changed are two of those that did."""
+    """The compiled step's template products read blocked copies of the weights
+    (compiled_step.lend): kept while a weight is unchanged, made again when it changes in place (as
+    under an optimizer) or is replaced, so the compiled tokens follow the eager ones after each
+    change (and each change does change them). Which products take the template is autotuning's
+    choice (timed): the weights changed are two of those that did."""
     torch.manual_seed(
         0
     )  # the model, the prompt and the new weights: a change of one weight that shows in the tokens
@@ -453,7 +465,8 @@ def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> Non
             ]
             if len(changed) < 2:  # autotuning timed ATen faster for the others
                 pytest.skip(
-                    f"autotuning put {len(changed)} of these products through the GEMM template, not 2"
+                    f"autotuning put {len(changed)} of these products "
+                    "through the GEMM template, not 2"
                 )
     assert copies[0] and all(
         copies[1][name] is t for name, t in copies[0].items()
@@ -466,8 +479,9 @@ def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> Non
 
 
 def test_the_compiled_steps_cache_name_is_the_same_in_a_checkout_elsewhere() -> None:
-    """The exported program's text names the source files it came from: the package's cache name leaves them out, so
-    a clone at another path loads the steps compiled here instead of compiling them again; another shape differs."""
+    """The exported program's text names the source files it came from: the package's cache name
+    leaves them out, so a clone at another path loads the steps compiled here instead of compiling
+    them again; another shape differs."""
 
     def program(n_embd: int) -> str:
         model = tiny_model(n_embd=n_embd)

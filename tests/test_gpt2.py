@@ -69,9 +69,9 @@ def test_no_weights_offline_is_one_clear_line(tmp_path: Path) -> None:
 
 
 def test_finetune_gpt2_into_gqa_then_sample(tmp_path: Path) -> None:
-    """GPT-2 (a local folder) fine-tuned on a GPT-2-BPE dataset, converted to 2 K/V groups on the way. The model's
-    shape comes from the weights: a shape key beside them (n_head=5 here) is refused, not silently ignored, and the
-    run records the shape it trained (issue 42)."""
+    """GPT-2 (a local folder) fine-tuned on a GPT-2-BPE dataset, converted to 2 K/V groups on the
+    way. The model's shape comes from the weights: a shape key beside them (n_head=5 here) is
+    refused, not silently ignored, and the run records the shape it trained (issue 42)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""The transformers models hf.to_hf makes compute what this project's model computes, and come back unchanged."""
+"""The transformers models hf.to_hf makes compute what this project's model computes, and come back
+unchanged."""
 
 import base64
 import json
@@ -17,7 +18,8 @@ from smallgpt.hf import from_hf, save, target_class, to_hf, tokenizer
 def sharp_model(
     pos_encoding: str, n_kv_head: int, bias: bool, gelu: str = "exact", vocab_size: int = 61
 ) -> GPT:
-    """A random model with weights 4x GPT-2's scale: peaked logits, so greedy decoding does not repeat one token."""
+    """A random model with weights 4x GPT-2's scale: peaked logits, so greedy decoding does not
+    repeat one token."""
     torch.manual_seed(0)
     config = GPTConfig(
         block_size=32,
@@ -85,7 +87,8 @@ def test_a_saved_export_comes_back_with_the_same_logits(
         torch.testing.assert_close(
             back(idx, targets=idx)[0], model(idx, targets=idx)[0], rtol=0, atol=1e-5
         )
-    # learned GQA comes back as GPT-2, its K/V heads repeated: the same function with MHA's head count
+    # learned GQA comes back as GPT-2, its K/V heads repeated: the same function with MHA's head
+    # count
     assert back.config.n_kv_head == (
         4 if (pos_encoding, n_kv_head) == ("learned", 2) else n_kv_head
     )

@@ -1,5 +1,6 @@
-"""The house rules a newcomer relies on: no import cycle between the top-level modules, no script importing another
-script for helpers, nothing done at import time; and errors: a user's mistake is one line, a bug keeps its traceback.
+"""The house rules a newcomer relies on: no import cycle between the top-level modules, no script
+importing another script for helpers, nothing done at import time; and errors: a user's mistake is
+one line, a bug keeps its traceback.
 """
 
 import ast
@@ -12,7 +13,8 @@ import pytest
 
 from conftest import ROOT, cli
 
-# The root's modules (model, train, ...) and the package's (smallgpt.checkpoint, ...), by their import names
+# The root's modules (model, train, ...) and the package's (smallgpt.checkpoint, ...), by their
+# import names
 MODULES = sorted(
     [p.stem for p in ROOT.glob("*.py")]
     + [f"smallgpt.{p.stem}" for p in (ROOT / "smallgpt").glob("*.py") if p.stem != "__init__"]
@@ -25,8 +27,8 @@ def source_of(module: str) -> Path:
 
 
 def project_imports(module: str) -> dict[str, set[str]]:
-    """{project module: names imported from it} for one of MODULES, anywhere in its code: `from smallgpt import x`
-    is an import of smallgpt.x."""
+    """{project module: names imported from it} for one of MODULES, anywhere in its code:
+    `from smallgpt import x` is an import of smallgpt.x."""
     deps: dict[str, set[str]] = {}
     for node in ast.walk(ast.parse(source_of(module).read_text())):
         if isinstance(node, ast.Import):
@@ -56,14 +58,15 @@ def test_the_import_graph_has_no_cycle() -> None:
 
     for m in MODULES:
         visit(m, [])
-    # the model is a leaf: model.py and attention.py import only the fast paths (and model.py attention.py), so the
-    # engine imports the model, never the reverse
+    # the model is a leaf: model.py and attention.py import only the fast paths (and model.py
+    # attention.py), so the engine imports the model, never the reverse
     assert "model" in done and graph["model"] <= {"smallgpt.fast_paths", "attention"}
     assert graph["attention"] <= {"smallgpt.fast_paths"}
 
 
 def test_the_import_graph_in_the_docs_is_the_codes() -> None:
-    """docs/architecture.md lists each module's project imports (as house.py prints them): the list is the code's."""
+    """docs/architecture.md lists each module's project imports (as house.py prints them): the list
+    is the code's."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     block = text[text.index("## The import graph") :].split("```")[1]
     listed: dict[str, set[str]] = {}
@@ -78,8 +81,8 @@ def test_the_import_graph_in_the_docs_is_the_codes() -> None:
 
 
 def test_no_script_imports_another_scripts_helpers() -> None:
-    """A script may import another's config dataclass (as nanoGPT keeps it there) and the training step that
-    bench.py times; helpers live in the modules below the scripts."""
+    """A script may import another's config dataclass (as nanoGPT keeps it there) and the training
+    step that bench.py times; helpers live in the modules below the scripts."""
     for script in sorted(SCRIPTS & set(MODULES)):
         for dep, names in project_imports(script).items():
             helpers = {n for n in names if not n.endswith("Config") and n != "train_step"}
@@ -91,14 +94,16 @@ def test_no_script_imports_another_scripts_helpers() -> None:
 FRESH_IMPORTS = """
 import ast, importlib, importlib.util, os, sys, traceback
 import torch.distributed as dist
-# Loaded once: the other packages' modules that the project's modules import at their top level (torch._inductor's
-# alone takes ~1 s); each project module is then imported first in a fork.
+# Loaded once: the other packages' modules that the project's modules import at their top level
+# (torch._inductor's alone takes ~1 s); each project module is then imported first in a fork.
 ours = sys.argv[1:]
 for module in ours:
     for node in ast.parse(open(importlib.util.find_spec(module).origin).read()).body:
         names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
             [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
-        if names and all(name.split(".")[0] not in {m.split(".")[0] for m in ours} for name in names):
+        if names and all(
+            name.split(".")[0] not in {m.split(".")[0] for m in ours} for name in names
+        ):
             exec(ast.unparse(node), {})
 forks = {}
 for module in ours:  # all forks at once: the cores share the imports
@@ -119,8 +124,8 @@ sys.exit(f"failed: {failed}" if failed else 0)
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one fresh import per module")
 def test_every_module_imports_first_and_alone_and_does_nothing(tmp_path: Path) -> None:
-    """Each module imported before any other project module (an import cycle fails there), in a clean process:
-    it prints and writes nothing and starts no process group."""
+    """Each module imported before any other project module (an import cycle fails there), in a
+    clean process: it prints and writes nothing and starts no process group."""
     r = subprocess.run(
         [sys.executable, "-c", FRESH_IMPORTS, *MODULES],
         cwd=tmp_path,
@@ -137,7 +142,8 @@ RUN_WITH_A_BUG = """
 import sys, train, configurator
 def broken(*args, **kwargs):
     raise RuntimeError("an internal bug")
-train.evaluate = broken  # a genuine failure inside the training loop, as a bug or CUDA out-of-memory would be
+# a genuine failure inside the training loop, as a bug or CUDA out-of-memory would be
+train.evaluate = broken
 configurator.run_cli(train.main, train.TrainConfig, sys.argv[1:])
 """
 

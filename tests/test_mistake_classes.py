@@ -1,6 +1,6 @@
-"""Mistakes fixed as classes (issue 42): numbers the code's types cannot hold, damaged or replaced files, a disk that
-fills, Ctrl-C from a script's first line, pretrained weights given another shape; each through the real command
-line or the real function, with one `error:` line and nothing lost."""
+"""Mistakes fixed as classes (issue 42): numbers the code's types cannot hold, damaged or replaced
+files, a disk that fills, Ctrl-C from a script's first line, pretrained weights given another shape;
+each through the real command line or the real function, with one `error:` line and nothing lost."""
 
 import json
 import os
@@ -147,8 +147,9 @@ SCRIPTS = [
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/maps")
 def test_ctrl_c_while_the_libraries_import_is_one_line() -> None:
-    """Every script, interrupted while torch imports (its library just mapped, a second of imports to go; configurator
-    came before it): 'interrupted', no traceback, killed by the interrupt (status 130 in a shell)."""
+    """Every script, interrupted while torch imports (its library just mapped, a second of imports
+    to go; configurator came before it): 'interrupted', no traceback, killed by the interrupt
+    (status 130 in a shell)."""
     procs = {
         s: subprocess.Popen(
             [sys.executable, s, "--help"],
@@ -188,8 +189,8 @@ def test_pretrained_weights_refuse_another_shape_and_record_their_own(
     base = ["train.py", f"--init_from=hf:{folder}", f"--dataset={pycode_small}", "--device=cpu"]
     one_line(
         cli([*base, f"--out_dir={tmp_path / 'a'}", "--n_layer=6"]),
-        f"init_from=hf:{folder} trains its weights' own model: drop --n_layer (of the model keys only dropout, "
-        f"block_size, n_kv_head apply",
+        f"init_from=hf:{folder} trains its weights' own model: drop --n_layer "
+        "(of the model keys only dropout, block_size, n_kv_head apply",
     )
     one_line(
         cli([*base, f"--out_dir={tmp_path / 'a'}", "--n_embd=16", "--bias=True"]),
@@ -413,8 +414,8 @@ def test_a_bpe_vocabulary_the_text_cannot_fill_is_said(tmp_path: Path) -> None:
 
 
 def test_the_decode_summary_finds_the_step_that_compiled_wherever_it_falls() -> None:
-    """The compiled step's 'ready after' is the end of the longest step, not the second (a compile that ran at a later
-    step was reported as 'ready after 0.46 s, then 0 tok/s')."""
+    """The compiled step's 'ready after' is the end of the longest step, not the second (a compile
+    that ran at a later step was reported as 'ready after 0.46 s, then 0 tok/s')."""
     from sample import SampleConfig, decode
     from smallgpt.tokenizer import CharTokenizer
 
@@ -436,7 +437,8 @@ def test_the_decode_summary_finds_the_step_that_compiled_wherever_it_falls() -> 
 def test_no_command_writes_into_a_folder_of_another_kind(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """train.py into a dataset, or over a folder's own config.json; dataset.py into a run: refused, nothing written."""
+    """train.py into a dataset, or over a folder's own config.json; dataset.py into a run: refused,
+    nothing written."""
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "config.json").write_text('{"mine": true}')

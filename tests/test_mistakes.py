@@ -1,5 +1,5 @@
-"""User mistakes through the real command line: one `error:` line and exit status 2 (130 for Ctrl-C), no traceback,
-nothing written; and one out_dir never holds two runs at once."""
+"""User mistakes through the real command line: one `error:` line and exit status 2 (130 for
+Ctrl-C), no traceback, nothing written; and one out_dir never holds two runs at once."""
 
 import os
 import signal
@@ -240,8 +240,9 @@ def test_stop_takes_a_typed_backslash_n_as_the_newline_meant(tiny_run: Path) -> 
 
 
 def test_a_long_sample_does_not_grow_memory(tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
-    """sample.py's decoding loop (its streamed text, its timings, the stop-string search) at 200 and 2,000 tokens:
-    the same peak of Python memory (a loop that kept ~80 bytes a token would add 144 KB)."""
+    """sample.py's decoding loop (its streamed text, its timings, the stop-string search) at 200 and
+    2,000 tokens: the same peak of Python memory (a loop that kept ~80 bytes a token would add
+    144 KB)."""
     import tracemalloc
 
     import torch

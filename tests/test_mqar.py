@@ -1,5 +1,5 @@
-"""data/mqar/prepare.py: the MQAR task (Zoology) as files, checked by parsing every example back, through
-dataset.Batches, and by a short training run."""
+"""data/mqar/prepare.py: the MQAR task (Zoology) as files, checked by parsing every example back,
+through dataset.Batches, and by a short training run."""
 
 import math
 import re
@@ -21,7 +21,8 @@ P, Q, K, V, L = TASK.values()
 
 
 def prepare(out: Path, *flags: str, **knobs: int) -> str:
-    """Run the real prepare script (400 train and 100 val examples unless knobs say otherwise); its stdout."""
+    """Run the real prepare script (400 train and 100 val examples unless knobs say otherwise); its
+    stdout."""
     knobs = dict(train_examples=400, val_examples=100) | knobs
     return run(
         [SCRIPT, f"--out_dir={out}", *flags, *(f"--{k}={v}" for k, v in knobs.items())]
@@ -61,7 +62,8 @@ def test_splits_are_disjoint_and_meta_is_as_asked(task: Path, tmp_path: Path) ->
         val[0].tolist()
     )  # samples decode as CJK characters, one a token
     assert len(text) == L and load_tokenizer(meta).encode(text) == val[0].tolist()
-    # a task of 216 distinct examples (4*3 key orders, 3*3 values, 2 queries): 400 train draws hold most of them
+    # a task of 216 distinct examples (4*3 key orders, 3*3 values, 2 queries): 400 train draws hold
+    # most of them
     small = tmp_path / "small"
     printed = prepare(
         small, num_pairs=2, num_queries=1, key_vocab=4, value_vocab=3, val_examples=20

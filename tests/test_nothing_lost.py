@@ -1,7 +1,8 @@
-"""Nothing of the user's is lost: every delete names only what the project wrote (a user's file put beside it
-survives), temp files have unique names of the project's own pattern and stale ones are removed under their
-folder's lock, a command writes only into a folder of its kind, a run refuses before training what it would
-refuse after, and a setting that would change nothing is one line naming the key."""
+"""Nothing of the user's is lost: every delete names only what the project wrote (a user's file put
+beside it survives), temp files have unique names of the project's own pattern and stale ones are
+removed under their folder's lock, a command writes only into a folder of its kind, a run refuses
+before training what it would refuse after, and a setting that would change nothing is one line
+naming the key."""
 
 import json
 import os
@@ -33,8 +34,8 @@ def files(folder: Path) -> list[str]:
 
 
 def test_keep_last_prunes_only_the_runs_own_numbered_checkpoints(tmp_path: Path) -> None:
-    """A user's ckpt-0.pt, ckpt-5.pt, ckpt-best.pt and ckpt-0000003.pt.bak are never deleted, nor counted among
-    the kept ones: the three newest of the run's own stay."""
+    """A user's ckpt-0.pt, ckpt-5.pt, ckpt-best.pt and ckpt-0000003.pt.bak are never deleted, nor
+    counted among the kept ones: the three newest of the run's own stay."""
     mine = ["ckpt-0.pt", "ckpt-5.pt", "ckpt-best.pt", "ckpt-0000003.pt.bak"]
     for name in mine:
         (tmp_path / name).write_text("the user's")
@@ -61,7 +62,8 @@ def test_temp_names_are_unique_and_only_stale_ones_of_the_pattern_are_removed(
 ) -> None:
     names = {temp_path(tmp_path / "ckpt.pt").name for _ in range(50)}
     assert len(names) == 50 and all(n.startswith(f".ckpt.pt{TEMP_MARK}") for n in names)
-    # two writers of one file at once each write their own temp, and the file is one of theirs, whole
+    # two writers of one file at once each write their own temp, and the file is one of theirs,
+    # whole
     with (
         atomic_open(tmp_path / "a.txt", "w") as first,
         atomic_open(tmp_path / "a.txt", "w") as second,
@@ -122,8 +124,8 @@ def test_preparing_a_dataset_again_removes_only_its_own_stale_temps(tmp_path: Pa
 
 
 def test_an_export_without_its_list_of_files_refuses_a_users_file(tmp_path: Path) -> None:
-    """An export written before smallgpt.json listed its files: the names an export can write are its, any other
-    is the user's, and --overwrite refuses the folder naming it."""
+    """An export written before smallgpt.json listed its files: the names an export can write are
+    its, any other is the user's, and --overwrite refuses the folder naming it."""
     dest = tmp_path / "old"
     dest.mkdir()
     for name in (
@@ -147,8 +149,8 @@ def test_an_export_without_its_list_of_files_refuses_a_users_file(tmp_path: Path
 def test_a_log_without_a_checkpoint_is_refused_unless_it_is_this_runs(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """A run killed before its first save left a log and no checkpoint: the same command starts it again there;
-    another run is refused before anything is written."""
+    """A run killed before its first save left a log and no checkpoint: the same command starts it
+    again there; another run is refused before anything is written."""
     out = tmp_path / "out"
     args = [
         "train.py",
@@ -230,8 +232,8 @@ def test_a_setting_that_would_change_nothing_is_one_line_naming_it(
 
 
 def test_the_limits_themselves_are_accepted() -> None:
-    """One below each refused value builds: a window of block_size - 1, a latent one feature under MHA's K and V,
-    a rotary key as wide as the head, S on the last layer but one."""
+    """One below each refused value builds: a window of block_size - 1, a latent one feature under
+    MHA's K and V, a rotary key as wide as the head, S on the last layer but one."""
     from model import GPTConfig
 
     base = dict(n_layer=3, n_head=4, n_embd=32, block_size=16)
@@ -244,8 +246,8 @@ def test_the_limits_themselves_are_accepted() -> None:
 def test_final_evals_a_dataset_cannot_take_are_refused_before_training(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """mqar on a text dataset, induction on a vocabulary too small for its segment, or a context too short for
-    one copy: one line, and nothing trained or written."""
+    """mqar on a text dataset, induction on a vocabulary too small for its segment, or a context too
+    short for one copy: one line, and nothing trained or written."""
     tiny = tmp_path / "tiny"
     ids = np.arange(400) % 6
     write_dataset(tiny, ids, ids, {"vocab_size": 6, "tokenizer": "char", "chars": list("abcdef")})
@@ -285,8 +287,8 @@ def test_a_number_that_is_not_finite_says_so(script: str, flag: str) -> None:
 
 
 def test_an_unwritable_destination_is_named_as_the_user_gave_it(tmp_path: Path) -> None:
-    """A folder the system refuses to write into (here /sys, refused even to root): the line names the folder or
-    file given, never the temp name written first."""
+    """A folder the system refuses to write into (here /sys, refused even to root): the line names
+    the folder or file given, never the temp name written first."""
     if os.access("/sys", os.W_OK) and not Path("/sys").is_mount():
         pytest.skip("/sys is writable here: no folder refuses writes")
     with pytest.raises(UserError) as err:
@@ -317,8 +319,9 @@ def test_bench_replaces_only_the_links_it_made(pycode_small: Path, tmp_path: Pat
 def test_a_comparison_writes_only_into_a_folder_of_its_kind(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """compare.py into a dataset, a run or an export is refused before anything is written; a comparison's folder
-    (marked by compare.json when made) takes no run, dataset or export of its own."""
+    """compare.py into a dataset, a run or an export is refused before anything is written; a
+    comparison's folder (marked by compare.json when made) takes no run, dataset or export of its
+    own."""
     run_dir = tmp_path / "run"
     run(
         [
@@ -354,8 +357,8 @@ def test_a_comparison_writes_only_into_a_folder_of_its_kind(
 
 
 def test_a_failed_write_and_a_released_lock_remove_only_their_own(tmp_path: Path) -> None:
-    """atomic_open deletes its own temp on an error (the file and a user's file beside it stay); folder_lock
-    removes the folder it made only while that holds nothing but its lock."""
+    """atomic_open deletes its own temp on an error (the file and a user's file beside it stay);
+    folder_lock removes the folder it made only while that holds nothing but its lock."""
     (tmp_path / "report.md").write_text("the last report")
     (tmp_path / "notes.md").write_text("the user's")
     with pytest.raises(RuntimeError, match="half way"):

@@ -1,4 +1,5 @@
-"""smallgpt/optim.py: Muon against torch.optim.Muon, the chained optimizer, the learning-rate schedule."""
+"""smallgpt/optim.py: Muon against torch.optim.Muon, the chained optimizer, the learning-rate
+schedule."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from smallgpt.optim import Muon, lr_at, make_optimizer, orthogonalised
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is in torch >= 2.9")
 def test_muon_in_bf16_is_torch_optim_muon() -> None:
-    """With the orthogonalisation in bf16 (as torch's always is), our Muon's steps are torch.optim.Muon's exactly."""
+    """With the orthogonalisation in bf16 (as torch's always is), our Muon's steps are
+    torch.optim.Muon's exactly."""
     torch.manual_seed(0)
     ours, theirs = torch.randn(48, 32), None
     theirs = ours.clone().requires_grad_()
@@ -29,8 +31,9 @@ def test_muon_in_bf16_is_torch_optim_muon() -> None:
 
 @pytest.mark.parametrize("shape", [(64, 16), (16, 64), (32, 32)])
 def test_orthogonalised_pushes_singular_values_towards_one(shape: tuple[int, int]) -> None:
-    """The quintic Newton-Schulz iteration brings singular values spread over two decades into a band around one
-    (it trades exactness for speed: roughly 0.5 to 1.5); fp32 and bf16 agree to bf16's precision."""
+    """The quintic Newton-Schulz iteration brings singular values spread over two decades into a
+    band around one (it trades exactness for speed: roughly 0.5 to 1.5); fp32 and bf16 agree to
+    bf16's precision."""
     torch.manual_seed(0)
     k = min(shape)
     u, v = (
@@ -89,9 +92,10 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr() -> None:
 
 
 def test_muon_orthogonalises_same_shaped_matrices_as_one_stack_as_it_would_one_at_a_time() -> None:
-    """Muon's step over matrices of four shapes, several of most (stacked and orthogonalised as one batch), their
-    gradients at scales 100x apart (a norm over the whole stack instead of each matrix's would show), 3 steps with
-    weight decay, in fp32: each matrix ends where torch.optim.Muon's update, written out here one at a time, puts it."""
+    """Muon's step over matrices of four shapes, several of most (stacked and orthogonalised as one
+    batch), their gradients at scales 100x apart (a norm over the whole stack instead of each
+    matrix's would show), 3 steps with weight decay, in fp32: each matrix ends where
+    torch.optim.Muon's update, written out here one at a time, puts it."""
     torch.manual_seed(0)
     shapes = [(32, 32)] * 3 + [(128, 32)] * 2 + [(32, 128)] * 2 + [(16, 32)]
     params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]

@@ -135,7 +135,8 @@ def test_truncated_or_wrong_dtype_token_file_is_detected(tmp_path: Path, damage:
 
 @pytest.fixture()
 def tiny_bpe(tmp_path: Path) -> dict:
-    """A byte-level BPE file in tiktoken's format, standing in for GPT-2's (which needs a download)."""
+    """A byte-level BPE file in tiktoken's format, standing in for GPT-2's (which needs a
+    download)."""
     bpe = tmp_path / "tiny.tiktoken"
     bpe.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
     return {"GPT2_BPE_FILE": str(bpe)}
@@ -180,7 +181,8 @@ def test_corpus_pipeline_on_local_parquet(script: str, tmp_path: Path, tiny_bpe:
     ):  # streaming gives the same files; a re-run overwrites whole
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
     assert not list(outs[0].glob("*.tmp"))
-    # a re-run that fails (a document with no text, streamed or not) leaves the dataset there as it was
+    # a re-run that fails (a document with no text, streamed or not) leaves the dataset there as it
+    # was
     files = {p.name: p.read_bytes() for p in outs[0].iterdir()}
     pq.write_table(pa.table({"text": ["a doc", None, "another"]}), tmp_path / "bad.parquet")
     for streaming in (False, True):
@@ -360,8 +362,8 @@ def test_unusable_corpus_is_one_line(
 def test_an_empty_corpus_file_is_one_line(
     tmp_path: Path, tiny_bpe: dict, script: str, name: str
 ) -> None:
-    """A stream reads its files only as it goes (pyarrow's error comes mid-loop); datasets raises StopIteration
-    for an empty JSON file."""
+    """A stream reads its files only as it goes (pyarrow's error comes mid-loop); datasets raises
+    StopIteration for an empty JSON file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -392,9 +394,9 @@ class CtrlC:
 
 
 def test_a_prepare_failing_midway_leaves_the_dataset_there_as_it_was(tmp_path: Path) -> None:
-    """Preparing a folder again stops after train.bin's new tokens are written: the dataset already there keeps its
-    files as they were (meta.json too, and no temp file beside them) and loads, as after a corpus re-run that fails
-    (test_corpus_pipeline_on_local_parquet)."""
+    """Preparing a folder again stops after train.bin's new tokens are written: the dataset already
+    there keeps its files as they were (meta.json too, and no temp file beside them) and loads, as
+    after a corpus re-run that fails (test_corpus_pipeline_on_local_parquet)."""
     rng = np.random.default_rng(0)
     meta = CharTokenizer([chr(32 + i) for i in range(96)]).meta()
     write_dataset(tmp_path, rng.integers(0, 96, 4000), rng.integers(0, 96, 1000), meta)

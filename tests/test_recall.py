@@ -1,7 +1,6 @@
-"""smallgpt/recall.py's evaluations against hand-built oracles: a model that copies perfectly
-scores 100% on induction and
-one that knows nothing scores chance; loss by position averages to the val loss; train.py --final_evals logs them,
-eval.py prints them, and bad input is one line."""
+"""smallgpt/recall.py's evaluations against hand-built oracles: a model that copies perfectly scores
+100% on induction and one that knows nothing scores chance; loss by position averages to the val
+loss; train.py --final_evals logs them, eval.py prints them, and bad input is one line."""
 
 import json
 import math
@@ -23,8 +22,9 @@ from train import evaluate
 
 
 class Copier(torch.nn.Module):
-    """An induction oracle: at each position, all its weight on the token that followed the last earlier occurrence
-    of the current token (uniform where there is none), as GPT's forward returns logits with targets given."""
+    """An induction oracle: at each position, all its weight on the token that followed the last
+    earlier occurrence of the current token (uniform where there is none), as GPT's forward returns
+    logits with targets given."""
 
     def __init__(self, vocab: int, block_size: int) -> None:
         super().__init__()
@@ -139,7 +139,8 @@ def test_train_logs_its_final_evals_and_eval_py_prints_the_same(
         read_run(out)["recall"]["induction"] == record[0]["induction"]
         and unfinished(read_run(out)) is None
     )
-    # eval.py on the checkpoint: the same tasks and settings give the same numbers (the final model was saved)
+    # eval.py on the checkpoint: the same tasks and settings give the same numbers (the final model
+    # was saved)
     base = [
         "eval.py",
         f"--out_dir={out}",
@@ -160,7 +161,8 @@ def test_train_logs_its_final_evals_and_eval_py_prints_the_same(
     assert next(x for x in rows if x["task"] == "position")["loss"] == pytest.approx(
         record[0]["position"]
     )
-    # the same model exported to a transformers folder and read back by init_from=hf: scores the same
+    # the same model exported to a transformers folder and read back by init_from=hf: scores the
+    # same
     run(["export.py", f"--out_dir={out}", f"--to={tmp_path / 'hf'}"])
     r = cli([*base, f"--init_from=hf:{tmp_path / 'hf'}", f"--dataset={pycode_small}"])
     assert r.returncode == 0, r.stderr
@@ -189,8 +191,9 @@ def test_train_logs_its_final_evals_and_eval_py_prints_the_same(
 def test_mqar_accuracy_is_one_for_a_model_that_looks_keys_up_and_chance_for_a_uniform_one(
     tmp_path: Path,
 ) -> None:
-    """On a prepared MQAR dataset the copier (the token after the key's earlier occurrence: its value) answers every
-    query; a uniform model, whose top token is the first id (a key, never an answer), none."""
+    """On a prepared MQAR dataset the copier (the token after the key's earlier occurrence: its
+    value) answers every query; a uniform model, whose top token is the first id (a key, never an
+    answer), none."""
     run(
         [
             "data/mqar/prepare.py",

@@ -1,4 +1,5 @@
-"""Checkpoints that survive kill -9, divergence handling, restarts under torchrun, up-front checks."""
+"""Checkpoints that survive kill -9, divergence handling, restarts under torchrun, up-front
+checks."""
 
 import contextlib
 import dataclasses
@@ -29,7 +30,8 @@ def train_args(data: Path, out: Path, *extra: str) -> list[str]:
 
 
 def train_losses(out: Path) -> dict[int, float]:
-    """The logged loss of every iteration (a repeated iteration, after a restart, keeps its last record)."""
+    """The logged loss of every iteration (a repeated iteration, after a restart, keeps its last
+    record)."""
     return {r["iter"]: r["loss"] for r in read_log(out) if r["event"] == "train"}
 
 
@@ -101,7 +103,8 @@ def test_skip_mode_drops_a_nonfinite_step_and_leaves_weights_and_optimizer_untou
     assert step(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     adam_steps = [s["step"].item() for s in opt.state.values()]
-    # a fault in one step (here: NaN activations in the first block, as a bad kernel or bit flip would give)
+    # a fault in one step (here: NaN activations in the first block, as a bad kernel or bit flip
+    # would give)
     hook = model.transformer.h[0].register_forward_hook(lambda m, i, o: o * float("nan"))
     assert not step(1)
     hook.remove()
@@ -114,8 +117,9 @@ def test_skip_mode_drops_a_nonfinite_step_and_leaves_weights_and_optimizer_untou
 
 
 def test_skip_mode_counts_skipped_steps_in_the_log(pycode_small: Path, tmp_path: Path) -> None:
-    """lr=1e30 blows the weights up after one step: every later step has a NaN gradient and is skipped; the
-    evaluation at the end still sees the broken model and stops the run without writing a checkpoint."""
+    """lr=1e30 blows the weights up after one step: every later step has a NaN gradient and is
+    skipped; the evaluation at the end still sees the broken model and stops the run without writing
+    a checkpoint."""
     out = tmp_path / "out"
     r = cli(
         [
@@ -162,7 +166,8 @@ def test_keep_last_keeps_the_k_newest_checkpoints(pycode_small: Path, tmp_path: 
 def test_keep_last_copies_where_the_file_system_has_no_hard_links(
     pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where link(2) fails (EPERM: a file system without hard links), the kept checkpoints are copies."""
+    """Where link(2) fails (EPERM: a file system without hard links), the kept checkpoints are
+    copies."""
 
     def no_links(src: object, dst: object, **kwargs: object) -> None:
         raise OSError(errno.EPERM, "Operation not permitted", str(dst))
@@ -190,9 +195,9 @@ def test_keep_last_copies_where_the_file_system_has_no_hard_links(
 
 
 def test_weights_gone_non_finite_are_never_saved(pycode_small: Path, tmp_path: Path) -> None:
-    """AdamW's decay (each matrix times 1 - lr * weight_decay = 1 - 1e40) makes the weights infinite at the first
-    step; with no log step or evaluation to see the loss (both far off), SIGTERM's save is what finds them: one line,
-    exit 2, and no checkpoint written."""
+    """AdamW's decay (each matrix times 1 - lr * weight_decay = 1 - 1e40) makes the weights infinite
+    at the first step; with no log step or evaluation to see the loss (both far off), SIGTERM's save
+    is what finds them: one line, exit 2, and no checkpoint written."""
     out = tmp_path / "out"
     p = subprocess.Popen(
         [
@@ -232,7 +237,8 @@ def test_weights_gone_non_finite_are_never_saved(pycode_small: Path, tmp_path: P
 
 
 def test_smallgpt_debug_shows_a_user_errors_traceback(tmp_path: Path) -> None:
-    """A user error is one `error:` line and exit 2; with SMALLGPT_DEBUG=1 it is raised: its traceback, exit 1."""
+    """A user error is one `error:` line and exit 2; with SMALLGPT_DEBUG=1 it is raised: its
+    traceback, exit 1."""
     args = train_args(tmp_path / "none", tmp_path / "out")
     plain, debug = cli(args), cli(args, env={"SMALLGPT_DEBUG": "1"})
     assert plain.returncode == 2 and len(plain.stderr.splitlines()) == 1
@@ -360,9 +366,9 @@ def last_iter(out: Path) -> int:
 def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(
     pycode_small: Path, tmp_path: Path, parallel: str
 ) -> None:
-    """A worker killed with SIGKILL mid-run: torchrun --max-restarts=1 starts both workers again, init_from=auto
-    resumes from the last checkpoint (a sharded one under FSDP), and every iteration's loss equals an uninterrupted
-    2-process run's."""
+    """A worker killed with SIGKILL mid-run: torchrun --max-restarts=1 starts both workers again,
+    init_from=auto resumes from the last checkpoint (a sharded one under FSDP), and every
+    iteration's loss equals an uninterrupted 2-process run's."""
     common = [
         "--init_from=auto",
         "--always_save_checkpoint=True",
@@ -410,7 +416,8 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(
     resumed_at = next(x["iter"] for x in log[starts[1] :] if x["event"] == "train") - 1
     assert 20 <= resumed_at < 60 and resumed_at % 10 == 0
     assert train_losses(out) == train_losses(tmp_path / "once")
-    # the log reader keeps one record per iteration: the restart's, not those logged past its checkpoint
+    # the log reader keeps one record per iteration: the restart's, not those logged past its
+    # checkpoint
     killed, once = read_run(out), read_run(tmp_path / "once")
     assert [x["iter"] for x in killed["trains"]] == list(range(1, 61))
     assert [x["loss"] for x in killed["trains"]] == [x["loss"] for x in once["trains"]]
@@ -424,9 +431,9 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(
 
 
 def test_a_log_line_cut_short_by_a_kill_stays_apart_from_the_resume(tmp_path: Path) -> None:
-    """A kill mid-write leaves log.jsonl's last line cut short: the resume's RunLog starts on a new line, and read_run
-    skips the cut line, keeps one record per iteration and adds each attempt's time once (one attempt was killed
-    before logging anything)."""
+    """A kill mid-write leaves log.jsonl's last line cut short: the resume's RunLog starts on a new
+    line, and read_run skips the cut line, keeps one record per iteration and adds each attempt's
+    time once (one attempt was killed before logging anything)."""
     from smallgpt.runlog import RunLog
     from train import TrainConfig
 

@@ -1,5 +1,6 @@
-"""compare.py --mode=report on hand-written log.jsonl files (no training): which runs count as finished, what it says
-while a sweep still runs, a comparison without MHA, and speed verdicts that carry their noise."""
+"""compare.py --mode=report on hand-written log.jsonl files (no training): which runs count as
+finished, what it says while a sweep still runs, a comparison without MHA, and speed verdicts that
+carry their noise."""
 
 import csv
 import dataclasses
@@ -41,9 +42,10 @@ def write_log(
     torn: bool = False,
     recall: dict | None = None,
 ) -> Path:
-    """A run's folder as a sweep leaves it: log.jsonl (the config record, then a train and an eval record at each
-    iteration of losses, and recall's tasks after the last, as --final_evals logs them) and a checkpoint's name;
-    torn: the last line cut in half, as a kill mid-write leaves it."""
+    """A run's folder as a sweep leaves it: log.jsonl (the config record, then a train and an eval
+    record at each iteration of losses, and recall's tasks after the last, as --final_evals logs
+    them) and a checkpoint's name; torn: the last line cut in half, as a kill mid-write leaves
+    it."""
     run_dir = root / f"{name}-s{seed}"
     run_dir.mkdir(parents=True)
     tags = [name, f"seed={seed}", "size=2x32", f"n_kv_head={n_kv_head}", "match=width"]
@@ -102,8 +104,9 @@ def report_of(root: Path, *flags: str) -> tuple[str, str, dict[str, dict]]:
 
 
 def test_a_run_whose_final_record_is_torn_is_left_out_and_named(tmp_path: Path) -> None:
-    """gqa2 at seed 1338 was killed while writing its final evaluation: its last whole one (iteration 10) is not
-    its final val loss, so the report leaves the run out with a line on stderr and a note in report.md."""
+    """gqa2 at seed 1338 was killed while writing its final evaluation: its last whole one
+    (iteration 10) is not its final val loss, so the report leaves the run out with a line on stderr
+    and a note in report.md."""
     for seed in (1337, 1338):
         write_log(tmp_path, "mha", 4, seed, {10: 2.0, 20: 1.50})
     write_log(tmp_path, "gqa2", 2, 1337, {10: 2.1, 20: 1.60})
@@ -120,8 +123,9 @@ def test_a_run_whose_final_record_is_torn_is_left_out_and_named(tmp_path: Path) 
 
 
 def test_a_report_made_while_the_sweep_runs_says_so_at_its_top(tmp_path: Path) -> None:
-    """The sweep holds its folder's lock while it runs: a report made meanwhile says it is partial, and how far the
-    sweep has come (3 of its 6 runs finished: gqa2 at seed 1338 is at iteration 10 of 20, the other not begun)."""
+    """The sweep holds its folder's lock while it runs: a report made meanwhile says it is partial,
+    and how far the sweep has come (3 of its 6 runs finished: gqa2 at seed 1338 is at iteration 10
+    of 20, the other not begun)."""
     for seed in (1337, 1338):
         write_log(tmp_path, "mha", 4, seed, {10: 2.0, 20: 1.5})
     write_log(tmp_path, "gqa2", 2, 1337, {10: 2.1, 20: 1.6})
@@ -152,16 +156,16 @@ def test_a_comparison_without_mha_reports_without_differences_to_it(tmp_path: Pa
         and rows["mqa"]["val_loss"]
     )
     assert (
-        "- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): no difference to MHA"
-        in out
+        "- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): "
+        "no difference to MHA" in out
     )
     assert "| 1.7050 ± 0.0635 (n=2) | - |" in out  # vs MHA: '-'
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_speed_ratios_are_stated_only_where_the_repeats_separate_them(tmp_path: Path) -> None:
-    """gqa2 is faster than MHA in every round; MQA's repeats are those of the issue's loaded machine (26 (24-837)
-    against MHA's 67 (24-149) tok/s): within noise, with no ratio stated."""
+    """gqa2 is faster than MHA in every round; MQA's repeats are those of the issue's loaded machine
+    (26 (24-837) against MHA's 67 (24-149) tok/s): within noise, with no ratio stated."""
     speeds = {"mha": [67.0, 149.0, 24.0], "gqa2": [130.0, 300.0, 50.0], "mqa": [26.0, 24.0, 837.0]}
     stored = {}
     for name, g in (("mha", 4), ("gqa2", 2), ("mqa", 1)):
@@ -187,7 +191,8 @@ def test_speed_ratios_are_stated_only_where_the_repeats_separate_them(tmp_path: 
 
 
 def wilson(k: int, n: int, z: float = Z_975) -> tuple[float, float]:
-    """The Wilson score interval of k / n by its formula (Wilson 1927); z: the normal quantile, 95% by default."""
+    """The Wilson score interval of k / n by its formula (Wilson 1927); z: the normal quantile, 95%
+    by default."""
     p = k / n
     centre = (p + z**2 / (2 * n)) / (1 + z**2 / n)
     half = z / (1 + z**2 / n) * math.sqrt(p * (1 - p) / n + z**2 / (4 * n**2))
@@ -221,9 +226,10 @@ def mqar(k: int, n: int) -> dict:
 
 
 def test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha(tmp_path: Path) -> None:
-    """mqa at seed 1338 measured induction at distance 16 only: mqa's row is at 16 (the longest every seed has),
-    MHA's at 32, and mqa's paired difference uses MHA's accuracies at 16. gqa2 has a recall record at one seed
-    only: no recall columns. Pooled accuracies differ from the mean of the per-seed ones (the seeds' n differ)."""
+    """mqa at seed 1338 measured induction at distance 16 only: mqa's row is at 16 (the longest
+    every seed has), MHA's at 32, and mqa's paired difference uses MHA's accuracies at 16. gqa2 has
+    a recall record at one seed only: no recall columns. Pooled accuracies differ from the mean of
+    the per-seed ones (the seeds' n differ)."""
     recalls = {
         ("mha", 1337): {
             "induction": induction((16, 30, 40, 1.0), (32, 20, 40, 2.0)),
@@ -268,7 +274,8 @@ def test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha(tmp_path
         assert (float(row["mqar_acc_low"]), float(row["mqar_acc_high"])) == pytest.approx(
             wilson(k, n)
         )
-    # paired by seed: mqa minus MHA at 16 (0.7 - 0.75, 0.75 - 0.85) and on MQAR (0.4 - 0.6, 0.45 - 0.7)
+    # paired by seed: mqa minus MHA at 16 (0.7 - 0.75, 0.75 - 0.85) and on MQAR
+    # (0.4 - 0.6, 0.45 - 0.7)
     for column, diffs in (("induction_acc", [-0.05, -0.10]), ("mqar_acc", [-0.20, -0.25])):
         assert float(mqa[f"{column}_diff_vs_mha"]) == pytest.approx(sum(diffs) / 2, rel=1e-9)
         half = T_975_1 * abs(diffs[0] - diffs[1]) / 2  # t * s / sqrt(2), s = |a - b| / sqrt(2)

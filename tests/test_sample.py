@@ -35,7 +35,8 @@ def make_checkpoint(
     block_size: int = 64,
     context_bound: bool = False,
 ) -> Path:
-    """A random model's checkpoint; context_bound: a lively one (conftest.lively), whose text follows its window."""
+    """A random model's checkpoint; context_bound: a lively one (conftest.lively), whose text
+    follows its window."""
     torch.manual_seed(n_kv_head)
     cfg = GPTConfig(
         block_size=block_size,
@@ -58,7 +59,8 @@ def sample(out: Path, *args: str) -> Result:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_with_and_without_cache_agree(variant: str, tmp_path: Path) -> None:
-    """Through sample.py, a lively checkpoint (its text follows its window: one off by one changes it)."""
+    """Through sample.py, a lively checkpoint (its text follows its window: one off by one changes
+    it)."""
     out = make_checkpoint(tmp_path, VARIANTS[variant], "rope", block_size=32, context_bound=True)
     args = [
         "--start=def f(x):",
@@ -76,9 +78,9 @@ def test_greedy_with_and_without_cache_agree(variant: str, tmp_path: Path) -> No
 
 @COMPILES
 def test_compiled_step_writes_the_eager_text(tmp_path: Path) -> None:
-    """--compile=True (the one-token step compiled by AOTInductor) samples what the eager step does, greedy past
-    block_size and drawn with a seed; compiling it (autotuning the products) prints nothing of its own, and the
-    speed it reports leaves the compiling out."""
+    """--compile=True (the one-token step compiled by AOTInductor) samples what the eager step does,
+    greedy past block_size and drawn with a seed; compiling it (autotuning the products) prints
+    nothing of its own, and the speed it reports leaves the compiling out."""
     save_checkpoint(
         tmp_path / "ckpt.pt", GPT(GPTConfig(**DECODE)), iter_num=0, data_meta=CHARS.meta()
     )
@@ -208,15 +210,16 @@ def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path: Path) -> None:
 @COMPILES
 def test_compiling_with_no_cpp_compiler_is_one_line(tmp_path: Path) -> None:
     out = make_checkpoint(tmp_path, 2)
-    # inductor's own patch: monkeypatch's undo deletes the key from inductor's config, breaking later compiles
+    # inductor's own patch: monkeypatch's undo deletes the key from inductor's config, breaking
+    # later compiles
     with torch._inductor.config.patch({"cpp.cxx": (None, "no-such-compiler")}):
         r = cli(
             ["sample.py", f"--out_dir={out}", "--compile=True", "--max_new_tokens=5"],
             env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
         )  # no package to load: one to compile
     assert r.returncode == 2 and r.stderr.splitlines() == [
-        "error: compiling the decode step (compile=True) needs a C++ compiler: install g++ (or set CXX), or decode "
-        "without compile"
+        "error: compiling the decode step (compile=True) needs a C++ compiler: "
+        "install g++ (or set CXX), or decode without compile"
     ]
 
 
@@ -289,14 +292,16 @@ def test_summary_line_reports_speed_cache_and_attention_kind(tmp_path: Path) -> 
     out = make_checkpoint(tmp_path, 1)
     r = sample(out, "--start=a", "--max_new_tokens=20", "--num_samples=2")
     assert "40 tokens in" in r.stderr and "prefill" in r.stderr and "MQA (n_kv_head=1)" in r.stderr
-    # by hand: K and V, 2 layers, 2 rows, 1 K/V head, 20 positions (1 prompt + 20 new - 1), head_dim 32 / 4, fp32
+    # by hand: K and V, 2 layers, 2 rows, 1 K/V head, 20 positions (1 prompt + 20 new - 1), head_dim
+    # 32 / 4, fp32
     kv = 2 * 2 * 2 * 1 * 20 * (32 // 4) * 4
     assert f"KV cache {kv:,} bytes" in r.stderr
 
 
 def test_top_k_with_top_p_draws_only_the_allowed_characters(tmp_path: Path) -> None:
-    """300 one-character samples of one prompt: every character drawn is among those top-k then top-p allow, as
-    computed here from the model's own probabilities, and the likely ones are all drawn."""
+    """300 one-character samples of one prompt: every character drawn is among those top-k then
+    top-p allow, as computed here from the model's own probabilities, and the likely ones are all
+    drawn."""
     torch.manual_seed(0)
     model = GPT(
         GPTConfig(block_size=64, vocab_size=len(CHARS.chars), n_layer=2, n_head=4, n_embd=32)
@@ -327,8 +332,8 @@ def test_top_k_with_top_p_draws_only_the_allowed_characters(tmp_path: Path) -> N
 def test_a_single_sample_streams_its_text_and_keeps_none(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """A single sample is printed piece by piece while decoding (a stop string included), and neither its text nor
-    a time per step is kept: memory does not grow with max_new_tokens."""
+    """A single sample is printed piece by piece while decoding (a stop string included), and
+    neither its text nor a time per step is kept: memory does not grow with max_new_tokens."""
     import sample as sample_script
 
     make_checkpoint(tmp_path, 2)
@@ -346,14 +351,16 @@ def test_a_single_sample_streams_its_text_and_keeps_none(
         and streamed.endswith("e")
         and "e" not in streamed[:-1]
     )
-    # a token a step: the first, the longest after it (where a compiled step is ready), the last; never one a step
+    # a token a step: the first, the longest after it (where a compiled step is ready), the last;
+    # never one a step
     assert len(times) == min(n_tokens, 3) and times[0][1] == 1 and times[-1][1] == n_tokens
 
 
 def test_bpe_sample_stops_at_the_end_of_text_token(tmp_path: Path) -> None:
-    """A GPT-2-BPE checkpoint (a byte-level BPE file stands in for GPT-2's download) whose end-of-text token is made
-    the greedy choice at a known step: the model's embedding rows of eot and of a token t it would emit there are
-    swapped, so it computes what it did before with the two exchanged, and sample.py stops where t came first."""
+    """A GPT-2-BPE checkpoint (a byte-level BPE file stands in for GPT-2's download) whose
+    end-of-text token is made the greedy choice at a known step: the model's embedding rows of eot
+    and of a token t it would emit there are swapped, so it computes what it did before with the two
+    exchanged, and sample.py stops where t came first."""
     bpe = tmp_path / "tiny.tiktoken"
     bpe.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
     eot = 256  # tiktoken's id for the special token after 256 byte tokens

@@ -95,8 +95,8 @@ def test_resume_with_another_architecture_is_refused(pycode_small: Path, tmp_pat
 
 
 def test_resume_takes_the_keys_not_given_from_the_run(pycode_small: Path, tmp_path: Path) -> None:
-    """nanoGPT's resume takes the model's shape from the checkpoint; here every key not given does, so
-    --init_from=resume --out_dir=... alone continues a run made with a config file and flags."""
+    """nanoGPT's resume takes the model's shape from the checkpoint; here every key not given does,
+    so --init_from=resume --out_dir=... alone continues a run made with a config file and flags."""
     out = tmp_path / "out"
     train(
         pycode_small,
@@ -120,7 +120,8 @@ def test_resume_takes_the_keys_not_given_from_the_run(pycode_small: Path, tmp_pa
     )
     first, resumed = (r for r in read_log(out) if r["event"] == "config")
     assert resumed["start_iter"] == 10 and resumed["model_config"] == first["model_config"]
-    # the model keys as the model is: vocab_size and n_kv_head resolved (None: the dataset's, n_head)
+    # the model keys as the model is: vocab_size and n_kv_head resolved (None: the dataset's,
+    # n_head)
     assert resumed["config"] == first["config"] | first["model_config"] | {
         "init_from": "resume",
         "max_iters": 20,
@@ -176,7 +177,8 @@ def test_block_size_larger_than_the_dataset_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_vocabulary_the_model_cannot_hold_is_one_line(tmp_path: Path) -> None:
-    """A vocab_size below the dataset's, and a checkpoint resumed on a dataset of other tokens (same size or not)."""
+    """A vocab_size below the dataset's, and a checkpoint resumed on a dataset of other tokens (same
+    size or not)."""
     for name, text in (
         ("d", "print('hello')\n" * 40),
         ("digits", "0123456789\n" * 60),
@@ -224,8 +226,9 @@ def test_a_new_run_never_replaces_another_runs_checkpoint(
             [*args, *extra, "--n_kv_head=1"]
         )  # (eval_only of a new model: its records would join the run's)
         assert r.returncode == 2 and r.stderr == (
-            f"error: {tmp_path / 'ckpt.pt'} holds another run: --init_from=resume (or auto) continues it; to start a "
-            "new run, choose another out_dir or delete that one first\n"
+            f"error: {tmp_path / 'ckpt.pt'} holds another run: "
+            "--init_from=resume (or auto) continues it; "
+            "to start a new run, choose another out_dir or delete that one first\n"
         )
     assert (tmp_path / "ckpt.pt").read_bytes() == before and (
         tmp_path / "log.jsonl"
@@ -294,7 +297,8 @@ def test_wandb_offline_records_the_run(pycode_small: Path, tmp_path: Path) -> No
     assert [info["summary"][f"induction_acc@{d['distance']}"] for d in induction] == [
         d["accuracy"] for d in induction
     ]
-    # resumed, the run goes on in the same wandb run (offline: a second folder with its id, synced into that run)
+    # resumed, the run goes on in the same wandb run (offline: a second folder with its id, synced
+    # into that run)
     train(
         pycode_small,
         out,
@@ -358,9 +362,9 @@ def test_unwritable_out_dir_is_one_line(pycode_small: Path, tmp_path: Path) -> N
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(
     pycode_small: Path, tmp_path: Path, optimizer: str
 ) -> None:
-    """2N iterations in one go vs N, then a resumed N more: the same losses, bit for bit (CPU, float32, dropout on:
-    the torch RNG state travels in the checkpoint; the batches depend on (seed, iteration) only; Muon's momentum and
-    AdamW's moments travel in one optimizer state)."""
+    """2N iterations in one go vs N, then a resumed N more: the same losses, bit for bit (CPU,
+    float32, dropout on: the torch RNG state travels in the checkpoint; the batches depend on (seed,
+    iteration) only; Muon's momentum and AdamW's moments travel in one optimizer state)."""
     args = [
         f"--dataset={pycode_small}",
         *TINY_TRAIN,
@@ -445,7 +449,8 @@ x = torch.randint(0, 65, (1, 33))
 faults = []
 for _ in range(9):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 copies of the weights, made again every step
+    # the bf16 copies of the weights, made again every step
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = m(x[:, :-1], x[:, 1:])[1]
     loss.backward()
     opt.step()
@@ -459,9 +464,10 @@ print(statistics.median(faults[2:]))  # after two steps of warm-up
     not sys.platform.startswith("linux"), reason="mallopt and page-fault counts are glibc/Linux"
 )
 def test_keep_freed_memory_stops_the_page_faults_of_each_step() -> None:
-    """What a bf16 training step frees (autocast's bf16 copies of the weights, activations) stays in the process, so
-    the next step does not fault those pages in again. A batch of one short sequence keeps the step fast on CPUs
-    without native bf16; the weight copies, ~1 MiB each, are what glibc would hand back."""
+    """What a bf16 training step frees (autocast's bf16 copies of the weights, activations) stays in
+    the process, so the next step does not fault those pages in again. A batch of one short sequence
+    keeps the step fast on CPUs without native bf16; the weight copies, ~1 MiB each, are what glibc
+    would hand back."""
     faults = {
         mode: float(
             subprocess.run(
@@ -480,8 +486,9 @@ def test_keep_freed_memory_stops_the_page_faults_of_each_step() -> None:
 def test_an_mfu_over_100_percent_probes_the_cpu_peak_again(
     pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CPU peak probe run while another process had the cores measures too low a rate, and MFU comes out over
-    100%: the first log step that sees it probes again and keeps the higher rate, so no MFU over 100% is logged."""
+    """The CPU peak probe run while another process had the cores measures too low a rate, and MFU
+    comes out over 100%: the first log step that sees it probes again and keeps the higher rate, so
+    no MFU over 100% is logged."""
     from smallgpt import runtime
 
     probes, real = [], runtime.peak_flops
@@ -520,11 +527,12 @@ def test_bad_optimizer_and_muon_under_fsdp_are_one_line(pycode_small: Path, tmp_
 def test_dtype_auto_trains_in_bf16_only_where_its_products_measure_faster(
     native: bool, pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """dtype=auto on CPU: bf16 autocast where the CPU has bf16 instructions (/proc/cpuinfo's flags) and its bf16
-    products at the model's width measure at least BF16_MIN_SPEEDUP times faster than fp32's, float32 otherwise; the
-    choice and its reason are printed, and the run trains exactly as with that dtype named. The CPU's flags and
-    speeds are set here (as on a CPU with AMX, and as on one whose bf16 is slow or missing); the probe is the real
-    one in test_bf16_speedup_probe_measures_both_dtypes."""
+    """dtype=auto on CPU: bf16 autocast where the CPU has bf16 instructions (/proc/cpuinfo's flags)
+    and its bf16 products at the model's width measure at least BF16_MIN_SPEEDUP times faster than
+    fp32's, float32 otherwise; the choice and its reason are printed, and the run trains exactly as
+    with that dtype named. The CPU's flags and speeds are set here (as on a CPU with AMX, and as on
+    one whose bf16 is slow or missing); the probe is the real one in
+    test_bf16_speedup_probe_measures_both_dtypes."""
     from smallgpt import runtime
 
     monkeypatch.setattr(runtime, "native_bf16", lambda: native)
@@ -591,8 +599,8 @@ def test_dtype_auto_decodes_in_bf16_only_with_the_compiled_step_on_a_native_bf16
 
 
 def test_gpu_peaks_are_found_by_the_most_specific_name() -> None:
-    """MFU's denominator: an H100 PCIe (756 TFLOP/s bf16) is not the SXM (989), an L40S not an L40, an A100 not an
-    A10; names as torch.cuda.get_device_name gives them."""
+    """MFU's denominator: an H100 PCIe (756 TFLOP/s bf16) is not the SXM (989), an L40S not an L40,
+    an A100 not an A10; names as torch.cuda.get_device_name gives them."""
     from smallgpt import runtime
 
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -610,8 +618,9 @@ def test_gpu_peaks_are_found_by_the_most_specific_name() -> None:
 
 
 def test_each_rank_restores_its_own_generators_and_an_older_checkpoint_still_loads() -> None:
-    """runtime.set_rng_states: a rank takes its own entry of the checkpoint's list; a rank it has none for (resumed
-    on more processes) starts as that rank of a new run (seed_rank); an older checkpoint's one dict is rank 0's."""
+    """runtime.set_rng_states: a rank takes its own entry of the checkpoint's list; a rank it has
+    none for (resumed on more processes) starts as that rank of a new run (seed_rank); an older
+    checkpoint's one dict is rank 0's."""
     from smallgpt import runtime
 
     ranks = [runtime.Dist(r, r, 3, "cpu", r == 0) for r in range(3)]

@@ -1,5 +1,6 @@
-# The attention-variant comparison at GPU scale: 8 layers, 8 heads (MHA, GQA with 4 K/V heads, MQA), block 512, on
-# pycode_char (or --dataset=shakespeare_char).  python compare.py config/compare/gpu.py [--convert=True]
+# The attention-variant comparison at GPU scale: 8 layers, 8 heads (MHA, GQA with 4 K/V heads, MQA),
+# block 512, on pycode_char (or --dataset=shakespeare_char).
+#   python compare.py config/compare/gpu.py [--convert=True]
 out_dir = "out-compare-gpu"
 wandb_log = True
 wandb_project = "smallgpt-compare"

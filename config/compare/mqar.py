@@ -1,6 +1,7 @@
-# MHA vs GQA vs MQA on multi-query associative recall (data/mqar: 8 key-value pairs, then 8 queries; 64 keys, 64
-# values, 32 tokens an example), at two widths: the loss counts only the answers, and each run's MQAR accuracy on
-# the val examples goes into the report (docs/compare.md "Recall: MQAR").
+# MHA vs GQA vs MQA on multi-query associative recall (data/mqar: 8 key-value pairs, then 8 queries;
+# 64 keys, 64 values, 32 tokens an example), at two widths: the loss counts only the answers, and
+# each run's MQAR accuracy on the val examples goes into the report (docs/compare.md "Recall:
+# MQAR").
 #   python data/mqar/prepare.py
 #   python compare.py config/compare/mqar.py --seeds=3 --sizes=[2x64,2x128]
 out_dir = "out-compare-mqar"

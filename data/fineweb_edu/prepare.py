@@ -1,7 +1,8 @@
 """fineweb_edu: a FineWeb-Edu sample (sample-10BT: ~10B GPT-2 tokens of educational web pages).
 
-Streams from the Hugging Face hub by default (little disk; --streaming=False caches it first and tokenises with
-num_proc processes), GPT-2's BPE. With no network, --input takes local parquet/json/text files. Usage:
+Streams from the Hugging Face hub by default (little disk; --streaming=False caches it first and
+tokenises with num_proc processes), GPT-2's BPE. With no network, --input takes local
+parquet/json/text files. Usage:
     python data/fineweb_edu/prepare.py [--max_docs=1000000] [--subset=sample-100BT] [--input=PATH]
 """
 

@@ -1,9 +1,12 @@
-"""mqar: multi-query associative recall (Zoology, Arora et al. 2023: https://arxiv.org/abs/2312.04927), made in code.
+"""mqar: multi-query associative recall (Zoology, Arora et al. 2023), made in code.
 
-Each example of seq_len tokens: P key-value pairs `k1 v1 ... kP vP`, seq_len - 2P - 2Q filler tokens, Q queries
-`q1 a1 ... qQ aQ`. Keys: distinct, from the key vocabulary (ids 0..K-1); values and filler: from the value vocabulary
-(ids K..K+V-1), with replacement; q_j: Q distinct keys of the example's P, in random order; a_j: q_j's value. The loss
-mask is 1 exactly at the answers a_j; no val example equals a train example. Train with --block_size=<seq_len - 1>.
+Zoology: https://arxiv.org/abs/2312.04927
+
+Each example of seq_len tokens: P key-value pairs `k1 v1 ... kP vP`, seq_len - 2P - 2Q filler
+tokens, Q queries `q1 a1 ... qQ aQ`. Keys: distinct, from the key vocabulary (ids 0..K-1); values
+and filler: from the value vocabulary (ids K..K+V-1), with replacement; q_j: Q distinct keys of the
+example's P, in random order; a_j: q_j's value. The loss mask is 1 exactly at the answers a_j; no
+val example equals a train example. Train with --block_size=<seq_len - 1>.
 """
 
 from dataclasses import dataclass
@@ -49,11 +52,13 @@ class PrepareConfig:
             raise ValueError(f"{', '.join(bad)}: sizes and counts must be positive")
         if self.num_queries > self.num_pairs:
             raise ValueError(
-                f"num_queries={self.num_queries} > num_pairs={self.num_pairs}: queries ask distinct keys"
+                f"num_queries={self.num_queries} > num_pairs={self.num_pairs}: "
+                "queries ask distinct keys"
             )
         if self.key_vocab < self.num_pairs:
             raise ValueError(
-                f"key_vocab={self.key_vocab} < num_pairs={self.num_pairs}: an example's keys are distinct"
+                f"key_vocab={self.key_vocab} < num_pairs={self.num_pairs}: "
+                "an example's keys are distinct"
             )
         if (vocab := self.key_vocab + self.value_vocab) > MAX_VOCAB:
             raise ValueError(
@@ -105,8 +110,9 @@ def main(cfg: PrepareConfig) -> None:
             break
     if len(val) < cfg.val_examples:
         raise UserError(
-            f"only {len(val)} of {cfg.val_examples} val examples differ from every train example after "
-            f"{ROUNDS} rounds: too few distinct examples; raise num_pairs, key_vocab or value_vocab"
+            f"only {len(val)} of {cfg.val_examples} val examples differ from every train example "
+            f"after {ROUNDS} rounds: too few distinct examples; "
+            "raise num_pairs, key_vocab or value_vocab"
         )
     mask = np.zeros(cfg.seq_len, dtype=np.uint8)
     mask[1 - 2 * cfg.num_queries :: 2] = 1  # the answers
@@ -127,7 +133,8 @@ def main(cfg: PrepareConfig) -> None:
             example_tokens=cfg.seq_len,
         )
     print(
-        f"wrote {cfg.out_dir}: {len(train):,} train and {len(val):,} val examples of {cfg.seq_len} tokens, "
+        f"wrote {cfg.out_dir}: {len(train):,} train and {len(val):,} val examples "
+        f"of {cfg.seq_len} tokens, "
         f"vocab_size {vocab} ({rejected:,} val draws rejected as train examples)"
     )
 

@@ -1,8 +1,9 @@
 """openwebtext: OpenWebText (8M documents, ~9B GPT-2 tokens) for reproducing GPT-2 124M, as nanoGPT.
 
-Downloads through Hugging Face datasets (about 55 GB of cache; --streaming=True needs no cache) and tokenises with
-GPT-2's BPE. With no network, --input takes local parquet/json/text files. Usage:
-    python data/openwebtext/prepare.py [--num_proc=8] [--streaming=True] [--input=PATH] [--max_docs=N]
+Downloads through Hugging Face datasets (about 55 GB of cache; --streaming=True needs no cache) and
+tokenises with GPT-2's BPE. With no network, --input takes local parquet/json/text files. Usage:
+    python data/openwebtext/prepare.py [--num_proc=8] [--streaming=True] [--input=PATH]
+        [--max_docs=N]
 """
 
 from dataclasses import dataclass

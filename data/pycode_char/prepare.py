@@ -1,7 +1,9 @@
-"""pycode_char: a character-level dataset from the Python standard library's own source, needing no network.
+"""pycode_char: a character-level dataset from the Python standard library's own source, needing no
+network.
 
-Files come from the running interpreter's stdlib (test folders and site-packages left out) in sorted order, so the
-result is the same bytes on every run with the same Python version. 90/10 train/val split.
+Files come from the running interpreter's stdlib (test folders and site-packages left out) in sorted
+order, so the result is the same bytes on every run with the same Python version. 90/10 train/val
+split.
 Usage: python data/pycode_char/prepare.py [--out_dir=data/pycode_char] [--max_chars=N]
 """
 
@@ -51,7 +53,8 @@ def main(cfg: PrepareConfig) -> None:
     parts = []
     for path in tqdm(files, desc=f"reading {root}", unit="file"):
         parts.append(
-            f"# {path.relative_to(root).as_posix()}\n{path.read_text(encoding='utf-8', errors='replace')}\n"
+            f"# {path.relative_to(root).as_posix()}\n"
+            f"{path.read_text(encoding='utf-8', errors='replace')}\n"
         )
     text = "".join(parts)[: cfg.max_chars]
     tok = CharTokenizer.from_text(text)

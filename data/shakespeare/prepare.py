@@ -1,6 +1,8 @@
-"""shakespeare: tiny shakespeare tokenised with GPT-2's BPE (tiktoken), for fine-tuning GPT-2 as in nanoGPT.
+"""shakespeare: tiny shakespeare tokenised with GPT-2's BPE (tiktoken), for fine-tuning GPT-2 as in
+nanoGPT.
 
-Usage: python data/shakespeare/prepare.py [--input=FILE]  (the options of data/shakespeare_char/prepare.py)
+Usage: python data/shakespeare/prepare.py [--input=FILE]
+(the options of data/shakespeare_char/prepare.py)
 """
 
 import runpy

@@ -1,0 +1,266 @@
+"""report.md, the comparison's report as text (smallgpt/report.py builds its rows): per size the
+variants' table, the verdict sentences against MHA and of each conversion against its variant from
+scratch, and the GQA paper's conversion tables."""
+
+from pathlib import Path
+
+from smallgpt import stats
+from smallgpt.configs import CompareConfig
+from smallgpt.measure import table
+from smallgpt.plots import conversion_target
+
+OTHER_BUDGET = "†"  # marks a row with a run trained for other iterations than its comparison's
+MATCHES = {
+    "width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters)",
+    "params": "params (<variant>-params: the MLP widened to MHA's parameter count, within 1%)",
+}
+
+
+def kv_column(cfg: CompareConfig) -> str:
+    """The rows' column of KV-cache bytes at the decode speed's context, in kv_dtype."""
+    return f"kv_bytes@{cfg.decode_context}_{cfg.kv_dtype}"
+
+
+def column_interval(row: dict, key: str, n: str = "seeds") -> stats.Estimate | None:
+    """A row's column as an Estimate (its _ci95 column the half-width), None when missing."""
+    if row.get(key) is None:
+        return None
+    return stats.Estimate(row[key], row.get(f"{key}_ci95"), row[n] or 0)
+
+
+def interval_text(row: dict, key: str, n: str = "seeds", signed: bool = False) -> str:
+    """A row's column as its interval's text, '-' when missing."""
+    interval = column_interval(row, key, n)
+    return "-" if interval is None else interval.text(signed)
+
+
+def markdown(
+    rows: list[dict], cfg: CompareConfig, root: Path, notes: list[str], speed_file: str
+) -> str:
+    """report.md: notes (a sweep still running, runs left out), per size the variants and verdicts,
+    conversions. speed_file: where the sweep stored the decode speeds."""
+    parts = [
+        f"# Attention variants: {root.name}",
+        "",
+        *(f"**{note}**\n" for note in notes),
+        introduction(cfg, speed_file),
+        "",
+        "Match: "
+        + "; ".join(MATCHES[m] for m in sorted({r["match"] for r in rows}, reverse=True))
+        + ".",
+    ]
+    # per size: its variants from scratch, the verdicts, then its conversions
+    for size in dict.fromkeys(r["size"] for r in rows):
+        mine = [r for r in rows if r["size"] == size]
+        scratch = [r for r in mine if not r["method"]]
+        conv = [r for r in mine if r["method"]]
+        parts += [
+            "",
+            f"## {size} (n_layer x n_embd)",
+            "",
+            *variants_table(scratch, cfg),
+            "",
+            *other_budgets_note(mine),
+            *verdicts(scratch, conv, kv_column(cfg)),
+        ]
+        if conv:
+            parts += ["", *conversion_tables(scratch, conv)]
+    figure = "val loss by iteration; the gap to MHA; conversions; loss by position; recall"
+    parts += ["", f"![{figure}](report.png)"]
+
+    return "\n".join(parts) + "\n"
+
+
+def introduction(cfg: CompareConfig, speed_file: str) -> str:
+    """What the report's loss and speed columns hold, and when a difference is called one."""
+    long = f"{cfg.decode_context}x{cfg.decode_batch}"
+    return (
+        "final val loss: mean over seeds ± the half-width of its 95% Student t interval (n: "
+        "seeds); vs MHA: the seed-paired difference (variant minus MHA at the same seed: the same "
+        "data order, and the same initial weights where shapes allow) ± its own 95% interval; "
+        f"positive is worse. decode tok/s @{long}: one-token steps with {cfg.decode_context} "
+        f"positions cached for each of {cfg.decode_batch} rows (the variant's shape, float32, "
+        "random weights), median of the repeats (min-max), measured once by the sweep and stored "
+        f"in {speed_file}; a variant's speed is called different from MHA's only where the 95% "
+        "interval of their ratio over the paired repeats leaves out 1."
+    )
+
+
+def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
+    """A size's variants trained from scratch, with their recall accuracies (and a line on those)
+    where measured."""
+    long = f"{cfg.decode_context}x{cfg.decode_batch}"
+    kv = kv_column(cfg)
+    distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
+    shown = [
+        {
+            "variant": r["variant"],
+            "params": r["params"],
+            "kv": r[kv],
+            "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok{budget_mark(r)}",
+            "loss": f"{interval_text(r, 'val_loss')} (n={r['seeds']})",
+            "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True),
+            "speed": speed_text(r),
+            **recall_cells(r, min(distances, default=None)),
+        }
+        for r in scratch
+    ]
+    columns = {
+        "variant": "variant",
+        "params": "params",
+        "kv": f"KV bytes @{cfg.decode_context} ({cfg.kv_dtype})",
+        "trained": "trained",
+        "loss": "final val loss",
+        "diff": "vs MHA (paired)",
+        "speed": f"decode tok/s @{long}",
+    }
+    if distances:
+        columns["induction_acc"] = f"induction acc @{min(distances)}"
+    if any(r.get("mqar_acc") is not None for r in scratch):
+        columns["mqar_acc"] = "MQAR acc"
+    if "induction_acc" not in columns and "mqar_acc" not in columns:
+        return [table(shown, columns)]
+    return [
+        table(shown, columns),
+        "",
+        "induction acc @distance (the longest every seed measured) and MQAR acc: top-1 accuracy "
+        "pooled over seeds (correct answers over answers) with its 95% Wilson interval; then vs "
+        "MHA: the seed-paired difference of the per-seed accuracies ± its 95% Student t interval; "
+        "positive is better.",
+    ]
+
+
+def budget_mark(row: dict) -> str:
+    """' †' for a cell of a row with a run trained for other iterations than the rest, or ''."""
+    if row["other_iters"]:
+        return f" {OTHER_BUDGET}"
+    return ""
+
+
+def other_budgets_note(rows: list[dict]) -> list[str]:
+    """A line (then an empty one) naming the runs of rows trained for other iterations than the
+    rest of their comparison; none if there is none."""
+    odd = [r["other_iters"] for r in rows if r["other_iters"]]
+    if not odd:
+        return []
+    return [
+        f"{OTHER_BUDGET} Trained for other iterations than the rest of their comparison, so "
+        f"not comparable with them: {'; '.join(odd)} iterations. Train every run to one "
+        f"budget (compare.py --extend=True trains runs on to the sweep's max_iters).",
+        "",
+    ]
+
+
+def recall_cells(row: dict, distance: int | None) -> dict[str, str]:
+    """A row's accuracies: '0.912 (0.897-0.925) @64, +0.0100 ± 0.0200 vs MHA' (@64 only off
+    distance), or '-'."""
+    cells = dict.fromkeys(("induction_acc", "mqar_acc"), "-")
+    for key in [key for key in cells if row.get(key) is not None]:
+        cells[key] = f"{row[key]:.3f} ({row[f'{key}_low']:.3f}-{row[f'{key}_high']:.3f})"
+        if key == "induction_acc" and row["induction_distance"] != distance:
+            cells[key] += f" @{row['induction_distance']}"
+        if row[f"{key}_diff_vs_mha"] is not None:
+            cells[key] += f", {interval_text(row, f'{key}_diff_vs_mha', signed=True)} vs MHA"
+    return cells
+
+
+def speed_text(row: dict) -> str:
+    """A row's decode speed: '1,234 (1,200-1,300)', the median of the repeats (min-max), or '-'."""
+    if row["decode_tok_s"] is None:
+        return "-"
+    low = f"{row['decode_tok_s_min']:,.0f}"
+    high = f"{row['decode_tok_s_max']:,.0f}"
+    return f"{row['decode_tok_s']:,.0f} ({low}-{high})"
+
+
+def verdicts(scratch: list[dict], conv: list[dict], kv: str) -> list[str]:
+    """A sentence per variant against MHA, and per conversion (longest uptraining) against its shape
+    from scratch."""
+    mha = next((r for r in scratch if r["variant"] == "mha"), None)
+    lines = []
+    if mha is None and scratch:
+        lines.append(
+            "- No MHA run at this size (n_kv_head = n_head missing from --kv_heads): no difference "
+            "to MHA to show; add n_head to --kv_heads (or mha to --variants) to compare against it."
+        )
+    if mha is not None:
+        lines += [f"- {variant_verdict(r, mha, kv)}" for r in scratch if r is not mha]
+    lines += conversion_verdicts(scratch, conv)
+    return lines
+
+
+def variant_verdict(row: dict, mha: dict, kv: str) -> str:
+    """A variant's val loss against MHA's, then its decode speed against MHA's where measured."""
+    what = (
+        f"{row['variant']} ({row['params'] / mha['params']:.0%} of MHA's parameters, "
+        f"{mha[kv] / row[kv]:g}x smaller KV cache)"
+    )
+    line = stats.verdict(what, "MHA", column_interval(row, "diff_vs_mha", "diff_pairs"))
+    if row["decode_vs_mha"] is None:
+        return line
+    columns = ("decode_vs_mha", "decode_vs_mha_low", "decode_vs_mha_high", "decode_vs_mha_pairs")
+    ratio = stats.SpeedRatio(*(row[k] for k in columns))
+    return line + " " + stats.speed_verdict(ratio, "MHA")
+
+
+def conversion_verdicts(scratch: list[dict], conv: list[dict]) -> list[str]:
+    """A sentence per conversion uptrained the longest, against its variant from scratch."""
+    longest = max((r["uptrain_fraction"] for r in conv), default=None)
+    trained = {r["variant"] for r in scratch}
+    lines = []
+    for r in [r for r in conv if r["uptrain_fraction"] == longest]:
+        target = conversion_target(r)
+        what = f"{target} converted by {r['method']} and uptrained {longest:g}"
+        if target not in trained:
+            lines.append(
+                f"- {what}: no {target} trained from scratch at its shape (--match=width) to "
+                f"compare with."
+            )
+            continue
+        diff = column_interval(r, "diff_vs_scratch", "diff_vs_scratch_pairs")
+        lines.append(f"- {stats.verdict(what, f'{target} from scratch', diff)}")
+    return lines
+
+
+def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
+    """The GQA paper's ablations: val loss by conversion method (longest uptraining) and by
+    uptraining fraction."""
+    fractions = sorted({r["uptrain_fraction"] for r in conv})
+    methods = list(dict.fromkeys(r["method"] for r in conv))
+    targets = list(dict.fromkeys(conversion_target(r) for r in conv))
+    # each conversion's val loss by (target, method, fraction), and each target's from scratch
+    cell = {}
+    for r in conv:
+        key = (conversion_target(r), r["method"], r["uptrain_fraction"])
+        cell[key] = interval_text(r, "val_loss") + budget_mark(r)
+    own = {r["variant"]: interval_text(r, "val_loss") for r in scratch}
+    by_method = [
+        {
+            "target": t,
+            "scratch": own.get(t, "-"),
+            **{m: cell.get((t, m, fractions[-1]), "-") for m in methods},
+        }
+        for t in targets
+    ]
+    by_fraction = [
+        {
+            "target": t,
+            "method": m,
+            **{f"{f:g}": cell.get((t, m, f), "-") for f in fractions},
+            "scratch": own.get(t, "-"),
+        }
+        for t in targets
+        for m in methods
+        if any((t, m, f) in cell for f in fractions)
+    ]
+    return [
+        f"Conversion from MHA by method, uptrained for {fractions[-1]:g} of the base run's "
+        f"iterations (GQA paper, fig. 5):",
+        "",
+        table(by_method),
+        "",
+        "Conversion from MHA by uptraining fraction, 0 = evaluated right after conversion (GQA "
+        "paper, fig. 6):",
+        "",
+        table(by_fraction),
+    ]
