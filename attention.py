@@ -18,7 +18,7 @@ NORM_EPS = 1e-5  # every RMSNorm's, as nn.LayerNorm's default (exported as Llama
 
 
 class Cache(Protocol):
-    """What attention needs of a cache: KVCache, or static_step's StaticKVView."""
+    """What attention needs of a cache: KVCache, or its fixed-shape view StaticKVCache."""
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor

@@ -48,7 +48,7 @@ TEMPLATE_CONFIGS = {
 
 class SplitStep(nn.Module):
     """decode_static of idx at the last of positions (arange(length)), attending over all of them
-    in the K/V tensors k and v (a local layer over its ring, in ring_k and ring_v). With
+    in the cache's tensors (KVCache.tensors(): a local layer attends over its ring). With
     template, every fast_paths.Linear of a weight up to TEMPLATE_MAX_BYTES multiplies unsplit
     (the GEMM template takes it), as does every quantize.Int8Linear (faster than torch's int8
     kernel); the others use the split weights that Linear made for this thread count
