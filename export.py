@@ -194,7 +194,7 @@ def export(cfg: ExportConfig) -> None:
             write_folder(dest, replace, model, hf_model, tok, run, ckpt)
             kind = type(hf_model).__name__
             print(
-                f"wrote {dest}: {kind} ({model.config.attention_kind}), "
+                f"wrote {dest}: {kind}, {model.config.describe()}, "
                 f"{model.num_params():,} parameters, {meta.get('tokenizer')} tokenizer"
             )
         if gguf:

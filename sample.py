@@ -141,8 +141,8 @@ def summary(
             rate = (n_new - ready_n) / max(elapsed - ready_s, 1e-9)
             speed += f", compiled step ready after {ready_s:.2f} s, then {rate:,.0f} tok/s"
     print(
-        f"{n_new} tokens in {elapsed:.2f} s ({speed}), batch {B}, {c.attention_kind} "
-        f"({c.kv_sizes}), KV cache {kv:,} bytes, {dtype}",
+        f"{n_new} tokens in {elapsed:.2f} s ({speed}), batch {B}, {c.describe()}, "
+        f"KV cache {kv:,} bytes, {dtype}",
         file=sys.stderr,
     )
 

@@ -515,7 +515,7 @@ def bench_gguf(out_dir: str, llama_cpp: str, prompt: str, new_tokens: int) -> li
     )
     row = {
         "mode": "gguf",
-        "model": f"{c.pos_encoding} {c.attention_kind} ({c.kv_sizes})",
+        "model": c.describe(),
         "class": hf.target_class(c),
         "tokenizer": meta.get("tokenizer"),
         "new_tokens": len(new),

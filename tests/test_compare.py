@@ -127,7 +127,7 @@ def test_converted_checkpoint_trains_samples_and_resumes(
     out = run(
         ["sample.py", f"--out_dir={dst}", "--start=def ", "--max_new_tokens=20", "--device=cpu"]
     )
-    assert out.stdout.startswith("def ") and "MQA (n_kv_head=1)" in out.stderr
+    assert out.stdout.startswith("def ") and "MQA (n_head=4, n_kv_head=1)" in out.stderr
     run(
         [
             "train.py",

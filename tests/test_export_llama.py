@@ -322,7 +322,7 @@ def test_export_py_writes_the_class_in_its_card_refuses_in_one_line_and_sample_p
 ) -> None:
     write_run(tmp_path / "mla", kv_lora_rank=16)
     r = cli(["export.py", f"--out_dir={tmp_path / 'mla'}", f"--to={tmp_path / 'hf'}"])
-    assert r.returncode == 0 and "DeepseekV3ForCausalLM (MLA)" in r.stdout, r.stderr
+    assert r.returncode == 0 and "DeepseekV3ForCausalLM, MLA (" in r.stdout, r.stderr
     card = (tmp_path / "hf" / "README.md").read_text()
     assert (
         "`DeepseekV3ForCausalLM`" in card
@@ -340,7 +340,7 @@ def test_export_py_writes_the_class_in_its_card_refuses_in_one_line_and_sample_p
     assert r.returncode == 0 and r.stdout.startswith("def"), r.stderr
     write_run(tmp_path / "local", n_kv_head=2, window=5, window_pattern="S")
     r = cli(["export.py", f"--out_dir={tmp_path / 'local'}", f"--to={tmp_path / 'hf3'}"])
-    assert r.returncode == 0 and "GraniteSWAForCausalLM (GQA)" in r.stdout, r.stderr
+    assert r.returncode == 0 and "GraniteSWAForCausalLM, GQA (" in r.stdout, r.stderr
     assert (
         "Local layers [0] of 2 (window_pattern='S') attend over their last 5 tokens"
         in (tmp_path / "hf3" / "README.md").read_text()

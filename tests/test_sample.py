@@ -291,7 +291,11 @@ def test_corrupt_and_code_carrying_checkpoints_are_refused(tmp_path: Path) -> No
 def test_summary_line_reports_speed_cache_and_attention_kind(tmp_path: Path) -> None:
     out = make_checkpoint(tmp_path, 1)
     r = sample(out, "--start=a", "--max_new_tokens=20", "--num_samples=2")
-    assert "40 tokens in" in r.stderr and "prefill" in r.stderr and "MQA (n_kv_head=1)" in r.stderr
+    assert (
+        "40 tokens in" in r.stderr
+        and "prefill" in r.stderr
+        and "MQA (n_head=4, n_kv_head=1)" in r.stderr
+    )
     # by hand: K and V, 2 layers, 2 rows, 1 K/V head, 20 positions (1 prompt + 20 new - 1), head_dim
     # 32 / 4, fp32
     kv = 2 * 2 * 2 * 1 * 20 * (32 // 4) * 4
