@@ -133,6 +133,16 @@ class Rows:
         self.k = k
         self.v = v
 
+    @staticmethod
+    def owns(window: int | None) -> bool:
+        """Whether a layer of this window keeps its cache here: a global one."""
+        return window is None
+
+    @staticmethod
+    def slots(windows: list[int | None], max_len: int) -> int:
+        """The slots a layer of this kind keeps, in a cache of max_len positions."""
+        return max_len
+
     def update(
         self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +186,16 @@ class Ring(Rows):
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         super().__init__(k, v)
         self.size = k.size(3)
+
+    @staticmethod
+    def owns(window: int | None) -> bool:
+        return window is not None
+
+    @staticmethod
+    def slots(windows: list[int | None], max_len: int) -> int:
+        local = [w for w in windows if KINDS[owner(w)] is Ring]
+        assert len(set(local)) <= 1, f"one window for every local layer, not {sorted(set(local))}"
+        return min(local[0], max_len) if local else 0
 
     def update(
         self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
@@ -224,6 +244,16 @@ class Ring(Rows):
             t.copy_(t.roll(-by, dims=3))
 
 
+# The kinds of cache, one per kind of layer: a layer keeps its cache in the first that owns its
+# window. A new kind of layer (a fixed recurrent state) adds its class here.
+KINDS = (Rows, Ring)
+
+
+def owner(window: int | None) -> int:
+    """The index in KINDS of the kind that keeps a layer of this window's cache."""
+    return next(i for i, kind in enumerate(KINDS) if kind.owns(window))
+
+
 class KVCache:
     """Preallocated K and V of every layer, laid out as GPTConfig.cache_layout says: K/V heads
     un-repeated (MHA/GQA/MQA), or MLA's one head of [latent | rotary key]. Each kind of layer keeps
@@ -231,14 +261,15 @@ class KVCache:
     written; GPT.forward advances it once per call, after the last layer. zeros() makes an empty
     one. Only this module reads or writes the tensors: the engine calls the methods below."""
 
-    def __init__(self, rows: Rows, ring: Ring, windows: list[int | None], pos: int = 0) -> None:
-        self.kinds = (rows, ring)
-        self.max_len = rows.k.size(3)
-        self.ring = ring.size  # a local layer's slots, 0 without one
+    def __init__(self, kinds: tuple[Rows, ...], windows: list[int | None], pos: int = 0) -> None:
+        self.kinds = kinds  # one of each of KINDS
+        self.max_len = kinds[0].k.size(3)
+        # a local layer's slots, 0 without one (its masks: attention_mask's ring)
+        self.ring = next((kind.size for kind in kinds if isinstance(kind, Ring)), 0)
         self.where = []  # each layer's kind and its index among that kind's layers
-        seen = [0, 0]
+        seen = [0] * len(KINDS)
         for window in windows:
-            kind = int(window is not None)
+            kind = owner(window)
             self.where.append((kind, seen[kind]))
             seen[kind] += 1
         self.windows = windows
@@ -258,24 +289,23 @@ class KVCache:
     ) -> "KVCache":
         """An empty cache of max_len positions for layers of these windows (None: global; the
         local ones share one)."""
-        local = [w for w in windows if w is not None]
-        assert len(set(local)) <= 1, f"one window for every local layer, not {sorted(set(local))}"
-        ring = min(local[0], max_len) if local else 0
-
-        def zeros(layers: int, slots: int, width: int) -> torch.Tensor:
-            shape = (layers, batch_size, heads, slots, width)
-            return torch.zeros(shape, device=device, dtype=dtype)
-
-        n_global = len(windows) - len(local)
-        rows = Rows(zeros(n_global, max_len, k_width), zeros(n_global, max_len, v_width))
-        rings = Ring(zeros(len(local), ring, k_width), zeros(len(local), ring, v_width))
-        return cls(rows, rings, windows)
+        kinds = []
+        owners = [owner(window) for window in windows]
+        for i, kind in enumerate(KINDS):
+            layers = owners.count(i)
+            slots = kind.slots(windows, max_len)
+            k, v = (
+                torch.zeros(layers, batch_size, heads, slots, width, device=device, dtype=dtype)
+                for width in (k_width, v_width)
+            )
+            kinds.append(kind(k, v))
+        return cls(tuple(kinds), windows)
 
     @classmethod
     def of_tensors(cls, tensors: list[torch.Tensor], windows: list[int | None]) -> "KVCache":
         """A cache over tensors (those of tensors(), e.g. a compiled step's inputs)."""
-        k, v, ring_k, ring_v = tensors
-        return cls(Rows(k, v), Ring(ring_k, ring_v), windows)
+        kinds = tuple(kind(*tensors[2 * i : 2 * i + 2]) for i, kind in enumerate(KINDS))
+        return cls(kinds, windows)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache: the inputs of a compiled step (of_tensors builds it back)."""
@@ -353,14 +383,14 @@ class StaticKVCache:
         batch = torch.arange(cache.batch_size, device=device)[:, None]
         heads = torch.arange(cache.kinds[0].k.size(2), device=device)[None, :]
         self.rows = (batch, heads)  # (B, heads) slots of one position
+        # what the query at pos sees (visible): a global layer's slots hold positions 0..; over
+        # its first `length` slots it sees them all (no mask)
         keys = torch.arange(length or cache.max_len, device=device)
-        # a global layer over its first length slots sees them all; over all of them, those up to
-        # pos
-        self.masks = {None: None if length else (keys <= pos)[None, None, None, :]}
-        if cache.ring:  # a local layer: its ring's written slots, all in its window
-            seen = ring_positions(pos + 1, cache.ring, device) >= 0
+        self.masks = {None: None if length else visible(pos, keys, None)[None, None, None, :]}
+        if cache.ring:  # a local layer's ring: the positions its slots hold
             window = next(w for w in cache.windows if w is not None)
-            self.masks[window] = seen[None, None, None, :]
+            held = ring_positions(pos + 1, cache.ring, device)
+            self.masks[window] = visible(pos, held, window)[None, None, None, :]
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -402,6 +432,15 @@ def ring_positions(end: int | torch.Tensor, ring: int, device: torch.device) -> 
     return last - (last - torch.arange(ring, device=device)).remainder(ring)  # (ring,)
 
 
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The one rule of every mask: a query sees a key at its position or before it, written
+    (a ring slot not written yet holds a negative position), and within its window if it has one."""
+    mask = (key_pos <= query_pos) & (key_pos >= 0)
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    return mask
+
+
 def attention_mask(
     T: int,
     start: int,
@@ -431,9 +470,7 @@ def attention_mask(
         key_pos = torch.arange(start + T, device=device)
     query_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
     key_pos = key_pos[None, :]  # (1, Tk)
-    mask = (key_pos <= query_pos) & (key_pos >= 0)  # (T, Tk); negative: a ring slot not written yet
-    if window is not None:
-        mask = mask & (key_pos > query_pos - window)
+    mask = visible(query_pos, key_pos, window)  # (T, Tk)
     if pad is None:
         return mask[None, None]
     mask = mask & ((key_pos >= pad[:, None, None]) | (key_pos == query_pos))  # (B, T, Tk)

@@ -75,3 +75,29 @@ def test_describe_is_the_models_one_line() -> None:
     )
     mqa = GPTConfig(**base, n_kv_head=1)
     assert mqa.describe() == "MQA (n_head=4, n_kv_head=1), learned positions"
+
+
+def test_a_new_kind_of_cache_is_one_class(monkeypatch: object) -> None:
+    """A kind the cache has never seen (here one that owns the layers of window 3, two slots each)
+    is built, indexed, counted and passed through a compiled step's tensors with no other change."""
+    import attention
+
+    class Fixed(Rows):
+        grows = False
+
+        @staticmethod
+        def owns(window: int | None) -> bool:
+            return window == 3
+
+        @staticmethod
+        def slots(windows: list[int | None], max_len: int) -> int:
+            return 2
+
+    monkeypatch.setattr(attention, "KINDS", (Rows, Fixed, Ring))
+    cache = KVCache.zeros([None, 3, None], 1, 8, 1, 4, 4, "cpu", torch.float32)
+    assert cache.where == [(0, 0), (1, 0), (0, 1)]
+    assert cache.kinds[1].k.shape == (1, 1, 1, 2, 4) and cache.kinds[0].k.shape == (2, 1, 1, 8, 4)
+    assert cache.nbytes == (2 * 8 + 2) * 4 * 2 * 4
+    assert cache.grows() == [True, True, False, False, False, False]
+    again = KVCache.of_tensors(cache.tensors(), cache.windows)
+    assert [type(k) for k in again.kinds] == [Rows, Fixed, Ring]
