@@ -149,7 +149,7 @@ def test_finetune_gpt2_into_gqa_then_sample(tmp_path: Path) -> None:
         ["sample.py", f"--out_dir={out}", "--start=To be", "--max_new_tokens=10", "--device=cpu"],
         env=env,
     )
-    assert r.stdout.startswith("To be") and "GQA (n_kv_head=2)" in r.stderr
+    assert r.stdout.startswith("To be") and "GQA (n_head=4, n_kv_head=2)" in r.stderr
     r = run(
         [
             "sample.py",
@@ -161,4 +161,4 @@ def test_finetune_gpt2_into_gqa_then_sample(tmp_path: Path) -> None:
         ],
         env=env,
     )
-    assert r.stdout.startswith("To be") and "MHA (n_kv_head=4)" in r.stderr
+    assert r.stdout.startswith("To be") and "MHA (n_head=4, n_kv_head=4)" in r.stderr
