@@ -210,7 +210,8 @@ def check_destinations(cfg: ExportConfig, dest: Path | None) -> bool:
     others = []
     if replace:
         written = export_files(dest)
-        others = sorted(p.name for p in dest.iterdir() if p.name not in written)
+        # a folder is never an export's, whatever its smallgpt.json lists
+        others = sorted(p.name for p in dest.iterdir() if p.name not in written or p.is_dir())
     if others:
         raise UserError(
             f"{dest} holds an earlier export and {', '.join(others)}, which no export wrote: move "
@@ -245,7 +246,9 @@ def export_files(folder: Path) -> set[str]:
     if not isinstance(files, list):
         names = [p.name for p in folder.iterdir() if OLD_EXPORT_FILES.fullmatch(p.name)]
         return set(names) | {MARKER}
-    return {name for name in files if isinstance(name, str)} | {MARKER}
+    # a name of the folder's own, never a path (an edited list cannot reach outside it)
+    plain = {name for name in files if isinstance(name, str) and name == Path(name).name}
+    return (plain - {"", ".", ".."}) | {MARKER}
 
 
 def is_gguf(file: Path) -> bool:
@@ -262,9 +265,12 @@ def write_folder(
     whole. Of the earlier export only the files it listed are deleted (check_destinations refused a
     folder holding any other)."""
     folder = temp_path(dest)
+    try:
+        folder.mkdir()  # this call's own folder: the only one removed on a failure
+    except OSError as e:
+        raise cannot_write(dest, e) from e
     old = temp_path(dest) if replace else None  # where the earlier export waits for the rename
     try:
-        folder.mkdir()
         hf.save(hf_model, tok, folder)
         (folder / "README.md").write_text(model_card(model, hf_model, run, ckpt))
         files = sorted([p.name for p in folder.iterdir()] + [MARKER])

@@ -61,10 +61,10 @@ def atomic_open(path: str | Path, mode: str = "wb", **open_args: object) -> Iter
     path = Path(path)
     tmp = temp_path(path)
     try:
-        try:
-            f = open(tmp, mode.replace("w", "x"), **open_args)  # x: never an existing file
-        except OSError as e:  # said of the file the user asked for, not of its temp name
-            raise cannot_write(path, e) from e
+        f = open(tmp, mode.replace("w", "x"), **open_args)  # x: never an existing file
+    except OSError as e:  # said of the file the user asked for, not of its temp name
+        raise cannot_write(path, e) from e
+    try:  # from here on tmp is this call's own file, the only one deleted on a failure
         with f:
             yield f
             f.flush()

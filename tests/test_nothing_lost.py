@@ -374,3 +374,38 @@ def test_a_failed_write_and_a_released_lock_remove_only_their_own(tmp_path: Path
     with folder_lock(made, "a test"):
         (made / "mine.txt").write_text("the user's, written while it was locked")
     assert files(made) == [".lock", "mine.txt"]
+
+
+def test_an_edited_list_of_files_never_reaches_outside_the_export(tmp_path: Path) -> None:
+    """smallgpt.json naming a path outside the export, or a folder inside it: the folder is refused,
+    and a path is never taken as one of the export's files."""
+    dest = tmp_path / "old"
+    dest.mkdir()
+    (tmp_path / "victim.txt").write_text("the user's")
+    (dest / "config.json").write_text("{}")
+    listed = ["config.json", "../victim.txt", "..", "sub", "smallgpt.json"]
+    (dest / "smallgpt.json").write_text(json.dumps({"files": listed}))
+    cfg = ExportConfig(out_dir=str(tmp_path / "run"), to=str(dest), overwrite=True)
+    (dest / "sub").mkdir()
+    with pytest.raises(UserError, match=r"holds an earlier export and sub, which no export wrote"):
+        check_destinations(cfg, dest)
+    (dest / "sub").rmdir()
+    assert check_destinations(cfg, dest) is True
+    from export import remove_export
+
+    remove_export(dest)
+    assert not dest.exists() and (tmp_path / "victim.txt").read_text() == "the user's"
+
+
+def test_a_temp_name_taken_already_is_refused_and_left_alone(tmp_path: Path, monkeypatch) -> None:
+    """Should a fresh temp name be taken (a user's file of the pattern), the write fails in one
+    line and that file is neither overwritten nor deleted."""
+    import secrets
+
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "0123abcd")
+    taken = tmp_path / f".report.md{TEMP_MARK}0123abcd"
+    taken.write_text("the user's")
+    with pytest.raises(UserError, match=r"cannot write .*report\.md \(File exists\)"):
+        with atomic_open(tmp_path / "report.md", "w") as f:
+            f.write("x")
+    assert taken.read_text() == "the user's" and not (tmp_path / "report.md").exists()
