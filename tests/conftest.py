@@ -3,6 +3,7 @@ import io
 import json
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import traceback
@@ -30,6 +31,14 @@ DECODE = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=96, bias
 # compile it.
 COMPILES = pytest.mark.xdist_group("compiled_steps")
 COMPILES_2 = pytest.mark.xdist_group("compiled_steps_2")
+
+
+# A shell starts a background job with SIGINT ignored, and a Python started so keeps it ignored
+# (no KeyboardInterrupt): the tests that press Ctrl-C in a script they start would see it do
+# nothing. The handler a foreground Python has, so the scripts they start (exec resets a handler to
+# the default) get it too.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own
