@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smallgpt.errors import USER_ERRORS, UserError, first_line
+from smallgpt.errors import USER_ERRORS, UserError, first_line, say_interrupted
 from smallgpt.fieldtypes import NON_DECIMAL, checked_values
 
 T = TypeVar("T")
@@ -132,7 +132,7 @@ def run_cli(
         cfg = parse_config(config, argv) if dataclasses.is_dataclass(config) else config(argv)
         main(cfg)
     except KeyboardInterrupt:  # files are written atomically, so nothing is left half-written
-        print("interrupted", file=sys.stderr)
+        say_interrupted()
         sys.exit(130)
     except USER_ERRORS as e:
         if os.environ.get("SMALLGPT_DEBUG") == "1":

@@ -14,6 +14,16 @@ class UserError(Exception):
     exception keeps its traceback."""
 
 
+def say_interrupted() -> None:
+    """'interrupted' on stderr, on a line of its own: a progress bar the Ctrl-C cut short is closed
+    first (its line ended), also one interrupted while it was being drawn."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None:
+        for bar in list(tqdm.tqdm._instances):
+            bar.close()
+    print("interrupted", file=sys.stderr)
+
+
 def _quiet_interrupt(hook: Callable) -> Callable:
     """A sys.excepthook that says a Ctrl-C in one line, as run_cli does; the rest go to hook."""
 
@@ -21,7 +31,7 @@ def _quiet_interrupt(hook: Callable) -> Callable:
         kind: type[BaseException], value: BaseException, tb: types.TracebackType | None
     ) -> None:
         if issubclass(kind, KeyboardInterrupt):
-            print("interrupted", file=sys.stderr)
+            say_interrupted()
         else:
             hook(kind, value, tb)
 

@@ -12,6 +12,7 @@ import inspect
 import re
 import shutil
 import sys
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -191,7 +192,10 @@ def load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     try:
-        dcp.load(state, checkpoint_id=folder)
+        # read by one process: torch's warning that it assumes so is nothing a user can act on
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, checkpoint_id=folder)
     except (CheckpointException, RuntimeError, ValueError, OSError) as e:
         raise UserError(
             f"the sharded checkpoint {folder} is corrupt or does not fit this model "

@@ -1,4 +1,5 @@
 import contextlib
+import getpass
 import io
 import json
 import os
@@ -6,13 +7,17 @@ import runpy
 import signal
 import subprocess
 import sys
+import tempfile
 import traceback
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor import select_algorithm
 
+import budgets
 from model import GPT, GPTConfig
 
 VARIANTS = {"MHA": 4, "GQA": 2, "MQA": 1}  # n_kv_head for n_head=4
@@ -33,6 +38,28 @@ COMPILES = pytest.mark.xdist_group("compiled_steps")
 COMPILES_2 = pytest.mark.xdist_group("compiled_steps_2")
 
 
+def template_where_it_can(choices: list) -> list:
+    """Of inductor's choices for a product, the GEMM template's (named cpp_...) where it has any,
+    else all (ATen's bmm of MLA's absorbed attention, say)."""
+    template = [c for c in choices if c.name.startswith("cpp_")]
+    return template or choices
+
+
+# The compiled steps the suite makes put every product that inductor's GEMM template can take
+# through it, without timing it against ATen's product first (autotuning: a third of each
+# compile, g++ building and timing each candidate). The program is the one autotuning makes where
+# the template wins, as at these sizes on AVX-512; which products take it is fixed, not timed (the
+# tests that need ATen's products in a step ask for them: TEMPLATE_MAX_BYTES). So that a user's
+# compiled steps are never these, the suite keeps inductor's cache in a folder of its own (shared
+# by every checkout, unless TORCHINDUCTOR_CACHE_DIR names one). docs/testing.md "Compiled decode
+# steps".
+select_algorithm.add_preprocessing_fn(template_where_it_can)
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_smallgpt_tests"),
+)
+
+
 # A shell starts a background job with SIGINT ignored, and a Python started so keeps it ignored
 # (no KeyboardInterrupt): the tests that press Ctrl-C in a script they start would see it do
 # nothing. The handler a foreground Python has, so the scripts they start (exec resets a handler to
@@ -41,15 +68,39 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+BUDGET_FACTOR = budgets.scale()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test with a budget of its own (tests/budgets.py) is slow: `-m "not slow"` leaves it out."""
+    if budgets.listed(item.nodeid):
+        item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A test whose setup or call passed but took longer than its budget (tests/budgets.py) fails,
+    saying so."""
+    report = yield
+    if call.when in ("setup", "call") and report.passed:
+        problem = budgets.overrun(item.nodeid, call.when, call.duration, BUDGET_FACTOR)
+        if problem is not None:
+            report.outcome = "failed"
+            report.longrepr = problem
+    return report
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tests marked slow (several processes each) first: pytest-xdist hands out the groups above
-    first (the largest first), then the other tests in this order, so the longest start early rather
-    than leave one worker alone at the end. And the groups themselves: --dist loadgroup tells a
+    """The tests with the largest budgets first: pytest-xdist hands out the groups above first (the
+    largest first), then the other tests in this order, so the longest start early rather than
+    leave one worker alone at the end. And the groups themselves: --dist loadgroup tells a
     group by a suffix on its tests' node ids, which pytest-xdist 3.8 sets on an attribute that
     pytest 9.2 no longer reads (its node ids are structured), so that each test went to any worker
     (pytest-xdist issue 1386): the suffix is set on the structured id here."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    items.sort(key=lambda item: -budgets.budget(item.nodeid))
     if getattr(config.option, "loadgroup", False):  # a pytest-xdist worker, under --dist loadgroup
         for item in items:
             group = item.get_closest_marker("xdist_group")
@@ -335,3 +386,27 @@ def worker_ranks(parent: int) -> dict[int, int]:
             continue
         ranks[int(env["RANK"])] = int(proc.name)
     return ranks
+
+
+# --- distributed fixtures ---
+
+
+@contextlib.contextmanager
+def one_thread() -> Generator[None, None, None]:
+    """torch on 1 thread in this process, as each torchrun worker runs (OMP_NUM_THREADS=1): a
+    train.py run in this process (cli) then gives a fresh `OMP_NUM_THREADS=1 python train.py`'s
+    numbers bit for bit (the thread count changes float summation order, and fast_paths' linear
+    splits its weight over 2 threads or more), without the 2-3 s of a fresh interpreter."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- shared runs ---
+
+# MFU's peak, given to the train.py runs of tests that do not read MFU: such a run does not probe
+# the CPU's (0.35 s of matmuls a run, repeated by every run)
+NO_PROBE = "--peak_flops=1e12"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from configurator import parse_config
-from conftest import ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
+from conftest import NO_PROBE, ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
 from model import GPT, GPTConfig
 from smallgpt import sweep
 from smallgpt.checkpoint import load_checkpoint, save_checkpoint
@@ -44,9 +44,48 @@ SWEEP = [
     "--decode_context=40",
     "--decode_steps=3",
     "--speed_repeats=2",
-    "--dtype=float32",
-]  # not auto: on a CPU with native bf16 its timing probe may pick either (runs compared)
+    "--dtype=float32",  # not auto: on a CPU with native bf16 its timing probe may pick either
+    NO_PROBE,  # no test here reads MFU
+]
+# A plan without a dataset times each shape's training step at GPT-2's padded vocabulary (50,304
+# logits a token: seconds a shape on a CPU); the plans below give a dataset's size instead
+PLAN_VOCAB = "--vocab_size=96"
 T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
+# The tests that read the one sweep below run in one pytest-xdist worker, which builds it once
+SHARED_SWEEP = pytest.mark.xdist_group("compare_seeds_sweep")
+
+
+@dataclasses.dataclass
+class Sweep:
+    out: Path  # the comparison's folder, read-only: a test that changes it changes a copy
+    args: list[str]  # its compare.py command line, without the report's kv_seq_len and kv_batch
+    stdout: str  # what the sweep printed
+
+
+def sweep_args(dataset: Path, out: Path) -> list[str]:
+    return [
+        "compare.py",
+        f"--dataset={dataset}",
+        f"--out_dir={out}",
+        *SWEEP,
+        "--kv_heads=[4,1]",
+        "--seeds=2",
+        "--match=params",
+        "--convert=True",
+        "--convert_methods=[first]",
+        "--uptrain_fractions=[0,0.5]",
+    ]
+
+
+@pytest.fixture(scope="module")
+def seeds_sweep(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Sweep:
+    """One sweep, trained and reported once (8 train.py processes), for the tests that read it:
+    MHA and MQA matched to its parameters, and MHA converted to MQA (method first) at uptraining
+    fractions 0 and 0.5, each at 2 seeds."""
+    out = tmp_path_factory.mktemp("seeds_sweep") / "cmp"
+    args = sweep_args(dataset=pycode_small, out=out)
+    r = run([*args, "--kv_seq_len=100", "--kv_batch=3"], env={"WANDB_MODE": "disabled"})
+    return Sweep(out, args, r.stdout)
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
@@ -99,6 +138,7 @@ def test_converted_checkpoint_trains_samples_and_resumes(
             f"--dataset={pycode_small}",
             f"--out_dir={src}",
             *TINY_TRAIN,
+            NO_PROBE,
             "--max_iters=20",
             "--eval_interval=20",
         ]
@@ -109,6 +149,7 @@ def test_converted_checkpoint_trains_samples_and_resumes(
             f"--dataset={pycode_small}",
             f"--out_dir={dst}",
             *TINY_TRAIN,
+            NO_PROBE,
             f"--init_from=convert:{src}",
             "--n_kv_head=1",
             "--max_iters=10",
@@ -134,6 +175,7 @@ def test_converted_checkpoint_trains_samples_and_resumes(
             f"--dataset={pycode_small}",
             f"--out_dir={dst}",
             *TINY_TRAIN,
+            NO_PROBE,
             "--init_from=resume",
             "--n_kv_head=1",
             "--max_iters=20",
@@ -311,25 +353,16 @@ def final_val_loss(run_dir: Path) -> float:
     return [r for r in read_log(run_dir) if r["event"] == "eval"][-1]["val_loss"]
 
 
-@pytest.mark.slow  # 9 train.py processes
+@pytest.mark.slow  # 8 train.py processes (seeds_sweep's), then 2 processes
+@SHARED_SWEEP
 def test_sweep_over_seeds_with_params_match_and_conversions(
-    pycode_small: Path, tmp_path: Path
+    pycode_small: Path, seeds_sweep: Sweep, tmp_path: Path
 ) -> None:
-    out = tmp_path / "cmp"
-    args = [
-        "compare.py",
-        f"--dataset={pycode_small}",
-        f"--out_dir={out}",
-        *SWEEP,
-        "--kv_heads=[4,1]",
-        "--seeds=2",
-        "--match=params",
-        "--convert=True",
-        "--convert_methods=[first]",
-        "--uptrain_fractions=[0,0.5]",
-    ]
-    r = run([*args, "--kv_seq_len=100", "--kv_batch=3"], env={"WANDB_MODE": "disabled"})
-    assert "[8/8] mha-to-mqa-first-u0.5-s1338 done in" in r.stdout and "left" in r.stdout
+    """The sweep as made (seeds_sweep), read; then, on a copy of it, the report alone with wandb,
+    the sweep run again, a lost run made again, and killed runs left out of the report."""
+    out, args = seeds_sweep.out, seeds_sweep.args
+    assert "[8/8] mha-to-mqa-first-u0.5-s1338 done in" in seeds_sweep.stdout
+    assert "left" in seeds_sweep.stdout
     rows = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
     assert list(rows) == ["mha", "mqa-params", "mha-to-mqa-first-u0", "mha-to-mqa-first-u0.5"]
     D, H, L, V, T = 32, 4, 2, int(read_log(out / "mha-s1337")[0]["model_config"]["vocab_size"]), 32
@@ -400,6 +433,10 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
         and "- mqa-params" in md
     )
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    # what follows changes the sweep: a copy of it (named as it is, cmp: the runs' wandb group)
+    out = tmp_path / "cmp"
+    shutil.copytree(seeds_sweep.out, out)
+    args = sweep_args(dataset=pycode_small, out=out)
     # the report alone reads the logs and the stored speeds: the same table, nothing measured again;
     # with wandb (offline here), its rows also go to one wandb Table in a run of the sweep's group
     before = (out / "report.csv").read_text()
@@ -470,17 +507,21 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
     )
 
 
-@pytest.mark.slow  # 2 train.py processes
+@pytest.mark.slow  # 1 train.py process
+@SHARED_SWEEP
 def test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep(
-    pycode_small: Path, tmp_path: Path
+    pycode_small: Path, seeds_sweep: Sweep, tmp_path: Path
 ) -> None:
     """A kill while train.py wrote its final evaluation leaves the log's last line cut short and
     the checkpoint at max_iters: the sweep counts the run unfinished and evaluates that
     checkpoint again (resuming alone would find nothing to train), which gives the lost record
-    back, the same number."""
+    back, the same number. The run: a copy of seeds_sweep's mha-s1337 (the model, seed and schedule
+    that this sweep of MHA alone trains) in a sweep folder of its own."""
     out = tmp_path / "cmp"
     args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]"]
-    run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
+    shutil.copytree(seeds_sweep.out / "mha-s1337", out / "mha-s1337")
+    shutil.copy(seeds_sweep.out / "compare.json", out)  # the mark of a comparison's folder
+    assert "1 runs, 0 to run" in run([*args, "--mode=plan"]).stdout  # this sweep's run, finished
     log = out / "mha-s1337" / "log.jsonl"
     lines = log.read_text().splitlines()
     final = json.loads(lines[-1])
@@ -564,8 +605,10 @@ def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resume
         f"--out_dir={out}",
         *SWEEP,
         "--kv_heads=[4]",
-        "--max_iters=200",
-        "--eval_interval=100",
+        # each sweep is stopped at its first progress line (iteration 10, then 20 resumed): the
+        # sweep run last trains the rest
+        "--max_iters=100",
+        "--eval_interval=50",
     ]
     for sig in (signal.SIGTERM, signal.SIGINT):
         p, child, head = start_sweep(args)
@@ -583,7 +626,7 @@ def test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resume
         )  # the second sweep resumed the first's
     r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
     assert f"--out_dir={out / 'mha-s1337'} --init_from=resume" in r.stdout
-    assert [e["iter"] for e in read_run(out / "mha-s1337")["evals"]] == [0, 100, 200]
+    assert [e["iter"] for e in read_run(out / "mha-s1337")["evals"]] == [0, 50, 100]
 
 
 @pytest.mark.slow  # 2 processes
@@ -658,7 +701,14 @@ def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_i
     tmp_path: Path,
 ) -> None:
     r = run(
-        ["compare.py", f"--out_dir={tmp_path / 'cmp'}", *SWEEP, "--kv_heads=[2,1]", "--mode=plan"]
+        [
+            "compare.py",
+            f"--out_dir={tmp_path / 'cmp'}",
+            *SWEEP,
+            PLAN_VOCAB,
+            "--kv_heads=[2,1]",
+            "--mode=plan",
+        ]
     )
     assert r.stdout.startswith(
         "no MHA in kv_heads=[2, 1] (n_head=4): the report compares these variants but shows no "
@@ -680,6 +730,7 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
             "compare.py",
             f"--out_dir={out}",
             *SWEEP,
+            PLAN_VOCAB,
             "--pos_encoding=rope",
             "--variants=[mha,gqa2,mla16]",
             "--match=params",
@@ -760,6 +811,7 @@ def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> Non
             "compare.py",
             f"--out_dir={out}",
             *SWEEP,
+            PLAN_VOCAB,
             "--n_layer=3",
             variants,
             "--convert=True",

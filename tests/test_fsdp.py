@@ -1,8 +1,14 @@
 """FSDP2 under torchrun with 2 gloo processes on CPU: agreement with one process, sharded
 checkpoints read at another process count, the gathered ckpt.pt for sample.py, the sharded memory
-accounting."""
+accounting.
 
+Each torchrun launch costs seconds (three interpreters importing torch, a gloo group): the runs
+several tests read are module fixtures that no test writes into (a test that goes on from one copies
+it first), and the one-process runs are made in this process on one thread (conftest.one_thread)."""
+
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,19 +18,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, SEED, TINY_TRAIN, cli, read_log, run, worker_ranks
+from conftest import ROOT, SEED, TINY_TRAIN, cli, one_thread, read_log, run, worker_ranks
 from model import GPT, GPTConfig
 from smallgpt.checkpoint import load_checkpoint
 from smallgpt.generation import generate
 
 pytestmark = pytest.mark.slow
 TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+# the tests that go on from the rope FSDP run (fsdp_rope) run in one pytest-xdist worker, which
+# makes it once
+FROM_FSDP_ROPE = pytest.mark.xdist_group("fsdp_rope")
 
 
-def train(data: Path, out: Path, *extra: str, procs: int = 1, fresh: bool = True) -> str:
-    """train.py's stdout, under torchrun with 2 processes or in a process of its own (1 thread: as
-    each rank), or for one process with fresh=False in this one (for a run whose numbers are
-    compared with no other run's: no fresh interpreter's 2-3 s of imports)."""
+def train(data: Path, out: Path, *extra: str, procs: int = 1) -> str:
+    """train.py's stdout, under torchrun with 2 processes (1 thread each) or, for one process, in
+    this one on 1 thread (as each rank: the numbers of a fresh OMP_NUM_THREADS=1 process, without
+    its 2-3 s of imports)."""
     args = [
         "train.py",
         f"--dataset={data}",
@@ -37,9 +46,10 @@ def train(data: Path, out: Path, *extra: str, procs: int = 1, fresh: bool = True
         f"--seed={SEED}",
         *extra,
     ]
-    return run(
-        [*TORCHRUN, *args] if procs == 2 else args, env={"OMP_NUM_THREADS": "1"}, fresh=fresh
-    ).stdout
+    if procs == 2:
+        return run([*TORCHRUN, *args], env={"OMP_NUM_THREADS": "1"}).stdout
+    with one_thread():
+        return run(args).stdout
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -54,80 +64,129 @@ def weight_diffs(a: Path, b: Path) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def plain(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """20 iterations in one process without FSDP: the run the others must reproduce."""
+    """20 iterations in one process without FSDP: the run test_fsdp_matches_one_process's must
+    reproduce."""
     out = tmp_path_factory.mktemp("plain")
     train(pycode_small, out, "--max_iters=20")
     return out
 
 
-def test_fsdp_matches_one_process(pycode_small: Path, plain: Path, tmp_path: Path) -> None:
-    stdout = train(pycode_small, tmp_path, "--max_iters=20", "--parallel=fsdp", procs=2)
+@pytest.fixture(scope="module")
+def plain_rope(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """plain with rotary positions: the run the resumed ones must reproduce."""
+    out = tmp_path_factory.mktemp("plain_rope")
+    train(pycode_small, out, "--max_iters=20", "--pos_encoding=rope")
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """20 iterations of 2 FSDP processes (its out_dir and stdout), compared with plain."""
+    out = tmp_path_factory.mktemp("fsdp")
+    return out, train(pycode_small, out, "--max_iters=20", "--parallel=fsdp", procs=2)
+
+
+@pytest.fixture(scope="module")
+def fsdp_rope(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """10 iterations of 2 FSDP processes with rotary positions (their tables are buffers, made on
+    each rank after the meta device): the gathered ckpt.pt that sample.py, export.py and a
+    conversion read, and the sharded checkpoint that one plain process resumes."""
+    out = tmp_path_factory.mktemp("fsdp_rope")
+    train(pycode_small, out, "--max_iters=10", "--parallel=fsdp", "--pos_encoding=rope", procs=2)
+    return out
+
+
+def test_fsdp_matches_one_process(plain: Path, fsdp: tuple[Path, str]) -> None:
+    out, stdout = fsdp
     # The same initial weights (drawn parameter by parameter, each rank keeping its shard) and the
     # same 2 x 8 sequences a step; only the summation order of the gradient's reduce-scatter differs
     # from one process's accumulation, a float rounding (~1e-7 relative) that AdamW's normalised
     # steps carry over 20 steps: losses to 1e-5 relative, weights (std 0.02, lr 3e-3) to 1e-4 at
     # most and 1e-6 on average, as for DDP (test_ddp).
-    assert list(losses(tmp_path)) == list(range(1, 21))
-    assert list(losses(tmp_path).values()) == pytest.approx(list(losses(plain).values()), rel=1e-5)
-    diffs = weight_diffs(tmp_path, plain)
+    assert list(losses(out)) == list(range(1, 21))
+    assert list(losses(out).values()) == pytest.approx(list(losses(plain).values()), rel=1e-5)
+    diffs = weight_diffs(out, plain)
     assert diffs.max() < 1e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
     # rank 0 alone prints and writes ckpt.pt; both ranks wrote their shards into the one folder
     # ckpt.pt names
     assert stdout.count("step 20:") == 1 and stdout.count("saved checkpoint") == 2
-    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
+    ckpt = load_checkpoint(out / "ckpt.pt")
     assert ckpt["sharded"] == "sharded-0000020" and "optimizer" not in ckpt
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
+    assert sorted(p.name for p in out.iterdir()) == [
         ".lock",
         "ckpt.pt",
         "config.json",
         "log.jsonl",
         "sharded-0000020",
     ]
-    assert len(list((tmp_path / "sharded-0000020").glob("*.distcp"))) == 2
+    assert len(list((out / "sharded-0000020").glob("*.distcp"))) == 2
 
 
+# a plain run in this process reads a sharded checkpoint: without DCP's warning that it found no
+# process group (the run says it is one process)
+@pytest.mark.filterwarnings("error:torch.distributed is disabled:UserWarning")
 @pytest.mark.parametrize(
     "first, then",
-    [((2, "fsdp"), (1, "ddp")), ((1, "fsdp"), (2, "fsdp")), ((1, "ddp"), (2, "fsdp"))],
+    [
+        pytest.param((2, "fsdp"), (1, "ddp"), marks=FROM_FSDP_ROPE),
+        ((1, "fsdp"), (2, "fsdp")),
+        ((1, "ddp"), (2, "fsdp")),
+    ],
 )
 def test_sharded_checkpoint_resumes_at_another_process_count(
-    pycode_small: Path, plain: Path, tmp_path: Path, first: tuple, then: tuple
+    pycode_small: Path,
+    plain_rope: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    first: tuple,
+    then: tuple,
 ) -> None:
     """Written by 2 FSDP processes and resumed by one plain process, written by one FSDP process and
     resumed by 2, or written whole by one plain process and resumed by 2 under FSDP: the loss curve
-    continues as the uninterrupted run's."""
-    train(pycode_small, tmp_path, "--max_iters=10", f"--parallel={first[1]}", procs=first[0])
+    continues as the uninterrupted run's. With rotary positions, as fsdp_rope, whose copy is the
+    first case's first 10 iterations (the drift from plain_rope measured at SEED as with learned
+    positions: largest weight difference 1.2e-7, mean 2.5e-9 or less)."""
+    if first[0] == 2:
+        shutil.copytree(request.getfixturevalue("fsdp_rope"), tmp_path, dirs_exist_ok=True)
+    else:
+        train(
+            pycode_small,
+            tmp_path,
+            "--max_iters=10",
+            "--pos_encoding=rope",
+            f"--parallel={first[1]}",
+        )
     train(
         pycode_small,
         tmp_path,
         "--max_iters=20",
         "--init_from=resume",
+        "--pos_encoding=rope",
         f"--parallel={then[1]}",
         procs=then[0],
     )
-    resumed, once = losses(tmp_path), losses(plain)
+    resumed, once = losses(tmp_path), losses(plain_rope)
     assert list(resumed) == list(range(1, 21))
     # the sharded folders that no checkpoint names are gone (the FSDP run's, once a plain run has
     # saved)
     assert [p.name for p in tmp_path.glob("sharded-*")] == ["sharded-0000020"] * (then[1] == "fsdp")
     assert list(resumed.values()) == pytest.approx(list(once.values()), rel=1e-5)
-    diffs = weight_diffs(tmp_path, plain)
+    diffs = weight_diffs(tmp_path, plain_rope)
     assert diffs.max() < 1e-4 and diffs.mean() < 1e-6, (diffs.max(), diffs.mean())
 
 
-def test_the_gathered_checkpoint_samples_and_converts(pycode_small: Path, tmp_path: Path) -> None:
-    train(
-        pycode_small,
-        tmp_path / "fsdp",
-        "--max_iters=10",
-        "--parallel=fsdp",
-        "--pos_encoding=rope",
-        procs=2,
-    )
+@FROM_FSDP_ROPE
+def test_the_gathered_checkpoint_samples_and_converts(
+    pycode_small: Path, fsdp_rope: Path, tmp_path: Path
+) -> None:
+    """The gathered ckpt.pt of 2 FSDP processes (fsdp_rope's) samples, exports, and converts
+    (to MQA, under 2 FSDP processes); that converted run is also
+    test_sigterm_under_fsdp_saves_a_sharded_checkpoint_that_resumes's (merged here, one launch for
+    both): SIGTERM to one rank saves a sharded checkpoint, which resumes."""
     r = run(
         [
             "sample.py",
-            f"--out_dir={tmp_path / 'fsdp'}",
+            f"--out_dir={fsdp_rope}",
             "--num_samples=1",
             "--max_new_tokens=20",
             "--start=def ",
@@ -135,30 +194,84 @@ def test_the_gathered_checkpoint_samples_and_converts(pycode_small: Path, tmp_pa
             "--device=cpu",
         ]
     )
-    ckpt = load_checkpoint(tmp_path / "fsdp" / "ckpt.pt")
+    ckpt = load_checkpoint(fsdp_rope / "ckpt.pt")
     model = GPT(GPTConfig(**ckpt["model_config"])).eval()
     model.load_state_dict(ckpt["model"])
     chars = ckpt["data_meta"]["chars"]
     start = torch.tensor([chars.index(c) for c in "def "])[None]
     expected = "".join(chars[i] for i in generate(model, start, 20, temperature=0.0)[0].tolist())
     assert expected in r.stdout
-    run(["export.py", f"--out_dir={tmp_path / 'fsdp'}"])  # export reads the gathered ckpt.pt too
+    # export reads the gathered ckpt.pt too (written beside the test, not into the shared run)
+    run(["export.py", f"--out_dir={fsdp_rope}", f"--to={tmp_path / 'hf'}"])
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp" / "hf").eval()
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(start).logits[:, -1:], model(start)[0], rtol=0, atol=1e-4)
+    out = tmp_path / "mqa"
+    mqa = ["--n_kv_head=1", "--pos_encoding=rope", "--parallel=fsdp"]
+    stdout, stderr, code = stop_by_sigterm(
+        pycode_small, out, f"--init_from=convert:{fsdp_rope}", *mqa
+    )
+    # the SIGTERM under FSDP: to one rank (pre-emption); both stop at a log step and save
+    assert code == 0, stderr[-3000:]
+    ckpt = load_checkpoint(out / "ckpt.pt")
+    assert ckpt["model_config"]["n_kv_head"] == 1
+    assert (
+        stdout.count("stopping on a signal to another rank at iteration") == 1
+        and "Traceback" not in stderr
+    )
+    assert (out / ckpt["sharded"]).is_dir() and ckpt["iter_num"] >= 1
+    # resumed under FSDP (one process, in this one: it reads both ranks' shards)
     train(
         pycode_small,
-        tmp_path / "mqa",
-        "--max_iters=2",
-        f"--init_from=convert:{tmp_path / 'fsdp'}",
-        "--n_kv_head=1",
-        "--pos_encoding=rope",
-        "--parallel=fsdp",
-        procs=2,
+        out,
+        f"--max_iters={ckpt['iter_num'] + 2}",
+        "--init_from=resume",
+        *mqa,
     )
-    assert load_checkpoint(tmp_path / "mqa" / "ckpt.pt")["model_config"]["n_kv_head"] == 1
+    assert list(losses(out))[-2:] == [ckpt["iter_num"] + 1, ckpt["iter_num"] + 2]
+    assert sorted(p.name for p in out.glob("sharded-*")) == [f"sharded-{ckpt['iter_num'] + 2:07d}"]
+
+
+def stop_by_sigterm(data: Path, out: Path, *extra: str) -> tuple[str, str, int]:
+    """A 2-process run (torchrun) sent SIGTERM to rank 1 once it has logged an iteration: its
+    stdout, stderr and exit status."""
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            *TORCHRUN,
+            "train.py",
+            f"--dataset={data}",
+            f"--out_dir={out}",
+            *TINY_TRAIN,
+            "--log_interval=1",
+            "--max_iters=100000",
+            "--eval_interval=100000",
+            "--gradient_accumulation_steps=2",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(
+            r["event"] == "train" for r in read_log_or_empty(out)
+        ):
+            time.sleep(0.05)
+        os.kill(worker_ranks(p.pid)[1], signal.SIGTERM)  # both stop at a log step
+        stdout, stderr = p.communicate(timeout=120)
+    finally:  # torchrun and its workers (each in a session of its own) if they are still there
+        if p.poll() is None:
+            for pid in [*worker_ranks(p.pid).values(), p.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+    return stdout, stderr, p.returncode
 
 
 def gloo_threads() -> int:
@@ -189,60 +302,6 @@ def test_an_fsdp_run_ends_its_gloo_threads_before_the_process_exits(
         ]
     )  # in this process: a group of its own
     assert (tmp_path / "ckpt.pt").is_file() and gloo_threads() == before
-
-
-def test_sigterm_under_fsdp_saves_a_sharded_checkpoint_that_resumes(
-    pycode_small: Path, tmp_path: Path
-) -> None:
-    args = [
-        sys.executable,
-        *TORCHRUN,
-        "train.py",
-        f"--dataset={pycode_small}",
-        f"--out_dir={tmp_path}",
-        *TINY_TRAIN,
-        "--log_interval=1",
-        "--max_iters=100000",
-        "--eval_interval=100000",
-        "--parallel=fsdp",
-        "--gradient_accumulation_steps=2",
-    ]
-    p = subprocess.Popen(
-        args,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and not any(
-        r["event"] == "train" for r in read_log_or_empty(tmp_path)
-    ):
-        time.sleep(0.2)
-    os.kill(
-        worker_ranks(p.pid)[1], signal.SIGTERM
-    )  # one rank is told (pre-emption); both stop at a log step
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 0, stderr[-3000:]
-    assert (
-        stdout.count("stopping on a signal to another rank at iteration") == 1
-        and "Traceback" not in stderr
-    )
-    ckpt = load_checkpoint(tmp_path / "ckpt.pt")
-    assert (tmp_path / ckpt["sharded"]).is_dir() and ckpt["iter_num"] >= 1
-    train(
-        pycode_small,
-        tmp_path,
-        f"--max_iters={ckpt['iter_num'] + 2}",
-        "--init_from=resume",
-        "--parallel=fsdp",
-        procs=2,
-    )
-    assert list(losses(tmp_path))[-2:] == [ckpt["iter_num"] + 1, ckpt["iter_num"] + 2]
-    assert sorted(p.name for p in tmp_path.glob("sharded-*")) == [
-        f"sharded-{ckpt['iter_num'] + 2:07d}"
-    ]
 
 
 def read_log_or_empty(out: Path) -> list[dict]:
@@ -280,7 +339,6 @@ def test_keep_last_keeps_the_sharded_folders_its_checkpoints_name(
         "--eval_interval=2",
         "--keep_last=2",
         "--parallel=fsdp",
-        fresh=False,
     )
     assert sorted(p.name for p in tmp_path.glob("*-*")) == [
         "ckpt-0000006.pt",
@@ -294,9 +352,7 @@ def test_keep_last_keeps_the_sharded_folders_its_checkpoints_name(
 def test_a_missing_or_corrupt_sharded_checkpoint_is_one_line(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    train(
-        pycode_small, tmp_path, "--max_iters=2", "--eval_interval=2", "--parallel=fsdp", fresh=False
-    )
+    train(pycode_small, tmp_path, "--max_iters=2", "--eval_interval=2", "--parallel=fsdp")
     folder = tmp_path / "sharded-0000002"
     resume = [
         "train.py",

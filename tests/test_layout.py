@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, cli
+from conftest import NO_PROBE, ROOT, cli
 
 # The root's modules (model, train, ...) and the package's (smallgpt.checkpoint, ...), by their
 # import names
@@ -161,6 +161,7 @@ def test_a_bug_keeps_its_traceback_and_a_user_error_is_one_line(
         "--batch_size=2",
         "--max_iters=1",
         "--device=cpu",
+        NO_PROBE,
     ]
     r = subprocess.run(
         [sys.executable, "-c", RUN_WITH_A_BUG, *args],

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from configurator import parse_config
-from conftest import ROOT, TINY_TRAIN, cli, run, tiny_model
+from conftest import NO_PROBE, ROOT, TINY_TRAIN, cli, run, tiny_model
 from smallgpt.checkpoint import check_out_dir, save_checkpoint, size_estimate
 from smallgpt.data import Batches, load_meta, write_dataset
 from smallgpt.errors import UserError
@@ -206,6 +206,7 @@ def test_a_pretrained_run_records_the_shape_it_trained(pycode_small: Path, tmp_p
             f"--dataset={pycode_small}",
             f"--out_dir={tmp_path / 'src'}",
             *TINY_TRAIN,
+            NO_PROBE,
             "--n_layer=1",
             "--max_iters=2",
             "--eval_interval=2",
@@ -226,6 +227,7 @@ def test_a_pretrained_run_records_the_shape_it_trained(pycode_small: Path, tmp_p
             "--eval_iters=1",
             "--device=cpu",
             "--dtype=float32",
+            NO_PROBE,
         ]
     )
     recorded = json.loads((tmp_path / "ft" / "config.json").read_text())
@@ -283,6 +285,7 @@ def test_a_full_disk_in_train_py_is_one_line(pycode_small: Path, tmp_path: Path)
             f"--dataset={pycode_small}",
             f"--out_dir={tmp_path / 'out'}",
             *TINY_TRAIN,
+            NO_PROBE,
             "--max_iters=2",
             "--eval_interval=2",
             "--eval_iters=1",
@@ -446,6 +449,7 @@ def test_no_command_writes_into_a_folder_of_another_kind(
         "train.py",
         f"--dataset={pycode_small}",
         *TINY_TRAIN,
+        NO_PROBE,
         "--max_iters=2",
         "--eval_interval=2",
     ]

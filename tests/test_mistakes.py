@@ -2,7 +2,9 @@
 Ctrl-C), no traceback, nothing written; and one out_dir never holds two runs at once."""
 
 import os
+import select
 import signal
+import string
 import subprocess
 import sys
 import time
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from configurator import parse_config
-from conftest import ROOT, TINY_TRAIN, cli, run
+from conftest import NO_PROBE, ROOT, TINY_TRAIN, cli, run
+from smallgpt.errors import say_interrupted
 from train import TrainConfig
 
 
@@ -77,6 +80,7 @@ def tiny_run(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
             f"--dataset={pycode_small}",
             f"--out_dir={out}",
             *TINY_TRAIN,
+            NO_PROBE,
             "--max_iters=20",
             "--eval_interval=20",
         ]
@@ -115,6 +119,7 @@ def test_a_prompt_in_the_other_unicode_form_and_unknown_characters(tmp_path: Pat
             f"--dataset={tmp_path / 'data'}",
             f"--out_dir={out}",
             *TINY_TRAIN,
+            NO_PROBE,
             "--max_iters=2",
             "--eval_interval=2",
         ]
@@ -210,11 +215,11 @@ def test_one_out_dir_holds_one_run_at_a_time_and_a_killed_holder_leaves_no_lock(
     pycode_small: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    args = ["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN]
+    args = ["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, NO_PROBE]
     holder = spawn([*args, "--max_iters=100000", "--eval_interval=100000"])
     deadline = time.time() + 60
     while not ((out / ".lock").exists() and (out / ".lock").read_text()) and time.time() < deadline:
-        time.sleep(0.1)
+        time.sleep(0.02)
     r = cli([*args, "--max_iters=2", "--init_from=auto"])
     one_line(r, f"{out} is in use by train.py (pid {holder.pid} on ")
     holder.kill()  # kill -9: the OS releases the lock
@@ -284,6 +289,7 @@ def test_convert_takes_the_source_model_keys(
             "--eval_iters=2",
             "--batch_size=4",
             "--device=cpu",
+            NO_PROBE,
         ]
     )
     from smallgpt.checkpoint import load_checkpoint
@@ -296,34 +302,50 @@ def test_convert_takes_the_source_model_keys(
     ) == (2, 32, 32)
 
 
+def test_interrupted_is_a_line_of_its_own_after_a_progress_bar(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """A Ctrl-C that lands while a progress bar is being drawn (never closed: the interrupt came
+    before its `with`) still ends with 'interrupted' on a line of its own."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=10, desc="encoding")
+    bar.update(3)
+    say_interrupted()
+    err = capsys.readouterr().err
+    assert "encoding" in err and err.splitlines()[-1] == "interrupted"
+
+
 def test_ctrl_c_in_dataset_py_writes_nothing(tmp_path: Path) -> None:
-    text = "".join(p.read_text() for p in sorted(ROOT.glob("*.py")))
-    (tmp_path / "in.txt").write_text(
-        text * (9_000_000 // len(text) + 1)
-    )  # long enough for the progress bar
-    with open(tmp_path / "err", "w") as err:
-        p = subprocess.Popen(
-            [
-                sys.executable,
-                "dataset.py",
-                f"--input={tmp_path / 'in.txt'}",
-                f"--out_dir={tmp_path / 'data'}",
-                "--tokenizer=bpe",
-                "--vocab_size=1000",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
-        deadline = time.time() + 120
-        while (
-            "encoding" not in (tmp_path / "err").read_text()
-            and time.time() < deadline
-            and p.poll() is None
-        ):
-            time.sleep(0.1)
-        p.send_signal(signal.SIGINT)
-        p.wait(timeout=60)
-    lines = (tmp_path / "err").read_text().splitlines()
+    """Ctrl-C while dataset.py encodes (its BPE trained, nothing written yet): status 130,
+    'interrupted', and nothing written."""
+    # Long enough for the progress bar (8 pieces of 1 MiB, encoded together: the interrupt lands
+    # when they are done), in words that a BPE learns and encodes quickly (the repository's code,
+    # before, took 3 s to train on and encode)
+    line = string.ascii_lowercase + " " + string.ascii_uppercase + "\n"
+    (tmp_path / "in.txt").write_text(line * (9_000_000 // len(line) + 1))
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "dataset.py",
+            f"--input={tmp_path / 'in.txt'}",
+            f"--out_dir={tmp_path / 'data'}",
+            "--tokenizer=bpe",
+            "--vocab_size=1000",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    err, deadline = b"", time.time() + 120
+    while b"encoding" not in err:  # the progress bar's first line: interrupted at once
+        ready, _, _ = select.select([p.stderr], [], [], max(0.0, deadline - time.time()))
+        chunk = os.read(p.stderr.fileno(), 1 << 16) if ready else b""
+        if not chunk:  # ended, or the deadline passed
+            break
+        err += chunk
+    p.send_signal(signal.SIGINT)
+    err += p.communicate(timeout=60)[1]
+    lines = err.decode().splitlines()
     assert p.returncode == 130 and lines[-1] == "interrupted" and "Traceback" not in "".join(lines)
     assert not (tmp_path / "data" / "meta.json").exists() and not list(tmp_path.glob("data/*.tmp"))

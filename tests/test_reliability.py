@@ -368,7 +368,12 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(
 ) -> None:
     """A worker killed with SIGKILL mid-run: torchrun --max-restarts=1 starts both workers again,
     init_from=auto resumes from the last checkpoint (a sharded one under FSDP), and every
-    iteration's loss equals an uninterrupted 2-process run's."""
+    iteration's loss, and the final weights, equal an uninterrupted 2-process run's.
+
+    Also test_ddp's test_each_rank_resumes_its_own_dropout_generators (merged here, [ddp]; [fsdp]
+    checks the same): each rank draws dropout masks of its own and the checkpoint keeps every
+    rank's generator states, so 2 processes resumed with dropout give the uninterrupted run's losses
+    and weights exactly (rank 1 given rank 0's states on resume would draw rank 0's masks)."""
     common = [
         "--init_from=auto",
         "--always_save_checkpoint=True",
@@ -428,6 +433,12 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_exactly(
     assert (
         killed["trains"][-1]["wall_s"] > killed["trains"][-1]["elapsed_s"]
     )  # the first attempt's time counts
+    # every rank's dropout generator states, apart; the weights exactly the uninterrupted run's
+    ckpt = load_checkpoint(out / "ckpt.pt")
+    states = ckpt["rng"]
+    assert len(states) == 2 and not torch.equal(states[0]["torch"], states[1]["torch"])
+    a, b = ckpt["model"], load_checkpoint(tmp_path / "once" / "ckpt.pt")["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_log_line_cut_short_by_a_kill_stays_apart_from_the_resume(tmp_path: Path) -> None:

@@ -1,0 +1,220 @@
+"""Each test's time budget, in seconds on the slowest box the suite is held to (a 2-core AMD EPYC
+without AVX-512, fp32 only, in two pytest-xdist workers): a test that runs longer fails, so that a
+change which slows one test cannot slow the suite unnoticed (conftest's makereport hook). A test's
+call is held to its budget: DEFAULT_S, or its own below, where it is also marked `slow`, which
+`-m "not slow"` leaves out (the fast tier is the tests not listed). Its setup is held to SETUP_S:
+the fixtures it builds, among them the runs several tests share, built by whichever runs first.
+
+The budgets were set from a profile (`bash scripts/test.sh --durations=0`, docs/testing.md) on a
+2-core AMD EPYC with AVX512-BF16, which runs the suite about 2.6x faster than the slowest box: each
+is its measured time there times 2.6, times 2 for the noise of two workers sharing two cores. A test
+that needs more after a change says so here, in the same commit.
+
+SMALLGPT_TEST_BUDGET scales every budget (2 on a box slower still; 0 turns the check off, e.g.
+under a debugger or coverage)."""
+
+import os
+import re
+
+# Seconds on the slowest box for a test not listed below: what a unit-level test may spend, with
+# the first test in a worker to import transformers or to run a kernel paying for it.
+DEFAULT_S = 5.0
+# Seconds on the slowest box for a test's setup: the largest shared fixture is a sweep of 8 runs.
+SETUP_S = 60.0
+
+# {file: {test function (every parametrized case of it): seconds on the slowest box}}
+BUDGETS: dict[str, dict[str, float]] = {
+    "test_bench.py": {
+        "test_hf_bench_checks_greedy_tokens_against_hugging_face": 100,
+        "test_recipes_bench_trains_each_config_and_reports_its_final_val_loss": 30,
+        "test_gguf_check_refuses_a_char_level_run_before_llama_cpp_runs": 6,
+        "test_memory_bench_reports_ddp_and_fsdp_bytes_per_process": 6,
+    },
+    "test_bpe.py": {
+        "test_a_bpe_run_samples_and_exports_with_its_own_tokenizer": 6,
+    },
+    "test_budgets.py": {
+        "test_pytest_fails_a_test_that_runs_over_its_budget": 50,
+    },
+    "test_compare.py": {
+        "test_sigterm_and_sigint_stop_the_sweep_with_its_run_and_a_later_sweep_resumes": 60,
+        "test_sweep_over_seeds_with_params_match_and_conversions": 40,
+        "test_killing_compare_ends_its_train_py_which_saves_first": 30,
+        "test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep": 15,
+        "test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer": 12,
+        "test_converted_checkpoint_trains_samples_and_resumes": 6,
+        "test_sizes_repeat_the_sweep_per_size_in_the_plan": 6,
+        "test_student_t_interval_and_paired_difference_match_hand_computation": 6,
+    },
+    "test_convert_mla.py": {
+        "test_a_run_converted_to_mla_starts_from_the_converted_model_trains_and_resumes": 6,
+    },
+    "test_ddp.py": {
+        "test_sigterm_to_one_rank_stops_both_and_rank_0_saves_once": 30,
+        "test_two_gloo_processes_match_one_process_with_twice_the_accumulation": 30,
+        "test_accumulation_not_divisible_by_world_size_is_one_clear_error": 15,
+    },
+    "test_decode_matrix.py": {
+        "test_the_compiled_int8_step_decodes_the_greedy_tokens": 120,
+        "test_int8_decoding_through_the_cache_follows_the_float_model": 6,
+        "test_sample_py_decodes_an_mla_run_with_int8_weights": 6,
+    },
+    "test_export.py": {
+        "test_export_loads_in_transformers_and_decodes_as_sample_py": 10,
+        "test_gguf_alone_keeps_no_folder_is_named_after_the_run_and_replaces_only_a_gguf": 6,
+        "test_gpt2_bpe_dataset_exports_its_bpe_tokenizer": 6,
+        "test_overwrite_never_deletes_the_run_nor_a_folder_holding_it": 6,
+    },
+    "test_fsdp.py": {
+        "test_sharded_checkpoint_resumes_at_another_process_count": 40,
+        "test_the_gathered_checkpoint_samples_and_converts": 40,
+        "test_a_missing_or_corrupt_sharded_checkpoint_is_one_line": 6,
+        "test_an_fsdp_run_ends_its_gloo_threads_before_the_process_exits": 6,
+        "test_keep_last_keeps_the_sharded_folders_its_checkpoints_name": 6,
+    },
+    "test_generate.py": {
+        "test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size": 100,
+        "test_compiled_bf16_step_gives_the_eager_logits_through_blocked_weights": 80,
+        "test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens": 80,
+        "test_each_row_of_a_padded_batch_equals_its_prompt_alone_far_past_block_size": 6,
+        "test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream": 6,
+    },
+    "test_gpt2.py": {
+        "test_no_weights_offline_is_one_clear_line": 20,
+        "test_finetune_gpt2_into_gqa_then_sample": 8,
+    },
+    "test_latent.py": {
+        "test_mla_trains_and_compiles_without_graph_breaks": 6,
+    },
+    "test_layout.py": {
+        "test_every_module_imports_first_and_alone_and_does_nothing": 30,
+        "test_a_bug_keeps_its_traceback_and_a_user_error_is_one_line": 12,
+    },
+    "test_mistake_classes.py": {
+        "test_a_full_disk_in_train_py_is_one_line": 15,
+        "test_ctrl_c_while_the_libraries_import_is_one_line": 10,
+        "test_the_checkpoint_size_estimate_is_close": 6,
+        "test_the_decode_summary_finds_the_step_that_compiled_wherever_it_falls": 6,
+        "test_token_ids_beyond_the_vocabulary_are_one_line": 6,
+    },
+    "test_mistakes.py": {
+        "test_a_long_sample_does_not_grow_memory": 20,
+        "test_ctrl_c_in_dataset_py_writes_nothing": 20,
+        "test_ctrl_c_in_sample_is_one_line_and_status_130": 6,
+        "test_gpt2_weights_need_their_own_tokens_and_positions": 6,
+        "test_one_out_dir_holds_one_run_at_a_time_and_a_killed_holder_leaves_no_lock": 6,
+    },
+    "test_model.py": {
+        "test_one_query_attention_over_a_bf16_cache_equals_sdpa": 12,
+        "test_each_variant_overfits_one_batch": 6,
+        "test_training_forward_compiles_without_graph_breaks": 6,
+    },
+    "test_mqar.py": {
+        "test_train_py_trains_on_it": 6,
+    },
+    "test_nothing_lost.py": {
+        "test_a_comparison_writes_only_into_a_folder_of_its_kind": 6,
+        "test_a_leading_tilde_is_the_home_folder": 6,
+        "test_a_log_without_a_checkpoint_is_refused_unless_it_is_this_runs": 6,
+    },
+    "test_prepare.py": {
+        "test_corpus_offline_is_one_clear_line": 10,
+        "test_pycode_char_is_deterministic_and_round_trips": 8,
+        "test_corpus_pipeline_on_local_parquet": 6,
+        "test_gpt2_bpe_offline_is_a_clear_error": 6,
+        "test_unusable_corpus_is_one_line": 6,
+    },
+    "test_quantize.py": {
+        "test_quantized_model_decodes_close_to_fp32_and_compiles": 60,
+        "test_int8_bench_reports_val_loss_and_agreement_of_a_checkpoint": 6,
+    },
+    "test_recall.py": {
+        "test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work": 6,
+        "test_eval_py_with_no_settings_prints_exactly_what_the_run_logged": 6,
+        "test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged": 6,
+        "test_train_logs_its_final_evals_and_eval_py_prints_the_same": 6,
+    },
+    "test_reliability.py": {
+        "test_torchrun_restarts_a_killed_worker_and_resumes_exactly": 120,
+        "test_wandb_online_without_network_falls_back_to_offline": 25,
+        "test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable": 20,
+        "test_weights_gone_non_finite_are_never_saved": 15,
+        "test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint": 6,
+        "test_keep_last_copies_where_the_file_system_has_no_hard_links": 6,
+        "test_keep_last_keeps_the_k_newest_checkpoints": 6,
+        "test_skip_mode_counts_skipped_steps_in_the_log": 6,
+    },
+    "test_report.py": {
+        "test_a_report_made_while_the_sweep_runs_says_so_at_its_top": 6,
+        "test_a_run_whose_final_record_is_torn_is_left_out_and_named": 6,
+        "test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha": 6,
+        "test_runs_trained_for_other_iterations_than_their_comparison_are_marked": 6,
+    },
+    "test_sample.py": {
+        "test_compiled_step_writes_the_eager_text": 6,
+        "test_compiling_with_no_cpp_compiler_is_one_line": 6,
+    },
+    "test_train.py": {
+        "test_wandb_offline_records_the_run": 40,
+        "test_keep_freed_memory_stops_the_page_faults_of_each_step": 30,
+        "test_sigterm_finishes_the_step_saves_and_exits_cleanly": 15,
+        "test_a_new_run_builds_its_model_without_importing_torchs_compiler": 12,
+        "test_an_mfu_over_100_percent_probes_the_cpu_peak_again": 6,
+        "test_dtype_auto_trains_in_bf16_only_where_its_products_measure_faster": 6,
+        "test_resume_reproduces_the_uninterrupted_run_bit_for_bit": 6,
+        "test_resume_takes_the_keys_not_given_from_the_run": 6,
+        "test_training_lowers_val_loss_writes_checkpoint_and_resumes": 6,
+    },
+    "test_window.py": {
+        "test_a_windowed_model_trains_and_compiles_without_graph_breaks": 6,
+        "test_greedy_tokens_past_block_size_equal_recomputation_with_the_windows": 6,
+    },
+}
+
+
+def scale() -> float:
+    """SMALLGPT_TEST_BUDGET as a number (1 when unset); a clear error for anything else."""
+    value = os.environ.get("SMALLGPT_TEST_BUDGET", "1")
+    try:
+        factor = float(value)
+    except ValueError:
+        raise ValueError(
+            f"SMALLGPT_TEST_BUDGET={value!r} is not a number (0 turns it off)"
+        ) from None
+    if factor < 0:
+        raise ValueError(f"SMALLGPT_TEST_BUDGET={value!r} must be 0 (off) or more")
+    return factor
+
+
+def key(nodeid: str) -> tuple[str, str]:
+    """The file's name and the function of a test id, without parameters, class or xdist group
+    ('tests/test_x.py::test_y[a-b]@group' -> ('test_x.py', 'test_y'))."""
+    path, _, rest = nodeid.partition("::")
+    name = re.split(r"[\[@]", rest.split("::")[-1])[0]
+    return path.rsplit("/", 1)[-1], name
+
+
+def listed(nodeid: str) -> bool:
+    """Whether a test has a budget of its own (then it is slow)."""
+    file, name = key(nodeid)
+    return name in BUDGETS.get(file, {})
+
+
+def budget(nodeid: str, phase: str = "call") -> float:
+    """The seconds a test's phase ('setup' or 'call') may take on the slowest box."""
+    if phase == "setup":
+        return SETUP_S
+    file, name = key(nodeid)
+    return BUDGETS.get(file, {}).get(name, DEFAULT_S)
+
+
+def overrun(nodeid: str, phase: str, seconds: float, factor: float) -> str | None:
+    """The failure line of a test whose phase took seconds against its budget times factor; None
+    while within it, or with the check off (factor 0)."""
+    allowed = budget(nodeid, phase) * factor
+    if factor == 0 or seconds <= allowed:
+        return None
+    return (
+        f"{nodeid}: its {phase} took {seconds:.1f} s, over its budget of {allowed:.1f} s "
+        f"(tests/budgets.py: make it cheaper, or raise its budget there and say why)"
+    )
