@@ -48,8 +48,8 @@ SWEEP = [
     NO_PROBE,  # no test here reads MFU
 ]
 # A plan without a dataset times each shape's training step at GPT-2's padded vocabulary (50,304
-# logits a token: seconds a shape on a CPU); the plans below give a dataset's size instead
-PLAN_VOCAB = "--vocab_size=96"
+# logits a token: seconds a shape on a CPU), and with the default one (data/pycode_char, there once
+# the quick start ran) at its size: the plans below name a small dataset of their own
 T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
 # The tests that read the one sweep below run in one pytest-xdist worker, which builds it once
 SHARED_SWEEP = pytest.mark.xdist_group("compare_seeds_sweep")
@@ -698,14 +698,14 @@ def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_pat
 
 
 def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_it(
-    tmp_path: Path,
+    pycode_small: Path, tmp_path: Path
 ) -> None:
     r = run(
         [
             "compare.py",
             f"--out_dir={tmp_path / 'cmp'}",
             *SWEEP,
-            PLAN_VOCAB,
+            f"--dataset={pycode_small}",
             "--kv_heads=[2,1]",
             "--mode=plan",
         ]
@@ -718,7 +718,7 @@ def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_i
 
 
 def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_costs(
-    tmp_path: Path,
+    pycode_small: Path, tmp_path: Path
 ) -> None:
     """--variants names each variant and its size; an MLA variant is trained with its
     kv_lora_rank, matched to MHA's parameters by its MLP like the others, converted from MHA by
@@ -730,7 +730,7 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
             "compare.py",
             f"--out_dir={out}",
             *SWEEP,
-            PLAN_VOCAB,
+            f"--dataset={pycode_small}",
             "--pos_encoding=rope",
             "--variants=[mha,gqa2,mla16]",
             "--match=params",
@@ -800,7 +800,9 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
     )  # 2 layers, d_c + d_R
 
 
-def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> None:
+def test_variants_name_local_layers_by_pattern_and_window(
+    pycode_small: Path, tmp_path: Path
+) -> None:
     """mha-sl8 is MHA with window_pattern='SL', window=8 (its name, folder, flags and model),
     gqa2-s4 GQA with local layers of 4; a conversion is to an all-global variant only (a windowed
     one is trained from scratch)."""
@@ -811,7 +813,7 @@ def test_variants_name_local_layers_by_pattern_and_window(tmp_path: Path) -> Non
             "compare.py",
             f"--out_dir={out}",
             *SWEEP,
-            PLAN_VOCAB,
+            f"--dataset={pycode_small}",
             "--n_layer=3",
             variants,
             "--convert=True",
