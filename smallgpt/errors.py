@@ -16,11 +16,15 @@ class UserError(Exception):
 
 def say_interrupted() -> None:
     """'interrupted' on stderr, on a line of its own: a progress bar the Ctrl-C cut short is closed
-    first (its line ended), also one interrupted while it was being drawn."""
+    first (its line ended), also one interrupted while it was being made (drawn, but not yet told
+    so: its close would leave the line open)."""
     tqdm = sys.modules.get("tqdm")
     if tqdm is not None:
         for bar in list(tqdm.tqdm._instances):
+            drawing = hasattr(bar, "sp") and not hasattr(bar, "last_print_t")
             bar.close()
+            if drawing:
+                bar.fp.write("\n")
     print("interrupted", file=sys.stderr)
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -274,6 +275,8 @@ def tiny_model(
 
 
 ROOT = Path(__file__).resolve().parent.parent
+# torchrun with 2 processes on this machine (python -m torch.distributed.run: the venv's own)
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # The seed of the tests that bound DDP's and FSDP's drift from one process (float summation order,
 # carried by AdamW's normalised steps over 20 iterations). That drift depends on the initial
 # weights: measured for test_ddp's run under the per-name initialisation (GPT.init_weights), largest
@@ -389,6 +392,54 @@ def worker_ranks(parent: int) -> dict[int, int]:
 
 
 # --- distributed fixtures ---
+
+
+def log_so_far(out: Path) -> list[dict]:
+    """out's log.jsonl records so far: none while there is no log or its last line is half
+    written."""
+    try:
+        return read_log(out)
+    except (FileNotFoundError, ValueError):
+        return []
+
+
+def sigterm_rank_1(data: Path, out: Path, *extra: str) -> tuple[str, str, int]:
+    """A 2-process train.py run (torchrun, a thread each) sent SIGTERM to rank 1 alone (a
+    pre-emption notice reaching one worker) once it has logged an iteration: its stdout, stderr and
+    exit status. torchrun and its workers are killed if they are still there after."""
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            *TORCHRUN,
+            "train.py",
+            f"--dataset={data}",
+            f"--out_dir={out}",
+            *TINY_TRAIN,
+            "--log_interval=1",
+            "--max_iters=100000",
+            "--eval_interval=100000",
+            "--gradient_accumulation_steps=2",
+            *extra,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not any(r["event"] == "train" for r in log_so_far(out)):
+            time.sleep(0.05)
+        os.kill(worker_ranks(p.pid)[1], signal.SIGTERM)  # both stop at a log step
+        stdout, stderr = p.communicate(timeout=120)
+    finally:  # each in a session of its own
+        if p.poll() is None:
+            for pid in [*worker_ranks(p.pid).values(), p.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+    return stdout, stderr, p.returncode
 
 
 @contextlib.contextmanager

@@ -1,16 +1,20 @@
-import contextlib
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, SEED, TINY_TRAIN, one_thread, read_log, run, worker_ranks
+from conftest import (
+    ROOT,
+    SEED,
+    TINY_TRAIN,
+    one_thread,
+    read_log,
+    run,
+    sigterm_rank_1,
+)
 from model import GPT, GPTConfig
 from smallgpt.checkpoint import load_checkpoint
 
@@ -138,42 +142,8 @@ def test_sigterm_to_one_rank_stops_both_and_rank_0_saves_once(
     """SIGTERM to rank 1 only (a pre-emption notice reaching one worker): the ranks agree at the
     next log step, rank 0 writes one checkpoint at the iteration both stopped at, torchrun exits 0,
     and the run resumes from it."""
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            "train.py",
-            f"--dataset={pycode_small}",
-            f"--out_dir={tmp_path}",
-            *TINY_TRAIN,
-            "--log_interval=1",
-            "--max_iters=100000",
-            "--eval_interval=100000",
-            "--gradient_accumulation_steps=2",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline and not any(
-            r["event"] == "train" for r in log_so_far(tmp_path)
-        ):
-            time.sleep(0.05)
-        os.kill(worker_ranks(p.pid)[1], signal.SIGTERM)
-        stdout, stderr = p.communicate(timeout=60)
-    finally:  # torchrun and its workers (each in a session of its own) if they are still there
-        if p.poll() is None:
-            for pid in [*worker_ranks(p.pid).values(), p.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-    assert p.returncode == 0, stderr[-3000:]
+    stdout, stderr, code = sigterm_rank_1(pycode_small, tmp_path)
+    assert code == 0, stderr[-3000:]
     assert (
         stdout.count("stopping on a signal to another rank at iteration") == 1
         and "Traceback" not in stderr
@@ -197,10 +167,3 @@ def test_sigterm_to_one_rank_stops_both_and_rank_0_saves_once(
         ckpt["iter_num"] + 1,
         ckpt["iter_num"] + 2,
     ]
-
-
-def log_so_far(out: Path) -> list[dict]:
-    try:
-        return read_log(out)
-    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
-        return []

@@ -6,25 +6,27 @@ Each torchrun launch costs seconds (three interpreters importing torch, a gloo g
 several tests read are module fixtures that no test writes into (a test that goes on from one copies
 it first), and the one-process runs are made in this process on one thread (conftest.one_thread)."""
 
-import contextlib
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, SEED, TINY_TRAIN, cli, one_thread, read_log, run, worker_ranks
+from conftest import (
+    SEED,
+    TINY_TRAIN,
+    TORCHRUN,
+    cli,
+    one_thread,
+    read_log,
+    run,
+    sigterm_rank_1,
+)
 from model import GPT, GPTConfig
 from smallgpt.checkpoint import load_checkpoint
 from smallgpt.generation import generate
 
 pytestmark = pytest.mark.slow
-TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # the tests that go on from the rope FSDP run (fsdp_rope) run in one pytest-xdist worker, which
 # makes it once
 FROM_FSDP_ROPE = pytest.mark.xdist_group("fsdp_rope")
@@ -210,7 +212,7 @@ def test_the_gathered_checkpoint_samples_and_converts(
         torch.testing.assert_close(hf(start).logits[:, -1:], model(start)[0], rtol=0, atol=1e-4)
     out = tmp_path / "mqa"
     mqa = ["--n_kv_head=1", "--pos_encoding=rope", "--parallel=fsdp"]
-    stdout, stderr, code = stop_by_sigterm(
+    stdout, stderr, code = sigterm_rank_1(
         pycode_small, out, f"--init_from=convert:{fsdp_rope}", *mqa
     )
     # the SIGTERM under FSDP: to one rank (pre-emption); both stop at a log step and save
@@ -232,46 +234,6 @@ def test_the_gathered_checkpoint_samples_and_converts(
     )
     assert list(losses(out))[-2:] == [ckpt["iter_num"] + 1, ckpt["iter_num"] + 2]
     assert sorted(p.name for p in out.glob("sharded-*")) == [f"sharded-{ckpt['iter_num'] + 2:07d}"]
-
-
-def stop_by_sigterm(data: Path, out: Path, *extra: str) -> tuple[str, str, int]:
-    """A 2-process run (torchrun) sent SIGTERM to rank 1 once it has logged an iteration: its
-    stdout, stderr and exit status."""
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            *TORCHRUN,
-            "train.py",
-            f"--dataset={data}",
-            f"--out_dir={out}",
-            *TINY_TRAIN,
-            "--log_interval=1",
-            "--max_iters=100000",
-            "--eval_interval=100000",
-            "--gradient_accumulation_steps=2",
-            *extra,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not any(
-            r["event"] == "train" for r in read_log_or_empty(out)
-        ):
-            time.sleep(0.05)
-        os.kill(worker_ranks(p.pid)[1], signal.SIGTERM)  # both stop at a log step
-        stdout, stderr = p.communicate(timeout=120)
-    finally:  # torchrun and its workers (each in a session of its own) if they are still there
-        if p.poll() is None:
-            for pid in [*worker_ranks(p.pid).values(), p.pid]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
-    return stdout, stderr, p.returncode
 
 
 def gloo_threads() -> int:
@@ -302,13 +264,6 @@ def test_an_fsdp_run_ends_its_gloo_threads_before_the_process_exits(
         ]
     )  # in this process: a group of its own
     assert (tmp_path / "ckpt.pt").is_file() and gloo_threads() == before
-
-
-def read_log_or_empty(out: Path) -> list[dict]:
-    try:
-        return read_log(out)
-    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
-        return []
 
 
 def test_per_rank_bytes_are_the_shards_of_fully_shard() -> None:

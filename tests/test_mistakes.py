@@ -305,12 +305,18 @@ def test_convert_takes_the_source_model_keys(
 def test_interrupted_is_a_line_of_its_own_after_a_progress_bar(
     capsys: pytest.CaptureFixture,
 ) -> None:
-    """A Ctrl-C that lands while a progress bar is being drawn (never closed: the interrupt came
-    before its `with`) still ends with 'interrupted' on a line of its own."""
+    """A Ctrl-C that lands while a progress bar is open (the interrupt came before its `with`
+    closed it), or while it was being made (its first line drawn, tqdm not yet told: its own close
+    would leave the line open), still ends with 'interrupted' on a line of its own."""
     from tqdm import tqdm
 
     bar = tqdm(total=10, desc="encoding")
     bar.update(3)
+    say_interrupted()
+    err = capsys.readouterr().err
+    assert "encoding" in err and err.splitlines()[-1] == "interrupted"
+    bar = tqdm(total=10, desc="encoding")
+    del bar.last_print_t  # as at the interrupt, between drawing the line and noting the time
     say_interrupted()
     err = capsys.readouterr().err
     assert "encoding" in err and err.splitlines()[-1] == "interrupted"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY_TRAIN, cli, read_log, run, worker_ranks
+from conftest import ROOT, TINY_TRAIN, cli, log_so_far, read_log, run, worker_ranks
 from model import GPT, GPTConfig
 from smallgpt.checkpoint import check_out_dir, load_checkpoint
 from smallgpt.data import Batches
@@ -247,13 +247,6 @@ def test_smallgpt_debug_shows_a_user_errors_traceback(tmp_path: Path) -> None:
     assert debug.stderr.splitlines()[-1].startswith(
         f"smallgpt.errors.UserError: no dataset at {tmp_path / 'none'}"
     )
-
-
-def log_so_far(out: Path) -> list[dict]:
-    try:
-        return read_log(out)
-    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
-        return []
 
 
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint_loadable(
