@@ -270,30 +270,20 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def embedding(rows: int, width: int) -> nn.Embedding:
-    """An embedding table for init_weights to draw. On the meta device (sharding.build),
-    nn.Embedding's own N(0, 1) draw, which has nothing to draw there, imports torch's compiler: a
-    second of every train.py's start. Elsewhere it is drawn (and then replaced), as ever: models
-    built after torch.manual_seed keep their weights."""
-    if torch.get_default_device().type == "meta":
-        return nn.Embedding(rows, width, _weight=torch.empty(rows, width))
-    return nn.Embedding(rows, width)
-
-
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
-                wte=embedding(config.vocab_size, config.n_embd),
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
                 ln_f=norm_for(config, config.n_embd),
             )
         )
         if config.pos_encoding == "learned":
-            self.transformer.wpe = embedding(config.block_size, config.n_embd)
+            self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # derived from the config, so kept out of the state_dict
             table_shape = (config.block_size, config.rope_dim // 2)
             self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)

@@ -80,22 +80,6 @@ def test_training_lowers_val_loss_writes_checkpoint_and_resumes(
     assert "step 60:" in r.stdout
 
 
-def test_a_new_run_builds_its_model_without_importing_torchs_compiler() -> None:
-    """train.py builds a new model on the meta device (sharding.build), where nn.Embedding's own
-    N(0, 1) draw imported torch._dynamo: a second of every train.py start. GPT leaves its tables to
-    init_weights, which draws them on CPU."""
-    code = (
-        "import sys, torch\n"
-        "from model import GPTConfig\n"
-        "from smallgpt import sharding\n"
-        "config = GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11)\n"
-        "m = sharding.build(config, 'cpu', torch.float32, 1, False)\n"
-        "assert 0.01 < m.transformer.wte.weight.std() < 0.03  # init_weights' N(0, 0.02)\n"
-        "print([name for name in ('torch._dynamo', 'torch._inductor') if name in sys.modules])\n"
-    )
-    assert run(["-c", code]).stdout.strip() == "[]"
-
-
 def test_resume_with_another_architecture_is_refused(pycode_small: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     train(pycode_small, out, "--max_iters=10", "--eval_interval=10")
