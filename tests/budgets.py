@@ -158,7 +158,6 @@ BUDGETS: dict[str, dict[str, float]] = {
         "test_wandb_offline_records_the_run": 40,
         "test_keep_freed_memory_stops_the_page_faults_of_each_step": 30,
         "test_sigterm_finishes_the_step_saves_and_exits_cleanly": 15,
-        "test_a_new_run_builds_its_model_without_importing_torchs_compiler": 12,
         "test_an_mfu_over_100_percent_probes_the_cpu_peak_again": 6,
         "test_dtype_auto_trains_in_bf16_only_where_its_products_measure_faster": 6,
         "test_resume_reproduces_the_uninterrupted_run_bit_for_bit": 6,
