@@ -31,10 +31,11 @@ DECODE = dict(n_layer=2, n_head=4, n_embd=32, block_size=64, vocab_size=96, bias
 # each one test after another in one worker (scripts/test.sh runs two), so that both workers compile
 # from the start: in a group, the first test to need a step compiles it, the later ones load it from
 # inductor's cache. COMPILES: the batch-1 DECODE step (bench.py --mode=hf compiles it first,
-# sample.py --compile loads it), the int8 one, GQA's without the template. COMPILES_2: the batch-2
-# MHA and MLA steps, the bf16 one, then (last in test_generate.py, a minute or more after the other
-# group compiled it) the tests that load the batch-1 DECODE step; were it not there yet, they would
-# compile it.
+# sample.py --compile loads it), the int8 ones (DECODE's, and the decode matrix's MLA with local
+# layers), GQA's without the template. COMPILES_2: the batch-2 MHA and MLA steps, the bf16 one, the
+# two models in turns (DECODE with 2 heads), then (last in test_generate.py, a minute or more after
+# the other group compiled it) the tests that load the batch-1 DECODE step; were it not there yet,
+# they would compile it.
 COMPILES = pytest.mark.xdist_group("compiled_steps")
 COMPILES_2 = pytest.mark.xdist_group("compiled_steps_2")
 
