@@ -27,24 +27,16 @@ from smallgpt.runlog import read_run
 from smallgpt.sweep import matched_mlp_hidden
 from smallgpt.variant import Variant
 
+# TINY_TRAIN's model and run (its dtype float32, not auto: on a CPU with native bf16 the timing
+# probe may pick either), with the sweep's budget and its decode measurements kept small
 SWEEP = [
-    "--n_layer=2",
-    "--n_head=4",
-    "--n_embd=32",
-    "--block_size=32",
-    "--batch_size=8",
-    "--eval_iters=4",
-    "--log_interval=10",
-    "--device=cpu",
+    *TINY_TRAIN,
     "--max_iters=30",
     "--eval_interval=10",
-    "--learning_rate=3e-3",
-    "--warmup_iters=5",
     "--decode_batch=2",
     "--decode_context=40",
     "--decode_steps=3",
     "--speed_repeats=2",
-    "--dtype=float32",  # not auto: on a CPU with native bf16 its timing probe may pick either
     NO_PROBE,  # no test here reads MFU
 ]
 # A plan without a dataset times each shape's training step at GPT-2's padded vocabulary (50,304
