@@ -291,6 +291,8 @@ class CompareConfig:
     decode_context: int = 4096
     decode_steps: int = 16
     speed_repeats: int = 3
+    # a run whose accuracy on a recall task reaches this solved it (the report's "solved k/n")
+    solved_threshold: float = 0.9
     # filled from the command line: files and train.py flags
     train_args: list[str] = field(default_factory=list)
 
@@ -313,6 +315,8 @@ class CompareConfig:
         )
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
             problems.append(f"{', '.join(bad)}: must be positive")
+        if not 0 < self.solved_threshold <= 1:
+            problems.append(f"solved_threshold={self.solved_threshold} must be in (0, 1]")
         if min(self.kv_heads, default=1) < 1:
             problems.append(f"kv_heads={self.kv_heads} must be positive")
         if self.kv_heads and self.variants:

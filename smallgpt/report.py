@@ -127,7 +127,7 @@ def summary_rows(
         if group[0]["method"]:
             row |= conversion_columns(group, finals.get((size, conversion_target(row))))
         row |= speed_columns(group, speed_of[(size, name)], mha_speed)
-        row |= recall_columns(group, mha_runs)
+        row |= recall_columns(group, mha_runs, cfg.solved_threshold)
         rows.append(row)
     return sorted(rows, key=row_order(rows, cfg))
 
@@ -287,9 +287,9 @@ def other_iters(group: list[dict], odd: set[str]) -> str | None:
     return "; ".join(named) or None
 
 
-def recall_columns(group: list[dict], mha: list[dict] | None) -> dict:
+def recall_columns(group: list[dict], mha: list[dict] | None, threshold: float) -> dict:
     """A group's recall columns where every run measured the task: induction at the longest common
-    distance, MQAR."""
+    distance, MQAR (threshold: the accuracy at which a run counts as having solved a task)."""
     recalls = {r["seed"]: r["recall"] or {} for r in group}
     theirs = {r["seed"]: r["recall"] or {} for r in mha or []}
     induction = {
@@ -308,21 +308,32 @@ def recall_columns(group: list[dict], mha: list[dict] | None) -> dict:
         out |= {
             "induction_distance": distance,
             "induction_loss": statistics.fmean(i["loss"] for i in at.values()),
-            **accuracy_columns("induction_acc", at, mha_at),
+            **accuracy_columns("induction_acc", at, mha_at, threshold),
         }
     if all("mqar" in rec for rec in recalls.values()):
         out |= accuracy_columns(
             "mqar_acc",
             {seed: rec["mqar"] for seed, rec in recalls.items()},
             {seed: rec["mqar"] for seed, rec in theirs.items() if "mqar" in rec},
+            threshold,
         )
     return out
 
 
-def accuracy_columns(name: str, results: dict[int, dict], mha: dict[int, dict]) -> dict:
-    """name's columns from stats.pooled_accuracy of the seeds' results against MHA's."""
+def accuracy_columns(
+    name: str, results: dict[int, dict], mha: dict[int, dict], threshold: float
+) -> dict:
+    """name's columns from stats.pooled_accuracy of the seeds' results against MHA's, and from
+    stats.solved: the runs whose accuracy reached threshold, of all."""
     acc = stats.pooled_accuracy(results, mha)
+    won = stats.solved([r["correct"] / r["n"] for r in results.values()], threshold)
+    task = name.removesuffix("_acc")
     return {
+        f"{task}_solved": won.k,
+        f"{task}_runs": won.n,
+        f"{task}_solved_low": won.low,
+        f"{task}_solved_high": won.high,
+        f"{name}_of_solved": won.accuracy,
         name: acc.accuracy,
         f"{name}_low": acc.low,
         f"{name}_high": acc.high,

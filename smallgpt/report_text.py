@@ -114,19 +114,25 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
         "diff": "vs MHA (paired)",
         "speed": f"decode tok/s @{long}",
     }
+    at = f">= {cfg.solved_threshold:g}"
     if distances:
+        columns["induction_solved"] = f"induction solved ({at}) @{min(distances)}"
         columns["induction_acc"] = f"induction acc @{min(distances)}"
     if any(r.get("mqar_acc") is not None for r in scratch):
+        columns["mqar_solved"] = f"MQAR solved ({at})"
         columns["mqar_acc"] = "MQAR acc"
     if "induction_acc" not in columns and "mqar_acc" not in columns:
         return [table(shown, columns)]
     return [
         table(shown, columns),
         "",
-        "induction acc @distance (the longest every seed measured) and MQAR acc: top-1 accuracy "
-        "pooled over seeds (correct answers over answers) with its 95% Wilson interval; then vs "
-        "MHA: the seed-paired difference of the per-seed accuracies ± its 95% Student t interval; "
-        "positive is better.",
+        f"solved: the runs whose accuracy reached {cfg.solved_threshold:g}, of the seeds' runs, "
+        "with the 95% Clopper-Pearson interval of that proportion, then the mean accuracy of the "
+        "runs that solved it (a recall task is learned all or nothing by seed: read this before "
+        "the mean). induction acc @distance (the longest every seed measured) and MQAR acc: top-1 "
+        "accuracy pooled over seeds (correct answers over answers) with its 95% Wilson interval; "
+        "then vs MHA: the seed-paired difference of the per-seed accuracies ± its 95% Student t "
+        "interval; positive is better.",
     ]
 
 
@@ -152,10 +158,18 @@ def other_budgets_note(rows: list[dict]) -> list[str]:
 
 
 def recall_cells(row: dict, distance: int | None) -> dict[str, str]:
-    """A row's accuracies: '0.912 (0.897-0.925) @64, +0.0100 ± 0.0200 vs MHA' (@64 only off
-    distance), or '-'."""
-    cells = dict.fromkeys(("induction_acc", "mqar_acc"), "-")
-    for key in [key for key in cells if row.get(key) is not None]:
+    """A row's recall cells: the runs that solved each task ('3/5 (0.147-0.947), acc 0.981') and
+    the accuracies ('0.912 (0.897-0.925) @64, +0.0100 ± 0.0200 vs MHA': @64 only off distance), or
+    '-'."""
+    cells = dict.fromkeys(("induction_solved", "induction_acc", "mqar_solved", "mqar_acc"), "-")
+    for task in ("induction", "mqar"):
+        if row.get(f"{task}_solved") is not None:
+            won = stats.Solved(
+                *(row[f"{task}_{k}"] for k in ("solved", "runs", "solved_low", "solved_high")),
+                row[f"{task}_acc_of_solved"],
+            )
+            cells[f"{task}_solved"] = won.text()
+    for key in [key for key in ("induction_acc", "mqar_acc") if row.get(key) is not None]:
         cells[key] = f"{row[key]:.3f} ({row[f'{key}_low']:.3f}-{row[f'{key}_high']:.3f})"
         if key == "induction_acc" and row["induction_distance"] != distance:
             cells[key] += f" @{row['induction_distance']}"

@@ -1,7 +1,8 @@
 """Statistics over seeds for the comparison report: a mean with its Student t interval, the
 seed-paired difference of two variants with its own interval, the ratio of two decode speeds over
-their repeats with its interval, an accuracy pooled over seeds with its Wilson interval, and the
-sentences that say what they show.
+their repeats with its interval, an accuracy pooled over seeds with its Wilson interval, the runs
+that solved a recall task out of the seeds with a Clopper-Pearson interval, and the sentences that
+say what they show.
 """
 
 import math
@@ -88,6 +89,42 @@ def pooled_accuracy(
         level,
     )
     return Accuracy(correct / n, *proportion_interval(correct, n, level), diff)
+
+
+def exact_interval(k: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The Clopper-Pearson ('exact') interval of the proportion k / n: the beta quantiles
+    B(a/2; k, n - k + 1) and B(1 - a/2; k + 1, n - k), 0 at k = 0 and 1 at k = n (Clopper and
+    Pearson 1934, https://doi.org/10.1093/biomet/26.4.404). For a count of runs, which are few,
+    where Wilson's interval (proportion_interval) falls short of its level."""
+    from scipy.stats import binomtest
+
+    interval = binomtest(k, n).proportion_ci(confidence_level=level, method="exact")
+    return float(interval.low), float(interval.high)
+
+
+@dataclass(frozen=True, slots=True)
+class Solved:
+    k: int  # runs whose accuracy reached the threshold
+    n: int  # runs
+    low: float  # the 95% Clopper-Pearson interval of k / n
+    high: float
+    accuracy: float | None  # the mean accuracy of the k runs; None if none solved it
+
+    def text(self) -> str:
+        """'3/5 (0.147-0.947), acc 0.981': solved in k of n runs, the interval, their accuracy."""
+        solved = "" if self.accuracy is None else f", acc {self.accuracy:.3f}"
+        return f"{self.k}/{self.n} ({self.low:.3f}-{self.high:.3f}){solved}"
+
+
+def solved(accuracies: list[float], threshold: float, level: float = 0.95) -> Solved:
+    """How many runs (one accuracy each) solved a task, an accuracy of threshold or more, out of
+    all, with the exact interval of that proportion, and the mean accuracy of those that did: what
+    describes an all-or-nothing outcome, where a mean accuracy over the runs describes none of
+    them."""
+    won = [a for a in accuracies if a >= threshold]
+    n = len(accuracies)
+    accuracy = statistics.fmean(won) if won else None
+    return Solved(len(won), n, *exact_interval(len(won), n, level), accuracy)
 
 
 def verdict(name: str, reference: str, diff: Estimate | None) -> str:

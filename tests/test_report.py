@@ -213,6 +213,56 @@ def test_the_proportion_interval_is_wilsons_and_stays_inside_0_1() -> None:
     )
 
 
+def test_the_exact_interval_is_clopper_pearsons_at_0_n_and_between() -> None:
+    """Against scipy's beta quantiles and, at 0/n and n/n, the closed form: the interval of 0 of n
+    runs is [0, 1 - (a/2)^(1/n)], of n of n [(a/2)^(1/n), 1]."""
+    from scipy.stats import beta
+
+    for n in (1, 3, 5, 20):
+        assert stats.exact_interval(0, n) == pytest.approx((0, 1 - 0.025 ** (1 / n)), abs=1e-12)
+        assert stats.exact_interval(n, n) == pytest.approx((0.025 ** (1 / n), 1), abs=1e-12)
+    for k, n in ((1, 3), (3, 5), (7, 20)):
+        low, high = beta.ppf(0.025, k, n - k + 1), beta.ppf(0.975, k + 1, n - k)
+        assert stats.exact_interval(k, n) == pytest.approx((low, high), rel=1e-9)
+    # 3 of 5 by hand: the low end solves P(X >= 3 | p) = 0.025, the high end P(X <= 3 | p) = 0.025
+    low, high = stats.exact_interval(3, 5)
+    tail = [
+        sum(math.comb(5, i) * p**i * (1 - p) ** (5 - i) for i in r)
+        for p, r in ((low, range(3, 6)), (high, range(0, 4)))
+    ]
+    assert tail == pytest.approx([0.025, 0.025], rel=1e-7)
+    assert stats.exact_interval(3, 5, level=0.5)[0] == pytest.approx(beta.ppf(0.25, 3, 3))
+
+
+def test_mqar_solved_counts_the_runs_past_the_threshold_with_their_interval(
+    tmp_path: Path,
+) -> None:
+    """MHA's five seeds reach 0.98, 1.0, 0.35, 0.95 and 0.36 on MQAR: solved 3/5 at the default 0.9
+    (their mean accuracy 0.9767, not the five's 0.728), 1/5 at --solved_threshold=0.99; MQA's never:
+    0/5 with no accuracy of the solved."""
+    accuracies = {"mha": [0.98, 1.0, 0.35, 0.95, 0.36], "mqa": [0.36, 0.37, 0.35, 0.4, 0.38]}
+    for name, g in (("mha", 4), ("mqa", 1)):
+        for i, acc in enumerate(accuracies[name]):
+            seed = 1337 + i
+            recall = {"mqar": mqar(round(acc * 1000), 1000)}
+            write_log(tmp_path, name, g, seed, {10: 2.0, 20: 1.5}, recall=recall)
+    _, _, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=5")
+    mha, mqa = rows["mha"], rows["mqa"]
+    assert (mha["mqar_solved"], mha["mqar_runs"]) == ("3", "5")
+    assert float(mha["mqar_acc_of_solved"]) == pytest.approx((0.98 + 1.0 + 0.95) / 3, rel=1e-12)
+    low, high = float(mha["mqar_solved_low"]), float(mha["mqar_solved_high"])
+    assert (low, high) == pytest.approx(stats.exact_interval(3, 5), rel=1e-12)
+    assert (mqa["mqar_solved"], mqa["mqar_acc_of_solved"]) == ("0", "")
+    assert float(mqa["mqar_solved_high"]) == pytest.approx(1 - 0.025 ** (1 / 5), rel=1e-12)
+    md = (tmp_path / "report.md").read_text()
+    assert f"| 3/5 ({low:.3f}-{high:.3f}), acc {(0.98 + 1.0 + 0.95) / 3:.3f} |" in md
+    assert f"| 0/5 (0.000-{1 - 0.025 ** (1 / 5):.3f}) |" in md
+    assert "| MQAR solved (>= 0.9) |" in md
+    _, _, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=5", "--solved_threshold=0.99")
+    assert rows["mha"]["mqar_solved"] == "1"
+    assert "| MQAR solved (>= 0.99) |" in (tmp_path / "report.md").read_text()
+
+
 def induction(*results: tuple[int, int, int, float]) -> list[dict]:
     """recall's induction results from (distance, correct, n, loss) tuples."""
     return [
@@ -296,7 +346,10 @@ def test_recall_accuracies_are_pooled_over_seeds_and_paired_against_mha(tmp_path
         f"| {130 / 300:.3f} ({low:.3f}-{high:.3f}), -0.2250 ± {T_975_1 * 0.05 / 2:.4f} vs MHA |"
         in md
     )
-    assert "| induction acc @16 | MQAR acc |" in md and "| - | - |" in md  # gqa2's cells
+    header = (
+        "| induction solved (>= 0.9) @16 | induction acc @16 | MQAR solved (>= 0.9) | MQAR acc |"
+    )
+    assert header in md and "| - | - | - | - |" in md  # gqa2's cells
     assert "pooled over seeds (correct answers over answers) with its 95% Wilson interval" in md
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
