@@ -23,7 +23,8 @@ class TextConfig:
     out_dir: str = ""  # the dataset folder to write, e.g. data/mytext
     tokenizer: str = "char"  # 'char', 'gpt2', or 'bpe' (a byte-level BPE trained on the input)
     vocab_size: int | None = None  # bpe: tokens to train, bytes and <|endoftext|> included
-    val_fraction: float = 0.1
+    val_fraction: float = 0.05  # the held-out tail: val, then test (a tenth in all, as nanoGPT)
+    test_fraction: float = 0.05  # 0: no test split
 
 
 def main(cfg: TextConfig) -> None:
@@ -33,7 +34,12 @@ def main(cfg: TextConfig) -> None:
             "--vocab_size=N]"
         )
     prepare_text(
-        read_text(cfg.input), Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction, cfg.vocab_size
+        read_text(cfg.input),
+        Path(cfg.out_dir),
+        cfg.tokenizer,
+        cfg.val_fraction,
+        cfg.vocab_size,
+        cfg.test_fraction,
     )
 
 

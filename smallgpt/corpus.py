@@ -74,15 +74,17 @@ def prepare_corpus(
     text_field: str = "text",
     source: str = "the corpus",
     local: bool = True,
+    test_split: bool = True,
 ) -> None:
     """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every
-    val_every-th document into val.bin and the others into train.bin (uint16), through
-    dataset.writing_dataset: an interrupted or failed run leaves the previous dataset intact; a
-    re-run starts over."""
+    val_every-th document into val.bin (with test_split, the one after it into test.bin) and the
+    others into train.bin (uint16), through dataset.writing_dataset: an interrupted or failed run
+    leaves the previous dataset intact; a re-run starts over."""
     enc = gpt2_encoding()
     ds = tokenized(ds, enc, text_field, max_docs, num_proc)
-    counts = write_splits(ds, out_dir, val_every, enc.n_vocab, source, local)
-    print(f"wrote {out_dir}: {counts['train']:,} train and {counts['val']:,} val tokens")
+    counts = write_splits(ds, out_dir, val_every, enc.n_vocab, source, local, test_split)
+    written = ", ".join(f"{n:,} {split}" for split, n in counts.items())
+    print(f"wrote {out_dir}: {written} tokens")
 
 
 def tokenized(ds: object, enc: Any, text_field: str, max_docs: int | None, num_proc: int) -> object:
@@ -113,19 +115,31 @@ def tokenized(ds: object, enc: Any, text_field: str, max_docs: int | None, num_p
 
 
 def write_splits(
-    ds: object, out_dir: Path, val_every: int, vocab_size: int, source: str, local: bool
+    ds: object,
+    out_dir: Path,
+    val_every: int,
+    vocab_size: int,
+    source: str,
+    local: bool,
+    test_split: bool = True,
 ) -> dict[str, int]:
-    """Every val_every-th document's ids into out_dir's val.bin, the others into train.bin
-    (uint16), and the tokens each split got."""
+    """Every val_every-th document's ids into out_dir's val.bin (with test_split, the next
+    document's into test.bin), the others into train.bin (uint16), and the tokens each split
+    got."""
     from tqdm import tqdm
 
-    counts = {"train": 0, "val": 0}
+    counts = {"train": 0, "val": 0, **({"test": 0} if test_split else {})}
+    names = tuple(f"{split}.bin" for split in counts)
     i = -1
     # the files are renamed into place only after the last document: an error leaves a dataset in
     # out_dir as it was
-    with writing_dataset(out_dir) as (files, meta), reading(source, local):
+    with writing_dataset(out_dir, names) as (files, meta), reading(source, local):
         for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
-            split = "val" if i % val_every == 0 else "train"
+            split = "train"
+            if i % val_every == 0:
+                split = "val"
+            elif test_split and i % val_every == 1:
+                split = "test"
             ids = np.asarray(example["ids"], dtype=np.uint16)
             files[f"{split}.bin"].write(ids.tobytes())
             counts[split] += len(example["ids"])
@@ -140,8 +154,7 @@ def write_splits(
             tokenizer="gpt2",
             vocab_size=vocab_size,
             dtype="uint16",
-            train_tokens=counts["train"],
-            val_tokens=counts["val"],
+            **{f"{split}_tokens": n for split, n in counts.items()},
         )
     return counts
 
@@ -155,17 +168,19 @@ class CorpusConfig:
     num_proc: int = 8  # tokenising processes (not used when streaming)
     streaming: bool = False  # read the hub dataset as a stream: little disk, one process
     val_every: int = 2000  # every N-th document goes to val (0.05%, as nanoGPT)
+    test_split: bool = True  # the document after each val one goes to test
     max_docs: int | None = None
     subset: str | None = None  # the hub dataset's configuration, if it has several
 
     def __post_init__(self) -> None:
         if (
-            self.val_every < 2
+            self.val_every < 2 + self.test_split
             or self.num_proc < 1
             or (self.max_docs is not None and self.max_docs < 1)
         ):
             raise ValueError(
-                f"val_every={self.val_every} must be at least 2, num_proc={self.num_proc} and "
+                f"val_every={self.val_every} must be at least {2 + self.test_split} (test_split="
+                f"{self.test_split}), num_proc={self.num_proc} and "
                 f"max_docs={self.max_docs} positive"
             )
 
@@ -180,4 +195,5 @@ def prepare_hub_corpus(cfg: CorpusConfig, hub_id: str) -> None:
         cfg.max_docs,
         source=cfg.input or hub_id,
         local=bool(cfg.input),
+        test_split=cfg.test_split,
     )

@@ -1,5 +1,7 @@
 """Token datasets on disk, as nanoGPT lays them out: data/<name>/{train,val}.bin (flat token ids) +
-meta.json, and the training batches drawn from them.
+meta.json, and the training batches drawn from them. A dataset may hold a test split too, test.bin:
+read only at a run's end, so that a choice made on val (a learning rate, compare.py --lrs) is
+measured on tokens it never saw.
 
 meta.json (JSON, not pickle, so loading a dataset cannot run code) holds the token dtype, vocab_size
 and the tokenizer: 'char' with its character list, 'gpt2' (tiktoken BPE), or 'bpe' (a byte-level BPE
@@ -58,29 +60,35 @@ def writing_dataset(
             json.dump(meta, f, indent=1)
 
 
-def write_dataset(out_dir: Path, train_ids: np.ndarray, val_ids: np.ndarray, meta: dict) -> None:
-    """Write train.bin, val.bin (and a 'bpe' meta's tokenizer.json), then meta.json
-    (writing_dataset)."""
+def write_dataset(
+    out_dir: Path,
+    train_ids: np.ndarray,
+    val_ids: np.ndarray,
+    meta: dict,
+    test_ids: np.ndarray | None = None,
+) -> None:
+    """Write train.bin, val.bin (test.bin, given test_ids; a 'bpe' meta's tokenizer.json), then
+    meta.json (writing_dataset)."""
     dtype = token_dtype(meta["vocab_size"])
     bpe = meta.get("bpe")
-    names = ("train.bin", "val.bin")
+    splits = {"train": train_ids, "val": val_ids}
+    if test_ids is not None:
+        splits["test"] = test_ids
+    names = tuple(f"{split}.bin" for split in splits)
     if bpe is not None:
         names += (BPE_FILE,)
     with writing_dataset(out_dir, names) as (files, written):
         if bpe is not None:
             files[BPE_FILE].write(bpe.encode())
-        for split, ids in (("train", train_ids), ("val", val_ids)):
+        for split, ids in splits.items():
             files[f"{split}.bin"].write(np.asarray(ids, dtype=dtype).tobytes())
         written.update(
             {k: v for k, v in meta.items() if k != "bpe"},
             dtype=dtype.name,
-            train_tokens=int(len(train_ids)),
-            val_tokens=int(len(val_ids)),
+            **{f"{split}_tokens": int(len(ids)) for split, ids in splits.items()},
         )
-    print(
-        f"wrote {out_dir}: {len(train_ids):,} train and {len(val_ids):,} val tokens, vocab_size "
-        f"{meta['vocab_size']}"
-    )
+    counts = ", ".join(f"{len(ids):,} {split}" for split, ids in splits.items())
+    print(f"wrote {out_dir}: {counts} tokens, vocab_size {meta['vocab_size']}")
 
 
 def load_meta(path: Path) -> dict:
@@ -115,7 +123,7 @@ def meta_problems(meta: object) -> list[str]:
     on."""
     if not isinstance(meta, dict):
         return ["not a JSON object"]
-    counts = ("vocab_size", "train_tokens", "val_tokens")
+    counts = ("vocab_size", *(f"{split}_tokens" for split in splits_of(meta)))
     problems = [
         f"{k} is {meta.get(k)!r}, not a whole number"
         for k in counts
@@ -130,11 +138,11 @@ def meta_problems(meta: object) -> list[str]:
     examples = meta.get("example_tokens")
     if examples is not None:
         whole = isinstance(examples, int) and examples > 1
-        splits = [meta.get(k) for k in ("train_tokens", "val_tokens")]
+        splits = [meta.get(f"{split}_tokens") for split in splits_of(meta)]
         if not whole or any(isinstance(n, int) and n % examples for n in splits):
             problems.append(
-                f"example_tokens is {examples!r}, not a whole number above 1 that divides both "
-                "splits"
+                f"example_tokens is {examples!r}, not a whole number above 1 that divides every "
+                "split"
             )
     if meta.get("tokenizer") not in ("char", "gpt2", "bpe"):
         problems.append(f"tokenizer is {meta.get('tokenizer')!r}, not char, gpt2 or bpe")
@@ -149,6 +157,12 @@ def meta_problems(meta: object) -> list[str]:
                 f"{meta.get('vocab_size')}"
             )
     return problems
+
+
+def splits_of(meta: dict) -> tuple[str, ...]:
+    """The dataset's splits: train and val, and test where it has one (one prepared before test
+    splits existed has none)."""
+    return ("train", "val", "test") if "test_tokens" in meta else ("train", "val")
 
 
 def vocab_size_of(dataset: str) -> int | None:
@@ -201,7 +215,8 @@ class Batches:
             )
         # each split's file as this run first read it: another preparation replaces the file
         self.stamps = {}
-        for split in ("train", "val"):
+        self.splits = splits_of(self.meta)
+        for split in self.splits:
             n = len(open_tokens(path, split, self.meta))
             if n <= block_size:
                 raise UserError(
@@ -252,7 +267,13 @@ class Batches:
 
     def eval(self, split: str, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k-th eval batch of split: the same at every eval."""
-        return self.get(split, 1, ("train", "val").index(split), k)
+        return self.get(split, 1, ("train", "val", "test").index(split), k)
+
+    @property
+    def held_out(self) -> str:
+        """The split a run's final figures are measured on: test where the dataset has one, else
+        val."""
+        return self.splits[-1]
 
 
 def stamp(file: Path) -> tuple[int, int, int]:
@@ -261,14 +282,25 @@ def stamp(file: Path) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def split_ids(ids: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    n = int(len(ids) * (1 - val_fraction))
-    if not 0 < val_fraction < 1 or not 0 < n < len(ids):
+def split_ids(
+    ids: np.ndarray, val_fraction: float = 0.05, test_fraction: float = 0.05
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """ids cut into train, val and test, in that order (test None at test_fraction 0): the last
+    tenth held out by default, as nanoGPT's val, in two halves."""
+    n_train = int(len(ids) * (1 - (val_fraction + test_fraction)))  # 0.05 + 0.05: nanoGPT's 0.9
+    n_val = n_train + int(len(ids) * val_fraction) if test_fraction else len(ids)
+    fractions = f"val_fraction={val_fraction}, test_fraction={test_fraction}"
+    if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
         raise UserError(
-            f"{len(ids)} tokens at val_fraction={val_fraction} leave a split empty: val_fraction "
-            "must be in (0, 1), and the text long enough for both"
+            f"{fractions}: val_fraction must be in (0, 1), test_fraction in [0, 1), their sum "
+            "below 1"
         )
-    return ids[:n], ids[n:]
+    if not 0 < n_train < n_val <= len(ids) or (test_fraction and n_val == len(ids)):
+        raise UserError(
+            f"{len(ids)} tokens at {fractions} leave a split empty: the text must be long enough "
+            "for each"
+        )
+    return ids[:n_train], ids[n_train:n_val], ids[n_val:] if test_fraction else None
 
 
 def read_text(path: str, what: str = "input file") -> str:
@@ -297,11 +329,12 @@ def prepare_text(
     text: str,
     out_dir: Path,
     tokenizer: str = "char",
-    val_fraction: float = 0.1,
+    val_fraction: float = 0.05,
     vocab_size: int | None = None,
+    test_fraction: float = 0.05,
 ) -> None:
     """Tokenise one text (char-level, GPT-2 BPE, or a BPE of vocab_size trained on it) and write it
-    as a dataset with a train/val split."""
+    as a dataset with train, val and (test_fraction above 0) test splits."""
     if not text:
         raise UserError("the text is empty: nothing to make a dataset of")
     if vocab_size is not None and tokenizer != "bpe":
@@ -331,5 +364,5 @@ def prepare_text(
     else:
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char', 'gpt2' or 'bpe'")
 
-    train_ids, val_ids = split_ids(ids, val_fraction)
-    write_dataset(out_dir, train_ids, val_ids, meta)
+    train_ids, val_ids, test_ids = split_ids(ids, val_fraction, test_fraction)
+    write_dataset(out_dir, train_ids, val_ids, meta, test_ids)

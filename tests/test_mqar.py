@@ -14,16 +14,19 @@ from smallgpt.errors import UserError
 from smallgpt.tokenizer import load_tokenizer
 
 SCRIPT = "data/mqar/prepare.py"
-FILES = ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin", "meta.json")
+FILES = (
+    *(f"{split}{kind}.bin" for split in ("train", "val", "test") for kind in ("", "_mask")),
+    "meta.json",
+)
 # P=6 pairs, Q=4 queries (fewer than P), 30 tokens (10 of them filler), keys 0..15, values 16..25
 TASK = dict(num_pairs=6, num_queries=4, key_vocab=16, value_vocab=10, seq_len=30)
 P, Q, K, V, L = TASK.values()
 
 
 def prepare(out: Path, *flags: str, **knobs: int) -> str:
-    """Run the real prepare script (400 train and 100 val examples unless knobs say otherwise); its
-    stdout."""
-    knobs = dict(train_examples=400, val_examples=100) | knobs
+    """Run the real prepare script (400 train, 100 val and 100 test examples unless knobs say
+    otherwise); its stdout."""
+    knobs = dict(train_examples=400, val_examples=100, test_examples=100) | knobs
     return run(
         [SCRIPT, f"--out_dir={out}", *flags, *(f"--{k}={v}" for k, v in knobs.items())]
     ).stdout
@@ -53,11 +56,13 @@ def test_splits_are_disjoint_and_meta_is_as_asked(task: Path, tmp_path: Path) ->
         meta["example_tokens"] == L
         and meta["train_tokens"] == 400 * L
         and meta["val_tokens"] == 100 * L
+        and meta["test_tokens"] == 100 * L
     )
     assert meta["chars"] == [chr(0x4E00 + i) for i in range(K + V)]
-    train, val = examples(task, "train")[0], examples(task, "val")[0]
-    assert train.shape == (400, L) and val.shape == (100, L)
-    assert not {row.tobytes() for row in train} & {row.tobytes() for row in val}
+    train, val, test = (examples(task, split)[0] for split in ("train", "val", "test"))
+    assert train.shape == (400, L) and val.shape == (100, L) and test.shape == (100, L)
+    rows = [{row.tobytes() for row in split} for split in (train, val, test)]
+    assert not rows[0] & rows[1] and not rows[0] & rows[2] and not rows[1] & rows[2]
     text = load_tokenizer(meta).decode(
         val[0].tolist()
     )  # samples decode as CJK characters, one a token
@@ -65,16 +70,17 @@ def test_splits_are_disjoint_and_meta_is_as_asked(task: Path, tmp_path: Path) ->
     # a task of 216 distinct examples (4*3 key orders, 3*3 values, 2 queries): 400 train draws hold
     # most of them
     small = tmp_path / "small"
-    printed = prepare(
-        small, num_pairs=2, num_queries=1, key_vocab=4, value_vocab=3, val_examples=20
-    )
-    rejected = int(re.search(r"\(([\d,]+) val draws rejected", printed)[1].replace(",", ""))
-    train, val = examples(small, "train")[0], examples(small, "val")[0]
-    assert (
-        rejected > 20
-        and len(val) == 20
-        and not {row.tobytes() for row in train} & {row.tobytes() for row in val}
-    )
+    knobs = dict(num_pairs=2, num_queries=1, key_vocab=4, value_vocab=3)
+    printed = prepare(small, **knobs, val_examples=20, test_examples=20)
+    rejected = int(re.search(r"\(([\d,]+) held-out draws rejected", printed)[1].replace(",", ""))
+    train, val, test = (examples(small, split)[0] for split in ("train", "val", "test"))
+    rows = [{row.tobytes() for row in split} for split in (train, val, test)]
+    assert rejected > 40 and len(val) == len(test) == 20
+    assert not rows[0] & rows[1] and not rows[0] & rows[2] and not rows[1] & rows[2]
+    # without a test split, val is the same examples: test is drawn after it
+    prepare(tmp_path / "no-test", **knobs, val_examples=20, test_examples=0)
+    assert "test_tokens" not in load_meta(tmp_path / "no-test")
+    assert np.array_equal(examples(tmp_path / "no-test", "val")[0], val)
 
 
 def test_every_answer_is_the_value_of_its_query_key(task: Path) -> None:
@@ -137,6 +143,7 @@ def test_the_same_seed_gives_the_same_files(tmp_path: Path) -> None:
         (["--value_vocab=-1"], "value_vocab=-1"),
         (["--train_examples=0"], "train_examples=0"),
         (["--val_examples=0"], "val_examples=0"),
+        (["--test_examples=-1"], "test_examples=-1 must be 0 or more"),
         (["--key_vocab=10000", "--value_vocab=10001"], "key_vocab + value_vocab = 20001 > 20000"),
         (
             ["--num_pairs=1", "--key_vocab=1", "--value_vocab=1"],
@@ -193,12 +200,16 @@ def test_a_damaged_example_length_or_a_missing_mask_is_one_line(task: Path, tmp_
     meta = json.loads((damaged / "meta.json").read_text())
     (damaged / "meta.json").write_text(
         json.dumps(meta | {"example_tokens": L + 1})
-    )  # divides neither split
+    )  # divides no split
     with pytest.raises(
-        UserError, match=f"example_tokens is {L + 1}, not a whole number above 1 that divides both"
+        UserError,
+        match=f"example_tokens is {L + 1}, not a whole number above 1 that divides every split",
     ):
         Batches(damaged, L, 4, 0, "cpu")
     (damaged / "meta.json").write_text(json.dumps(meta))
+    (damaged / "test_mask.bin").unlink()
+    with pytest.raises(UserError, match="test_mask.bin is missing; prepare the dataset again"):
+        Batches(damaged, L - 1, 4, 0, "cpu")
     (damaged / "val_mask.bin").unlink()
     with pytest.raises(UserError, match="val_mask.bin is missing; prepare the dataset again"):
         Batches(damaged, L - 1, 4, 0, "cpu")

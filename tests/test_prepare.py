@@ -19,16 +19,18 @@ def test_pycode_char_is_deterministic_and_round_trips(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
         run(["data/pycode_char/prepare.py", f"--out_dir={out}"])
-    for name in ("train.bin", "val.bin", "meta.json"):
+    for name in ("train.bin", "val.bin", "test.bin", "meta.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
     meta = load_meta(a)
-    train, val = open_tokens(a, "train", meta), open_tokens(a, "val", meta)
+    train, val, test = (open_tokens(a, split, meta) for split in ("train", "val", "test"))
     assert (
         meta["tokenizer"] == "char"
         and meta["dtype"] == "uint16"
         and meta["vocab_size"] == len(meta["chars"])
     )
-    assert abs(len(val) / (len(train) + len(val)) - 0.1) < 1e-3
+    # nanoGPT's 90/10, the tenth held out in two halves: val, then test
+    whole = len(train) + len(val) + len(test)
+    assert len(train) == int(whole * 0.9) and len(val) == int(whole * 0.05)
     assert len(train) > 1_000_000 and int(train.max()) < meta["vocab_size"]
     text = load_tokenizer(meta).decode(train[:50000].tolist())
     assert text.startswith("# ") and "def " in text and "import " in text
@@ -70,8 +72,13 @@ def test_shakespeare_from_a_local_file(tmp_path: Path) -> None:
     out = tmp_path / "shakespeare"
     run(["data/shakespeare_char/prepare.py", f"--input={src}", f"--out_dir={out}"])
     meta = load_meta(out)
-    ids = np.concatenate([open_tokens(out, "train", meta), open_tokens(out, "val", meta)])
+    ids = np.concatenate([open_tokens(out, split, meta) for split in ("train", "val", "test")])
     assert load_tokenizer(meta).decode(ids.tolist()) == src.read_text()
+    assert [meta[f"{split}_tokens"] for split in ("train", "val", "test")] == [
+        2745,
+        152,
+        153,
+    ]  # 3,050 characters
 
 
 def test_any_text_file_as_char_or_bpe_dataset(tmp_path: Path) -> None:
@@ -89,9 +96,17 @@ def test_any_text_file_as_char_or_bpe_dataset(tmp_path: Path) -> None:
     meta = json.loads((tmp_path / "bpe" / "meta.json").read_text())
     assert meta["tokenizer"] == "gpt2" and meta["vocab_size"] == 257
     ids = np.concatenate(
-        [open_tokens(tmp_path / "bpe", "train", meta), open_tokens(tmp_path / "bpe", "val", meta)]
+        [open_tokens(tmp_path / "bpe", split, meta) for split in ("train", "val", "test")]
     )
     assert ids.tolist() == list(src.read_bytes())
+    # no test split: the held-out tail is val alone, as before test splits
+    run(
+        ["dataset.py", f"--input={src}", f"--out_dir={tmp_path / 'two'}", "--val_fraction=0.1"]
+        + ["--test_fraction=0"]
+    )
+    meta = load_meta(tmp_path / "two")
+    assert "test_tokens" not in meta and not (tmp_path / "two" / "test.bin").exists()
+    assert (meta["train_tokens"], meta["val_tokens"]) == (1620, 180)
 
 
 def test_gpt2_bpe_offline_is_a_clear_error(tmp_path: Path) -> None:
@@ -163,20 +178,21 @@ def test_corpus_pipeline_on_local_parquet(script: str, tmp_path: Path, tiny_bpe:
             ],
             env=tiny_bpe,
         )
-        assert "train and" in r.stdout
+        assert " train, " in r.stdout and " test tokens" in r.stdout
         outs.append(out)
     meta = load_meta(outs[0])
-    train, val = open_tokens(outs[0], "train", meta), open_tokens(outs[0], "val", meta)
+    train, val, test = (open_tokens(outs[0], split, meta) for split in ("train", "val", "test"))
     eot = 256
     assert meta["tokenizer"] == "gpt2" and meta["dtype"] == "uint16"
-    assert (
-        int((val == eot).sum()) == 3 and int((train == eot).sum()) == 27
-    )  # documents 0, 10, 20 go to val
+    # documents 0, 10, 20 go to val, 1, 11, 21 to test
+    assert [int((ids == eot).sum()) for ids in (train, val, test)] == [24, 3, 3]
     assert bytes(val[: val.tolist().index(eot)].tolist()).decode() == docs[0]
-    assert bytes(train[: train.tolist().index(eot)].tolist()).decode() == docs[1]
+    assert bytes(test[: test.tolist().index(eot)].tolist()).decode() == docs[1]
+    assert bytes(train[: train.tolist().index(eot)].tolist()).decode() == docs[2]
     for name in (
         "train.bin",
         "val.bin",
+        "test.bin",
         "meta.json",
     ):  # streaming gives the same files; a re-run overwrites whole
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
@@ -192,7 +208,7 @@ def test_corpus_pipeline_on_local_parquet(script: str, tmp_path: Path, tiny_bpe:
                 f"--input={tmp_path / 'bad.parquet'}",
                 f"--out_dir={outs[0]}",
                 "--num_proc=1",
-                "--val_every=2",
+                "--val_every=3",
                 f"--streaming={streaming}",
             ],
             env=tiny_bpe,
@@ -238,7 +254,13 @@ def test_corpus_offline_is_one_clear_line(tmp_path: Path) -> None:
     [
         (b"", [], "the text is empty"),
         (b"ab\xffcd", [], "is not UTF-8 text (invalid start byte at byte 2)"),
-        (b"hello world", ["--val_fraction=0"], "11 tokens at val_fraction=0.0 leave a split empty"),
+        (
+            b"hello world",
+            ["--val_fraction=0.01"],
+            "11 tokens at val_fraction=0.01, test_fraction=0.05 leave a split empty",
+        ),
+        (b"hello world", ["--val_fraction=0"], "val_fraction must be in (0, 1)"),
+        (b"hello world", ["--val_fraction=0.5", "--test_fraction=0.5"], "their sum below 1"),
         (b"hello world", ["--val_fraction=1.5"], "val_fraction must be in (0, 1)"),
         (None, [], "is not a file"),
     ],
@@ -319,7 +341,11 @@ def test_malformed_meta_json_is_one_line(tmp_path: Path, meta: object, message: 
 def test_bad_preparer_settings_are_one_line(tmp_path: Path) -> None:
     for args, message in (
         (["data/pycode_char/prepare.py", "--max_chars=0"], "max_chars=0 must be at least 2"),
-        (["data/openwebtext/prepare.py", "--val_every=0"], "val_every=0 must be at least 2"),
+        (["data/openwebtext/prepare.py", "--val_every=0"], "val_every=0 must be at least 3"),
+        (
+            ["data/openwebtext/prepare.py", "--val_every=2"],
+            "val_every=2 must be at least 3 (test_split=True)",
+        ),
     ):
         r = cli([*args, f"--out_dir={tmp_path / 'd'}"])
         assert r.returncode == 2 and message in r.stderr and not (tmp_path / "d").exists()

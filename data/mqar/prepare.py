@@ -6,7 +6,8 @@ Each example of seq_len tokens: P key-value pairs `k1 v1 ... kP vP`, seq_len - 2
 tokens, Q queries `q1 a1 ... qQ aQ`. Keys: distinct, from the key vocabulary (ids 0..K-1); values
 and filler: from the value vocabulary (ids K..K+V-1), with replacement; q_j: Q distinct keys of the
 example's P, in random order; a_j: q_j's value. The loss mask is 1 exactly at the answers a_j; no
-val example equals a train example. Train with --block_size=<seq_len - 1>.
+val or test example equals a train example, and no test example a val one (a learning rate chosen on
+val is measured on examples it never saw). Train with --block_size=<seq_len - 1>.
 """
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ class PrepareConfig:
     seq_len: int | None = None  # tokens per example, at least 2P + 2Q; None: 2P + 2Q
     train_examples: int = 20000
     val_examples: int = 1000
+    test_examples: int = 1000  # 0: no test split
     seed: int = 1337
 
     def __post_init__(self) -> None:
@@ -48,6 +50,8 @@ class PrepareConfig:
             "train_examples",
             "val_examples",
         )
+        if self.test_examples < 0:
+            raise ValueError(f"test_examples={self.test_examples} must be 0 or more")
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) <= 0]:
             raise ValueError(f"{', '.join(bad)}: sizes and counts must be positive")
         if self.num_queries > self.num_pairs:
@@ -94,48 +98,55 @@ def draw(rng: np.random.Generator, n: int, cfg: PrepareConfig) -> np.ndarray:
     return ex
 
 
+def unseen(
+    rng: np.random.Generator, n: int, seen: set[bytes], cfg: PrepareConfig, split: str
+) -> tuple[np.ndarray, int]:
+    """n examples, none of them among seen (each's bytes), and how many draws were rejected as seen;
+    a UserError after ROUNDS rounds of n draws without n such examples."""
+    out, rejected = np.empty((0, cfg.seq_len), dtype=np.uint16), 0
+    for _ in range(ROUNDS):
+        more = draw(rng, n, cfg)
+        new = np.array([row.tobytes() not in seen for row in more], dtype=bool)
+        out, rejected = np.concatenate([out, more[new]])[:n], rejected + int((~new).sum())
+        if len(out) == n:
+            return out, rejected
+    raise UserError(
+        f"only {len(out)} of {n} {split} examples differ from every earlier split's example after "
+        f"{ROUNDS} rounds: too few distinct examples; raise num_pairs, key_vocab or value_vocab"
+    )
+
+
 def main(cfg: PrepareConfig) -> None:
     rng = np.random.default_rng(cfg.seed)
-    train = draw(rng, cfg.train_examples, cfg)
-    seen = {row.tobytes() for row in train}
-    val, rejected = np.empty((0, cfg.seq_len), dtype=np.uint16), 0
-    for _ in range(ROUNDS):
-        more = draw(rng, cfg.val_examples, cfg)
-        new = np.array([row.tobytes() not in seen for row in more], dtype=bool)
-        val, rejected = (
-            np.concatenate([val, more[new]])[: cfg.val_examples],
-            rejected + int((~new).sum()),
-        )
-        if len(val) == cfg.val_examples:
-            break
-    if len(val) < cfg.val_examples:
-        raise UserError(
-            f"only {len(val)} of {cfg.val_examples} val examples differ from every train example "
-            f"after {ROUNDS} rounds: too few distinct examples; "
-            "raise num_pairs, key_vocab or value_vocab"
-        )
+    splits = {"train": draw(rng, cfg.train_examples, cfg)}
+    seen = {row.tobytes() for row in splits["train"]}
+    rejected = 0
+    # val unlike train, then test unlike both (drawn after val: val is the same with or without it)
+    held_out = {"val": cfg.val_examples, "test": cfg.test_examples}
+    for split, n in [(split, n) for split, n in held_out.items() if n]:
+        splits[split], more = unseen(rng, n, seen, cfg, split)
+        seen |= {row.tobytes() for row in splits[split]}
+        rejected += more
     mask = np.zeros(cfg.seq_len, dtype=np.uint8)
     mask[1 - 2 * cfg.num_queries :: 2] = 1  # the answers
     vocab = cfg.key_vocab + cfg.value_vocab
-    with writing_dataset(
-        Path(cfg.out_dir), ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin")
-    ) as (bins, meta):
-        for split, examples in (("train", train), ("val", val)):
+    names = tuple(f"{split}{kind}.bin" for split in splits for kind in ("", "_mask"))
+    with writing_dataset(Path(cfg.out_dir), names) as (bins, meta):
+        for split, examples in splits.items():
             bins[f"{split}.bin"].write(examples.tobytes())
             bins[f"{split}_mask.bin"].write(np.tile(mask, len(examples)).tobytes())
         meta.update(
             vocab_size=vocab,
             dtype="uint16",
-            train_tokens=train.size,
-            val_tokens=val.size,
+            **{f"{split}_tokens": examples.size for split, examples in splits.items()},
             tokenizer="char",
             chars=[chr(0x4E00 + i) for i in range(vocab)],
             example_tokens=cfg.seq_len,
         )
+    counts = ", ".join(f"{len(examples):,} {split}" for split, examples in splits.items())
     print(
-        f"wrote {cfg.out_dir}: {len(train):,} train and {len(val):,} val examples "
-        f"of {cfg.seq_len} tokens, "
-        f"vocab_size {vocab} ({rejected:,} val draws rejected as train examples)"
+        f"wrote {cfg.out_dir}: {counts} examples of {cfg.seq_len} tokens, vocab_size {vocab} "
+        f"({rejected:,} held-out draws rejected as examples of an earlier split)"
     )
 
 

@@ -2,8 +2,8 @@
 network.
 
 Files come from the running interpreter's stdlib (test folders and site-packages left out) in sorted
-order, so the result is the same bytes on every run with the same Python version. 90/10 train/val
-split.
+order, so the result is the same bytes on every run with the same Python version. 90/5/5
+train/val/test split (nanoGPT's 90/10, its held-out tenth in two halves).
 Usage: python data/pycode_char/prepare.py [--out_dir=data/pycode_char] [--max_chars=N]
 """
 
@@ -26,7 +26,8 @@ SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__
 @dataclass(slots=True)
 class PrepareConfig:
     out_dir: str = str(Path(__file__).resolve().parent)
-    val_fraction: float = 0.1
+    val_fraction: float = 0.05  # the held-out tail: val, then test (a tenth in all, as nanoGPT)
+    test_fraction: float = 0.05  # 0: no test split
     max_chars: int | None = (
         None  # keep only the first N characters (for quick experiments and tests)
     )
@@ -59,7 +60,8 @@ def main(cfg: PrepareConfig) -> None:
     text = "".join(parts)[: cfg.max_chars]
     tok = CharTokenizer.from_text(text)
     meta = tok.meta() | {"source": f"Python {sys.version.split()[0]} stdlib, {len(files)} files"}
-    write_dataset(Path(cfg.out_dir), *split_ids(tok.encode_array(text), cfg.val_fraction), meta)
+    train, val, test = split_ids(tok.encode_array(text), cfg.val_fraction, cfg.test_fraction)
+    write_dataset(Path(cfg.out_dir), train, val, meta, test)
 
 
 if __name__ == "__main__":

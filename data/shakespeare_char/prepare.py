@@ -18,13 +18,16 @@ class PrepareConfig:
     input: str | None = None  # a local copy of the text; None downloads it from url
     url: str = URL
     out_dir: str = str(Path(__file__).resolve().parent)
-    val_fraction: float = 0.1
+    val_fraction: float = 0.05  # the held-out tail: val, then test (a tenth in all, as nanoGPT)
+    test_fraction: float = 0.05  # 0: no test split
     tokenizer: str = "char"  # data/shakespeare/prepare.py runs this with 'gpt2'
 
 
 def main(cfg: PrepareConfig) -> None:
     text = read_text(cfg.input) if cfg.input else download_text(cfg.url)
-    prepare_text(text, Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction)
+    prepare_text(
+        text, Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction, test_fraction=cfg.test_fraction
+    )
 
 
 if __name__ == "__main__":
