@@ -6,7 +6,9 @@ accuracy on the copy), position (the val loss at each context position), mqar (e
 on an MQAR dataset, data/mqar). Seeded: the same model gives the same numbers. A key left out is
 the run's, as its train.py --final_evals used it (tasks, batch_size, eval_iters, seed, dtype, the
 induction segment), so `python eval.py --out_dir=RUN` prints the numbers in the run's log.jsonl
-(on the device it trained on). --dataset must be in the model's own tokens. One JSON line per
+(on the device it trained on): position and mqar read the dataset's test split where it has one, as
+train.py's final evaluation does (--split=val for the other). --dataset must be in the model's own
+tokens. One JSON line per
 measure at the end, as bench.py prints.
 """
 
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 
 from smallgpt import checkpoint, recall, runtime
 from smallgpt.checkpoint import Run, Source, load_run, parse_source
-from smallgpt.data import Batches, data_dir, load_meta
+from smallgpt.data import Batches, data_dir, load_meta, splits_of
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -32,7 +34,8 @@ class EvalConfig:
     out_dir: str = "out"
     # None below: the run's own value (what its --final_evals used), else the one after it
     tasks: list[str] | None = None  # of induction, position, mqar: its final_evals, else the 1st 2
-    dataset: str = ""  # position and mqar read its val split; empty: the run's own dataset
+    dataset: str = ""  # position and mqar read its split; empty: the run's own dataset
+    split: str = "held_out"  # position and mqar's: val, test, or held_out (test if there, else val)
     distances: list[int] = field(default_factory=list)  # induction's; empty: doubling to block_size
     induction_length: int | None = None  # the copied segment's tokens; 16, or block_size // 4
     examples: int = 256  # induction sequences per distance, as train.py's --final_evals
@@ -54,6 +57,8 @@ class EvalConfig:
         problems += recall.task_problems("tasks", self.tasks or [])
         if self.seed is not None and self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
+        if self.split not in ("val", "test", "held_out"):
+            problems.append(f"split={self.split!r} must be val, test or held_out")
         if self.dtype is not None and self.dtype not in DTYPES:
             problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if problems:
@@ -99,14 +104,21 @@ def main(cfg: EvalConfig) -> None:
     reads_data = [t for t in cfg.tasks if t in ("position", "mqar")]
     if reads_data and not dataset:
         raise UserError(
-            f"tasks {', '.join(reads_data)} read a dataset's val split and "
+            f"tasks {', '.join(reads_data)} read a dataset's {cfg.split} split and "
             f"{cfg.init_from} names none: give --dataset=..."
         )
     data = data_dir(dataset) if reads_data else None
+    split = cfg.split
     if data is not None:  # before any work: the model's own tokens, and a dataset the tasks fit
         meta = load_meta(data)
         check_tokens(run, source, meta, dataset, name)
         recall.check_dataset(reads_data, meta, block_size, str(data))
+        split = splits_of(meta)[-1] if split == "held_out" else split
+        if split not in splits_of(meta):
+            raise UserError(
+                f"split=test: {data} has no test split (prepared before there were test splits): "
+                "prepare it again, or use --split=val"
+            )
 
     place = runtime.place(cfg.device, cfg.dtype, model.config.n_embd, training=False)
     model = model.to(place.device)
@@ -129,6 +141,7 @@ def main(cfg: EvalConfig) -> None:
         cfg.seed,
         place.autocast(),
         cfg.progress,
+        split,
     )
     for row in measures(results):
         print(json.dumps(row))

@@ -38,12 +38,16 @@ RUN_TEMPS = r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: Batches, eval_iters: int, amp: AbstractContextManager
+    model: torch.nn.Module,
+    batches: Batches,
+    eval_iters: int,
+    amp: AbstractContextManager,
+    splits: tuple[str, ...] = ("train", "val"),
 ) -> dict[str, float]:
-    """Mean train and val loss over eval_iters fixed batches each."""
+    """Mean loss over eval_iters fixed batches of each split."""
     model.eval()
     out = {}
-    for split in ("train", "val"):
+    for split in splits:
         losses = torch.zeros(eval_iters)
         for k in range(eval_iters):
             with amp:
@@ -362,19 +366,27 @@ class Trainer:
     def evaluate_and_save(self, lr: float, rng: list[dict]) -> None:
         """Evaluate, log, and save a checkpoint if val loss improved (or always_save_checkpoint)."""
         cfg = self.cfg
-        losses = evaluate(self.model, self.batches, cfg.eval_iters, self.amp)
+        final = self.iter_num == cfg.max_iters or cfg.eval_only
+        # the test split, where the dataset has one, at the final evaluation only: what a choice
+        # made on val (compare.py --lrs) is measured on
+        splits = self.batches.splits if final else ("train", "val")
+        losses = evaluate(self.model, self.batches, cfg.eval_iters, self.amp, splits)
         if self.sharded:  # every rank evaluated the same batches; all decide as rank 0 does
             losses = sharding.from_rank0(losses)
         val = losses["val"]
         if not math.isfinite(val):
             raise self.diverged("the val loss", val)
         if self.proc.is_master:
-            print(f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {val:.4f}")
+            test = f", test loss {losses['test']:.4f}" if "test" in losses else ""
+            print(
+                f"step {self.iter_num}: train loss {losses['train']:.4f}, val loss {val:.4f}{test}"
+            )
             self.log.write(
                 event="eval",
                 iter=self.iter_num,
                 train_loss=losses["train"],
                 val_loss=val,
+                **({"test_loss": losses["test"]} if "test" in losses else {}),
                 lr=lr,
                 elapsed_s=time.perf_counter() - self.t_start,
             )
@@ -383,7 +395,7 @@ class Trainer:
         if self.iter_num not in (0, self.saved) and not cfg.eval_only and improved:
             self.best_val = min(self.best_val, val)
             self.save(rng)
-        if cfg.final_evals and (self.iter_num == cfg.max_iters or cfg.eval_only):
+        if cfg.final_evals and final:
             self.final_evals()
         self.t_last = time.perf_counter()  # ms/iter leaves evaluation out
 
@@ -391,6 +403,7 @@ class Trainer:
         """smallgpt/recall.py's tasks on the final model (induction, position, MQAR), in one
         record."""
         cfg = self.cfg
+        split = self.batches.held_out  # what position and mqar read
         results = recall.run_tasks(
             cfg.final_evals,
             self.model,
@@ -399,11 +412,14 @@ class Trainer:
             batch_size=cfg.batch_size,
             seed=cfg.seed,
             amp=self.amp,
+            split=split,
         )
         if self.proc.is_master:
             print(f"step {self.iter_num}: {recall.summary_line(results)}")
             elapsed = time.perf_counter() - self.t_start
-            self.log.write(event="recall", iter=self.iter_num, **results, elapsed_s=elapsed)
+            self.log.write(
+                event="recall", iter=self.iter_num, split=split, **results, elapsed_s=elapsed
+            )
             self.log.summarize(recall.flat(results))
 
     def log_progress(self, lr: float) -> None:

@@ -180,14 +180,15 @@ def loss_by_position(
     eval_iters: int,
     amp: AbstractContextManager | None = None,
     progress: bool = False,
+    split: str = "val",
 ) -> list[float | None]:
-    """The mean loss at each context position 0..block_size-1 over the val split's eval_iters
-    evaluation batches (the ones train.py's val loss averages); None where no target counts (an MQAR
-    dataset's non-answers)."""
+    """The mean loss at each context position 0..block_size-1 over the split's eval_iters
+    evaluation batches (the ones train.py's loss on that split averages); None where no target
+    counts (an MQAR dataset's non-answers)."""
     total = torch.zeros(batches.block_size, dtype=torch.float64)
     count = torch.zeros(batches.block_size, dtype=torch.float64)
     for k in tqdm(range(eval_iters), desc="loss by position", disable=not progress):
-        loss, _ = token_losses(model, *batches.eval("val", k), amp)
+        loss, _ = token_losses(model, *batches.eval(split, k), amp)
         known = ~loss.isnan()
         total += torch.where(known, loss, 0.0).sum(0)
         count += known.sum(0)
@@ -200,14 +201,15 @@ def mqar(
     eval_iters: int,
     amp: AbstractContextManager | None = None,
     progress: bool = False,
+    split: str = "val",
 ) -> dict:
-    """Exact-match accuracy on the answers of an MQAR dataset's val examples (its eval_iters
+    """Exact-match accuracy on the answers of an MQAR dataset's examples of split (its eval_iters
     evaluation batches): the top token at each answer position is the value of the key just
     queried."""
     check_mqar(batches.meta, str(batches.path))
     correct = n = 0
     for k in tqdm(range(eval_iters), desc="mqar", disable=not progress):
-        idx, targets = batches.eval("val", k)
+        idx, targets = batches.eval(split, k)
         _, hit = token_losses(model, idx, targets, amp)
         correct += int(hit.sum())
         n += int((targets >= 0).sum())
@@ -233,9 +235,10 @@ def run_tasks(
     seed: int = 0,
     amp: AbstractContextManager | None = None,
     progress: bool = False,
+    split: str = "val",
 ) -> dict:
     """{task: its result} for each of tasks (TASKS) on the model's device. batches: the dataset's
-    (position and mqar read its val split); vocab: the token ids induction draws from (default: the
+    (position and mqar read its split); vocab: the token ids induction draws from (default: the
     dataset's vocab_size); length: induction's segment, by default 16 tokens or a quarter of the
     context. The model is put in eval mode and back."""
     problems = task_problems("tasks", tasks)
@@ -255,9 +258,9 @@ def run_tasks(
                 model, vocab, distances, length, examples, batch_size, seed, device, amp, progress
             )
         if "position" in tasks:
-            out["position"] = loss_by_position(model, batches, eval_iters, amp, progress)
+            out["position"] = loss_by_position(model, batches, eval_iters, amp, progress, split)
         if "mqar" in tasks:
-            out["mqar"] = mqar(model, batches, eval_iters, amp, progress)
+            out["mqar"] = mqar(model, batches, eval_iters, amp, progress, split)
     finally:
         model.train(training)
     return out

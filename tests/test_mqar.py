@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import cli, read_log, run
+from smallgpt.checkpoint import load_run, parse_source
 from smallgpt.data import Batches, load_meta, open_tokens
 from smallgpt.errors import UserError
 from smallgpt.tokenizer import load_tokenizer
@@ -180,15 +182,40 @@ def test_train_py_trains_on_it(task: Path, tmp_path: Path) -> None:
             "--device=cpu",
             "--dtype=float32",
             f"--out_dir={out}",
+            "--final_evals=[mqar,position]",
+            "--always_save_checkpoint=True",
         ]
     )
-    evals = [r for r in read_log(out) if r["event"] == "eval"]
+    log = read_log(out)
+    evals = [r for r in log if r["event"] == "eval"]
     assert [r["iter"] for r in evals] == [0, 2, 4] and all(
         math.isfinite(r["val_loss"]) for r in evals
     )
     assert (
         abs(evals[0]["val_loss"] - math.log(K + V)) < 1.0
     )  # answers only: about ln(vocab) at initialisation
+    # the test split at the final evaluation only, and MQAR's accuracy on it: computed here from
+    # the saved model on the test examples' evaluation batches
+    assert ["test_loss" in r for r in evals] == [False, False, True]
+    model = load_run(parse_source("resume"), str(out), "cpu").model.eval()
+    batches = Batches(task, L - 1, 4, 1337, "cpu")
+    losses, correct, by_position = [], 0, []
+    with torch.no_grad():
+        for k in range(2):
+            idx, targets = batches.eval("test", k)
+            logits, loss = model(idx, targets)  # with targets: every position's logits
+            losses.append(loss.item())
+            correct += int(((logits.argmax(-1) == targets) & (targets >= 0)).sum())
+            each = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), targets.clamp(min=0), reduction="none"
+            )
+            by_position.append(torch.where(targets >= 0, each, torch.nan))
+    assert evals[-1]["test_loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+    assert evals[-1]["test_loss"] != evals[-1]["val_loss"]
+    (recall,) = [r for r in log if r["event"] == "recall"]
+    assert recall["split"] == "test" and recall["mqar"]["correct"] == correct
+    answers = torch.cat(by_position).nanmean(0)[1 - 2 * Q :: 2]  # each answer position's loss
+    assert recall["position"][1 - 2 * Q :: 2] == pytest.approx(answers.tolist(), rel=1e-5)
 
 
 def test_a_damaged_example_length_or_a_missing_mask_is_one_line(task: Path, tmp_path: Path) -> None:

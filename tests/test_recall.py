@@ -270,6 +270,10 @@ def test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged(tmp_pa
     rows = eval_rows([f"--out_dir={out}"])
     assert next(x for x in rows if x["task"] == "mqar") == {"task": "mqar", **logged["mqar"]}
     assert next(x for x in rows if x["task"] == "position")["loss"] == logged["position"]
+    # the run measured its test split (the dataset has one); --split=val the other
+    assert logged["split"] == "test"
+    rows = eval_rows([f"--out_dir={out}", "--split=val"])
+    assert next(x for x in rows if x["task"] == "position")["loss"] != logged["position"]
 
 
 def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
@@ -301,9 +305,17 @@ def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
         f"on a dataset made with its tokenizer, e.g. its own {pycode_small} (leave "
         f"--dataset out)"
     )
+    # a dataset prepared before test splits: --split=test cannot read it
+    old = tmp_path / "old"
+    shutil.copytree(pycode_small, old)
+    (old / "test.bin").unlink()
+    (old / "meta.json").write_text(
+        json.dumps({k: v for k, v in meta.items() if k != "test_tokens"})
+    )
     for flags, message in [
         ([f"--dataset={shuffled}"], wrong_tokens),
         (["--tasks=[induction,position,mqar]"], "the mqar task reads an MQAR"),
+        ([f"--dataset={old}", "--split=test"], f"split=test: {old} has no test split"),
     ]:
         r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", *flags])
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr

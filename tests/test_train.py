@@ -187,7 +187,7 @@ def test_block_size_larger_than_the_dataset_is_one_line(tmp_path: Path) -> None:
         ]
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1
-    assert "has 60 tokens, fewer than block_size+1=129" in r.stderr
+    assert "has 30 tokens, fewer than block_size+1=129" in r.stderr  # val: 5% of 600
 
 
 def test_a_vocabulary_the_model_cannot_hold_is_one_line(tmp_path: Path) -> None:
