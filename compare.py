@@ -6,6 +6,8 @@ intervals that tell a difference from noise.
     python compare.py config/compare/cpu.py --seeds=3
     # MLA beside them
     python compare.py config/compare/cpu.py --variants=[mha,gqa2,mqa,mla32] --match=params
+    # each variant at its own best learning rate of three (chosen on val, reported on test)
+    python compare.py config/compare/mqar.py --seeds=5 --lrs=[1e-3,3e-3,1e-2]
     # the runs and an estimated time, no training
     python compare.py config/compare/cpu.py --seeds=3 --mode=plan
     # also variants widened to MHA's parameters
@@ -22,8 +24,10 @@ intervals that tell a difference from noise.
 
 Positional arguments and --key=value flags of train.py's TrainConfig describe the base run; the
 keys below steer the comparison. Each run trains in <out_dir>/<variant>-s<seed> (sizes:
-<n_layer>x<n_embd>-<variant>-s<seed>) with wandb group <out_dir name> and tags naming its variant,
-seed and size.
+<n_layer>x<n_embd>-<variant>-s<seed>; --lrs: <variant>-lr<rate>-s<seed>) with wandb group
+<out_dir name> and tags naming its variant, seed, size and rate. With --lrs, the report takes each
+variant at the rate of lowest mean final val loss over its seeds, and gives every figure on the
+dataset's test split, which that choice never saw.
 
 Variant names (--variants) are lower case: mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>, each with
 -<window_pattern><window> for local layers (mha-sl8 is train.py's --window_pattern=SL --window=8).
@@ -280,6 +284,16 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     if steer and not cfg.convert:
         raise UserError(
             f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them"
+        )
+    if cfg.convert and cfg.lrs:
+        raise UserError(
+            f"convert=True with lrs={cfg.lrs}: a conversion uptrains the MHA run of one learning "
+            "rate; convert in a sweep without --lrs (its rate: --learning_rate)"
+        )
+    if cfg.muon_lrs and base.optimizer != "muon":
+        raise UserError(
+            f"muon_lrs={cfg.muon_lrs} with optimizer={base.optimizer!r}: Muon's rates need "
+            "--optimizer=muon; leave muon_lrs out"
         )
     if cfg.convert and MHA not in variants:
         held = f"n_head={base.n_head}" if key == "kv_heads" else "mha"

@@ -263,6 +263,13 @@ class CompareConfig:
     # or by name (smallgpt/variant.py): mha, gqa2, mqa, mla32, mha-sssl64...
     variants: list[str] = field(default_factory=list)
     seeds: int = 1  # train every run this many times, with seeds seed, seed + 1, ...
+    # learning rates (AdamW's peak, learning_rate) to train every variant at; the report takes each
+    # variant at the one of lowest mean final val loss and measures it on the test split. Empty:
+    # the base run's learning_rate alone. min_lr follows each in the base run's proportion
+    lrs: list[float] = field(default_factory=list)
+    # with optimizer='muon', Muon's rate for each of lrs (as many); empty: the base muon_lr scaled
+    # as each of lrs is from the base learning_rate
+    muon_lrs: list[float] = field(default_factory=list)
     # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters);
     # 'params': the GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both:
     # each variant twice
@@ -315,6 +322,13 @@ class CompareConfig:
         )
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
             problems.append(f"{', '.join(bad)}: must be positive")
+        if min(self.lrs + self.muon_lrs, default=1) <= 0:
+            problems.append(f"lrs={self.lrs}, muon_lrs={self.muon_lrs}: rates must be positive")
+        if self.muon_lrs and len(self.muon_lrs) != len(self.lrs):
+            problems.append(
+                f"muon_lrs={self.muon_lrs} pairs with lrs={self.lrs}: give one Muon rate for each "
+                "of lrs"
+            )
         if not 0 < self.solved_threshold <= 1:
             problems.append(f"solved_threshold={self.solved_threshold} must be in (0, 1]")
         if min(self.kv_heads, default=1) < 1:
@@ -340,6 +354,12 @@ class CompareConfig:
         if problems:
             raise ValueError("; ".join(problems))
 
+    def rates(self) -> list[tuple[float, float | None]]:
+        """The sweep's learning rates: (AdamW's, Muon's where muon_lrs gives it apart) for each of
+        lrs."""
+        muon = self.muon_lrs if len(self.muon_lrs) == len(self.lrs) else [None] * len(self.lrs)
+        return list(zip(self.lrs, muon, strict=True))
+
     def repeats(self) -> list[str]:
         """A problem for each list key with an item twice (the same runs again, same folders), and
         each bad size."""
@@ -358,6 +378,7 @@ class CompareConfig:
             "sizes": sizes,
             "uptrain_fractions": [f"{f:g}" for f in self.uptrain_fractions],  # as in folders
             "convert_methods": self.convert_methods,
+            "lrs": [rate_label(*rate) for rate in self.rates()],
         }
         for key, items in named.items():
             if (again := repeated(items)) is not None:
@@ -366,6 +387,12 @@ class CompareConfig:
                     f"runs, so a repeat would train the same runs again; list it once"
                 )
         return problems
+
+
+def rate_label(lr: float, muon_lr: float | None = None) -> str:
+    """A learning rate as a sweep's folders and tags name it: '0.003', '0.003/0.02' with a Muon rate
+    given apart."""
+    return f"{lr:g}" if muon_lr is None else f"{lr:g}/{muon_lr:g}"
 
 
 def variant_problems(names: list[str]) -> list[str]:

@@ -1,6 +1,7 @@
 """report.png for the attention-variant comparison (smallgpt/report.py): val loss by iteration, the
-gap to MHA against size, conversions by uptraining and, for runs trained with --final_evals, the
-loss by context position and the induction accuracy by distance (MQAR beside it).
+gap to MHA against size, val loss against the learning rate (--lrs), conversions by uptraining
+and, for runs trained with --final_evals, the loss by context position and the induction accuracy
+by distance (MQAR beside it).
 """
 
 import statistics
@@ -27,6 +28,8 @@ def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
     recalls = [r["recall"] or {} for r in scratch_runs]
     # the panels there is data for, each a function drawing on its axes
     panels = [lambda ax: loss_panel(ax, scratch_runs), lambda ax: gap_panel(ax, rows)]
+    if any(r.get("val_loss_by_lr") for r in scratch_rows):
+        panels.append(lambda ax: rate_panel(ax, scratch_rows))
     if conv:
         panels.append(lambda ax: conversion_panel(ax, conv))
     if any(recall.get("position") for recall in recalls):
@@ -86,11 +89,40 @@ def gap_panel(ax: Any, rows: list[dict]) -> None:
             label=name,
         )
     ax.axhline(0, color="gray", lw=0.8)
-    ax.set(xlabel="size: MHA's parameters", ylabel="val loss minus MHA's (paired, 95% interval)")
+    split = rows[0]["split"]
+    ax.set(
+        xlabel="size: MHA's parameters", ylabel=f"{split} loss minus MHA's (paired, 95% interval)"
+    )
     if size_params:
         ax.set_xscale("log")
     else:  # a log axis with nothing on it fails to draw
         ax.text(0.5, 0.5, "no MHA run: no gap to MHA", ha="center", transform=ax.transAxes)
+
+
+def rate_panel(ax: Any, rows: list[dict]) -> None:
+    """Mean final val loss over seeds against the learning rate (AdamW's), one line per size x
+    variant, the rate chosen for the report ringed."""
+    for r in [r for r in rows if r.get("val_loss_by_lr")]:
+        points = sorted(
+            (float(rate.split("/")[0]), float(loss), rate == r["lr"])
+            for rate, loss in (pair.rsplit(":", 1) for pair in r["val_loss_by_lr"].split())
+        )
+        (line,) = ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker=".",
+            label=f"{r['size']} {r['variant']}",
+        )
+        chosen = [p for p in points if p[2]]
+        ax.scatter(
+            [p[0] for p in chosen],
+            [p[1] for p in chosen],
+            s=90,
+            facecolors="none",
+            edgecolors=line.get_color(),
+        )
+    ax.set_xscale("log")
+    ax.set(xlabel="learning rate (ringed: chosen)", ylabel="final val loss (mean over seeds)")
 
 
 def conversion_panel(ax: Any, conv: list[dict]) -> None:
@@ -105,15 +137,16 @@ def conversion_panel(ax: Any, conv: list[dict]) -> None:
         mine.sort(key=lambda r: r["uptrain_fraction"])
         ax.errorbar(
             [r["uptrain_fraction"] for r in mine],
-            [r["val_loss"] for r in mine],
+            [r[f"{r['split']}_loss"] for r in mine],
             capsize=3,
             marker="o",
-            yerr=[r["val_loss_ci95"] or 0 for r in mine],
+            yerr=[r[f"{r['split']}_loss_ci95"] or 0 for r in mine],
             label=f"{size} {t} {method}",
         )
-        if mine[0]["scratch_val_loss"] is not None:
-            ax.axhline(mine[0]["scratch_val_loss"], ls="--", lw=0.8, color="gray")
-    ax.set(xlabel="uptraining fraction", ylabel="val loss (dashed: from scratch)")
+        if mine[0]["scratch_loss"] is not None:
+            ax.axhline(mine[0]["scratch_loss"], ls="--", lw=0.8, color="gray")
+    split = conv[0]["split"]
+    ax.set(xlabel="uptraining fraction", ylabel=f"{split} loss (dashed: from scratch)")
 
 
 def position_panel(ax: Any, runs: list[dict]) -> None:

@@ -1,8 +1,10 @@
 """The attention-variant comparison's report (compare.py), from the runs' log.jsonl files and the
-stored speed measurements alone: a row for each variant x size x conversion over its seeds (mean
-val loss with its 95% interval, the seed-paired difference to MHA, recall accuracies pooled with
-Wilson intervals), written as report.md (its tables and verdicts: smallgpt/report_text.py),
-report.csv, report.png (smallgpt/plots.py) and (with wandb_log) a wandb Table."""
+stored speed measurements alone: a row for each variant x size x conversion over its seeds, at the
+variant's learning rate of lowest mean final val loss (--lrs), its figures on the test split where
+the dataset has one (mean final loss with its 95% interval, the seed-paired difference to MHA,
+recall accuracies pooled with Wilson intervals, the runs that solved a recall task), written as
+report.md (its tables and verdicts: smallgpt/report_text.py), report.csv, report.png
+(smallgpt/plots.py) and (with wandb_log) a wandb Table."""
 
 import csv
 import dataclasses
@@ -95,19 +97,46 @@ def tagged_as(run: dict) -> dict:
         "fraction": float(tagged["uptrain"]) if "uptrain" in tagged else None,
         "model": GPTConfig(**mc),
         "final": final["val_loss"],
+        "test": final.get("test_loss"),  # a dataset without a test split: None
+        "rate": tagged.get("lr"),  # the learning rate of --lrs it trained at; None: no --lrs
         "iters": final["iter"],
         "tokens": final["iter"] * tokens_per_iter,
     }
 
 
+def reported_split(runs: list[dict]) -> str:
+    """The split the report's figures are on: test where every run measured one at its end, else
+    val (a dataset prepared before test splits)."""
+    return "test" if all(r["test"] is not None for r in runs) else "val"
+
+
+def rate_choice(runs: list[dict]) -> tuple[list[dict], dict[tuple[str, str], dict]]:
+    """The runs at each size x variant's chosen learning rate, the one of --lrs with the lowest mean
+    final val loss over its seeds (the first of equals; a sweep without --lrs has one, None), and
+    each size x variant's mean final val loss by rate."""
+    by_rate = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        by_rate[(r["size"], r["variant"])][r["rate"]].append(r["final"])
+    means = {k: {rate: statistics.fmean(v) for rate, v in m.items()} for k, m in by_rate.items()}
+    chosen = {k: min(m, key=m.get) for k, m in means.items()}
+    return [r for r in runs if r["rate"] == chosen[(r["size"], r["variant"])]], means
+
+
 def summary_rows(
-    runs: list[dict], speeds: dict[str, list[float]], cfg: CompareConfig
+    runs: list[dict],
+    speeds: dict[str, list[float]],
+    cfg: CompareConfig,
+    split: str,
+    by_rate: dict[tuple[str, str], dict] | None = None,
 ) -> list[dict]:
-    """One row per size x variant (conversions: x method x fraction), over its seeds (cfg: KV and
-    speed settings)."""
+    """One row per size x variant (conversions: x method x fraction), over its seeds, of runs at
+    one learning rate each (rate_choice; by_rate: each one's mean final val loss by rate), its
+    figures on split (cfg: KV and speed settings)."""
+    for r in runs:
+        r["reported"] = r[split] if split == "test" else r["final"]
     by_seed = runs_by_seed(runs)
     groups = {k: list(g.values()) for k, g in by_seed.items()}
-    finals = {k: {seed: r["final"] for seed, r in g.items()} for k, g in by_seed.items()}
+    finals = {k: {seed: r["reported"] for seed, r in g.items()} for k, g in by_seed.items()}
     odd = other_budgets(groups)
     # each group's decode speeds, stored under its shape's key
     speed_of = {}
@@ -123,7 +152,8 @@ def summary_rows(
         mha_runs = groups.get((size, "mha")) if vs_mha else None
         # the row's columns, concern by concern
         row = model_columns(size, name, group[0], cfg)
-        row |= loss_columns(group, odd, mha_finals)
+        row |= rate_columns(group[0]["rate"], (by_rate or {}).get((size, name), {}))
+        row |= loss_columns(group, odd, mha_finals, split)
         if group[0]["method"]:
             row |= conversion_columns(group, finals.get((size, conversion_target(row))))
         row |= speed_columns(group, speed_of[(size, name)], mha_speed)
@@ -176,15 +206,38 @@ def model_columns(size: str, name: str, first: dict, cfg: CompareConfig) -> dict
     }
 
 
-def loss_columns(group: list[dict], odd: set[str], mha_finals: dict[int, float] | None) -> dict:
-    """A group's budget and final val loss over its seeds, and its seed-paired difference to MHA's
-    final val losses (mha_finals: {seed: loss}; None for MHA itself)."""
+def rate_columns(rate: str | None, means: dict) -> dict:
+    """A row's learning rate of --lrs (the chosen) and its mean final val loss at each it trained
+    at ('0.001:1.5200 0.003:1.4800'); none for a sweep without --lrs."""
+    if rate is None:
+        return {}
+    return {
+        "lr": rate,
+        "val_loss_by_lr": " ".join(f"{r}:{loss:.4f}" for r, loss in means.items()),
+    }
+
+
+def loss_columns(
+    group: list[dict], odd: set[str], mha_finals: dict[int, float] | None, split: str
+) -> dict:
+    """A group's budget and final val loss over its seeds, its final test loss where split is
+    test, and its seed-paired difference to MHA's on split (mha_finals: {seed: loss}; None for MHA
+    itself)."""
     first = group[0]
     est = stats.mean_interval([r["final"] for r in group])
     diff = None
     if mha_finals is not None:
-        diff = stats.paired_difference({r["seed"]: r["final"] for r in group}, mha_finals)
+        diff = stats.paired_difference({r["seed"]: r["reported"] for r in group}, mha_finals)
+    test = {}
+    if split == "test":
+        on_test = stats.mean_interval([r["test"] for r in group])
+        test = {
+            "test_loss": on_test.mean,
+            "test_loss_ci95": on_test.half_width,
+            "test_loss_by_seed": " ".join(f"{r['test']:.4f}" for r in group),
+        }
     return {
+        "split": split,
         "iters": first["iters"],
         "iters_by_seed": " ".join(str(r["iters"]) for r in group),
         "other_iters": other_iters(group, odd),
@@ -193,6 +246,7 @@ def loss_columns(group: list[dict], odd: set[str], mha_finals: dict[int, float] 
         "val_loss": est.mean,
         "val_loss_ci95": est.half_width,
         "val_loss_by_seed": " ".join(f"{r['final']:.4f}" for r in group),
+        **test,
         "diff_vs_mha": diff and diff.mean,
         "diff_vs_mha_ci95": diff and diff.half_width,
         "diff_pairs": diff and diff.n,
@@ -201,14 +255,15 @@ def loss_columns(group: list[dict], odd: set[str], mha_finals: dict[int, float] 
 
 def conversion_columns(group: list[dict], scratch: dict[int, float] | None) -> dict:
     """A conversion's val loss right after converting, and its seed-paired difference to its
-    target trained from scratch (scratch: that variant's {seed: final val loss}, None if none)."""
+    target trained from scratch (scratch: that variant's {seed: final loss on the reported split},
+    None if none)."""
     after = stats.mean_interval([r["evals"][0]["val_loss"] for r in group])
     vs = None
     if scratch:
-        vs = stats.paired_difference({r["seed"]: r["final"] for r in group}, scratch)
+        vs = stats.paired_difference({r["seed"]: r["reported"] for r in group}, scratch)
     return {
         "val_loss_after_conversion": after.mean,
-        "scratch_val_loss": scratch and statistics.fmean(scratch.values()),
+        "scratch_loss": scratch and statistics.fmean(scratch.values()),
         "diff_vs_scratch": vs and vs.mean,
         "diff_vs_scratch_ci95": vs and vs.half_width,
         "diff_vs_scratch_pairs": vs and vs.n,
@@ -353,8 +408,16 @@ def write_report(
     speed_path = root / SPEED_FILE
     speeds = json.loads(speed_path.read_text()) if speed_path.is_file() else {}
 
-    rows = summary_rows(runs, speeds, cfg)
+    split = reported_split(runs)
+    runs, by_rate = rate_choice(runs)
+    rows = summary_rows(runs, speeds, cfg, split, by_rate)
     notes = [note for note in (status, left_out) if note]
+    if split == "val":
+        notes.append(
+            "The dataset has no test split (prepared before there were any): every figure below is "
+            "on its val split, the one any choice of learning rate was made on; prepare it again "
+            "for a test split."
+        )
     text = markdown(rows, cfg, root, notes, SPEED_FILE)
     with atomic_open(root / "report.md", "w") as f:
         f.write(text)

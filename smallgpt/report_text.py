@@ -60,6 +60,7 @@ def markdown(
             "",
             *variants_table(scratch, cfg),
             "",
+            *rates_table(scratch),
             *other_budgets_note(mine),
             *verdicts(scratch, conv, kv_column(cfg)),
         ]
@@ -75,9 +76,10 @@ def introduction(cfg: CompareConfig, speed_file: str) -> str:
     """What the report's loss and speed columns hold, and when a difference is called one."""
     long = f"{cfg.decode_context}x{cfg.decode_batch}"
     return (
-        "final val loss: mean over seeds ± the half-width of its 95% Student t interval (n: "
-        "seeds); vs MHA: the seed-paired difference (variant minus MHA at the same seed: the same "
-        "data order, and the same initial weights where shapes allow) ± its own 95% interval; "
+        "final test loss (val where the dataset has no test split): mean over seeds ± the "
+        "half-width of its 95% Student t interval (n: seeds); vs MHA: the seed-paired difference "
+        "(variant minus MHA at the same seed: the same data order, and the same initial weights "
+        "where shapes allow) ± its own 95% interval; "
         f"positive is worse. decode tok/s @{long}: one-token steps with {cfg.decode_context} "
         f"positions cached for each of {cfg.decode_batch} rows (the variant's shape, float32, "
         "random weights), median of the repeats (min-max), measured once by the sweep and stored "
@@ -91,6 +93,7 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     where measured."""
     long = f"{cfg.decode_context}x{cfg.decode_batch}"
     kv = kv_column(cfg)
+    split = scratch[0]["split"]
     distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
     shown = [
         {
@@ -98,7 +101,8 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
             "params": r["params"],
             "kv": r[kv],
             "trained": f"{r['iters']} it, {r['tokens'] / 1e6:.2f}M tok{budget_mark(r)}",
-            "loss": f"{interval_text(r, 'val_loss')} (n={r['seeds']})",
+            "lr": r.get("lr"),
+            "loss": f"{interval_text(r, f'{split}_loss')} (n={r['seeds']})",
             "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True),
             "speed": speed_text(r),
             **recall_cells(r, min(distances, default=None)),
@@ -110,11 +114,14 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
         "params": "params",
         "kv": f"KV bytes @{cfg.decode_context} ({cfg.kv_dtype})",
         "trained": "trained",
-        "loss": "final val loss",
+        "lr": "lr (chosen on val)",
+        "loss": f"final {split} loss",
         "diff": "vs MHA (paired)",
         "speed": f"decode tok/s @{long}",
     }
     at = f">= {cfg.solved_threshold:g}"
+    if not any(r.get("lr") for r in scratch):
+        del columns["lr"]
     if distances:
         columns["induction_solved"] = f"induction solved ({at}) @{min(distances)}"
         columns["induction_acc"] = f"induction acc @{min(distances)}"
@@ -133,6 +140,30 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
         "accuracy pooled over seeds (correct answers over answers) with its 95% Wilson interval; "
         "then vs MHA: the seed-paired difference of the per-seed accuracies ± its 95% Student t "
         "interval; positive is better.",
+    ]
+
+
+def rates_table(scratch: list[dict]) -> list[str]:
+    """A size's variants' mean final val loss at each learning rate of --lrs, the chosen one
+    starred, and what the choice is (then an empty line); none without --lrs."""
+    rows = [r for r in scratch if r.get("val_loss_by_lr")]
+    if not rows:
+        return []
+    cells = []
+    for r in rows:
+        by_rate = dict(pair.rsplit(":", 1) for pair in r["val_loss_by_lr"].split())
+        marked = {rate: loss + (" *" if rate == r["lr"] else "") for rate, loss in by_rate.items()}
+        cells.append({"variant": r["variant"], **marked})
+    rates = list(dict.fromkeys(rate for cell in cells for rate in cell if rate != "variant"))
+    shown = [{"variant": c["variant"], **{rate: c.get(rate, "-") for rate in rates}} for c in cells]
+    return [
+        "Final val loss by learning rate (mean over seeds; * the rate chosen): each variant is "
+        "reported at the rate of --lrs with the lowest, chosen on the val split; the table above "
+        f"gives its figures on the {scratch[0]['split']} split"
+        + (", which the choice never saw." if scratch[0]["split"] == "test" else "."),
+        "",
+        table(shown),
+        "",
     ]
 
 
@@ -246,8 +277,8 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
     cell = {}
     for r in conv:
         key = (conversion_target(r), r["method"], r["uptrain_fraction"])
-        cell[key] = interval_text(r, "val_loss") + budget_mark(r)
-    own = {r["variant"]: interval_text(r, "val_loss") for r in scratch}
+        cell[key] = interval_text(r, f"{r['split']}_loss") + budget_mark(r)
+    own = {r["variant"]: interval_text(r, f"{r['split']}_loss") for r in scratch}
     by_method = [
         {
             "target": t,

@@ -1,7 +1,8 @@
-"""The runs of an attention-variant sweep (compare.py): every variant, size, seed and MHA -> GQA/MQA
-conversion as the train.py command that makes it, what each is estimated to cost, and launching them
-one after another with progress, stopping cleanly on SIGTERM/SIGINT. A run's tags carry what the
-report needs to group it (variant, seed, size, match, conversion).
+"""The runs of an attention-variant sweep (compare.py): every variant, size, seed, learning rate and
+MHA -> GQA/MQA conversion as the train.py command that makes it, what each is estimated to cost,
+and launching them one after another with progress, stopping cleanly on SIGTERM/SIGINT. A run's
+tags carry what the report needs to group it (variant, seed, size, match, learning rate,
+conversion).
 """
 
 import ctypes
@@ -21,7 +22,7 @@ import torch
 
 from model import GPT, GPTConfig
 from smallgpt.checkpoint import Source, load_checkpoint, run_config
-from smallgpt.configs import CompareConfig, TrainConfig, size_of
+from smallgpt.configs import CompareConfig, TrainConfig, rate_label, size_of
 from smallgpt.errors import UserError
 from smallgpt.measure import default_kv_heads
 from smallgpt.runlog import read_run, unfinished
@@ -42,6 +43,7 @@ class Run:
     iters: int  # its last iteration (0: a conversion evaluated without training)
     evals: int  # evaluations it logs
     tokens_per_iter: int
+    rate: str | None = None  # its learning rate of --lrs (configs.rate_label); None: the base's
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -141,9 +143,17 @@ class SeedRuns:
     tokens_per_iter: int
 
     def run(
-        self, name: str, model: GPTConfig, args: list[str], tags: list[str], iters: int, evals: int
+        self,
+        name: str,
+        model: GPTConfig,
+        args: list[str],
+        tags: list[str],
+        iters: int,
+        evals: int,
+        rate: "Rate | None" = None,
     ) -> Run:
-        """The run called name, of model, with its own train.py arguments and tags."""
+        """The run called name, of model, with its own train.py arguments and tags (at rate, one of
+        --lrs, if given)."""
         tags = [
             name,
             f"seed={self.seed}",
@@ -152,7 +162,12 @@ class SeedRuns:
             *tags,
         ]
         prefix = f"{self.label}-" if self.label else ""
-        folder = self.root / f"{prefix}{name}-s{self.seed}"
+        at = ""
+        if rate is not None:
+            tags.append(f"lr={rate.label}")
+            args = [*rate.flags, *args]
+            at = f"-{rate.folder}"
+        folder = self.root / f"{prefix}{name}{at}-s{self.seed}"
         own = [*variant_flags(model), f"--wandb_tags={','.join(tags)}", *args]
         return Run(
             name,
@@ -164,7 +179,32 @@ class SeedRuns:
             iters,
             evals,
             self.tokens_per_iter,
+            rate and rate.label,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Rate:
+    """One learning rate of --lrs: what names it and train.py's flags for it."""
+
+    label: str  # configs.rate_label: '0.003', or '0.003/0.02' with a Muon rate given apart
+    folder: str  # in its runs' folders: 'lr0.003', 'lr0.003-mlr0.02'
+    flags: list[str]
+
+
+def rates(cfg: CompareConfig, base: TrainConfig) -> list[Rate | None]:
+    """The sweep's learning rates (None: the base run's alone): AdamW's peak rate, min_lr in the
+    base run's proportion to it and, with Muon, Muon's rate (given apart, or the base muon_lr scaled
+    as AdamW's)."""
+    out = []
+    for lr, muon_lr in cfg.rates():
+        scale = lr / base.learning_rate
+        flags = [f"--learning_rate={lr:g}", f"--min_lr={base.min_lr * scale:g}"]
+        if base.optimizer == "muon":
+            flags.append(f"--muon_lr={base.muon_lr * scale if muon_lr is None else muon_lr:g}")
+        folder = f"lr{lr:g}" + ("" if muon_lr is None else f"-mlr{muon_lr:g}")
+        out.append(Rate(rate_label(lr, muon_lr), folder, flags))
+    return out or [None]
 
 
 def seed_runs(
@@ -181,7 +221,11 @@ def seed_runs(
     tokens_per_iter = base.gradient_accumulation_steps * base.batch_size * base.block_size
     at_seed = SeedRuns(root, label, seed, f"{base.n_layer}x{base.n_embd}", common, tokens_per_iter)
     # the variants from scratch, then the conversions of this seed's MHA model
-    runs = scratch_runs(cfg, base, at_seed, mha, variants)
+    runs = [
+        run
+        for rate in rates(cfg, base)
+        for run in scratch_runs(cfg, base, at_seed, mha, variants, rate)
+    ]
     if cfg.convert:
         runs += conversion_runs(cfg, base, at_seed, mha, variants, runs)
     return runs
@@ -193,8 +237,10 @@ def scratch_runs(
     at_seed: SeedRuns,
     mha: GPTConfig,
     variants: list[Variant],
+    rate: Rate | None = None,
 ) -> list[Run]:
-    """Each variant trained from scratch, at each of --match (MHA at its own width only)."""
+    """Each variant trained from scratch, at each of --match (MHA at its own width only), at rate
+    (one of --lrs; None: the base run's)."""
     evals = evaluations(base.max_iters, base.eval_interval, base.eval_at_start)
     runs = []
     for variant in variants:
@@ -207,7 +253,8 @@ def scratch_runs(
                 model = dataclasses.replace(model, mlp_hidden=matched_mlp_hidden(mha, model))
                 name += "-params"
                 args.append(f"--mlp_hidden={model.mlp_hidden}")
-            runs.append(at_seed.run(name, model, args, [f"match={match}"], base.max_iters, evals))
+            tags = [f"match={match}"]
+            runs.append(at_seed.run(name, model, args, tags, base.max_iters, evals, rate))
     return runs
 
 

@@ -44,7 +44,7 @@ def test_bpe_dataset_has_the_vocabulary_asked_for_and_round_trips(
 
     assert Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size() == 600
     ids = np.concatenate(
-        [np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")]
+        [np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val", "test")]
     ).tolist()
     assert max(ids) < 600 and len(ids) < 0.5 * len(
         text.encode()

@@ -341,8 +341,8 @@ def test_speed_ratio_is_stated_only_when_the_paired_repeats_separate_it() -> Non
     assert stats.speed_ratio([], [1.0]) is None
 
 
-def final_val_loss(run_dir: Path) -> float:
-    return [r for r in read_log(run_dir) if r["event"] == "eval"][-1]["val_loss"]
+def final_val_loss(run_dir: Path, split: str = "val") -> float:
+    return [r for r in read_log(run_dir) if r["event"] == "eval"][-1][f"{split}_loss"]
 
 
 @pytest.mark.slow  # 8 train.py processes (seeds_sweep's), then 2 processes
@@ -378,12 +378,17 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
     # the statistics, by hand from each run's own log: mean, t interval with 1 degree of freedom,
     # paired difference
     finals = {name: [final_val_loss(out / f"{name}-s{s}") for s in (1337, 1338)] for name in rows}
-    for name, (a, b) in finals.items():
-        assert float(rows[name]["val_loss"]) == pytest.approx((a + b) / 2, rel=1e-12)
-        assert float(rows[name]["val_loss_ci95"]) == pytest.approx(
-            T_975_1 * abs(a - b) / 2, rel=1e-6
-        )
-    d = [finals["mqa-params"][i] - finals["mha"][i] for i in (0, 1)]
+    tests = {
+        name: [final_val_loss(out / f"{name}-s{s}", "test") for s in (1337, 1338)] for name in rows
+    }
+    for name in rows:
+        for split, (a, b) in (("val", finals[name]), ("test", tests[name])):
+            assert float(rows[name][f"{split}_loss"]) == pytest.approx((a + b) / 2, rel=1e-12)
+            assert float(rows[name][f"{split}_loss_ci95"]) == pytest.approx(
+                T_975_1 * abs(a - b) / 2, rel=1e-6
+            )
+        assert rows[name]["split"] == "test"  # pycode_small has a test split: the figures are its
+    d = [tests["mqa-params"][i] - tests["mha"][i] for i in (0, 1)]
     assert float(rows["mqa-params"]["diff_vs_mha"]) == pytest.approx(sum(d) / 2, rel=1e-9)
     assert float(rows["mqa-params"]["diff_vs_mha_ci95"]) == pytest.approx(
         T_975_1 * abs(d[0] - d[1]) / 2, rel=1e-6
@@ -689,6 +694,60 @@ def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_pat
     assert "| 1x16-mha-s1337 |" in r.stdout and "| 2x64-mha-s1337 |" in r.stdout
 
 
+def test_a_sweep_over_rates_trains_each_variant_at_each_and_reports_each_at_its_best(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    """--lrs=[3e-4,1e-2]: a plan of 2 variants x 2 rates, then the sweep: each run at its rate
+    (min_lr in the base run's proportion, 1e-4 to 3e-3), and the report's row for each variant at
+    the rate of its lower final val loss, its loss the test loss that run logged."""
+    out = tmp_path / "cmp"
+    args = [
+        "compare.py",
+        f"--dataset={pycode_small}",
+        f"--out_dir={out}",
+        *SWEEP,
+        "--variants=[mha,mqa]",
+        "--lrs=[3e-4,1e-2]",
+        "--max_iters=20",
+    ]
+    r = run([*args, "--mode=plan"])
+    assert "4 runs, 4 to run: about" in r.stdout and "| mqa-lr0.01-s1337 |" in r.stdout
+    run(args, env={"WANDB_MODE": "disabled"})
+    rows = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
+    for name in ("mha", "mqa"):
+        finals = {}
+        for rate, min_lr in (("0.0003", 1e-5), ("0.01", 1e-2 / 30)):
+            log = read_log(out / f"{name}-lr{rate}-s1337")
+            assert log[0]["config"]["learning_rate"] == float(rate)
+            assert log[0]["config"]["min_lr"] == pytest.approx(min_lr, rel=1e-5)
+            assert f"lr={rate}" in log[0]["config"]["wandb_tags"]
+            finals[rate] = [e for e in log if e["event"] == "eval"][-1]
+        best = min(finals, key=lambda rate: finals[rate]["val_loss"])
+        row = rows[name]
+        assert (row["lr"], row["split"]) == (best, "test")
+        assert float(row["test_loss"]) == finals[best]["test_loss"] != finals[best]["val_loss"]
+        assert float(row["val_loss"]) == finals[best]["val_loss"]
+    assert "| lr (chosen on val) |" in (out / "report.md").read_text()
+
+
+def test_rates_give_muon_its_own_or_a_scaled_rate() -> None:
+    """With Muon, each of --lrs scales the base muon_lr as it scales learning_rate, unless
+    --muon_lrs gives Muon's rates apart (then the folders name both)."""
+    base = parse_config(TrainConfig, ["--optimizer=muon", "--learning_rate=1e-3", "--muon_lr=0.02"])
+    scaled = sweep.rates(parse_config(CompareConfig, ["--lrs=[5e-4,2e-3]"]), base)
+    assert [r.flags[-1] for r in scaled] == ["--muon_lr=0.01", "--muon_lr=0.04"]
+    assert [r.folder for r in scaled] == ["lr0.0005", "lr0.002"]
+    apart = sweep.rates(
+        parse_config(CompareConfig, ["--lrs=[1e-3,1e-3]", "--muon_lrs=[0.01,0.03]"]), base
+    )
+    assert [r.flags[-1] for r in apart] == ["--muon_lr=0.01", "--muon_lr=0.03"]
+    assert [(r.label, r.folder) for r in apart] == [
+        ("0.001/0.01", "lr0.001-mlr0.01"),
+        ("0.001/0.03", "lr0.001-mlr0.03"),
+    ]
+    assert sweep.rates(parse_config(CompareConfig, []), base) == [None]
+
+
 def test_a_plan_without_mha_says_up_front_that_the_report_has_no_difference_to_it(
     pycode_small: Path, tmp_path: Path
 ) -> None:
@@ -931,6 +990,14 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
             "uptrain_fractions=[0.0, 1.5]: each must be in [0, 1]",
         ),
         ("--convert_methods=[first]", "convert_methods given without --convert=True"),
+        ("--lrs=[1e-3,-1]", "rates must be positive"),
+        ("--lrs=[1e-3,0.001]", "lists 0.001 twice"),
+        (
+            "--optimizer=muon --lrs=[1e-3,3e-3] --muon_lrs=[0.02]",
+            "give one Muon rate for each of lrs",
+        ),
+        ("--lrs=[1e-3] --muon_lrs=[0.02]", "Muon's rates need --optimizer=muon"),
+        ("--convert=True --lrs=[1e-3,3e-3]", "convert=True with lrs=[0.001, 0.003]"),
         ("--convert=True --kv_heads=[2,1]", "kv_heads=[2, 1] must hold n_head=4"),
         (
             "--sizes=[2x30]",

@@ -41,14 +41,18 @@ def write_log(
     max_iters: int = 20,
     torn: bool = False,
     recall: dict | None = None,
+    rate: str | None = None,
+    test: float | None = None,
 ) -> Path:
     """A run's folder as a sweep leaves it: log.jsonl (the config record, then a train and an eval
     record at each iteration of losses, and recall's tasks after the last, as --final_evals logs
     them) and a checkpoint's name; torn: the last line cut in half, as a kill mid-write leaves
-    it."""
-    run_dir = root / f"{name}-s{seed}"
+    it. rate: the learning rate of --lrs it trained at (its tag); test: its final test loss."""
+    run_dir = root / (f"{name}-lr{rate}-s{seed}" if rate else f"{name}-s{seed}")
     run_dir.mkdir(parents=True)
     tags = [name, f"seed={seed}", "size=2x32", f"n_kv_head={n_kv_head}", "match=width"]
+    if rate:
+        tags.append(f"lr={rate}")
     cfg = TrainConfig(
         out_dir=str(run_dir),
         seed=seed,
@@ -79,9 +83,18 @@ def write_log(
                 "elapsed_s": it / 10,
             },
         ]
+    if test is not None:
+        records[-1]["test_loss"] = test
     if recall is not None:
+        split = "val" if test is None else "test"
         records.append(
-            {"event": "recall", "iter": max(losses), "elapsed_s": max(losses) / 10 + 1, **recall}
+            {
+                "event": "recall",
+                "iter": max(losses),
+                "split": split,
+                "elapsed_s": max(losses) / 10 + 1,
+                **recall,
+            }
         )
     text = "".join(json.dumps(r) + "\n" for r in records)
     if torn:
@@ -211,6 +224,58 @@ def test_the_proportion_interval_is_wilsons_and_stays_inside_0_1() -> None:
     assert stats.proportion_interval(7, 20, level=0.5) == pytest.approx(
         wilson(7, 20, Z_75), rel=1e-9
     )
+
+
+def test_each_variant_is_reported_at_its_own_best_rate_measured_on_the_test_split(
+    tmp_path: Path,
+) -> None:
+    """Two rates, two seeds. On val, MHA is best at 0.001 and MQA at 0.01; on test the other way
+    round (a choice made on test would differ): each row takes its variant's own rate by mean val
+    loss, and its loss, paired difference and MQAR figures are the test split's of those runs."""
+    val = {
+        ("mha", "0.001"): (1.50, 1.52),
+        ("mha", "0.01"): (1.60, 1.62),
+        ("mqa", "0.001"): (1.58, 1.60),
+        ("mqa", "0.01"): (1.55, 1.57),
+    }
+    test = {
+        ("mha", "0.001"): (1.70, 1.74),
+        ("mha", "0.01"): (1.40, 1.41),
+        ("mqa", "0.001"): (1.50, 1.52),
+        ("mqa", "0.01"): (1.90, 1.96),
+    }
+    solved = {("mha", "0.001"): 950, ("mqa", "0.01"): 300}  # else 500 of 1000
+    for (name, rate), losses in val.items():
+        for i, seed in enumerate((1337, 1338)):
+            correct = solved.get((name, rate), 500)
+            write_log(
+                tmp_path,
+                name,
+                4 if name == "mha" else 1,
+                seed,
+                {10: 2.0, 20: losses[i]},
+                recall={"mqar": mqar(correct, 1000)},
+                rate=rate,
+                test=test[(name, rate)][i],
+            )
+    out, _, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=2", "--lrs=[0.001,0.01]")
+    mha, mqa = rows["mha"], rows["mqa"]
+    assert (mha["lr"], mqa["lr"], mha["split"]) == ("0.001", "0.01", "test")
+    assert mha["val_loss_by_lr"] == "0.001:1.5100 0.01:1.6100"
+    assert mqa["val_loss_by_lr"] == "0.001:1.5900 0.01:1.5600"
+    assert float(mha["test_loss"]) == pytest.approx(1.72, rel=1e-12)
+    assert float(mqa["test_loss"]) == pytest.approx(1.93, rel=1e-12)
+    assert float(mqa["val_loss"]) == pytest.approx(1.56, rel=1e-12)  # the chosen rate's, on val
+    # paired on test at each one's rate: 1.90 - 1.70, 1.96 - 1.74
+    assert float(mqa["diff_vs_mha"]) == pytest.approx(0.21, rel=1e-9)
+    assert float(mqa["diff_vs_mha_ci95"]) == pytest.approx(T_975_1 * 0.02 / 2, rel=1e-9)
+    assert float(mha["mqar_acc"]) == 0.95 and float(mqa["mqar_acc"]) == 0.3
+    assert (mha["mqar_solved"], mqa["mqar_solved"]) == ("2", "0")
+    md = (tmp_path / "report.md").read_text()
+    assert "| final test loss |" in md and "| lr (chosen on val) |" in md
+    assert "| mha | 1.5100 * | 1.6100 |" in md and "| mqa | 1.5900 | 1.5600 * |" in md
+    assert "which the choice never saw" in md and "The dataset has no test split" not in md
+    assert f"| 1.7200 ± {T_975_1 * 0.04 / 2:.4f} (n=2) |" in md
 
 
 def test_the_exact_interval_is_clopper_pearsons_at_0_n_and_between() -> None:
@@ -360,6 +425,10 @@ def test_a_report_without_recall_records_has_no_recall_columns(tmp_path: Path) -
             write_log(tmp_path, name, g, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100})
     out, _, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=2")
     assert not [k for k in rows["mqa"] if k.startswith(("induction", "mqar"))]
+    # logs of a dataset without a test split: the figures are val's, said once
+    assert rows["mqa"]["split"] == "val" and "test_loss" not in rows["mqa"]
+    assert out.count("The dataset has no test split (prepared before there were any)") == 1
+    assert "| final val loss |" in out and "| lr (chosen on val) |" not in out
     assert "induction" not in out and "MQAR" not in out and "Wilson" not in out
 
 

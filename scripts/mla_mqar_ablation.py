@@ -1,0 +1,174 @@
+"""Why MLA at full rank fails MQAR where MHA solves it: train.py on data/mqar at 2x128 (the README's
+MQAR setting, config/compare/mqar.py) for each setting below over seeds, then one table of the runs
+that solved it (MQAR accuracy >= 0.9 on the test split), with the Clopper-Pearson interval, and the
+mean final test loss. docs/compare.md "MLA on MQAR, diagnosed" has the figures.
+
+    python data/mqar/prepare.py
+    python scripts/mla_mqar_ablation.py --seeds=3 [--settings=[mha,mla128]] [--out=DIR]
+
+Two settings change what no key of train.py changes, in this process only (patches, for this
+diagnosis): `mla128-rope-per-head` gives each head its own rotary key (kv_a makes n_head of them
+instead of DeepSeek's one shared), `mla128-latent-adamw` leaves the latent maps (kv_a, kv_b) to
+AdamW while Muon takes the other matrices.
+"""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from configurator import run_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+ARGS = "SMALLGPT_ABLATION_ARGS"  # train.py's arguments for a patched setting's process (JSON)
+
+MLA = ["--kv_lora_rank=128"]  # DeepSeek-V2's proportions at n_embd=128: 4 head dims, rotary 16
+SETTINGS = {
+    "mha": [],
+    "mla128": MLA,
+    "mha-adamw": ["--optimizer=adamw"],
+    "mla128-adamw": [*MLA, "--optimizer=adamw"],
+    "mla128-latent-adamw": MLA,  # patched: the latent maps in AdamW
+    "mla128-no-latent-norm": [*MLA, "--latent_norm=False"],
+    "mla128-rope32": [*MLA, "--qk_rope_head_dim=32"],
+    "mla128-rope-per-head": MLA,  # patched: a rotary key per head
+    "mla128-muon-lr-half": [*MLA, "--muon_lr=0.01", "--learning_rate=1.5e-3", "--min_lr=1.5e-4"],
+    "mla128-muon-lr-double": [*MLA, "--muon_lr=0.04", "--learning_rate=6e-3", "--min_lr=6e-4"],
+}
+PATCHED = ("mla128-latent-adamw", "mla128-rope-per-head")
+
+
+@dataclass(slots=True)
+class AblationConfig:
+    seeds: int = 3
+    settings: list[str] | None = None  # of SETTINGS; None: all
+    out: str = "out-mla-ablation"
+    one: str = ""  # internal: run this setting in this process (its patch applied; ARGS: how)
+
+
+def per_head_rotary_key() -> None:
+    """LatentAttention with one rotary key per head: kv_a makes n_head * rope_dim of them (training
+    and full forwards only: the absorbed decoding step keeps DeepSeek's one)."""
+    import torch
+
+    import attention
+    from attention import Linear, apply_rope
+
+    original_init = attention.LatentAttention.__init__
+
+    def init(self, layer, n_embd, n_head, kv_lora_rank, rope_dim, *rest):  # noqa: ANN001, ANN202
+        original_init(self, layer, n_embd, n_head, kv_lora_rank, rope_dim, *rest)
+        bias = self.kv_a.bias is not None
+        self.kv_a = Linear(n_embd, kv_lora_rank + n_head * rope_dim, bias=bias)
+
+    def forward(self, x, rope, mask, kv_cache):  # noqa: ANN001, ANN202
+        assert kv_cache is None, "the per-head rotary key is a training ablation"
+        B, T, C = x.shape
+        H, hd, R = self.n_head, self.head_dim, self.kv_lora_rank
+        q = self.c_q(x).view(B, T, H, hd + self.rope_dim).transpose(1, 2)
+        q, q_rope = q.split((hd, self.rope_dim), dim=-1)
+        latent, k_rope = self.kv_a(x).split((R, H * self.rope_dim), dim=-1)
+        k_rope = k_rope.view(B, T, H, self.rope_dim).transpose(1, 2)
+        latent = self.kv_norm(latent)
+        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+        k, v = self.kv_b(latent).view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)
+        k, q = torch.cat((k, k_rope), dim=-1), torch.cat((q, q_rope), dim=-1)
+        scale = (hd + self.rope_dim) ** -0.5
+        y = attention.attention(q, k, v, mask, 0.0, cached=False, scale=scale)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+    attention.LatentAttention.__init__ = init
+    attention.LatentAttention.forward = forward
+
+
+def latent_maps_in_adamw() -> None:
+    """Muon for the blocks' matrices but the latent maps (kv_a, kv_b), which AdamW takes with the
+    embeddings, norms and biases."""
+    from smallgpt import optim
+
+    original = optim.make_optimizer
+
+    def make_optimizer(model, kind, *args, **kwargs):  # noqa: ANN001, ANN202
+        named = model.named_parameters
+
+        def without_latent_maps(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            for name, p in named(*a, **k):
+                latent = ".attn.kv_a." in name or ".attn.kv_b." in name
+                # AdamW's: a name outside the blocks, as optim.make_optimizer sorts them
+                yield (f"latent.{name}" if latent else name), p
+
+        model.named_parameters = without_latent_maps
+        try:
+            return original(model, kind, *args, **kwargs)
+        finally:
+            del model.named_parameters
+
+    optim.make_optimizer = make_optimizer
+
+
+def run_one(setting: str, args: list[str]) -> None:
+    """train.py with args, in this process, after setting's patch."""
+    {"mla128-rope-per-head": per_head_rotary_key, "mla128-latent-adamw": latent_maps_in_adamw}[
+        setting
+    ]()
+    sys.argv = ["train.py", *args]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+
+
+def summary(out: Path, settings: list[str], seeds: int) -> str:
+    """The table: per setting, solved k/n at 0.9 (Clopper-Pearson 95%), the solved runs' mean
+    accuracy, mean final test loss and each seed's accuracy."""
+    from smallgpt import stats
+
+    lines = [
+        "| setting | solved (>= 0.9) | final test loss (mean ± 95%) | MQAR acc by seed |",
+        "|---|---|---|---|",
+    ]
+    for setting in settings:
+        accs, losses = [], []
+        for seed in range(1337, 1337 + seeds):
+            log = [json.loads(x) for x in (out / f"{setting}-s{seed}" / "log.jsonl").open()]
+            recall = next(r for r in log if r["event"] == "recall")
+            accs.append(recall["mqar"]["accuracy"])
+            losses.append([r for r in log if r["event"] == "eval"][-1]["test_loss"])
+        won = stats.solved(accs, 0.9)
+        loss = stats.mean_interval(losses)
+        by_seed = ", ".join(f"{a:.2f}" for a in accs)
+        lines.append(f"| {setting} | {won.text()} | {loss.text()} | {by_seed} |")
+    return "\n".join(lines)
+
+
+def main(cfg: AblationConfig) -> None:
+    if cfg.one:
+        run_one(cfg.one, json.loads(os.environ[ARGS]))
+        return
+    settings = cfg.settings or list(SETTINGS)
+    out = Path(cfg.out)
+    for setting in settings:
+        for seed in range(1337, 1337 + cfg.seeds):
+            folder = out / f"{setting}-s{seed}"
+            log = folder / "log.jsonl"
+            if log.is_file() and '"recall"' in log.read_text():
+                continue  # finished before
+            args = [
+                "config/compare/mqar.py",
+                "--n_embd=128",
+                f"--seed={seed}",
+                f"--out_dir={folder}",
+                "--wandb_log=False",
+                *SETTINGS[setting],
+            ]
+            command = [sys.executable, str(ROOT / "train.py"), *args]
+            if setting in PATCHED:
+                command = [sys.executable, __file__, f"--one={setting}"]
+            print(f"$ {setting} seed {seed}", flush=True)
+            env = os.environ | {ARGS: json.dumps(args)}
+            subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    print(summary(out, settings, cfg.seeds))
+
+
+if __name__ == "__main__":
+    run_cli(main, AblationConfig)
