@@ -1,6 +1,7 @@
 """data/mqar/prepare.py: the MQAR task (Zoology) as files, checked by parsing every example back,
 through dataset.Batches, and by a short training run."""
 
+import csv
 import math
 import re
 from pathlib import Path
@@ -110,6 +111,75 @@ def test_every_answer_is_the_value_of_its_query_key(task: Path) -> None:
     )  # queries come in random order (1/P of them by chance)
 
 
+def test_the_zoology_layout_queries_every_key_once_at_power_law_gaps(tmp_path: Path) -> None:
+    """layout=zoology: the pairs first (distinct keys, distinct values), then each key queried once
+    in a slot of two tokens with its value after it, the answers the only targets; with one pair,
+    the slot's frequency is p(g) = g^(a - 1) / sum over the (seq_len - 2) / 2 slots, by hand."""
+    P, L, K, V = 4, 24, 16, 12
+    prepare(tmp_path / "z", layout="zoology", num_pairs=P, seq_len=L, key_vocab=K, value_vocab=V)
+    for split in ("train", "val", "test"):
+        ids, mask = examples(tmp_path / "z", split)
+        for row, row_mask in zip(ids, mask, strict=True):
+            keys, values = row[: 2 * P : 2], row[1 : 2 * P : 2]
+            assert len(set(keys)) == P and keys.max() < K and len(set(values)) == P
+            assert values.min() >= K and values.max() < K + V
+            answers = np.flatnonzero(row_mask)
+            assert len(answers) == P and all((answers - 2 * P) % 2 == 1) and answers.min() > 2 * P
+            asked = row[answers - 1]
+            assert sorted(asked) == sorted(keys)
+            pairs = dict(zip(keys, values, strict=True))
+            assert row[answers].tolist() == [pairs[q] for q in asked]
+    a, slots = 0.01, (L - 2) // 2
+    prepare(
+        tmp_path / "one",
+        layout="zoology",
+        num_pairs=1,
+        seq_len=L,
+        key_vocab=K,
+        value_vocab=V,
+        train_examples=20000,
+    )
+    _, mask = examples(tmp_path / "one", "train")
+    slot = (np.argmax(mask, axis=1) - 3) // 2  # the answer after slot g - 1 sits at 2 + 2(g-1) + 1
+    p = np.arange(1, slots + 1) ** (a - 1.0)
+    p /= p.sum()
+    seen = np.bincount(slot, minlength=slots) / len(slot)
+    assert seen == pytest.approx(p, abs=0.015)  # 20,000 draws: a standard error under 0.004
+    assert p[0] > 1.9 * p[1] > 0  # the first slot the likeliest, 2^0.99 times the second
+
+
+def test_the_zoology_script_draws_accuracy_against_width_per_pair_count(tmp_path: Path) -> None:
+    """scripts/zoology_mqar.py at 2 and 3 pairs, widths 16 and 32: a Zoology-layout dataset and a
+    comparison per pair count, and a table whose cells are each comparison's MQAR accuracy."""
+    out = tmp_path / "zoo"
+    run(
+        [
+            "scripts/zoology_mqar.py",
+            "--pairs=[2,3]",
+            "--widths=[16,32]",
+            "--n_layer=1",
+            "--variants=[mha]",
+            "--seq_len=12",
+            "--key_vocab=8",
+            "--value_vocab=8",
+            "--train_examples=300",
+            "--max_iters=4",
+            "--decode_context=16",
+            f"--out={out}",
+            f"--data={tmp_path / 'data'}",
+        ],
+        env={"WANDB_MODE": "disabled"},
+    )
+    assert load_meta(tmp_path / "data" / "mqar-zoology-p3")["example_tokens"] == 12
+    md = (out / "zoology.md").read_text()
+    assert "| pairs | variant | width 16 | width 32 |" in md
+    for pairs in (2, 3):
+        rows = {r["size"]: r for r in csv.DictReader(open(out / f"p{pairs}" / "report.csv"))}
+        cells = [f"{float(rows[f'1x{w}']['mqar_acc']):.3f} (0/1 solved)" for w in (16, 32)]
+        assert f"| {pairs} | mha | {cells[0]} | {cells[1]} |" in md
+    assert (out / "zoology.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_batches_target_the_answers_only(task: Path) -> None:
     batches = Batches(task, block_size=L - 1, batch_size=8, seed=0, device="cpu")
     for x, y in (batches.train(0, 0), batches.eval("val", 0)):
@@ -146,6 +216,11 @@ def test_the_same_seed_gives_the_same_files(tmp_path: Path) -> None:
         (["--train_examples=0"], "train_examples=0"),
         (["--val_examples=0"], "val_examples=0"),
         (["--test_examples=-1"], "test_examples=-1 must be 0 or more"),
+        (["--layout=zoo"], "layout='zoo' must be 'compact' or 'zoology'"),
+        (["--layout=zoology", "--num_queries=4"], "the zoology layout queries every key"),
+        (["--layout=zoology", "--seq_len=33"], "the zoology layout needs an even length"),
+        (["--layout=zoology", "--value_vocab=7"], "the zoology layout's values are distinct"),
+        (["--layout=zoology", "--power_a=0"], "power_a=0.0 must be positive"),
         (["--key_vocab=10000", "--value_vocab=10001"], "key_vocab + value_vocab = 20001 > 20000"),
         (
             ["--num_pairs=1", "--key_vocab=1", "--value_vocab=1"],
