@@ -5,6 +5,8 @@ mean final test loss. docs/compare.md "MLA on MQAR, diagnosed" has the figures.
 
     python data/mqar/prepare.py
     python scripts/mla_mqar_ablation.py --seeds=3 [--settings=[mha,mla128]] [--out=DIR]
+    # where the MHA -> MLA conversion's loss comes from, on a trained MHA run's test split
+    python scripts/mla_mqar_ablation.py --conversion=out-mla-ablation/mha-s1337
 
 Two settings change what no key of train.py changes, in this process only (patches, for this
 diagnosis): `mla128-rope-per-head` gives each head its own rotary key (kv_a makes n_head of them
@@ -19,6 +21,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from configurator import run_cli
 
@@ -47,13 +51,12 @@ class AblationConfig:
     settings: list[str] | None = None  # of SETTINGS; None: all
     out: str = "out-mla-ablation"
     one: str = ""  # internal: run this setting in this process (its patch applied; ARGS: how)
+    conversion: str = ""  # a trained rotary MHA run: its loss through each step of to_latent
 
 
 def per_head_rotary_key() -> None:
     """LatentAttention with one rotary key per head: kv_a makes n_head * rope_dim of them (training
     and full forwards only: the absorbed decoding step keeps DeepSeek's one)."""
-    import torch
-
     import attention
     from attention import Linear, apply_rope
 
@@ -141,7 +144,49 @@ def summary(out: Path, settings: list[str], seeds: int) -> str:
     return "\n".join(lines)
 
 
+@torch.no_grad()
+def conversion_steps(run_dir: str) -> str:
+    """The test loss and MQAR accuracy of a rotary MHA run (its own batches, its eval_iters), then
+    of the same model with MHA2MLA's partial RoPE alone (rotation kept on every
+    (head_dim / rope_dim)-th frequency pair, the others' removed), then of convert.to_latent at full
+    rank (partial RoPE, and the heads' rotary keys pooled into the one MLA shares): which step the
+    loss after conversion comes from."""
+    from contextlib import nullcontext
+
+    from smallgpt import recall
+    from smallgpt.checkpoint import load_run, parse_source
+    from smallgpt.convert import rotary_features, to_latent
+    from smallgpt.data import Batches, data_dir
+    from train import evaluate
+
+    run = load_run(parse_source("resume"), run_dir, tokenizer=False)
+    cfg, mha = run.config, run.model.eval()
+    batches = Batches(
+        data_dir(cfg["dataset"]), cfg["block_size"], cfg["batch_size"], cfg["seed"], "cpu"
+    )
+    split = batches.held_out
+    rope_dim = mha.config.head_dim // 2  # MLA's default, as the comparison's mla<R> variants
+    partial = load_run(parse_source("resume"), run_dir, tokenizer=False).model.eval()
+    rope, _ = rotary_features(mha.config.head_dim, rope_dim)
+    dropped = [i for i in range(mha.config.head_dim // 2) if i not in rope.tolist()]
+    partial.rope_cos[:, dropped], partial.rope_sin[:, dropped] = 1.0, 0.0  # no rotation there
+    converted = to_latent(mha, mha.config.n_embd, rope_dim).eval()
+    lines = [f"| model ({run_dir}) | {split} loss | MQAR acc |", "|---|---|---|"]
+    for name, model in (
+        ("MHA as trained", mha),
+        (f"partial RoPE ({rope_dim} of {mha.config.head_dim} features rotary)", partial),
+        ("to_latent at full rank (partial RoPE + rotary keys pooled)", converted),
+    ):
+        loss = evaluate(model, batches, cfg["eval_iters"], nullcontext(), (split,))[split]
+        acc = recall.mqar(model, batches, cfg["eval_iters"], split=split)["accuracy"]
+        lines.append(f"| {name} | {loss:.4f} | {acc:.3f} |")
+    return "\n".join(lines)
+
+
 def main(cfg: AblationConfig) -> None:
+    if cfg.conversion:
+        print(conversion_steps(cfg.conversion))
+        return
     if cfg.one:
         run_one(cfg.one, json.loads(os.environ[ARGS]))
         return
