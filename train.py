@@ -236,6 +236,13 @@ class Trainer:
         self.last_log = self.iter_num
 
     def diverged(self, what: str, value: float) -> UserError:
+        """The error that stops a run whose loss or weights went non-finite, logged first (a
+        learning-rate sweep counts the run as diverged: compare.py --lrs)."""
+        if self.log is not None:
+            elapsed = time.perf_counter() - self.t_start
+            self.log.write(
+                event="diverged", iter=self.iter_num, what=what, value=str(value), elapsed_s=elapsed
+            )
         kept = "no checkpoint was written yet"
         if self.saved is not None:
             kept = f"the last good checkpoint (iteration {self.saved}) is kept"

@@ -106,6 +106,7 @@ def rate_panel(ax: Any, rows: list[dict]) -> None:
         points = sorted(
             (float(rate.split("/")[0]), float(loss), rate == r["lr"])
             for rate, loss in (pair.rsplit(":", 1) for pair in r["val_loss_by_lr"].split())
+            if loss != "inf"  # a rate at which a seed diverged
         )
         (line,) = ax.plot(
             [p[0] for p in points],

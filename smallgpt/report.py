@@ -9,6 +9,7 @@ report.md (its tables and verdicts: smallgpt/report_text.py), report.csv, report
 import csv
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from collections import Counter, defaultdict
@@ -86,9 +87,12 @@ def tagged_as(run: dict) -> dict:
     method = None
     if parse_source(cfg["init_from"]).kind == "convert":
         method = tagged.get("convert", cfg.get("convert_method", "mean"))
-    final = run["evals"][-1]
+    # a run that diverged (at a rate of --lrs): an infinite loss, so its rate is never chosen
+    diverged = run.get("diverged")
+    final = run["evals"][-1] if not diverged else {"val_loss": math.inf, "iter": diverged["iter"]}
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
     return {
+        "diverged": bool(diverged),
         "variant": tags[0] if tags and "=" not in tags[0] else run["name"],
         "seed": cfg["seed"],
         "size": tagged.get("size", f"{mc['n_layer']}x{mc['n_embd']}"),
@@ -106,20 +110,23 @@ def tagged_as(run: dict) -> dict:
 
 def reported_split(runs: list[dict]) -> str:
     """The split the report's figures are on: test where every run measured one at its end, else
-    val (a dataset prepared before test splits)."""
-    return "test" if all(r["test"] is not None for r in runs) else "val"
+    val (a dataset prepared before test splits); a diverged run measured none."""
+    return "test" if all(r["test"] is not None for r in runs if not r["diverged"]) else "val"
 
 
-def rate_choice(runs: list[dict]) -> tuple[list[dict], dict[tuple[str, str], dict]]:
+def rate_choice(runs: list[dict]) -> tuple[list[dict], dict[tuple[str, str], dict], list[str]]:
     """The runs at each size x variant's chosen learning rate, the one of --lrs with the lowest mean
-    final val loss over its seeds (the first of equals; a sweep without --lrs has one, None), and
-    each size x variant's mean final val loss by rate."""
+    final val loss over its seeds (the first of equals; a sweep without --lrs has one, None; a rate
+    at which a seed diverged: infinite); each size x variant's mean final val loss by rate; and
+    '<size> <variant>' for those diverged at every rate (no row)."""
     by_rate = defaultdict(lambda: defaultdict(list))
     for r in runs:
         by_rate[(r["size"], r["variant"])][r["rate"]].append(r["final"])
     means = {k: {rate: statistics.fmean(v) for rate, v in m.items()} for k, m in by_rate.items()}
-    chosen = {k: min(m, key=m.get) for k, m in means.items()}
-    return [r for r in runs if r["rate"] == chosen[(r["size"], r["variant"])]], means
+    chosen = {k: min(m, key=m.get) for k, m in means.items() if min(m.values()) < math.inf}
+    lost = [f"{size} {variant}" for size, variant in means if (size, variant) not in chosen]
+    kept = [r for r in runs if chosen.get((r["size"], r["variant"]), False) == r["rate"]]
+    return kept, means, lost
 
 
 def summary_rows(
@@ -213,6 +220,7 @@ def rate_columns(rate: str | None, means: dict) -> dict:
         return {}
     return {
         "lr": rate,
+        # a rate at which a seed diverged: 'inf'
         "val_loss_by_lr": " ".join(f"{r}:{loss:.4f}" for r, loss in means.items()),
     }
 
@@ -409,9 +417,13 @@ def write_report(
     speeds = json.loads(speed_path.read_text()) if speed_path.is_file() else {}
 
     split = reported_split(runs)
-    runs, by_rate = rate_choice(runs)
+    runs, by_rate, lost = rate_choice(runs)
     rows = summary_rows(runs, speeds, cfg, split, by_rate)
     notes = [note for note in (status, left_out) if note]
+    if lost:
+        notes.append(
+            f"Diverged at every rate of --lrs (no row): {', '.join(lost)}. Give lower rates."
+        )
     if split == "val":
         notes.append(
             "The dataset has no test split (prepared before there were any): every figure below is "

@@ -152,7 +152,10 @@ def rates_table(scratch: list[dict]) -> list[str]:
     cells = []
     for r in rows:
         by_rate = dict(pair.rsplit(":", 1) for pair in r["val_loss_by_lr"].split())
-        marked = {rate: loss + (" *" if rate == r["lr"] else "") for rate, loss in by_rate.items()}
+        shown_loss = {rate: "diverged" if loss == "inf" else loss for rate, loss in by_rate.items()}
+        marked = {
+            rate: loss + (" *" if rate == r["lr"] else "") for rate, loss in shown_loss.items()
+        }
         cells.append({"variant": r["variant"], **marked})
     rates = list(dict.fromkeys(rate for cell in cells for rate in cell if rate != "variant"))
     shown = [{"variant": c["variant"], **{rate: c.get(rate, "-") for rate in rates}} for c in cells]

@@ -157,7 +157,9 @@ def read_run(run_dir: Path) -> dict:
     wall-clock continued across resumes (a record's wall_s: the time lost to a kill included); torn:
     whether the log ends in a line cut short (a process killed while writing it, whatever it held);
     final_iter: the iteration of the run's final evaluation (the latest attempt's max_iters, or
-    where an eval_only attempt started); recall: the recall record logged at final_iter, or None."""
+    where an eval_only attempt started); recall: the recall record logged at final_iter, or None;
+    diverged: the record of a training that stopped non-finite, where the log ends with one (None
+    otherwise)."""
     path = run_dir / "log.jsonl"
     records, torn = log_records(path)
     records = records[latest_start(records, path) :]
@@ -171,6 +173,7 @@ def read_run(run_dir: Path) -> dict:
         "torn": torn,
         "final_iter": run["final_iter"],
         "recall": run["recalls"].get(run["final_iter"]),
+        "diverged": records[-1] if records[-1]["event"] == "diverged" else None,
     }
 
 
@@ -230,7 +233,7 @@ def by_iteration(records: list[dict]) -> dict:
         elif r["event"] == "recall":
             # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
             recalls[r["iter"]] = r
-        else:
+        elif r["event"] in ("eval", "train"):
             last = r["elapsed_s"]
             kept = evals if r["event"] == "eval" else trains
             kept[r["iter"]] = r | {"wall_s": offset + r["elapsed_s"]}
@@ -240,8 +243,10 @@ def by_iteration(records: list[dict]) -> dict:
 def unfinished(run: dict, final_iter: int | None = None) -> str | None:
     """Why a run read_run returned is not finished, or None when it is: finished means its final
     evaluation (at final_iter; default, the run's own) is logged, and whole: the log does not end in
-    a line cut short."""
+    a line cut short. A run that diverged (non-finite) is finished too: resumed, it would again."""
     final_iter = run["final_iter"] if final_iter is None else final_iter
+    if run.get("diverged") and not run["torn"]:
+        return None
     if run["torn"]:
         return "its log's last line is cut short (killed while writing it)"
     if not run["evals"]:

@@ -314,13 +314,18 @@ def uptraining(base: TrainConfig, iters: int, lr_scale: float) -> list[str]:
 
 def finished(run: Run) -> bool:
     """Whether run's log holds its final evaluation, whole (runlog.unfinished), and, for a run that
-    trains, it has a checkpoint."""
-    if not (run.dir / "log.jsonl").is_file() or (run.iters and not (run.dir / "ckpt.pt").is_file()):
+    trains, it has a checkpoint; or, for a run at a rate of --lrs, it diverged."""
+    if not (run.dir / "log.jsonl").is_file():
         return False
     try:
-        return unfinished(read_run(run.dir), run.iters) is None
+        logged = read_run(run.dir)
     except (UserError, KeyError):
         return False
+    if run.rate is not None and logged["diverged"] and not logged["torn"]:
+        return True
+    if run.iters and not (run.dir / "ckpt.pt").is_file():
+        return False
+    return unfinished(logged, run.iters) is None
 
 
 def trained(run: Run) -> dict | None:
@@ -380,7 +385,13 @@ def launch_all(
         print(f"$ python train.py {' '.join(args)}", flush=True)
         stop.where = f"in {run.dir} (run {i} of the {len(todo)} left)"
         if stop.wait([sys.executable, str(train_py), *args]):
-            raise UserError(f"the training run into {run.dir} failed: see its output above")
+            if not finished(run):  # a run at a rate of --lrs may diverge: its rate then loses
+                raise UserError(f"the training run into {run.dir} failed: see its output above")
+            print(
+                f"{run.dir.name} diverged at rate {run.rate}: the report counts it so (a rate at "
+                "which a seed diverged is never a variant's chosen one); the sweep goes on",
+                flush=True,
+            )
         stop.where = "between runs"
         # the time left: the runs left's estimate, scaled by how the estimate has fared so far
         spent += time.perf_counter() - start

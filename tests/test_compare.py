@@ -697,9 +697,10 @@ def test_sizes_repeat_the_sweep_per_size_in_the_plan(pycode_small: Path, tmp_pat
 def test_a_sweep_over_rates_trains_each_variant_at_each_and_reports_each_at_its_best(
     pycode_small: Path, tmp_path: Path
 ) -> None:
-    """--lrs=[3e-4,1e-2]: a plan of 2 variants x 2 rates, then the sweep: each run at its rate
-    (min_lr in the base run's proportion, 1e-4 to 3e-3), and the report's row for each variant at
-    the rate of its lower final val loss, its loss the test loss that run logged."""
+    """--lrs=[3e-4,1e-2,1e30]: a plan of 2 variants x 3 rates, then the sweep: each run at its rate
+    (min_lr in the base run's proportion, 1e-4 to 3e-3), 1e30 diverging without stopping the
+    sweep, and the report's row for each variant at the rate of its lower final val loss, its loss
+    the test loss that run logged; run again, the sweep trains nothing (a diverged run is done)."""
     out = tmp_path / "cmp"
     args = [
         "compare.py",
@@ -707,12 +708,13 @@ def test_a_sweep_over_rates_trains_each_variant_at_each_and_reports_each_at_its_
         f"--out_dir={out}",
         *SWEEP,
         "--variants=[mha,mqa]",
-        "--lrs=[3e-4,1e-2]",
+        "--lrs=[3e-4,1e-2,1e30]",
         "--max_iters=20",
     ]
     r = run([*args, "--mode=plan"])
-    assert "4 runs, 4 to run: about" in r.stdout and "| mqa-lr0.01-s1337 |" in r.stdout
-    run(args, env={"WANDB_MODE": "disabled"})
+    assert "6 runs, 6 to run: about" in r.stdout and "| mqa-lr0.01-s1337 |" in r.stdout
+    r = run(args, env={"WANDB_MODE": "disabled"})
+    assert r.stdout.count("diverged at rate 1e+30: the report counts it so") == 2
     rows = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
     for name in ("mha", "mqa"):
         finals = {}
@@ -727,7 +729,10 @@ def test_a_sweep_over_rates_trains_each_variant_at_each_and_reports_each_at_its_
         assert (row["lr"], row["split"]) == (best, "test")
         assert float(row["test_loss"]) == finals[best]["test_loss"] != finals[best]["val_loss"]
         assert float(row["val_loss"]) == finals[best]["val_loss"]
+        assert row["val_loss_by_lr"].endswith(" 1e+30:inf")
     assert "| lr (chosen on val) |" in (out / "report.md").read_text()
+    r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
+    assert "6 of 6 runs already finished" in r.stdout and "$ python train.py" not in r.stdout
 
 
 def test_rates_give_muon_its_own_or_a_scaled_rate() -> None:

@@ -234,6 +234,9 @@ def test_weights_gone_non_finite_are_never_saved(pycode_small: Path, tmp_path: P
         and "no checkpoint was written yet" in stderr
     )
     assert not list(out.glob("ckpt*"))
+    # logged, for a learning-rate sweep to count the run as diverged (compare.py --lrs)
+    last = log_so_far(out)[-1]
+    assert (last["event"], last["what"], last["value"]) == ("diverged", "a weight", "nan")
 
 
 def test_smallgpt_debug_shows_a_user_errors_traceback(tmp_path: Path) -> None:

@@ -43,11 +43,13 @@ def write_log(
     recall: dict | None = None,
     rate: str | None = None,
     test: float | None = None,
+    diverged: int | None = None,
 ) -> Path:
     """A run's folder as a sweep leaves it: log.jsonl (the config record, then a train and an eval
     record at each iteration of losses, and recall's tasks after the last, as --final_evals logs
     them) and a checkpoint's name; torn: the last line cut in half, as a kill mid-write leaves
-    it. rate: the learning rate of --lrs it trained at (its tag); test: its final test loss."""
+    it. rate: the learning rate of --lrs it trained at (its tag); test: its final test loss;
+    diverged: the iteration it stopped at non-finite, after the evaluations of losses below it."""
     run_dir = root / (f"{name}-lr{rate}-s{seed}" if rate else f"{name}-s{seed}")
     run_dir.mkdir(parents=True)
     tags = [name, f"seed={seed}", "size=2x32", f"n_kv_head={n_kv_head}", "match=width"]
@@ -73,6 +75,8 @@ def write_log(
         }
     ]
     for it, loss in losses.items():
+        if diverged is not None and it >= diverged:
+            break
         records += [
             {"event": "train", "iter": it, "loss": loss, "tokens_per_s": 1e4, "elapsed_s": it / 10},
             {
@@ -83,7 +87,11 @@ def write_log(
                 "elapsed_s": it / 10,
             },
         ]
-    if test is not None:
+    if diverged is not None:
+        records.append(
+            {"event": "diverged", "iter": diverged, "what": "the val loss", "value": "nan"}
+        )
+    elif test is not None:
         records[-1]["test_loss"] = test
     if recall is not None:
         split = "val" if test is None else "test"
@@ -276,6 +284,36 @@ def test_each_variant_is_reported_at_its_own_best_rate_measured_on_the_test_spli
     assert "| mha | 1.5100 * | 1.6100 |" in md and "| mqa | 1.5900 | 1.5600 * |" in md
     assert "which the choice never saw" in md and "The dataset has no test split" not in md
     assert f"| 1.7200 ± {T_975_1 * 0.04 / 2:.4f} (n=2) |" in md
+
+
+def test_a_rate_at_which_a_seed_diverged_is_never_chosen(tmp_path: Path) -> None:
+    """MHA's second seed diverged at 0.01, where its first has the lowest loss of all: 0.001 is
+    chosen, and 0.01 shows as diverged. MQA diverged at both rates: no row, and a note says so."""
+    for rate, losses, stops in (
+        ("0.001", (1.50, 1.52), (None, None)),
+        ("0.01", (1.2, 1.1), (None, 15)),
+    ):
+        for seed, loss, stop in zip((1337, 1338), losses, stops, strict=True):
+            write_log(
+                tmp_path,
+                "mha",
+                4,
+                seed,
+                {10: 2.0, 20: loss},
+                rate=rate,
+                test=loss + 0.1,
+                diverged=stop,
+            )
+    for rate in ("0.001", "0.01"):
+        for seed in (1337, 1338):
+            write_log(tmp_path, "mqa", 1, seed, {10: 2.0, 20: 1.0}, rate=rate, diverged=15)
+    out, _, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=2", "--lrs=[0.001,0.01]")
+    assert list(rows) == ["mha"] and rows["mha"]["lr"] == "0.001"
+    assert rows["mha"]["val_loss_by_lr"] == "0.001:1.5100 0.01:inf"
+    assert float(rows["mha"]["test_loss"]) == pytest.approx(1.61, rel=1e-12)
+    assert "| mha | 1.5100 * | diverged |" in out
+    assert "Diverged at every rate of --lrs (no row): 2x32 mqa. Give lower rates." in out
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_exact_interval_is_clopper_pearsons_at_0_n_and_between() -> None:
