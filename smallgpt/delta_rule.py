@@ -1,0 +1,94 @@
+"""The gated delta rule (Gated DeltaNet, arXiv 2412.06464), the recurrence of a linear-attention
+layer: per head a state S (d_k x d_v) that every token decays, corrects and reads,
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T,    o_t = S_t^T q_t,
+
+with a_t = exp(g_t) in (0, 1] the decay and b_t in (0, 1) the write strength. Two forms of the same
+function: `recurrent`, one token after another (decoding: O(1) a token), and `chunked`, which
+trains and prefills in chunks of C tokens, a few matrix products and one triangular solve a chunk
+(the WY form of Yang et al. 2024, arXiv 2406.06484). Both take and return the state, so a prefill
+can stop anywhere and decoding go on from it. q and k come normalised and q scaled by the caller.
+
+Shapes: q, k (B, H, T, d_k); v (B, H, T, d_v); g, b (B, H, T); state (B, H, d_k, d_v).
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The outputs (B, H, T, d_v) and the final state, token by token: decay the state, write the
+    part of v_t it does not already predict for k_t, read it with q_t."""
+    B, H, T, d_k = k.shape
+    d_v = v.shape[-1]
+    if state is None:
+        state = q.new_zeros(B, H, d_k, d_v)
+    out = []
+    for t in range(T):
+        state = state * g[..., t, None, None].exp()
+        # what the state predicts for k_t, and the correction b_t writes along k_t
+        predicted = (k[..., t, :, None] * state).sum(-2)  # S^T k: (B, H, d_v)
+        delta = b[..., t, None] * (v[..., t, :] - predicted)
+        state = state + k[..., t, :, None] * delta[..., None, :]
+        out.append((q[..., t, :, None] * state).sum(-2))  # S^T q
+    return torch.stack(out, dim=2), state
+
+
+def chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    state: torch.Tensor | None = None,
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """recurrent's outputs and final state, a chunk of `chunk` tokens at a time, any T (the last
+    chunk padded with tokens that neither decay nor write: g = 0, b = 0).
+
+    In a chunk starting from state S_0, with G_t the decay's log summed over the chunk up to t,
+    the corrections u_t = b_t (v_t - S_{t-1}'s prediction for k_t) satisfy a unit lower-triangular
+    system, (I + A) u = b (v - exp(G) K S_0) with A_ts = b_t exp(G_t - G_s) k_t . k_s (s < t); then
+    o_t = exp(G_t) S_0^T q_t + sum_{s <= t} exp(G_t - G_s) (k_s . q_t) u_s and
+    S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T."""
+    B, H, T, d_k = k.shape
+    d_v = v.shape[-1]
+    if state is None:
+        state = q.new_zeros(B, H, d_k, d_v)
+    if T == 0:
+        return v.new_zeros(B, H, 0, d_v), state
+    pad = -T % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, b = (F.pad(x, (0, pad)) for x in (g, b))
+    n = (T + pad) // chunk
+    # (B, H, n, C, d) and (B, H, n, C)
+    q, k, v = (x.unflatten(2, (n, chunk)) for x in (q, k, v))
+    g, b = (x.unflatten(2, (n, chunk)) for x in (g, b))
+    G = g.cumsum(-1)
+    # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    strict = decay.tril(-1)
+    A = b[..., None] * (k @ k.mT) * strict
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    # the corrections' two parts: from v, and per unit of S_0 (solved once for every chunk)
+    u_v = torch.linalg.solve_triangular(eye + A, b[..., None] * v, upper=False, unitriangular=True)
+    k_decayed = b[..., None] * G.exp()[..., None] * k
+    u_s = torch.linalg.solve_triangular(eye + A, k_decayed, upper=False, unitriangular=True)
+    scores = (q @ k.mT) * decay  # (k_s . q_t) exp(G_t - G_s), s <= t
+    q_decayed = G.exp()[..., None] * q
+    k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
+    out = []
+    for i in range(n):
+        u = u_v[:, :, i] - u_s[:, :, i] @ state
+        out.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ u)
+        state = G[:, :, i, -1, None, None].exp() * state + k_to_end[:, :, i].mT @ u
+    return torch.cat(out, dim=2)[:, :, :T], state
