@@ -140,7 +140,7 @@ def summary_rows(
     one learning rate each (rate_choice; by_rate: each one's mean final val loss by rate), its
     figures on split (cfg: KV and speed settings)."""
     for r in runs:
-        r["reported"] = r[split] if split == "test" else r["final"]
+        r["reported"] = r["test"] if split == "test" else r["final"]
     by_seed = runs_by_seed(runs)
     groups = {k: list(g.values()) for k, g in by_seed.items()}
     finals = {k: {seed: r["reported"] for seed, r in g.items()} for k, g in by_seed.items()}
