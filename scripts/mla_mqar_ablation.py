@@ -8,10 +8,11 @@ mean final test loss. docs/compare.md "MLA on MQAR, diagnosed" has the figures.
     # where the MHA -> MLA conversion's loss comes from, on a trained MHA run's test split
     python scripts/mla_mqar_ablation.py --conversion=out-mla-ablation/mha-s1337
 
-Two settings change what no key of train.py changes, in this process only (patches, for this
+Three settings change what no key of train.py changes, in this process only (patches, for this
 diagnosis): `mla128-rope-per-head` gives each head its own rotary key (kv_a makes n_head of them
-instead of DeepSeek's one shared), `mla128-latent-adamw` leaves the latent maps (kv_a, kv_b) to
-AdamW while Muon takes the other matrices.
+instead of DeepSeek's one shared), as does `mla128-holds-mha` (with a rotary key as wide as MHA's and
+no latent norm: MHA is one of its functions), and `mla128-latent-adamw` leaves the latent maps (kv_a,
+kv_b) to AdamW while Muon takes the other matrices.
 """
 
 import json
@@ -41,8 +42,12 @@ SETTINGS = {
     "mla128-rope-per-head": MLA,  # patched: a rotary key per head
     "mla128-muon-lr-half": [*MLA, "--muon_lr=0.01", "--learning_rate=1.5e-3", "--min_lr=1.5e-4"],
     "mla128-muon-lr-double": [*MLA, "--muon_lr=0.04", "--learning_rate=6e-3", "--min_lr=6e-4"],
+    # twice the iterations: slower to learn, or unable?
+    "mla128-long": [*MLA, "--max_iters=3000", "--lr_decay_iters=3000"],
+    # patched too: a rotary key per head, as wide as MHA's, no latent norm: MHA is one of its
+    # functions (zero NoPE queries, MHA's keys rotary, the values through the full-rank latent)
+    "mla128-holds-mha": [*MLA, "--qk_rope_head_dim=32", "--latent_norm=False"],
 }
-PATCHED = ("mla128-latent-adamw", "mla128-rope-per-head")
 
 
 @dataclass(slots=True)
@@ -114,9 +119,7 @@ def latent_maps_in_adamw() -> None:
 
 def run_one(setting: str, args: list[str]) -> None:
     """train.py with args, in this process, after setting's patch."""
-    {"mla128-rope-per-head": per_head_rotary_key, "mla128-latent-adamw": latent_maps_in_adamw}[
-        setting
-    ]()
+    PATCHED[setting]()
     sys.argv = ["train.py", *args]
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
@@ -181,6 +184,13 @@ def conversion_steps(run_dir: str) -> str:
         acc = recall.mqar(model, batches, cfg["eval_iters"], split=split)["accuracy"]
         lines.append(f"| {name} | {loss:.4f} | {acc:.3f} |")
     return "\n".join(lines)
+
+
+PATCHED = {
+    "mla128-latent-adamw": latent_maps_in_adamw,
+    "mla128-rope-per-head": per_head_rotary_key,
+    "mla128-holds-mha": per_head_rotary_key,
+}
 
 
 def main(cfg: AblationConfig) -> None:
