@@ -10,9 +10,9 @@ mean final test loss. docs/compare.md "MLA on MQAR, diagnosed" has the figures.
 
 Three settings change what no key of train.py changes, in this process only (patches, for this
 diagnosis): `mla128-rope-per-head` gives each head its own rotary key (kv_a makes n_head of them
-instead of DeepSeek's one shared), as does `mla128-holds-mha` (with a rotary key as wide as MHA's and
-no latent norm: MHA is one of its functions), and `mla128-latent-adamw` leaves the latent maps (kv_a,
-kv_b) to AdamW while Muon takes the other matrices.
+instead of DeepSeek's one shared), as does `mla128-holds-mha` (with a rotary key as wide as MHA's
+and no latent norm: MHA is one of its functions), and `mla128-latent-adamw` leaves the latent maps
+(kv_a, kv_b) to AdamW while Muon takes the other matrices.
 """
 
 import json
