@@ -47,6 +47,8 @@ SETTINGS = {
     # patched too: a rotary key per head, as wide as MHA's, no latent norm: MHA is one of its
     # functions (zero NoPE queries, MHA's keys rotary, the values through the full-rank latent)
     "mla128-holds-mha": [*MLA, "--qk_rope_head_dim=32", "--latent_norm=False"],
+    # patched: K's NoPE features and V straight from x (no latent), the shared rotary key kept
+    "mla128-one-map": MLA,
 }
 
 
@@ -59,9 +61,11 @@ class AblationConfig:
     conversion: str = ""  # a trained rotary MHA run: its loss through each step of to_latent
 
 
-def per_head_rotary_key() -> None:
-    """LatentAttention with one rotary key per head: kv_a makes n_head * rope_dim of them (training
-    and full forwards only: the absorbed decoding step keeps DeepSeek's one)."""
+def patched_latent_attention(rope_per_head: bool, one_map: bool) -> None:
+    """LatentAttention changed for a training ablation (full forwards only: the absorbed decoding
+    step is left as it is): rope_per_head, a rotary key per head (kv_a makes n_head of them, not
+    DeepSeek's one shared); one_map, K's NoPE features and V made from x by one matrix (kv_x), not
+    through the latent (kv_a then makes the rotary keys alone, and there is no kv_b or latent)."""
     import attention
     from attention import Linear, apply_rope
 
@@ -70,22 +74,31 @@ def per_head_rotary_key() -> None:
     def init(self, layer, n_embd, n_head, kv_lora_rank, rope_dim, *rest):  # noqa: ANN001, ANN202
         original_init(self, layer, n_embd, n_head, kv_lora_rank, rope_dim, *rest)
         bias = self.kv_a.bias is not None
-        self.kv_a = Linear(n_embd, kv_lora_rank + n_head * rope_dim, bias=bias)
+        keys = n_head * rope_dim if rope_per_head else rope_dim
+        self.kv_a = Linear(n_embd, keys if one_map else kv_lora_rank + keys, bias=bias)
+        if one_map:
+            del self.kv_b
+            self.kv_x = Linear(n_embd, 2 * n_embd, bias=bias)
 
     def forward(self, x, rope, mask, kv_cache):  # noqa: ANN001, ANN202
-        assert kv_cache is None, "the per-head rotary key is a training ablation"
+        assert kv_cache is None, "a training ablation"
         B, T, C = x.shape
-        H, hd, R = self.n_head, self.head_dim, self.kv_lora_rank
-        q = self.c_q(x).view(B, T, H, hd + self.rope_dim).transpose(1, 2)
-        q, q_rope = q.split((hd, self.rope_dim), dim=-1)
-        latent, k_rope = self.kv_a(x).split((R, H * self.rope_dim), dim=-1)
-        k_rope = k_rope.view(B, T, H, self.rope_dim).transpose(1, 2)
-        latent = self.kv_norm(latent)
+        H, hd, r = self.n_head, self.head_dim, self.rope_dim
+        q = self.c_q(x).view(B, T, H, hd + r).transpose(1, 2)
+        q, q_rope = q.split((hd, r), dim=-1)
+        if one_map:
+            kv, k_rope = self.kv_x(x), self.kv_a(x)
+        else:
+            latent, k_rope = self.kv_a(x).split(
+                (self.kv_lora_rank, self.kv_a.out_features - self.kv_lora_rank), dim=-1
+            )
+            kv = self.kv_b(self.kv_norm(latent))
+        k_rope = k_rope.view(B, T, -1, r).transpose(1, 2)  # (B, H or 1, T, r)
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
-        k, v = self.kv_b(latent).view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)
-        k, q = torch.cat((k, k_rope), dim=-1), torch.cat((q, q_rope), dim=-1)
-        scale = (hd + self.rope_dim) ** -0.5
-        y = attention.attention(q, k, v, mask, 0.0, cached=False, scale=scale)
+        k, v = kv.view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)
+        k = torch.cat((k, k_rope.expand(B, H, T, r)), dim=-1)
+        q = torch.cat((q, q_rope), dim=-1)
+        y = attention.attention(q, k, v, mask, 0.0, cached=False, scale=(hd + r) ** -0.5)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
 
     attention.LatentAttention.__init__ = init
@@ -188,8 +201,9 @@ def conversion_steps(run_dir: str) -> str:
 
 PATCHED = {
     "mla128-latent-adamw": latent_maps_in_adamw,
-    "mla128-rope-per-head": per_head_rotary_key,
-    "mla128-holds-mha": per_head_rotary_key,
+    "mla128-rope-per-head": lambda: patched_latent_attention(rope_per_head=True, one_map=False),
+    "mla128-holds-mha": lambda: patched_latent_attention(rope_per_head=True, one_map=False),
+    "mla128-one-map": lambda: patched_latent_attention(rope_per_head=False, one_map=True),
 }
 
 
