@@ -47,8 +47,11 @@ SETTINGS = {
     # patched too: a rotary key per head, as wide as MHA's, no latent norm: MHA is one of its
     # functions (zero NoPE queries, MHA's keys rotary, the values through the full-rank latent)
     "mla128-holds-mha": [*MLA, "--qk_rope_head_dim=32", "--latent_norm=False"],
-    # patched: K's NoPE features and V straight from x (no latent), the shared rotary key kept
+    # patched: K's NoPE features and V straight from x (no latent), the shared rotary key kept;
+    # then with MHA's softmax scale, or with the NoPE features rotated too
     "mla128-one-map": MLA,
+    "mla128-one-map-head-scale": MLA,
+    "mla128-one-map-all-rotary": MLA,
 }
 
 
@@ -61,13 +64,17 @@ class AblationConfig:
     conversion: str = ""  # a trained rotary MHA run: its loss through each step of to_latent
 
 
-def patched_latent_attention(rope_per_head: bool, one_map: bool) -> None:
+def patched_latent_attention(
+    rope_per_head: bool, one_map: bool, head_scale: bool = False, all_rotary: bool = False
+) -> None:
     """LatentAttention changed for a training ablation (full forwards only: the absorbed decoding
     step is left as it is): rope_per_head, a rotary key per head (kv_a makes n_head of them, not
     DeepSeek's one shared); one_map, K's NoPE features and V made from x by one matrix (kv_x), not
-    through the latent (kv_a then makes the rotary keys alone, and there is no kv_b or latent)."""
+    through the latent (kv_a then makes the rotary keys alone, and there is no kv_b or latent);
+    head_scale, scores divided by sqrt(head_dim), MHA's, not sqrt(head_dim + rope_dim);
+    all_rotary, the NoPE features of q and k rotated too (at head_dim's frequencies, as MHA's)."""
     import attention
-    from attention import Linear, apply_rope
+    from attention import Linear, apply_rope, rope_tables
 
     original_init = attention.LatentAttention.__init__
 
@@ -96,9 +103,13 @@ def patched_latent_attention(rope_per_head: bool, one_map: bool) -> None:
         k_rope = k_rope.view(B, T, -1, r).transpose(1, 2)  # (B, H or 1, T, r)
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
         k, v = kv.view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)
+        if all_rotary:
+            cos, sin = (t.to(x.device).view(1, 1, T, hd // 2) for t in rope_tables(hd, T, 1e4))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k = torch.cat((k, k_rope.expand(B, H, T, r)), dim=-1)
         q = torch.cat((q, q_rope), dim=-1)
-        y = attention.attention(q, k, v, mask, 0.0, cached=False, scale=(hd + r) ** -0.5)
+        scale = hd**-0.5 if head_scale else (hd + r) ** -0.5
+        y = attention.attention(q, k, v, mask, 0.0, cached=False, scale=scale)
         return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
 
     attention.LatentAttention.__init__ = init
@@ -204,6 +215,8 @@ PATCHED = {
     "mla128-rope-per-head": lambda: patched_latent_attention(rope_per_head=True, one_map=False),
     "mla128-holds-mha": lambda: patched_latent_attention(rope_per_head=True, one_map=False),
     "mla128-one-map": lambda: patched_latent_attention(rope_per_head=False, one_map=True),
+    "mla128-one-map-head-scale": lambda: patched_latent_attention(False, True, head_scale=True),
+    "mla128-one-map-all-rotary": lambda: patched_latent_attention(False, True, all_rotary=True),
 }
 
 
