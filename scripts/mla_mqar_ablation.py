@@ -42,6 +42,8 @@ SETTINGS = {
     "mla128-rope-per-head": MLA,  # patched: a rotary key per head
     "mla128-muon-lr-half": [*MLA, "--muon_lr=0.01", "--learning_rate=1.5e-3", "--min_lr=1.5e-4"],
     "mla128-muon-lr-double": [*MLA, "--muon_lr=0.04", "--learning_rate=6e-3", "--min_lr=6e-4"],
+    "mla128-lr-quarter": [*MLA, "--muon_lr=0.005", "--learning_rate=7.5e-4", "--min_lr=7.5e-5"],
+    "mla128-lr-eighth": [*MLA, "--muon_lr=0.0025", "--learning_rate=3.75e-4", "--min_lr=3.75e-5"],
     # twice the iterations: slower to learn, or unable?
     "mla128-long": [*MLA, "--max_iters=3000", "--lr_decay_iters=3000"],
     # patched too: a rotary key per head, as wide as MHA's, no latent norm: MHA is one of its
