@@ -54,6 +54,8 @@ SETTINGS = {
     "mla128-one-map": MLA,
     "mla128-one-map-head-scale": MLA,
     "mla128-one-map-all-rotary": MLA,
+    # patched: MHA with half of each head's features NoPE
+    "mha-half-rotary": [],
 }
 
 
@@ -116,6 +118,24 @@ def patched_latent_attention(
 
     attention.LatentAttention.__init__ = init
     attention.LatentAttention.forward = forward
+
+
+def half_rotary_mha() -> None:
+    """MHA (CausalSelfAttention) with half of each head's q and k features rotary (at the
+    frequencies of a head_dim / 2 rotation), the other half NoPE: MLA's decoupled features without
+    the latent, in MHA."""
+    import attention
+
+    def apply_rope(x, cos, sin):  # noqa: ANN001, ANN202
+        T, r = x.shape[-2], x.shape[-1] // 2
+        half_cos, half_sin = (
+            t.to(x.device).view(1, 1, T, r // 2) for t in attention.rope_tables(r, T, 1e4)
+        )
+        rotated = original(x[..., :r], half_cos, half_sin)
+        return torch.cat((rotated, x[..., r:]), dim=-1)
+
+    original = attention.apply_rope
+    attention.apply_rope = apply_rope
 
 
 def latent_maps_in_adamw() -> None:
@@ -219,6 +239,7 @@ PATCHED = {
     "mla128-one-map": lambda: patched_latent_attention(rope_per_head=False, one_map=True),
     "mla128-one-map-head-scale": lambda: patched_latent_attention(False, True, head_scale=True),
     "mla128-one-map-all-rotary": lambda: patched_latent_attention(False, True, all_rotary=True),
+    "mha-half-rotary": half_rotary_mha,
 }
 
 
