@@ -113,7 +113,6 @@ BUDGETS: dict[str, dict[str, float]] = {
     "test_mqar.py": {
         "test_train_py_trains_on_it": 6,
         "test_the_zoology_script_draws_accuracy_against_width_per_pair_count": 60,
-        "test_the_zoology_layout_queries_every_key_once_at_power_law_gaps": 10,
     },
     "test_nothing_lost.py": {
         "test_a_comparison_writes_only_into_a_folder_of_its_kind": 6,
