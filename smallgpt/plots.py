@@ -151,8 +151,8 @@ def conversion_panel(ax: Any, conv: list[dict]) -> None:
 
 
 def position_panel(ax: Any, runs: list[dict]) -> None:
-    """The val loss at each context position, mean over seeds (positions without a target left
-    out)."""
+    """The loss at each context position on the split the runs' recall read (test where the
+    dataset has one), mean over seeds (positions without a target left out)."""
     by_position = defaultdict(lambda: defaultdict(list))  # (size, variant) -> {position: losses}
     for run in runs:
         for pos, loss in enumerate((run["recall"] or {}).get("position") or []):
@@ -164,7 +164,9 @@ def position_panel(ax: Any, runs: list[dict]) -> None:
             [statistics.fmean(losses[p]) for p in sorted(losses)],
             label=f"{size} {name}",
         )
-    ax.set(xlabel="position in the context", ylabel="val loss (mean over seeds)")
+    splits = {(run["recall"] or {}).get("split", "val") for run in runs if run["recall"]}
+    split = splits.pop() if len(splits) == 1 else "held-out"
+    ax.set(xlabel="position in the context", ylabel=f"{split} loss (mean over seeds)")
 
 
 def induction_panel(ax: Any, runs: list[dict], rows: list[dict]) -> None:
