@@ -93,7 +93,7 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     where measured."""
     long = f"{cfg.decode_context}x{cfg.decode_batch}"
     kv = kv_column(cfg)
-    split = scratch[0]["split"]
+    split = scratch[0]["split"] if scratch else "val"  # a size with conversions alone: none
     distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
     shown = [
         {
