@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any
 
 
+def losses_by_rate(row: dict) -> dict[str, str]:
+    """A row's val_loss_by_lr as {rate: mean final val loss, as written ('inf': a seed
+    diverged)}."""
+    return dict(pair.rsplit(":", 1) for pair in row["val_loss_by_lr"].split())
+
+
 def conversion_target(row: dict) -> str:
     """The variant a conversion makes: 'mha-to-mqa-first-u0.1' -> 'mqa'."""
     return row["variant"].split("-")[2]
@@ -105,7 +111,7 @@ def rate_panel(ax: Any, rows: list[dict]) -> None:
     for r in [r for r in rows if r.get("val_loss_by_lr")]:
         points = sorted(
             (float(rate.split("/")[0]), float(loss), rate == r["lr"])
-            for rate, loss in (pair.rsplit(":", 1) for pair in r["val_loss_by_lr"].split())
+            for rate, loss in losses_by_rate(r).items()
             if loss != "inf"  # a rate at which a seed diverged
         )
         (line,) = ax.plot(

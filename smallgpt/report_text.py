@@ -7,7 +7,7 @@ from pathlib import Path
 from smallgpt import stats
 from smallgpt.configs import CompareConfig
 from smallgpt.measure import table
-from smallgpt.plots import conversion_target
+from smallgpt.plots import conversion_target, losses_by_rate
 
 OTHER_BUDGET = "†"  # marks a row with a run trained for other iterations than its comparison's
 MATCHES = {
@@ -151,7 +151,7 @@ def rates_table(scratch: list[dict]) -> list[str]:
         return []
     cells = []
     for r in rows:
-        by_rate = dict(pair.rsplit(":", 1) for pair in r["val_loss_by_lr"].split())
+        by_rate = losses_by_rate(r)
         shown_loss = {rate: "diverged" if loss == "inf" else loss for rate, loss in by_rate.items()}
         marked = {
             rate: loss + (" *" if rate == r["lr"] else "") for rate, loss in shown_loss.items()

@@ -317,6 +317,9 @@ def finished(run: Run) -> bool:
     trains, it has a checkpoint; or, for a run at a rate of --lrs, it diverged."""
     if not (run.dir / "log.jsonl").is_file():
         return False
+    # only a run at a rate of --lrs may have diverged, before any checkpoint
+    if run.rate is None and run.iters and not (run.dir / "ckpt.pt").is_file():
+        return False
     try:
         logged = read_run(run.dir)
     except (UserError, KeyError):
