@@ -7,22 +7,35 @@ builds them from GPTConfig.
 GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, MLA:
 https://arxiv.org/abs/2405.04434"""
 
+import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from smallgpt import delta_rule
 from smallgpt.fast_paths import Linear, attention, joint_linear
 
 NORM_EPS = 1e-5  # every RMSNorm's, as nn.LayerNorm's default (exported as Llama's rms_norm_eps)
+RECURRENT = "D"  # a recurrent layer's entry in GPTConfig.layer_windows (it has no window)
+Window = int | str | None  # a layer's: None global, an int local, RECURRENT recurrent
+Device = torch.device | str
 
 
 class Cache(Protocol):
-    """What attention needs of a cache: KVCache, or its fixed-shape view StaticKVCache."""
+    """What a layer needs of a cache: KVCache, or its fixed-shape view StaticKVCache. An attention
+    layer writes and reads its keys and values (update), a recurrent one its state (recurrent,
+    remember)."""
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def remember(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None: ...
 
 
 def latent_problems(
@@ -77,30 +90,39 @@ def latent_problems(
     return problems
 
 
-def window_problems(window: int | None, pattern: str, block_size: int) -> list[str]:
+def window_problems(
+    window: int | None, pattern: str, block_size: int, key: str = "window_pattern"
+) -> list[str]:
     """What is wrong with GPTConfig's local-layer keys, alone and against block_size (GPTConfig
-    checks that some layer is local)."""
-    letters = isinstance(pattern, str) and pattern and set(pattern) <= {"s", "l", "S", "L"}
+    checks that some layer is local). key: the pattern's name, window_pattern or layer_pattern
+    (whose letters may name recurrent layers too, D)."""
+    allowed = {"S", "L", "D"} if key == "layer_pattern" else {"S", "L"}
+    letters = isinstance(pattern, str) and pattern and set(pattern.upper()) <= allowed
     if not letters:
+        if key == "layer_pattern":
+            return [
+                f"layer_pattern={pattern!r} must be letters L (global attention), S (local "
+                "attention, its window) and D (Gated DeltaNet), e.g. 'DDDL'"
+            ]
         return [
             f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), "
             "e.g. 'SSSL'"
         ]
     if pattern != pattern.upper():
         return [
-            f"window_pattern={pattern!r}: its letters are upper case, "
-            f"window_pattern={pattern.upper()!r} (compare.py's variant names spell them lower "
+            f"{key}={pattern!r}: its letters are upper case, "
+            f"{key}={pattern.upper()!r} (compare.py's variant names spell them lower "
             "case, e.g. mha-sl8)"
         ]
     if window is None:
         if "S" in pattern:
-            return [f"window_pattern={pattern!r} has local layers (S): give their window"]
+            return [f"{key}={pattern!r} has local layers (S): give their window"]
         return []
     if type(window) is not int or window < 1:
         return [f"window={window!r} must be a positive integer (the tokens a local layer sees)"]
     if "S" not in pattern:
         return [
-            f"window={window} with window_pattern={pattern!r}: no layer is local; give a pattern "
+            f"window={window} with {key}={pattern!r}: no layer is local; give a pattern "
             "with S, e.g. 'SSSL' (the last layer is always global)"
         ]
     if type(block_size) is int and window >= block_size:
@@ -109,6 +131,44 @@ def window_problems(window: int | None, pattern: str, block_size: int) -> list[s
             f"what a global one sees: give a window below {block_size}, or leave window out"
         ]
     return []
+
+
+def pattern_problems(
+    window: int | None, window_pattern: str, layer_pattern: str | None, block_size: int
+) -> list[str]:
+    """What is wrong with the keys that name each layer's kind: window_pattern (S and L), or
+    layer_pattern (S, L and D), not both."""
+    if layer_pattern is None:
+        return window_problems(window, window_pattern, block_size)
+    if window_pattern != "L":
+        return [
+            f"layer_pattern={layer_pattern!r} and window_pattern={window_pattern!r}: give one "
+            "(layer_pattern spells window_pattern's S and L too)"
+        ]
+    return window_problems(window, layer_pattern, block_size, key="layer_pattern")
+
+
+def gate_problems(attn_gate: str, qk_norm: bool, rope_fraction: float, mla: bool) -> list[str]:
+    """What is wrong with the keys of Qwen3.5's attention: its output gate, q/k norms and rotary
+    fraction (GPTConfig checks the fraction's rotated width)."""
+    problems = []
+    if attn_gate not in ("none", "head", "element"):
+        problems.append(f"attn_gate={attn_gate!r} must be one of none, head, element")
+    if type(qk_norm) is not bool:
+        problems.append(f"qk_norm={qk_norm!r} must be True or False")
+    elif qk_norm and mla:
+        problems.append(
+            "qk_norm=True does not apply to MLA (its latent has its own norm, latent_norm): "
+            "leave it out"
+        )
+    if not (isinstance(rope_fraction, int | float) and 0 < rope_fraction <= 1):
+        problems.append(f"rope_fraction={rope_fraction!r} must be a number in (0, 1]")
+    elif rope_fraction != 1 and mla:
+        problems.append(
+            f"rope_fraction={rope_fraction} does not apply to MLA (its rotary width is "
+            "qk_rope_head_dim): leave it out"
+        )
+    return problems
 
 
 class RMSNorm(nn.RMSNorm):
@@ -133,15 +193,37 @@ class Rows:
         self.k = k
         self.v = v
 
+    @classmethod
+    def zeros(
+        cls, layers: int, batch_size: int, shape: "CacheShape", device: Device, dtype: torch.dtype
+    ) -> "Rows":
+        """An empty cache of this kind for `layers` layers (shape: the layers' sizes)."""
+        slots = cls.slots(shape.windows, shape.max_len)
+        k, v = (
+            torch.zeros(layers, batch_size, shape.heads, slots, width, device=device, dtype=dtype)
+            for width in (shape.k_width, shape.v_width)
+        )
+        return cls(k, v)
+
     @staticmethod
-    def owns(window: int | None) -> bool:
+    def owns(window: Window) -> bool:
         """Whether a layer of this window keeps its cache here: a global one."""
         return window is None
 
     @staticmethod
-    def slots(windows: list[int | None], max_len: int) -> int:
+    def slots(windows: list[Window], max_len: int) -> int:
         """The slots a layer of this kind keeps, in a cache of max_len positions."""
         return max_len
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+    @property
+    def layers(self) -> int:
+        return self.k.size(0)
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Forget what these rows held: nothing to do, the mask hides slots before a row's pad."""
 
     def update(
         self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
@@ -188,11 +270,11 @@ class Ring(Rows):
         self.size = k.size(3)
 
     @staticmethod
-    def owns(window: int | None) -> bool:
-        return window is not None
+    def owns(window: Window) -> bool:
+        return isinstance(window, int)
 
     @staticmethod
-    def slots(windows: list[int | None], max_len: int) -> int:
+    def slots(windows: list[Window], max_len: int) -> int:
         local = [w for w in windows if KINDS[owner(w)] is Ring]
         assert len(set(local)) <= 1, f"one window for every local layer, not {sorted(set(local))}"
         return min(local[0], max_len) if local else 0
@@ -244,76 +326,154 @@ class Ring(Rows):
             t.copy_(t.roll(-by, dims=3))
 
 
+class Recurrent:
+    """The recurrent layers' cache (GatedDeltaNet): each layer's last kernel - 1 inputs of its
+    convolution, (layers, B, channels, kernel - 1), and its state S, (layers, B, heads, d_k, d_v),
+    in fp32 (a running sum over every token): bytes that do not grow with the context. It holds
+    no positions: a prefill from an empty cache starts from zeros, a refill takes the rows' own
+    state (recomputed from the tokens they keep) and a shift leaves it as it is."""
+
+    grows = False
+
+    def __init__(self, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.conv = conv
+        self.state = state
+
+    @classmethod
+    def zeros(
+        cls, layers: int, batch_size: int, shape: "CacheShape", device: Device, dtype: torch.dtype
+    ) -> "Recurrent":
+        s = shape.state
+        conv = torch.zeros(layers, batch_size, s.channels, s.kernel - 1, device=device, dtype=dtype)
+        size = (layers, batch_size, s.heads, s.key_width, s.value_width)
+        return cls(conv, torch.zeros(size, device=device, dtype=torch.float32))
+
+    @staticmethod
+    def owns(window: Window) -> bool:
+        return window == RECURRENT
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv, self.state
+
+    @property
+    def layers(self) -> int:
+        return self.conv.size(0)
+
+    def read(self, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's convolution inputs and state before position start: zeros at 0 (whatever
+        an earlier sequence left)."""
+        if start == 0:
+            return torch.zeros_like(self.conv[i]), torch.zeros_like(self.state[i])
+        return self.conv[i], self.state[i]
+
+    def write(self, i: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.conv[i] = conv
+        self.state[i] = state
+
+    def splice(self, rows: torch.Tensor, start: int, own: "Recurrent", count: int) -> None:
+        """These rows take own's state: what the rows' own tokens left (the positions mean
+        nothing to a state)."""
+        self.conv[:, rows] = own.conv
+        self.state[:, rows] = own.state
+
+    def shift(self, by: int, end: int) -> None:
+        """Nothing moves: the positions dropped are slots no row sees, never in a state."""
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """These rows start again from nothing (a row whose context slid to a single token)."""
+        self.conv[:, rows] = 0
+        self.state[:, rows] = 0
+
+
 # The kinds of cache, one per kind of layer: a layer keeps its cache in the first that owns its
-# window. A new kind of layer (a fixed recurrent state) adds its class here.
-KINDS = (Rows, Ring)
+# window (None: global, an int: local, RECURRENT: a recurrent layer).
+KINDS = (Rows, Ring, Recurrent)
 
 
-def owner(window: int | None) -> int:
+def owner(window: Window) -> int:
     """The index in KINDS of the kind that keeps a layer of this window's cache."""
     return next(i for i, kind in enumerate(KINDS) if kind.owns(window))
 
 
-class KVCache:
-    """Preallocated K and V of every layer, laid out as GPTConfig.cache_layout says: K/V heads
-    un-repeated (MHA/GQA/MQA), or MLA's one head of [latent | rotary key]. Each kind of layer keeps
-    its own (`kinds`): the global layers' Rows, the local layers' Ring. `pos` counts positions
-    written; GPT.forward advances it once per call, after the last layer. zeros() makes an empty
-    one. Only this module reads or writes the tensors: the engine calls the methods below."""
+@dataclass(frozen=True)
+class StateShape:
+    """A recurrent layer's cache sizes: its convolution's channels (q, k and v of every head) and
+    kernel, and its state's heads, key and value widths."""
 
-    def __init__(self, kinds: tuple[Rows, ...], windows: list[int | None], pos: int = 0) -> None:
+    channels: int
+    kernel: int
+    heads: int
+    key_width: int
+    value_width: int
+
+
+NO_STATE = StateShape(0, 1, 0, 0, 0)  # a model without recurrent layers
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The sizes every kind of cache is made from: each layer's window (KINDS), the positions,
+    an attention layer's heads and K/V widths (GPTConfig.cache_layout), a recurrent one's
+    state."""
+
+    windows: tuple[Window, ...]
+    max_len: int
+    heads: int
+    k_width: int
+    v_width: int
+    state: StateShape = NO_STATE
+
+
+class KVCache:
+    """Preallocated K and V of every attention layer, laid out as GPTConfig.cache_layout says: K/V
+    heads un-repeated (MHA/GQA/MQA), or MLA's one head of [latent | rotary key]; and a recurrent
+    layer's state. Each kind of layer keeps its own (`kinds`): the global layers' Rows, the local
+    layers' Ring, the recurrent layers' Recurrent. `pos` counts positions written; GPT.forward
+    advances it once per call, after the last layer. zeros() makes an empty one. Only this module
+    reads or writes the tensors: the engine calls the methods below."""
+
+    def __init__(
+        self, kinds: tuple[Rows | Recurrent, ...], shape: CacheShape, pos: int = 0
+    ) -> None:
         self.kinds = kinds  # one of each of KINDS
-        self.max_len = kinds[0].k.size(3)
+        self.shape = shape
+        self.max_len = kinds[0].k.size(3)  # the global layers' slots
         # a local layer's slots, 0 without one (its masks: attention_mask's ring)
         self.ring = next((kind.size for kind in kinds if isinstance(kind, Ring)), 0)
         self.where = []  # each layer's kind and its index among that kind's layers
         seen = [0] * len(KINDS)
-        for window in windows:
+        for window in shape.windows:
             kind = owner(window)
             self.where.append((kind, seen[kind]))
             seen[kind] += 1
-        self.windows = windows
+        self.windows = shape.windows
         self.pos = pos
 
     @classmethod
     def zeros(
-        cls,
-        windows: list[int | None],
-        batch_size: int,
-        max_len: int,
-        heads: int,
-        k_width: int,
-        v_width: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
+        cls, shape: CacheShape, batch_size: int, device: Device, dtype: torch.dtype
     ) -> "KVCache":
-        """An empty cache of max_len positions for layers of these windows (None: global; the
-        local ones share one)."""
-        kinds = []
-        owners = [owner(window) for window in windows]
-        for i, kind in enumerate(KINDS):
-            layers = owners.count(i)
-            slots = kind.slots(windows, max_len)
-            k, v = (
-                torch.zeros(layers, batch_size, heads, slots, width, device=device, dtype=dtype)
-                for width in (k_width, v_width)
-            )
-            kinds.append(kind(k, v))
-        return cls(tuple(kinds), windows)
+        """An empty cache of these sizes (the local layers share one window)."""
+        owners = [owner(window) for window in shape.windows]
+        kinds = tuple(
+            kind.zeros(owners.count(i), batch_size, shape, device, dtype)
+            for i, kind in enumerate(KINDS)
+        )
+        return cls(kinds, shape)
 
     @classmethod
-    def of_tensors(cls, tensors: list[torch.Tensor], windows: list[int | None]) -> "KVCache":
+    def of_tensors(cls, tensors: list[torch.Tensor], shape: CacheShape) -> "KVCache":
         """A cache over tensors (those of tensors(), e.g. a compiled step's inputs)."""
         kinds = tuple(kind(*tensors[2 * i : 2 * i + 2]) for i, kind in enumerate(KINDS))
-        return cls(kinds, windows)
+        return cls(kinds, shape)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the cache: the inputs of a compiled step (of_tensors builds it back)."""
-        return [t for kind in self.kinds for t in (kind.k, kind.v)]
+        return [t for kind in self.kinds for t in kind.tensors()]
 
     def grows(self) -> list[bool]:
         """For each of tensors(): whether its slots are the cache's length."""
-        return [kind.grows for kind in self.kinds for _ in (kind.k, kind.v)]
+        return [kind.grows for kind in self.kinds for _ in kind.tensors()]
 
     def example(self, length: int) -> list[torch.Tensor]:
         """Tensors shaped as tensors() for a cache of `length` positions (to export a step on)."""
@@ -348,18 +508,34 @@ class KVCache:
         kind, i = self.where[layer]
         return self.kinds[kind].update(i, self.pos, k, v)
 
-    def refill(self, rows: list[int], own: "KVCache") -> None:
+    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A recurrent layer's convolution inputs (B, channels, kernel - 1) and state (B, heads,
+        d_k, d_v) before pos (Recurrent.read)."""
+        kind, i = self.where[layer]
+        return self.kinds[kind].read(i, self.pos)
+
+    def remember(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """A recurrent layer's convolution inputs and state after the tokens at hand."""
+        kind, i = self.where[layer]
+        self.kinds[kind].write(i, conv, state)
+
+    def refill(self, rows: list[int], own: "KVCache | None") -> None:
         """Write own (a cache of these rows alone, its positions from 0) into these rows,
-        right-aligned at pos: own's last position goes at pos - 1."""
+        right-aligned at pos: own's last position goes at pos - 1. None: the rows start again
+        from nothing (their slots before pos are hidden by their pad)."""
         at = torch.tensor(rows, device=self.device)
+        if own is None:
+            for kind in self.kinds:
+                kind.reset(at)
+            return
         for mine, theirs in zip(self.kinds, own.kinds, strict=True):
-            if theirs.k.size(0) and theirs.k.size(3):  # layers of the kind, and slots
+            if theirs.layers:
                 mine.splice(at, self.pos - own.pos, theirs, own.pos)
 
     def shift(self, by: int) -> None:
         """Move every layer's positions left by `by` (slots no row sees), making room at the end."""
         for kind in self.kinds:
-            if kind.k.size(0):
+            if kind.layers:
                 kind.shift(by, self.pos)
         self.pos -= by
 
@@ -373,7 +549,8 @@ class StaticKVCache:
     at a position held in a 1-element tensor (a local layer's at its ring slot), in place into the
     cache's tensors (not a view of them, which a compiled step would copy whole), and read whole: a
     global layer's first `length` positions, or all max_len when length is None (the step masks
-    the unwritten ones). masks: what the query at pos sees, for each window."""
+    the unwritten ones); a recurrent layer's state read and written whole. masks: what the query
+    at pos sees, for each window (a recurrent layer's: None, every row is real)."""
 
     def __init__(self, cache: KVCache, pos: torch.Tensor, length: int | None) -> None:
         self.cache = cache
@@ -387,8 +564,9 @@ class StaticKVCache:
         # its first `length` slots it sees them all (no mask)
         keys = torch.arange(length or cache.max_len, device=device)
         self.masks = {None: None if length else visible(pos, keys, None)[None, None, None, :]}
+        self.masks[RECURRENT] = None
         if cache.ring:  # a local layer's ring: the positions its slots hold
-            window = next(w for w in cache.windows if w is not None)
+            window = next(w for w in cache.windows if isinstance(w, int))
             held = ring_positions(pos + 1, cache.ring, device)
             self.masks[window] = visible(pos, held, window)[None, None, None, :]
 
@@ -402,6 +580,19 @@ class StaticKVCache:
         if v.size(-1):  # MLA's cache has no V (its values are the latent, in K)
             kind.v.index_put_(at, v[:, :, 0])
         return kind.read(i, self.length)
+
+    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kind_index, i = self.cache.where[layer]
+        kind = self.cache.kinds[kind_index]
+        return kind.conv[i], kind.state[i]
+
+    def remember(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        """Written in place with index_put_ (a compiled step's inputs, not a copy of them)."""
+        kind_index, i = self.cache.where[layer]
+        kind = self.cache.kinds[kind_index]
+        at = (torch.full((), i, device=conv.device),)
+        kind.conv.index_put_(at, conv.to(kind.conv.dtype))
+        kind.state.index_put_(at, state)
 
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand
@@ -441,6 +632,16 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) 
     return mask
 
 
+def real_tokens(
+    T: int, start: int, pad: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """A recurrent layer's mask (B, T) of the tokens at start..start+T-1: True where a row's token
+    is real, False on its left padding (pad[b] slots of row b); None without padding."""
+    if pad is None:
+        return None
+    return torch.arange(start, start + T, device=device)[None, :] >= pad[:, None]
+
+
 def attention_mask(
     T: int,
     start: int,
@@ -477,11 +678,53 @@ def attention_mask(
     return mask[:, None]
 
 
+def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x (B, heads, T, head_dim) with its first features rotated (as many as the rotary tables
+    hold: all of them, or a rope_fraction's), the others as they are."""
+    if rope is None:
+        return x
+    rotated = 2 * rope[0].size(-1)
+    if rotated == x.size(-1):
+        return apply_rope(x, *rope)
+    return torch.cat((apply_rope(x[..., :rotated], *rope), x[..., rotated:]), dim=-1)
+
+
+class OutputGate(nn.Module):
+    """Gated Attention (arXiv 2505.06708): attention's output times sigmoid of a projection of the
+    layer's input, one gate a head ('head') or a feature ('element', Qwen3.5's)."""
+
+    def __init__(self, n_embd: int, n_head: int, kind: str, bias: bool) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.c_gate = Linear(n_embd, n_embd if kind == "element" else n_head, bias=bias)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (B, T, n_head, head_dim) gated by x (B, T, n_embd)."""
+        B, T, _ = x.shape
+        gate = self.c_gate(x).view(B, T, self.n_head, -1)  # (B, T, n_head, head_dim or 1)
+        return y * torch.sigmoid(gate)
+
+
+def output_gate(n_embd: int, n_head: int, kind: str, bias: bool) -> OutputGate | None:
+    """The gate GPTConfig.attn_gate names, or None ('none')."""
+    return None if kind == "none" else OutputGate(n_embd, n_head, kind, bias)
+
+
 class CausalSelfAttention(nn.Module):
-    """n_head query heads over n_kv_head K/V heads: MHA (equal), GQA (a divisor), MQA (one)."""
+    """n_head query heads over n_kv_head K/V heads: MHA (equal), GQA (a divisor), MQA (one);
+    optionally q and k RMS-normalised per head before their rotation (qk_norm, as Qwen3's) and
+    the output gated (OutputGate)."""
 
     def __init__(
-        self, layer: int, n_embd: int, n_head: int, n_kv_head: int, bias: bool, dropout: float
+        self,
+        layer: int,
+        n_embd: int,
+        n_head: int,
+        n_kv_head: int,
+        bias: bool,
+        dropout: float,
+        qk_norm: bool = False,
+        gate: str = "none",
     ) -> None:
         super().__init__()
         self.layer, self.n_head, self.n_kv_head = layer, n_head, n_kv_head
@@ -490,6 +733,11 @@ class CausalSelfAttention(nn.Module):
         self.c_q = Linear(n_embd, n_embd, bias=bias)
         self.c_k = Linear(n_embd, kv_dim, bias=bias)
         self.c_v = Linear(n_embd, kv_dim, bias=bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim)
+            self.k_norm = RMSNorm(self.head_dim)
+        self.qk_norm = qk_norm
+        self.gate = output_gate(n_embd, n_head, gate, bias)
         self.c_proj = Linear(n_embd, n_embd, bias=bias)
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
@@ -499,29 +747,33 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         B, T, C = x.shape  # C is n_embd
         H, G, hd = self.n_head, self.n_kv_head, self.head_dim
-        # q, k and v as one product, q and k rotated as one
-        if kv_cache is None and rope is not None:
+        if kv_cache is None and rope is not None and not self.qk_norm:
+            # q, k and v as one product, q and k rotated as one
             qkv = (
                 joint_linear(x, self.c_q, self.c_k, self.c_v)
                 .view(B, T, H + 2 * G, hd)
                 .transpose(1, 2)
             )
             qk, v = qkv.split((H + G, G), dim=1)
-            q, k = apply_rope(qk, *rope).split((H, G), dim=1)
+            q, k = rotate(qk, rope).split((H, G), dim=1)
         else:
             # each Linear on its own: decoding's few-row products (fast_paths.Linear), and faster on
             # CUDA without RoPE (docs/performance-cpu.md "Training")
-            q = self.c_q(x).view(B, T, H, hd).transpose(1, 2)
-            k = self.c_k(x).view(B, T, G, hd).transpose(1, 2)
+            q = self.c_q(x).view(B, T, H, hd)
+            k = self.c_k(x).view(B, T, G, hd)
             v = self.c_v(x).view(B, T, G, hd).transpose(1, 2)
-            if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotate(q.transpose(1, 2), rope), rotate(k.transpose(1, 2), rope)
             if kv_cache is not None:
                 k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
         # q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, Tk, head_dim)
         dropout_p = self.dropout if self.training else 0.0
         y = attention(q, k, v, mask, dropout_p, cached=kv_cache is not None)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, n_embd)
+        y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
+        if self.gate is not None:
+            y = self.gate(x, y)
+        y = y.contiguous().view(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -554,9 +806,11 @@ class LatentAttention(nn.Module):
         latent_norm: bool,
         bias: bool,
         dropout: float,
+        gate: str = "none",
     ) -> None:
         super().__init__()
         self.layer, self.n_head, self.head_dim = layer, n_head, n_embd // n_head
+        self.gate = output_gate(n_embd, n_head, gate, bias)
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
         q_dim = n_head * (
@@ -611,5 +865,98 @@ class LatentAttention(nn.Module):
             q = torch.cat((q @ w_uk, q_rope), dim=-1)  # (B, H, T, R + rope_dim)
             latents = attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale)
             y = latents @ w_uv.mT  # (B, H, T, head_dim)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, n_embd)
+        y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
+        if self.gate is not None:
+            y = self.gate(x, y)
+        y = y.reshape(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y))
+
+
+def l2_normalised(x: torch.Tensor) -> torch.Tensor:
+    """x over the root of its squared features' sum (plus 1e-6, as Qwen3.5 and fla write it)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention layer, Gated DeltaNet (arXiv 2412.06464) as Qwen3.5 builds it: q, k and v
+    of n_head heads from one projection through a short causal depthwise convolution and SiLU, q
+    and k L2-normalised; per head and token a write strength b = sigmoid(c_b x) and a decay exp(g),
+    g = -exp(A_log) softplus(c_a x + dt_bias); the gated delta rule (smallgpt/delta_rule.py)
+    carries a state of head_dim x head_dim a head, chunked over a sequence and one step at a time
+    while decoding; its output RMS-normalised per head times SiLU(c_z x), then projected. No
+    positions: the recurrence orders the tokens. Its cache (Recurrent) is the state and the
+    convolution's last kernel - 1 inputs, whatever the context's length.
+
+    mask (B, T), True at a real token (None: all are): a left pad enters as zeros that neither
+    decay nor write, so a row's state is what its own tokens make."""
+
+    kernel = 4  # the convolution's taps
+    chunk = 64  # tokens a step of delta_rule.chunked (docs/compare.md "Hybrids")
+
+    def __init__(self, layer: int, n_embd: int, n_head: int, bias: bool, dropout: float) -> None:
+        super().__init__()
+        self.layer, self.n_head, self.head_dim = layer, n_head, n_embd // n_head
+        self.c_qkv = Linear(n_embd, 3 * n_embd, bias=bias)  # [q | k | v], head by head
+        self.conv = nn.Parameter(torch.empty(3 * n_embd, 1, self.kernel))  # nn.Conv1d's shape
+        self.c_z = Linear(n_embd, n_embd, bias=bias)
+        self.c_b = Linear(n_embd, n_head, bias=bias)
+        self.c_a = Linear(n_embd, n_head, bias=bias)
+        self.A_log = nn.Parameter(torch.empty(n_head))
+        self.dt_bias = nn.Parameter(torch.empty(n_head))
+        self.norm = RMSNorm(self.head_dim)
+        self.c_proj = Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    @property
+    def state_shape(self) -> StateShape:
+        hd = self.head_dim
+        return StateShape(self.conv.size(0), self.kernel, self.n_head, hd, hd)
+
+    def initial(self, name: str, generator: torch.Generator | None) -> torch.Tensor:
+        """The initial values of the parameters no other layer has, as fla initialises them: the
+        convolution as nn.Conv1d's default bound, A uniform in [1, 16], and dt_bias the inverse
+        softplus of a step log-uniform in [0.001, 0.1]."""
+        if name == "conv":
+            bound = self.kernel**-0.5
+            return torch.empty(self.conv.shape).uniform_(-bound, bound, generator=generator)
+        if name == "A_log":
+            return torch.empty(self.n_head).uniform_(1.0, 16.0, generator=generator).log()
+        low, high = math.log(0.001), math.log(0.1)
+        dt = (torch.rand(self.n_head, generator=generator) * (high - low) + low).exp()
+        return dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv_cache: Cache | None
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        H, hd = self.n_head, self.head_dim
+        if mask is not None:
+            x = x * mask[..., None]  # a pad token: zeros in
+        qkv = self.c_qkv(x).transpose(1, 2)  # (B, 3 C, T)
+        if kv_cache is None:
+            conv_in = qkv.new_zeros(B, 3 * C, self.kernel - 1)
+            state = None
+        else:
+            conv_in, state = kv_cache.recurrent(self.layer)
+        # the causal convolution over the last kernel - 1 inputs then these
+        inputs = torch.cat((conv_in.to(qkv.dtype), qkv), dim=-1)  # (B, 3 C, kernel - 1 + T)
+        qkv = F.silu(F.conv1d(inputs, self.conv.to(qkv.dtype), groups=3 * C))  # (B, 3 C, T)
+        # q, k, v: (B, H, T, head_dim) in fp32, as the recurrence runs
+        q, k, v = qkv.float().view(B, 3, H, hd, T).transpose(-1, -2).unbind(1)
+        q = l2_normalised(q) * hd**-0.5
+        k = l2_normalised(k)
+        b = torch.sigmoid(self.c_b(x).float()).transpose(1, 2)  # (B, H, T)
+        g = -self.A_log.float().exp() * F.softplus(self.c_a(x).float() + self.dt_bias.float())
+        g = g.transpose(1, 2)  # (B, H, T)
+        if mask is not None:  # a pad neither decays nor writes
+            b = b * mask[:, None]
+            g = g * mask[:, None]
+        if T == 1 and state is not None:
+            o, state = delta_rule.recurrent(q, k, v, g, b, state)
+        else:
+            o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
+        if kv_cache is not None:
+            kv_cache.remember(self.layer, inputs[..., -(self.kernel - 1) :], state)
+        z = self.c_z(x).view(B, T, H, hd)
+        o = self.norm(o.transpose(1, 2)) * F.silu(z.float())  # (B, T, H, head_dim)
+        return self.resid_dropout(self.c_proj(o.to(x.dtype).reshape(B, T, C)))

@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import attention
-from attention import CausalSelfAttention, KVCache, LatentAttention, RMSNorm, Rope
+from attention import CausalSelfAttention, GatedDeltaNet, KVCache, LatentAttention, RMSNorm, Rope
 from smallgpt.fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
@@ -47,6 +47,16 @@ class GPTConfig:
     # the last one always global
     window: int | None = None
     window_pattern: str = "L"
+    # each layer's mixer, letters repeated over the layers: L global attention, S local (its
+    # window), D Gated DeltaNet (a linear recurrence: attention.GatedDeltaNet), e.g. 'DDDL' as
+    # Qwen3.5's; None: window_pattern's S and L, the last layer never local either way
+    layer_pattern: str | None = None
+    # Qwen3.5's attention, each its own key: the output gated by sigmoid of a projection of x, one
+    # gate a head or a feature (https://arxiv.org/abs/2505.06708); q and k RMS-normalised per head;
+    # the fraction of each head's features rotated (the first ones)
+    attn_gate: str = "none"
+    qk_norm: bool = False
+    rope_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -68,16 +78,28 @@ class GPTConfig:
             self.n_head,
             self.n_embd,
         )
-        problems += attention.window_problems(self.window, self.window_pattern, self.block_size)
-        if not problems and self.window is not None and not any(self.layer_windows):
+        problems += attention.pattern_problems(
+            self.window, self.window_pattern, self.layer_pattern, self.block_size
+        )
+        problems += attention.gate_problems(
+            self.attn_gate, self.qk_norm, self.rope_fraction, self.kv_lora_rank is not None
+        )
+        if not problems and self.window is not None and not self.local_layers:
+            key = "window_pattern" if self.layer_pattern is None else "layer_pattern"
             problems.append(
-                f"window_pattern={self.window_pattern!r} on n_layer={self.n_layer} "
+                f"{key}={getattr(self, key)!r} on n_layer={self.n_layer} "
                 f"makes no layer local (the last layer is always global), so "
                 f"window={self.window} would change nothing: give a pattern with "
                 f"S among the first {self.n_layer - 1} layers, or leave window out"
             )
         if not problems:  # the sizes are integers, so their ratios can be checked
             problems += self.ratio_problems()
+        if not problems and set(self.layer_letters) == {"D"}:
+            if self.attn_gate != "none" or self.qk_norm:
+                problems.append(
+                    f"attn_gate={self.attn_gate!r}, qk_norm={self.qk_norm} apply to attention "
+                    f"layers and layer_pattern={self.layer_pattern!r} has none: leave them out"
+                )
         problems += self.choice_problems(rope_checkable=not problems)
         problems += self.unused_keys()
         if problems:
@@ -115,6 +137,14 @@ class GPTConfig:
         if self.pos_encoding not in POS_ENCODINGS:
             choices = ", ".join(POS_ENCODINGS)
             problems.append(f"pos_encoding={self.pos_encoding!r} must be one of {choices}")
+        elif self.pos_encoding == "rope" and rope_checkable and self.rope_fraction != 1:
+            rotated = self.rope_dim
+            if rotated < 2 or rotated % 2:
+                problems.append(
+                    f"rope_fraction={self.rope_fraction} rotates int({self.head_dim} * "
+                    f"{self.rope_fraction}) = {rotated} features of each head: give a fraction "
+                    "that rotates an even number, at least 2"
+                )
         elif self.pos_encoding == "rope" and rope_checkable and self.rope_dim % 2:
             what = "qk_rope_head_dim" if self.kv_lora_rank else "head_dim"
             problems.append(f"pos_encoding='rope' needs an even {what}, got {what}={self.rope_dim}")
@@ -135,6 +165,11 @@ class GPTConfig:
                 f"rope_theta={self.rope_theta} applies to rotary positions: "
                 "set pos_encoding='rope', or leave rope_theta out"
             )
+        if self.pos_encoding == "learned" and self.rope_fraction != 1:
+            unused.append(
+                f"rope_fraction={self.rope_fraction} applies to rotary positions: "
+                "set pos_encoding='rope', or leave rope_fraction out"
+            )
         if self.mlp == "swiglu" and self.gelu != "exact":
             unused.append(
                 f"gelu={self.gelu!r} applies to mlp='gelu' (SwiGLU gates with SiLU): leave gelu out"
@@ -146,15 +181,34 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @property
-    def layer_windows(self) -> list[int | None]:
-        """Each layer's window (None: global): window_pattern repeated, the last layer global."""
-        letters = (self.window_pattern * self.n_layer)[: self.n_layer - 1]
-        return [self.window if letter == "S" else None for letter in letters] + [None]
+    def layer_letters(self) -> str:
+        """Each layer's letter (L, S or D): layer_pattern, else window_pattern, repeated over the
+        layers, the last layer global where the pattern would make it local."""
+        pattern = self.window_pattern if self.layer_pattern is None else self.layer_pattern
+        letters = (pattern * self.n_layer)[: self.n_layer]
+        return letters[:-1] + ("L" if letters[-1] == "S" else letters[-1])
+
+    @property
+    def layer_windows(self) -> list[attention.Window]:
+        """Each layer's window as the cache keys its kinds (attention.KINDS): None for a global
+        layer, the window for a local one, attention.RECURRENT for a Gated DeltaNet layer."""
+        windows = {"L": None, "S": self.window, "D": attention.RECURRENT}
+        return [windows[letter] for letter in self.layer_letters]
+
+    @property
+    def local_layers(self) -> list[int]:
+        return [i for i, letter in enumerate(self.layer_letters) if letter == "S"]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, letter in enumerate(self.layer_letters) if letter == "D"]
 
     @property
     def rope_dim(self) -> int:
-        """The features a head rotates: MLA's rotary key width, else the whole head."""
-        return self.head_dim if self.kv_lora_rank is None else self.qk_rope_head_dim
+        """The features a head rotates: MLA's rotary key width, else rope_fraction of the head."""
+        if self.kv_lora_rank is not None:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.rope_fraction)
 
     @property
     def attention_kind(self) -> str:
@@ -177,14 +231,24 @@ class GPTConfig:
         )
 
     def describe(self) -> str:
-        """The model's one line, as every script prints it: its attention, positions and local
-        layers, e.g. 'GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1] of 3
-        (window 8)'."""
+        """The model's one line, as every script prints it: its attention, positions, local and
+        recurrent layers, e.g. 'GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1]
+        of 3 (window 8)'."""
         line = f"{self.attention_kind} (n_head={self.n_head}, {self.kv_sizes})"
+        extras = []
+        if self.attn_gate != "none":
+            extras.append(f"gated by {self.attn_gate}")
+        if self.qk_norm:
+            extras.append("q/k normed")
+        if extras:
+            line += " " + ", ".join(extras)
         line += f", {self.pos_encoding} positions"
-        local = [i for i, w in enumerate(self.layer_windows) if w]
-        if local:
-            line += f", local layers {local} of {self.n_layer} (window {self.window})"
+        if self.rope_fraction != 1:
+            line += f" on {self.rope_dim} of {self.head_dim} features"
+        if self.local_layers:
+            line += f", local layers {self.local_layers} of {self.n_layer} (window {self.window})"
+        if self.recurrent_layers:
+            line += f", Gated DeltaNet layers {self.recurrent_layers} of {self.n_layer}"
         return line
 
     @property
@@ -195,21 +259,40 @@ class GPTConfig:
             return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
         return self.n_kv_head, self.head_dim, self.head_dim
 
+    @property
+    def state_shape(self) -> attention.StateShape:
+        """A Gated DeltaNet layer's cache sizes (attention.GatedDeltaNet): q, k and v of every
+        head through its convolution, a head_dim x head_dim state a head."""
+        hd = self.head_dim
+        return attention.StateShape(3 * self.n_embd, GatedDeltaNet.kernel, self.n_head, hd, hd)
+
     def kv_cache_bytes(
         self, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32
     ) -> int:
         """Bytes of the cache in every layer for batch_size sequences of seq_len positions: 2
         n_kv_head head_dim values a token and layer, or MLA's kv_lora_rank + qk_rope_head_dim, a
-        local layer keeping at most its window of tokens."""
+        local layer keeping at most its window of tokens; a Gated DeltaNet layer's state (fp32)
+        and last convolution inputs, whatever seq_len."""
         heads, k_width, v_width = self.cache_layout
-        tokens = sum(min(seq_len, w or seq_len) for w in self.layer_windows)  # over the layers
-        return batch_size * tokens * heads * (k_width + v_width) * dtype.itemsize
+        attending = [w for w in self.layer_windows if w != attention.RECURRENT]
+        tokens = sum(min(seq_len, w or seq_len) for w in attending)  # over the layers
+        kv = tokens * heads * (k_width + v_width) * dtype.itemsize
+        s = self.state_shape
+        state = (
+            s.heads * s.key_width * s.value_width * 4 + s.channels * (s.kernel - 1) * dtype.itemsize
+        )
+        return batch_size * (kv + len(self.recurrent_layers) * state)
 
 
-def attention_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAttention:
-    """The attention kind the config names: MLA where kv_lora_rank is set, else MHA/GQA/MQA."""
+def mixer_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAttention | GatedDeltaNet:
+    """The layer's mixer the config names: Gated DeltaNet where its letter is D, else attention:
+    MLA where kv_lora_rank is set, else MHA/GQA/MQA."""
+    if c.layer_letters[layer] == "D":
+        return GatedDeltaNet(layer, c.n_embd, c.n_head, c.bias, c.dropout)
     if c.kv_lora_rank is None:
-        return CausalSelfAttention(layer, c.n_embd, c.n_head, c.n_kv_head, c.bias, c.dropout)
+        return CausalSelfAttention(
+            layer, c.n_embd, c.n_head, c.n_kv_head, c.bias, c.dropout, c.qk_norm, c.attn_gate
+        )
     return LatentAttention(
         layer,
         c.n_embd,
@@ -220,6 +303,7 @@ def attention_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAtten
         c.latent_norm,
         c.bias,
         c.dropout,
+        c.attn_gate,
     )
 
 
@@ -259,7 +343,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.ln_1 = norm_for(config, config.n_embd)
-        self.attn = attention_for(config, layer)
+        self.attn = mixer_for(config, layer)
         self.ln_2 = norm_for(config, config.n_embd)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
@@ -317,15 +401,18 @@ class GPT(nn.Module):
             if p.is_meta:
                 continue
             owner, _, kind = name.rpartition(".")
-            if isinstance(self.get_submodule(owner), nn.LayerNorm | nn.RMSNorm):
+            module = self.get_submodule(owner)
+            generator = None
+            if seed is not None:  # crc32: a CPU generator keeps 32 bits of its seed
+                generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 values = torch.full(p.shape, 1.0 if kind == "weight" else 0.0, device="cpu")
             elif kind == "bias":
                 values = torch.zeros(p.shape, device="cpu")
+            elif isinstance(module, GatedDeltaNet):  # its convolution, decay and step
+                values = module.initial(kind, generator)
             else:
                 std = residual_std if owner.endswith("c_proj") else 0.02
-                generator = None
-                if seed is not None:  # crc32: a CPU generator keeps 32 bits of its seed
-                    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 values = torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=generator)
             assign(p, values)
 
@@ -339,21 +426,28 @@ class GPT(nn.Module):
         return count
 
     def attention_params_per_layer(self) -> int:
+        """The first layer's mixer's parameters (every layer's, but in a hybrid: mixing_params)."""
         return sum(p.numel() for p in self.transformer.h[0].attn.parameters())
+
+    def mixing_params(self) -> int:
+        """The parameters of every layer's mixer: attention, or Gated DeltaNet."""
+        return sum(p.numel() for block in self.transformer.h for p in block.attn.parameters())
 
     def make_kv_cache(
         self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None
     ) -> KVCache:
-        """An empty cache of max_len (default block_size) positions, a local layer's its window."""
-        weight, c = self.transformer.wte.weight, self.config
-        return KVCache.zeros(
-            c.layer_windows,
-            batch_size,
-            max_len or c.block_size,
-            *c.cache_layout,
-            weight.device,
-            dtype or weight.dtype,
-        )
+        """An empty cache of max_len (default block_size) positions, a local layer's its window, a
+        recurrent layer's its state."""
+        weight = self.transformer.wte.weight
+        shape = self.cache_shape(max_len or self.config.block_size)
+        return KVCache.zeros(shape, batch_size, weight.device, dtype or weight.dtype)
+
+    def cache_shape(self, max_len: int) -> attention.CacheShape:
+        """The sizes of a cache of max_len positions (attention.KVCache)."""
+        c = self.config
+        heads, k_width, v_width = c.cache_layout
+        windows = tuple(c.layer_windows)
+        return attention.CacheShape(windows, max_len, heads, k_width, v_width, c.state_shape)
 
     def forward(
         self,
@@ -383,8 +477,9 @@ class GPT(nn.Module):
         ring = None if kv_cache is None else kv_cache.ring
         masks = {
             w: attention.attention_mask(T, start, pad, idx.device, w, w and ring)
-            for w in set(windows)
+            for w in set(windows) - {attention.RECURRENT}
         }
+        masks[attention.RECURRENT] = attention.real_tokens(T, start, pad, idx.device)
         for block, window in zip(self.transformer.h, windows, strict=True):
             x = block(x, rope, masks[window], kv_cache)
         if kv_cache is not None:
@@ -440,7 +535,13 @@ class GPT(nn.Module):
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         query_width = c.n_embd + (c.n_head * c.rope_dim if c.kv_lora_rank is not None else 0)
         seq_len = seq_len or c.block_size
-        return 6 * matmul_weights + 6 * c.n_layer * seq_len * (query_width + c.n_embd)
+        attending = c.n_layer - len(c.recurrent_layers)
+        flops = 6 * matmul_weights + 6 * attending * seq_len * (query_width + c.n_embd)
+        # a Gated DeltaNet layer's products a token (delta_rule.chunked), about four over its
+        # chunk (q.k, k.k, the solves, the scores' sum) and four with its state
+        chunk = GatedDeltaNet.chunk
+        recurrent = 6 * c.n_embd * (4 * chunk + 4 * c.head_dim)
+        return flops + len(c.recurrent_layers) * recurrent
 
     def estimate_mfu(
         self, tokens_per_iter: int, dt: float, peak_flops: float, seq_len: int | None = None

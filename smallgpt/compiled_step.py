@@ -88,7 +88,7 @@ class SplitStep(nn.Module):
             for i, m in enumerate(self.linears):
                 w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
                 m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
-            kv_cache = KVCache.of_tensors(list(cache), self.model.config.layer_windows)
+            kv_cache = KVCache.of_tensors(list(cache), self.model.cache_shape(0))
             logits = decode_static(self.model, idx, positions[-1:], kv_cache, positions.size(0))
             greedy = logits[:, -1].argmax(dim=-1)  # inside the graph: faster than ATen's argmax
             return logits, greedy

@@ -209,6 +209,11 @@ class Linear(nn.Linear):
             self.split = SplitWeight(key, ws, bs, rest, w.detach())
         return self.split
 
+    def splits_into(self, parts: int) -> bool:
+        """Whether the product is shared by `parts` threads: two or more, each with at least one
+        output feature (a Gated DeltaNet's one-a-head products may have fewer than the threads)."""
+        return 2 <= parts <= self.out_features
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             torch.is_grad_enabled()
@@ -223,7 +228,8 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():
             split = self.split
         else:
-            split = self.split_weight(parts) if (parts := torch.get_num_threads()) >= 2 else None
+            parts = torch.get_num_threads()
+            split = self.split_weight(parts) if self.splits_into(parts) else None
         if split is None:
             return super().forward(x)
         rows, parts = x.numel() // self.in_features, split.weight.size(0)
@@ -259,6 +265,6 @@ def prepare_splits(model: nn.Module) -> None:
         if isinstance(m, Linear):
             m.split = (
                 m.split_weight(parts)
-                if parts >= 2 and m.split_max_rows and m.weight.dtype == torch.float32
+                if m.splits_into(parts) and m.split_max_rows and m.weight.dtype == torch.float32
                 else None
             )

@@ -24,6 +24,8 @@ from smallgpt.hf_llama import (
     llama,
     llama_class,
 )
+from smallgpt.hf_qwen import MODEL_TYPE as QWEN_TYPE
+from smallgpt.hf_qwen import check_qwen, from_qwen35, qwen35, wants_qwen
 from smallgpt.tokenizer import EOT, gpt2_encoding
 
 # a block's modules: ours -> Starcoder2's
@@ -46,6 +48,9 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 def target_class(config: Any) -> str:
     """The transformers class that holds a model of config (a GPTConfig); one that none holds: a
     UserError."""
+    if wants_qwen(config):  # Gated DeltaNet layers, or Qwen3.5's attention
+        check_qwen(config)
+        return "Qwen3_5ForCausalLM"
     if name := llama_class(config):
         return name
     if config.pos_encoding == "rope":
@@ -62,7 +67,9 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
     c = model.config
     kind = target_class(c)
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    if kind == "DeepseekV3ForCausalLM":
+    if kind == "Qwen3_5ForCausalLM":
+        cls_name, hf_config, state = qwen35(c, sd)
+    elif kind == "DeepseekV3ForCausalLM":
         cls_name, hf_config, state = deepseek(c, sd, llama_cpp)
     elif kind == "LlamaForCausalLM":
         cls_name, hf_config, state = llama(c, sd)
@@ -231,6 +238,9 @@ def from_transformers(folder: str) -> GPT:
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
     c = hf.config
     sd = {k: v.float() for k, v in hf.state_dict().items()}
+    if c.model_type == QWEN_TYPE:  # Gated DeltaNet hybrids
+        config, state = from_qwen35(folder, c, sd)
+        return with_weights(GPT(config), state)
     if c.model_type in MODEL_TYPES:  # Llama's block: Llama or DeepSeek-V3
         config, state = from_llama_block(folder, c, sd)
         return with_weights(GPT(config), state)
@@ -451,10 +461,10 @@ def folder_model_type(folder: Path) -> str:
         kind = json.loads((folder / "config.json").read_text()).get("model_type")
     except (ValueError, AttributeError):
         kind = None
-    if kind not in ("gpt2", "starcoder2", "gpt_bigcode", *MODEL_TYPES):
+    if kind not in ("gpt2", "starcoder2", "gpt_bigcode", QWEN_TYPE, *MODEL_TYPES):
         raise UserError(
             f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by "
-            "save_pretrained, nor a Llama or DeepSeek-V3 one (config.json's model_type is "
+            "save_pretrained, nor a Llama, DeepSeek-V3 or Qwen3.5 one (config.json's model_type is "
             f"{kind!r}); a checkpoint of this project loads with init_from=resume and out_dir"
         )
     return kind

@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from attention import KVCache, Ring, Rows
+from attention import RECURRENT, CacheShape, KVCache, Recurrent, Ring, Rows, StateShape
 from conftest import ROOT, tiny_model
 from model import GPTConfig
 
@@ -30,30 +30,71 @@ def test_no_code_outside_attention_py_touches_a_caches_tensors() -> None:
 def test_each_kind_of_layer_has_its_own_cache_and_the_bytes_add_up() -> None:
     m = tiny_model(2, pos_encoding="rope", n_layer=3, window=4, window_pattern="SL", block_size=32)
     cache = m.make_kv_cache(2, 16)
-    rows, ring = cache.kinds
-    assert type(rows) is Rows and type(ring) is Ring
+    rows, ring, recurrent = cache.kinds
+    assert type(rows) is Rows and type(ring) is Ring and type(recurrent) is Recurrent
     assert rows.k.shape == (2, 2, 2, 16, 8) and ring.k.shape == (1, 2, 2, 4, 8)
+    assert recurrent.layers == 0
     assert cache.nbytes == m.config.kv_cache_bytes(2, 16) == (2 * 16 + 4) * 2 * 2 * 2 * 8 * 4
-    assert [t.data_ptr() for t in KVCache.of_tensors(cache.tensors(), cache.windows).tensors()] == [
+    assert [t.data_ptr() for t in KVCache.of_tensors(cache.tensors(), cache.shape).tensors()] == [
         t.data_ptr() for t in cache.tensors()
     ]
-    assert cache.grows() == [True, True, False, False]
+    assert cache.grows() == [True, True, False, False, False, False]
+
+
+def test_a_recurrent_layers_cache_is_its_state_and_does_not_grow() -> None:
+    """A Gated DeltaNet layer keeps its convolution's last 3 inputs (q, k and v of its heads: 3 x
+    32) and a state of head_dim x head_dim a head in fp32, in caches of any length: counted by
+    hand beside the global layer's K/V rows."""
+    m = tiny_model(2, pos_encoding="rope", n_layer=3, layer_pattern="DDL", block_size=64)
+    for length in (16, 64):
+        cache = m.make_kv_cache(2, length)
+        rows, ring, recurrent = cache.kinds
+        assert rows.layers == 1 and ring.layers == 0 and recurrent.layers == 2
+        assert recurrent.conv.shape == (2, 2, 96, 3) and recurrent.state.shape == (2, 2, 4, 8, 8)
+        kv = length * 2 * 2 * 8 * 4  # one layer: K and V of 2 heads of 8, fp32
+        state = 2 * (96 * 3 * 4 + 4 * 8 * 8 * 4)  # two layers
+        assert cache.nbytes == m.config.kv_cache_bytes(2, length) == 2 * (kv + state)
+    bf16 = m.config.kv_cache_bytes(1, 16, torch.bfloat16)
+    assert bf16 == 16 * 2 * 2 * 8 * 2 + 2 * (96 * 3 * 2 + 4 * 8 * 8 * 4)  # the state stays fp32
+
+
+def test_refill_takes_a_rows_own_state_and_shift_and_reset_do_what_they_say() -> None:
+    """A recurrent layer's cache holds no positions: a refill copies the rows' own state (and the
+    convolution's inputs) whatever the positions, a shift leaves it, a reset zeroes the rows."""
+    shape = CacheShape((RECURRENT, None), 8, 1, 1, 1, StateShape(2, 3, 1, 2, 2))
+    cache = KVCache.zeros(shape, 2, "cpu", torch.float32)
+    cache.pos = 6
+    mine = cache.kinds[2]
+    mine.state.fill_(5.0)
+    mine.conv.fill_(5.0)
+    own = KVCache.zeros(shape, 1, "cpu", torch.float32)
+    own.kinds[2].state.copy_(torch.arange(4.0).view(1, 1, 1, 2, 2))
+    own.kinds[2].conv.fill_(7.0)
+    own.pos = 3
+    cache.refill([1], own)
+    assert mine.state[0, 1, 0].tolist() == [[0, 1], [2, 3]] and (mine.conv[0, 1] == 7).all()
+    assert (mine.state[0, 0] == 5).all()  # the other row untouched
+    cache.shift(2)
+    assert cache.pos == 4 and mine.state[0, 1, 0].tolist() == [[0, 1], [2, 3]]
+    cache.refill([0], None)
+    assert not mine.state[0, 0].any() and not mine.conv[0, 0].any()
+    assert mine.state[0, 1].any()
 
 
 def test_refill_and_shift_move_each_kinds_positions() -> None:
     """Written by hand: a row's own cache of 3 positions refilled right-aligned at pos 6 lands at
     slots 3..5 of the rows and, in the ring of 4, at slots 3 % 4, 4 % 4, 5 % 4; a shift by 2 moves
     the rows' positions 2..5 to 0..3 and turns the ring by 2."""
-    windows = [4, None]
-    cache = KVCache.zeros(windows, 2, 8, 1, 1, 1, "cpu", torch.float32)
+    windows = (4, None)
+    cache = KVCache.zeros(CacheShape(windows, 8, 1, 1, 1), 2, "cpu", torch.float32)
     cache.pos = 6
-    own = KVCache.zeros(windows, 1, 3, 1, 1, 1, "cpu", torch.float32)
-    rows, ring = own.kinds
+    own = KVCache.zeros(CacheShape(windows, 3, 1, 1, 1), 1, "cpu", torch.float32)
+    rows, ring, _ = own.kinds
     rows.k[0, 0, 0, :, 0] = torch.tensor([10.0, 11, 12])
     ring.k[0, 0, 0, :, 0] = torch.tensor([20.0, 21, 22])  # a ring of 3 slots (min(4, 3)): 20 at 0
     own.pos = 3
     cache.refill([1], own)
-    big_rows, big_ring = cache.kinds
+    big_rows, big_ring, _ = cache.kinds
     assert big_rows.k[0, 1, 0, :, 0].tolist() == [0, 0, 0, 10, 11, 12, 0, 0]
     assert big_rows.k[0, 0].abs().sum() == 0  # the other row untouched
     assert big_ring.k[0, 1, 0, :, 0].tolist() == [21, 22, 0, 20]  # positions 4, 5, -, 3
@@ -93,11 +134,12 @@ def test_a_new_kind_of_cache_is_one_class(monkeypatch: object) -> None:
         def slots(windows: list[int | None], max_len: int) -> int:
             return 2
 
-    monkeypatch.setattr(attention, "KINDS", (Rows, Fixed, Ring))
-    cache = KVCache.zeros([None, 3, None], 1, 8, 1, 4, 4, "cpu", torch.float32)
+    monkeypatch.setattr(attention, "KINDS", (Rows, Fixed, Ring, Recurrent))
+    shape = CacheShape((None, 3, None), 8, 1, 4, 4)
+    cache = KVCache.zeros(shape, 1, "cpu", torch.float32)
     assert cache.where == [(0, 0), (1, 0), (0, 1)]
     assert cache.kinds[1].k.shape == (1, 1, 1, 2, 4) and cache.kinds[0].k.shape == (2, 1, 1, 8, 4)
     assert cache.nbytes == (2 * 8 + 2) * 4 * 2 * 4
-    assert cache.grows() == [True, True, False, False, False, False]
-    again = KVCache.of_tensors(cache.tensors(), cache.windows)
-    assert [type(k) for k in again.kinds] == [Rows, Fixed, Ring]
+    assert cache.grows() == [True, True] + [False] * 6
+    again = KVCache.of_tensors(cache.tensors(), cache.shape)
+    assert [type(k) for k in again.kinds] == [Rows, Fixed, Ring, Recurrent]

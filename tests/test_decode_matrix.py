@@ -1,7 +1,8 @@
-"""Each attention kind (MHA, GQA, MQA, MLA with and without a query latent, local layers) through
-each decoding path, against its reference (issue 54): int8 weights against the float model, a
-left-padded batch against each prompt alone, a Hugging Face folder (hf:) against its run, the
-compiled CPU step and CUDA graphs against the greedy tokens; sample.py --quantize=int8 on MLA."""
+"""Each mixing kind (MHA, GQA, MQA, MLA with and without a query latent, local layers, Gated
+DeltaNet layers beside Qwen3.5's attention) through each decoding path, against its reference
+(issue 54): int8 weights against the float model, a left-padded batch against each prompt alone, a
+Hugging Face folder (hf:) against its run, the compiled CPU step and CUDA graphs against the greedy
+tokens; sample.py --quantize=int8 on MLA."""
 
 import copy
 import string
@@ -21,10 +22,11 @@ from smallgpt.quantize import Int8Linear, quantize
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", bias=False, pos_encoding="rope")  # MLA exports with it
 # Each kind as it exports: Starcoder2 (MHA, GQA), GPTBigCode (MQA), DeepseekV3 (MLA), GraniteSWA
-# (local layers); no stock class holds MLA with local layers. The int8 products take rows of
+# (local layers), Qwen3.5 (a Gated DeltaNet layer, gated attention with q/k norms and half its
+# features rotated); no stock class holds MLA with local layers. The int8 products take rows of
 # other widths than 16's multiples too: the Llama block's SwiGLU (88 wide), MLA-q's latent (12).
-# MLA-window has a query latent too: its compiled int8 step (below) holds MLA's kv_b, the query
-# latent's rows and a ring in one program.
+# MLA-window-GDN has a query latent and a Gated DeltaNet layer too: its compiled int8 step (below)
+# holds MLA's kv_b, the query latent's rows, a ring and a recurrent state in one program.
 KINDS = {
     "MHA": dict(n_kv_head=4, pos_encoding="rope"),
     "GQA": dict(n_kv_head=2, pos_encoding="rope"),
@@ -32,7 +34,10 @@ KINDS = {
     "MLA": LLAMA | dict(kv_lora_rank=8),
     "MLA-q": LLAMA | dict(kv_lora_rank=8, q_lora_rank=12),
     "window": LLAMA | dict(n_kv_head=1, window=8, window_pattern="SL"),
-    "MLA-window": LLAMA | dict(kv_lora_rank=8, q_lora_rank=12, window=8, window_pattern="SL"),
+    "MLA-window-GDN": LLAMA
+    | dict(kv_lora_rank=8, q_lora_rank=12, window=8, layer_pattern="DSL", n_layer=3),
+    "hybrid": LLAMA
+    | dict(n_kv_head=2, layer_pattern="DL", attn_gate="element", qk_norm=True, rope_fraction=0.5),
 }
 CHARS = list(string.printable[:61])  # the tokenizer of the run sample.py reads: a token a character
 
@@ -177,8 +182,8 @@ def test_an_hf_folder_decodes_what_its_run_does(
     """Exported and loaded back (hf:), each kind that a stock class holds decodes its run's greedy
     tokens, past block_size; MLA with local layers, which none holds, is refused in one line."""
     m = models[kind]
-    if kind == "MLA-window":
-        with pytest.raises(UserError, match="export needs no window for MLA") as e:
+    if kind == "MLA-window-GDN":
+        with pytest.raises(UserError, match="export needs .*no MLA .*no local layers") as e:
             exported(m, tmp_path)
         assert "\n" not in str(e.value)
         return
@@ -213,7 +218,7 @@ def test_the_compiled_int8_step_decodes_the_greedy_tokens(int8_models: dict[str,
     """compile_step=True with int8 weights (their products in inductor's GEMM template, MLA's kv_b
     read as a float matrix, the query latent's 12-wide rows, the local layer's ring), compiled
     once, decodes the greedy tokens past block_size."""
-    q = int8_models["MLA-window"]
+    q = int8_models["MLA-window-GDN"]
     idx = torch.tensor(prompts(5, (3,)))
     with torch.inference_mode():
         compiled = generate(q, idx, 70, temperature=0, compile_step=True)
@@ -249,7 +254,7 @@ def test_sample_py_decodes_an_mla_run_with_int8_weights(tmp_path: Path) -> None:
     step compiled above; no stock class holds that run, so it is not exported)."""
     meta = {"tokenizer": "char", "vocab_size": len(CHARS), "chars": CHARS}
     run, local = tmp_path / "run", tmp_path / "local"
-    for folder, kind in ((run, "MLA-q"), (local, "MLA-window")):
+    for folder, kind in ((run, "MLA-q"), (local, "MLA-window-GDN")):
         folder.mkdir()
         save_checkpoint(
             folder / "ckpt.pt", build(kind), iter_num=0, data_meta=meta, config={"dataset": "chars"}

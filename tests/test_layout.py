@@ -58,10 +58,12 @@ def test_the_import_graph_has_no_cycle() -> None:
 
     for m in MODULES:
         visit(m, [])
-    # the model is a leaf: model.py and attention.py import only the fast paths (and model.py
-    # attention.py), so the engine imports the model, never the reverse
+    # the model is a leaf: model.py and attention.py import only the fast paths and the delta
+    # rule, the recurrent layer's arithmetic (and model.py attention.py), so the engine imports
+    # the model, never the reverse
     assert "model" in done and graph["model"] <= {"smallgpt.fast_paths", "attention"}
-    assert graph["attention"] <= {"smallgpt.fast_paths"}
+    assert graph["attention"] <= {"smallgpt.fast_paths", "smallgpt.delta_rule"}
+    assert graph["smallgpt.delta_rule"] == set()
 
 
 def test_the_import_graph_in_the_docs_is_the_codes() -> None:

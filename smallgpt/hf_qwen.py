@@ -1,0 +1,214 @@
+"""Gated DeltaNet hybrids and Qwen3.5's attention (an output gate, q/k norms, a rotary fraction) as
+transformers' dense Qwen3_5ForCausalLM, both ways; what the class cannot hold is refused in one line
+before anything is written (docs/export.md "Hybrids"). smallgpt/hf.py calls these.
+
+The class differs from ours in three ways, each matched by construction: its RMSNorms (but the
+Gated DeltaNet's output norm) scale by 1 + w, so w - 1 goes out and w + 1 comes in; its q_proj
+holds each head's query then its gate, side by side; its layer_types list names every layer.
+"""
+
+from typing import Any
+
+import torch
+
+from attention import NORM_EPS, GatedDeltaNet
+from model import GPTConfig
+from smallgpt.errors import UserError
+
+MODEL_TYPE = "qwen3_5_text"
+# an attention layer's modules, ours -> Qwen3.5's (c_q and the gate's c_gate make q_proj)
+ATTENTION = {
+    "attn.c_k": "self_attn.k_proj",
+    "attn.c_v": "self_attn.v_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "attn.q_norm": "self_attn.q_norm",
+    "attn.k_norm": "self_attn.k_norm",
+}
+# a Gated DeltaNet layer's parameters, ours -> Qwen3.5's
+RECURRENT = {
+    "attn.c_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn.conv": "linear_attn.conv1d.weight",
+    "attn.c_z.weight": "linear_attn.in_proj_z.weight",
+    "attn.c_b.weight": "linear_attn.in_proj_b.weight",
+    "attn.c_a.weight": "linear_attn.in_proj_a.weight",
+    "attn.A_log": "linear_attn.A_log",
+    "attn.dt_bias": "linear_attn.dt_bias",
+    "attn.norm.weight": "linear_attn.norm.weight",
+    "attn.c_proj.weight": "linear_attn.out_proj.weight",
+}
+# every block's, ours -> Qwen3.5's; the norms among them scale by 1 + w there
+BLOCK = {
+    "ln_1.weight": "input_layernorm.weight",
+    "ln_2.weight": "post_attention_layernorm.weight",
+    "mlp.c_gate.weight": "mlp.gate_proj.weight",
+    "mlp.c_fc.weight": "mlp.up_proj.weight",
+    "mlp.c_proj.weight": "mlp.down_proj.weight",
+}
+ONE_PLUS_W = ("ln_1.weight", "ln_2.weight", "attn.q_norm.weight", "attn.k_norm.weight")
+
+
+def wants_qwen(c: GPTConfig) -> bool:
+    """Whether c has what only Qwen3.5's class holds: Gated DeltaNet layers, or its attention."""
+    qwen_attention = c.attn_gate != "none" or c.qk_norm or c.rope_fraction != 1
+    return bool(c.recurrent_layers) or qwen_attention
+
+
+def check_qwen(c: GPTConfig) -> None:
+    """A UserError naming every key Qwen3_5ForCausalLM needs that c lacks."""
+    attending = len(c.recurrent_layers) < c.n_layer
+    needs = {
+        "norm='rmsnorm' and mlp='swiglu'": (c.norm, c.mlp) != ("rmsnorm", "swiglu"),
+        "pos_encoding='rope'": c.pos_encoding != "rope",
+        "bias=False": c.bias,
+        "no MLA (kv_lora_rank)": c.kv_lora_rank is not None,
+        "no local layers (window)": c.window is not None,
+        "attn_gate='element'": attending and c.attn_gate != "element",
+        "qk_norm=True": attending and not c.qk_norm,
+        # transformers' Qwen3.5 cache reads its length from an attention layer
+        "an attention layer (L in layer_pattern)": not attending,
+    }
+    if missing := [key for key, needed in needs.items() if needed]:
+        raise UserError(
+            f"export needs {', '.join(missing)} for Gated DeltaNet layers or Qwen3.5's attention "
+            "(Qwen3_5ForCausalLM: Llama's block, rotary positions, no biases, every attention "
+            "layer global with its output gated per feature and q/k normed)"
+        )
+
+
+def qwen_config(c: GPTConfig) -> Any:
+    """Qwen3_5TextConfig of c: its Gated DeltaNet heads are c's heads, keys as wide as values."""
+    from transformers import Qwen3_5TextConfig
+
+    kinds = {"L": "full_attention", "D": "linear_attention"}
+    return Qwen3_5TextConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.mlp_hidden,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head,
+        head_dim=c.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=NORM_EPS,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        linear_conv_kernel_dim=GatedDeltaNet.kernel,
+        linear_key_head_dim=c.head_dim,
+        linear_value_head_dim=c.head_dim,
+        linear_num_key_heads=c.n_head,
+        linear_num_value_heads=c.n_head,
+        layer_types=[kinds[letter] for letter in c.layer_letters],
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": c.rope_theta,
+            "partial_rotary_factor": c.rope_fraction,
+        },
+    )
+
+
+def qwen35(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """Qwen3.5's config and weights (check_qwen first)."""
+    check_qwen(c)
+    state = {
+        "model.embed_tokens.weight": sd["transformer.wte.weight"],
+        "model.norm.weight": sd["transformer.ln_f.weight"] - 1,
+    }
+    for i, letter in enumerate(c.layer_letters):
+        ours = f"transformer.h.{i}."
+        theirs = f"model.layers.{i}."
+        names = dict(BLOCK)
+        if letter == "D":
+            names |= RECURRENT
+        else:
+            names |= {f"{a}.weight": f"{b}.weight" for a, b in ATTENTION.items()}
+            state[theirs + "self_attn.q_proj.weight"] = query_and_gate(c, sd, ours)
+        for a, b in names.items():
+            state[theirs + b] = sd[ours + a] - (1 if a in ONE_PLUS_W else 0)
+    return "Qwen3_5ForCausalLM", qwen_config(c), state
+
+
+def query_and_gate(c: GPTConfig, sd: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
+    """q_proj's rows: each head's query rows, then its gate rows."""
+    q = sd[layer + "attn.c_q.weight"].view(c.n_head, 1, c.head_dim, c.n_embd)
+    gate = sd[layer + "attn.gate.c_gate.weight"].view(c.n_head, 1, c.head_dim, c.n_embd)
+    return torch.cat((q, gate), dim=1).reshape(2 * c.n_embd, c.n_embd)
+
+
+def qwen_problems(c: Any) -> list[str]:
+    """What a Qwen3.5 config holds that our model cannot, each as the setting that says it."""
+    rope = c.rope_parameters or {}
+    hd = c.hidden_size // c.num_attention_heads
+    linear = (c.linear_key_head_dim, c.linear_value_head_dim)
+    linear_heads = (c.linear_num_key_heads, c.linear_num_value_heads)
+    problems = {
+        f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
+        f"hidden_act={c.hidden_act!r}": c.hidden_act != "silu",
+        f"rms_norm_eps={c.rms_norm_eps}": c.rms_norm_eps != NORM_EPS,
+        f"rope_type={rope.get('rope_type')!r}": rope.get("rope_type", "default") != "default",
+        "attention_bias=True": c.attention_bias,
+        f"head_dim={c.head_dim} (not hidden_size / num_attention_heads = {hd})": c.head_dim != hd,
+        f"linear heads {linear_heads} of widths {linear} (ours: {c.num_attention_heads} of "
+        f"{hd}, keys as wide as values)": linear != (hd, hd)
+        or linear_heads != (c.num_attention_heads,) * 2,
+        f"linear_conv_kernel_dim={c.linear_conv_kernel_dim}": c.linear_conv_kernel_dim
+        != GatedDeltaNet.kernel,
+    }
+    return [what for what, true in problems.items() if true]
+
+
+def from_qwen35(
+    folder: str, c: Any, sd: dict[str, torch.Tensor]
+) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """Our config and weights from a Qwen3.5 text config c and its weights sd (qwen35's inverse);
+    what our model cannot hold is refused in one line."""
+    if bad := qwen_problems(c):
+        raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
+    letters = "".join("D" if t == "linear_attention" else "L" for t in c.layer_types)
+    attending = "L" in letters
+    rope = c.rope_parameters
+    config = GPTConfig(
+        block_size=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        n_kv_head=c.num_key_value_heads,
+        n_embd=c.hidden_size,
+        bias=False,
+        pos_encoding="rope",
+        rope_theta=float(rope["rope_theta"]),
+        rope_fraction=float(rope.get("partial_rotary_factor", 1.0)),
+        norm="rmsnorm",
+        mlp="swiglu",
+        mlp_hidden=c.intermediate_size,
+        layer_pattern=shortest_period(letters),
+        attn_gate="element" if attending else "none",
+        qk_norm=attending,
+    )
+    state = {
+        "transformer.wte.weight": sd["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": sd["model.norm.weight"] + 1,
+    }
+    for i, letter in enumerate(letters):
+        ours = f"transformer.h.{i}."
+        theirs = f"model.layers.{i}."
+        names = dict(BLOCK)
+        if letter == "D":
+            names |= RECURRENT
+        else:
+            names |= {f"{a}.weight": f"{b}.weight" for a, b in ATTENTION.items()}
+            q_proj = sd[theirs + "self_attn.q_proj.weight"].view(c.num_attention_heads, 2, -1)
+            q, gate = q_proj.unbind(1)
+            state[ours + "attn.c_q.weight"] = q.reshape(-1, c.hidden_size)
+            state[ours + "attn.gate.c_gate.weight"] = gate.reshape(-1, c.hidden_size)
+        for a, b in names.items():
+            state[ours + a] = sd[theirs + b] + (1 if a in ONE_PLUS_W else 0)
+    return config, state
+
+
+def shortest_period(letters: str) -> str:
+    """The shortest pattern whose repeats give every layer's letter (e.g. 'DDDL' of 'DDDLDDDL')."""
+    for n in range(1, len(letters) + 1):
+        if (letters[:n] * len(letters))[: len(letters)] == letters:
+            return letters[:n]
+    return letters
