@@ -23,6 +23,7 @@ from smallgpt.errors import UserError
 # isort: split
 import copy
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attention import GatedDeltaNet
 from model import GPT, GPTConfig
 from smallgpt import bench_peers, runtime, sharding
 from smallgpt.checkpoint import Source, load_run
@@ -66,6 +68,9 @@ class BenchConfig:
     iters: int = 10  # measured iterations; the median is reported
     # train: then 5 more iterations under torch.profiler, its 25 costliest ops printed
     profile: bool = False
+    # train: the Gated DeltaNet layers' chunk (tokens a step of delta_rule.chunked) at each of
+    # these sizes; empty: the layer's own (attention.GatedDeltaNet.chunk)
+    chunks: list[int] = field(default_factory=list)
     # decode: MHA/GQA/MQA variants of the model, from a 1-token prompt, greedy
     kv_heads: list[int] = field(default_factory=list)  # empty: n_head, a middle divisor, 1
     kv_lora_ranks: list[int] = field(default_factory=list)  # and MLA with these latent widths
@@ -115,7 +120,7 @@ class BenchConfig:
     def size_problems(self) -> list[str]:
         """Lists that need a value, and sizes and counts that must be positive (or not negative)."""
         lists = ("dtypes", "compiles", "new_tokens", "batch_sizes", "world_sizes")
-        sizes = ("new_tokens", "batch_sizes", "world_sizes", "kv_heads", "kv_lora_ranks")
+        sizes = ("new_tokens", "batch_sizes", "world_sizes", "kv_heads", "kv_lora_ranks", "chunks")
         problems = [f"{k}=[] needs at least one value" for k in lists if not getattr(self, k)]
         for k in sizes:
             if min(getattr(self, k), default=1) < 1:
@@ -161,10 +166,13 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
     for dtype_name in cfg.dtypes:
         dtype = resolve_dtype(dtype_name, device_type, mcfg.n_embd)[0]
         peak = base.peak_flops or peak_flops(device, dtype)
-        for compiled in cfg.compiles:
+        for compiled, chunk in itertools.product(cfg.compiles, cfg.chunks or [None]):
             # a fresh model and its optimizer, as train.py makes them
             torch.manual_seed(base.seed)
             raw = GPT(mcfg).to(device)
+            for block in raw.transformer.h:
+                if chunk and isinstance(block.attn, GatedDeltaNet):
+                    block.attn.chunk = chunk
             step = training_step(raw, base, batches, device, dtype, compiled)
             # the timed iterations, the warm-up ones (where compilation happens) left out
             times, loss = timed_steps(step, cfg.warmup + cfg.iters, device)
@@ -172,6 +180,8 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
             if cfg.profile:
                 profile_steps(step, device)
             row = train_row(raw, base, device, dtype_name, compiled, dt, loss, peak)
+            if mcfg.recurrent_layers:
+                row["chunk"] = chunk or GatedDeltaNet.chunk
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -431,10 +441,16 @@ def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig, list[str]]:
 def run_train(
     cfg: BenchConfig, base: TrainConfig, train_args: list[str], device: str, mcfg: GPTConfig
 ) -> None:
+    if cfg.chunks and not mcfg.recurrent_layers:
+        raise UserError(
+            f"chunks={cfg.chunks} sizes Gated DeltaNet layers' chunks and this model has none: "
+            "give --layer_pattern with D (e.g. DDDL), or leave chunks out"
+        )
     rows = bench_train(cfg, base, mcfg, device)
     columns = {
         "dtype": "dtype",
         "compile": "compile",
+        **({"chunk": "chunk"} if mcfg.recurrent_layers else {}),
         "ms_per_iter": "ms/iter",
         "tokens_per_s": "tokens/s",
         "mfu_pct": "MFU %",

@@ -156,7 +156,7 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
     divisors = sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True)
     models = [dataclasses.replace(mha, n_kv_head=g) for g in divisors]
     for variant in map(Variant.parse, cfg.variants):
-        if variant.kind == "mla" or variant.window is not None:
+        if variant.kind == "mla" or variant.window_suffix:
             models.append(variant.config(mha))
     rows = []
     for mcfg in models:
@@ -168,13 +168,16 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
         if kind == "MLA":
             kind += f" (kv_lora_rank={mcfg.kv_lora_rank})"
         if mcfg.window:
-            kind += f", window {mcfg.window} in {mcfg.window_pattern}"
+            kind += f", window {mcfg.window} in {mcfg.layer_pattern or mcfg.window_pattern}"
+        if mcfg.recurrent_layers:
+            kind += f", Gated DeltaNet in {mcfg.layer_pattern}"
         rows.append(
             {
                 "n_kv_head": mcfg.n_kv_head,
                 "kind": kind,
                 "params (M)": round(model.num_params() / 1e6, 2),
-                "attention params/layer": model.attention_params_per_layer(),
+                # a hybrid's: the mean of its attention and recurrent layers'
+                "attention params/layer": round(model.mixing_params() / mcfg.n_layer),
                 kv_column: round(kv / 2**20, 2),
             }
         )
@@ -240,7 +243,14 @@ def check_variants(
             except ValueError as e:
                 raise UserError(f"{listed} at {size}: {e}") from e
             model = models[variant]
-            shape = (model.n_kv_head, model.kv_lora_rank, tuple(model.layer_windows))
+            shape = (
+                model.n_kv_head,
+                model.kv_lora_rank,
+                tuple(model.layer_windows),
+                model.attn_gate,
+                model.qk_norm,
+                model.rope_fraction,
+            )
             other = seen.setdefault(shape, variant)
             if other != variant:
                 windows = f", layer windows {model.layer_windows}" if model.window else ""

@@ -412,7 +412,8 @@ def variant_problems(names: list[str]) -> list[str]:
         problems.append(
             f"variants: {', '.join(unknown)} is not mha, gqa<n_kv_head>, mqa or "
             f"mla<kv_lora_rank>, each with -<window_pattern><window> for local layers "
-            f"or without (e.g. mha-sssl64)"
+            f"or without (e.g. mha-sssl64), -<layer_pattern> with D for Gated DeltaNet layers "
+            f"(gqa2-dddl), then -gate or -headgate, -qknorm, -rope<percent> (gqa2-dddl-gate-qknorm)"
         )
     return problems
 

@@ -207,7 +207,7 @@ def model_columns(size: str, name: str, first: dict, cfg: CompareConfig) -> dict
         "uptrain_fraction": first["fraction"],
         "params": model.num_params(),
         "mlp_hidden": m.mlp_hidden,
-        "attention_params": model.attention_params_per_layer() * m.n_layer,
+        "attention_params": model.mixing_params(),  # every layer's: attention or recurrent
         kv_column(cfg): kv_bytes,
         f"kv_bytes@{cfg.kv_seq_len}x{cfg.kv_batch}": kv_bytes_long,
     }

@@ -73,7 +73,17 @@ def variant_flags(model: GPTConfig) -> list[str]:
     if model.kv_lora_rank is not None:
         flags.append(f"--kv_lora_rank={model.kv_lora_rank}")
     if model.window:
-        flags += [f"--window={model.window}", f"--window_pattern={model.window_pattern}"]
+        flags.append(f"--window={model.window}")
+    if model.layer_pattern is not None:
+        flags.append(f"--layer_pattern={model.layer_pattern}")
+    elif model.window:
+        flags.append(f"--window_pattern={model.window_pattern}")
+    if model.attn_gate != "none":
+        flags.append(f"--attn_gate={model.attn_gate}")
+    if model.qk_norm:
+        flags.append("--qk_norm=True")
+    if model.rope_fraction != 1:
+        flags.append(f"--rope_fraction={model.rope_fraction}")
     return flags
 
 
@@ -267,9 +277,10 @@ def conversion_runs(
     scratch: list[Run],
 ) -> list[Run]:
     """The seed's MHA model (of scratch) converted to each all-global variant but MHA, by each
-    method, uptrained for each fraction (a windowed variant is trained from scratch only)."""
+    method, uptrained for each fraction (a variant with local or recurrent layers, or Qwen3.5's
+    attention options, is trained from scratch only)."""
     runs = []
-    for variant in [v for v in variants if v != MHA and v.window is None]:
+    for variant in [v for v in variants if v != MHA and not v.window_suffix]:
         source = next(r for r in scratch if r.name == "mha")
         # MLA's K/V come from one SVD of MHA's, with no latent norm (convert.to_latent); the
         # methods pool K/V heads

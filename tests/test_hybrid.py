@@ -410,3 +410,39 @@ def test_what_qwen3_5_cannot_hold_is_refused_before_anything_is_written(
     assert r.returncode == 2 and needs in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["gqa2-dddl", "mha-dsl8", "mqa-ddl-gate-qknorm", "mha-gate", "mha-headgate-rope25", "mla8-dl"],
+)
+def test_a_hybrid_variant_name_is_its_model_and_back(name: str) -> None:
+    """compare.py's names for hybrids and Qwen3.5's attention options: parsed, made of an MHA
+    model, named again from that model, and the train.py flags that make it."""
+    from smallgpt.sweep import variant_flags
+    from smallgpt.variant import Variant
+
+    mha = GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=32, pos_encoding="rope")
+    variant = Variant.parse(name)
+    model = variant.config(mha)
+    assert str(variant) == name and Variant.from_config(model) == variant
+    flags = dict(flag[2:].split("=", 1) for flag in variant_flags(model))
+    pattern = name.split("-")[1].rstrip("0123456789")
+    if set(pattern) <= set("sld") and "d" in pattern:
+        assert flags["layer_pattern"] == pattern.upper() and model.recurrent_layers
+    else:
+        assert "layer_pattern" not in flags and not model.recurrent_layers
+    assert ("attn_gate" in flags) == ("gate" in name)
+    assert ("qk_norm" in flags) == ("qknorm" in name)
+    if "rope25" in name:
+        assert flags["rope_fraction"] == "0.25" and model.rope_dim == 2
+
+
+@pytest.mark.parametrize(
+    "name", ["mha-sl", "mha-l", "gqa2-dddl-qknorm-gate", "mha-rope0", "mha-dd-"]
+)
+def test_a_name_of_no_variant_is_refused(name: str) -> None:
+    from smallgpt.variant import Variant
+
+    with pytest.raises(ValueError, match="is not a variant name"):
+        Variant.parse(name)
