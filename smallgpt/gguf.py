@@ -2,6 +2,7 @@
 folder smallgpt/hf.py writes (byte-level BPE vocabularies only: llama.cpp has no char-level one).
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -91,6 +92,10 @@ def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name:
     takes from the folder's name."""
     converter = Path(llama_cpp).resolve() / "convert_hf_to_gguf.py"
     args = [str(converter), str(folder), "--outfile", str(file), "--outtype", outtype]
+    architectures = json.loads((folder / "config.json").read_text()).get("architectures", [])
+    if "Qwen3_5ForCausalLM" in architectures:
+        # its converter expects multi-token-prediction layers unless told there are none
+        args.append("--no-mtp")
     if name:
         args += ["--model-name", name]
     r = subprocess.run([sys.executable, "-c", CONVERT, *args], capture_output=True, text=True)
