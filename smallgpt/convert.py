@@ -116,6 +116,17 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
             f"MLA conversion starts from an MHA model, and this one is {source.attention_kind} "
             f"(n_head={source.n_head}, n_kv_head={source.n_kv_head}): convert the MHA run instead"
         )
+    kept = {
+        f"layer_pattern={source.layer_pattern!r}": bool(source.recurrent_layers),
+        f"attn_gate={source.attn_gate!r}": source.attn_gate != "none",
+        "qk_norm=True": source.qk_norm,
+        f"rope_fraction={source.rope_fraction}": source.rope_fraction != 1,
+    }
+    if unheld := [key for key, has in kept.items() if has]:
+        raise UserError(
+            f"MLA conversion maps plain attention layers (MHA2MLA), and this model has "
+            f"{', '.join(unheld)}: convert a run without them"
+        )
     try:
         config = replace(
             source,

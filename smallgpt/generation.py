@@ -136,6 +136,8 @@ def refill_rows(
         at = torch.tensor(rows, device=tokens.device)
         model(tokens[at, n - keep : n - 1], kv_cache=own)
         kv_cache.refill(rows, own)
+    else:  # nothing kept before the next token: the rows start again (a recurrent state too)
+        kv_cache.refill(rows, None)
     pad[rows] = pos - w
     return pad
 

@@ -446,3 +446,33 @@ def test_a_name_of_no_variant_is_refused(name: str) -> None:
 
     with pytest.raises(ValueError, match="is not a variant name"):
         Variant.parse(name)
+
+
+def test_converting_a_hybrid_pools_its_attention_layers_and_refuses_mla() -> None:
+    """GQA pooling leaves the Gated DeltaNet layers and the gate as they are (only the attention
+    layers' K/V heads change); MLA's conversion, which maps plain attention, is one line."""
+    from smallgpt.convert import convert_kv_heads, to_latent
+    from smallgpt.errors import UserError
+
+    m = hybrid(n_kv_head=4, layer_pattern="DL", window=None, n_layer=2)
+    gqa = convert_kv_heads(m, 2)
+    same = {
+        k: v for k, v in m.state_dict().items() if ".attn.c_k." not in k and ".attn.c_v." not in k
+    }
+    assert all(torch.equal(gqa.state_dict()[k], v) for k, v in same.items())
+    assert gqa.transformer.h[1].attn.c_k.weight.shape == (16, 32)
+    with pytest.raises(UserError, match="MLA conversion maps plain attention layers") as e:
+        to_latent(m, 16)
+    assert "layer_pattern='DL'" in str(e.value) and "qk_norm=True" in str(e.value)
+
+
+def test_a_row_that_keeps_one_token_starts_its_state_again() -> None:
+    """At block_size 3 a row that slides keeps one token (block_size // 2) and nothing before the
+    next step: its recurrent state starts from zeros, so the cached tokens are those recomputed
+    on each window, for a batch of unequal prompts."""
+    m = hybrid(block_size=3, layer_pattern="DL", window=None, n_layer=2)
+    idx, pad = left_pad([[5, 9], [7, 1, 30]])
+    with torch.no_grad():
+        cached = generate(m, idx, 16, temperature=0, pad=pad)
+        recomputed = generate(m, idx, 16, temperature=0, pad=pad, use_cache=False)
+    assert torch.equal(cached, recomputed) and len(set(cached[:, 3:].flatten().tolist())) >= 4
