@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention import GatedDeltaNet
+from gated_deltanet import GatedDeltaNet
 from model import GPT, GPTConfig
 from smallgpt import bench_peers, runtime, sharding
 from smallgpt.checkpoint import Source, load_run

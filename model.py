@@ -13,7 +13,8 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 import attention
-from attention import CausalSelfAttention, GatedDeltaNet, KVCache, LatentAttention, RMSNorm, Rope
+from attention import CausalSelfAttention, KVCache, LatentAttention, RMSNorm, Rope
+from gated_deltanet import GatedDeltaNet
 from smallgpt.fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")

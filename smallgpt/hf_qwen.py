@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from attention import NORM_EPS, GatedDeltaNet
+from attention import NORM_EPS
+from gated_deltanet import GatedDeltaNet
 from model import GPTConfig
 from smallgpt.errors import UserError
 

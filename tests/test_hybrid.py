@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention import GatedDeltaNet, rotate
+from attention import rotate
 from conftest import lively, tiny_model
+from gated_deltanet import GatedDeltaNet
 from model import GPT, GPTConfig
 from smallgpt.checkpoint import load_run, parse_source
 from smallgpt.generation import generate, left_pad

@@ -58,11 +58,13 @@ def test_the_import_graph_has_no_cycle() -> None:
 
     for m in MODULES:
         visit(m, [])
-    # the model is a leaf: model.py and attention.py import only the fast paths and the delta
-    # rule, the recurrent layer's arithmetic (and model.py attention.py), so the engine imports
-    # the model, never the reverse
-    assert "model" in done and graph["model"] <= {"smallgpt.fast_paths", "attention"}
-    assert graph["attention"] <= {"smallgpt.fast_paths", "smallgpt.delta_rule"}
+    # the model is a leaf: model.py, attention.py and gated_deltanet.py import only the fast paths
+    # (gated_deltanet.py the delta rule, its arithmetic, which imports nothing of ours; model.py
+    # the mixing kinds), so the engine imports the model, never the reverse
+    mixers = {"attention", "gated_deltanet"}
+    assert "model" in done and graph["model"] <= {"smallgpt.fast_paths", *mixers}
+    assert graph["attention"] <= {"smallgpt.fast_paths"}
+    assert graph["gated_deltanet"] <= {"smallgpt.fast_paths", "smallgpt.delta_rule", "attention"}
     assert graph["smallgpt.delta_rule"] == set()
 
 
