@@ -202,6 +202,7 @@ def model_columns(size: str, name: str, first: dict, cfg: CompareConfig) -> dict
         "n_head": m.n_head,
         "n_kv_head": m.n_kv_head,
         "kv_lora_rank": m.kv_lora_rank,
+        "recurrent_layers": len(m.recurrent_layers),  # Gated DeltaNet's
         "match": first["match"],
         "method": first["method"],
         "uptrain_fraction": first["fraction"],

@@ -128,10 +128,19 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     if any(r.get("mqar_acc") is not None for r in scratch):
         columns["mqar_solved"] = f"MQAR solved ({at})"
         columns["mqar_acc"] = "MQAR acc"
+    notes = []
+    if any(r.get("recurrent_layers") for r in scratch):
+        notes = [
+            "",
+            "KV bytes of a variant with Gated DeltaNet layers: its attention layers' K/V, and each "
+            "recurrent layer's state (fp32, head_dim x head_dim a head) and last convolution "
+            "inputs, the same at any context.",
+        ]
     if "induction_acc" not in columns and "mqar_acc" not in columns:
-        return [table(shown, columns)]
+        return [table(shown, columns), *notes]
     return [
         table(shown, columns),
+        *notes,
         "",
         f"solved: the runs whose accuracy reached {cfg.solved_threshold:g}, of the seeds' runs, "
         "with the 95% Clopper-Pearson interval of that proportion, then the mean accuracy of the "

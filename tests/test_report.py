@@ -44,12 +44,14 @@ def write_log(
     rate: str | None = None,
     test: float | None = None,
     diverged: int | None = None,
+    model: dict | None = None,
 ) -> Path:
     """A run's folder as a sweep leaves it: log.jsonl (the config record, then a train and an eval
     record at each iteration of losses, and recall's tasks after the last, as --final_evals logs
     them) and a checkpoint's name; torn: the last line cut in half, as a kill mid-write leaves
     it. rate: the learning rate of --lrs it trained at (its tag); test: its final test loss;
-    diverged: the iteration it stopped at non-finite, after the evaluations of losses below it."""
+    diverged: the iteration it stopped at non-finite, after the evaluations of losses below it;
+    model: more of the model's keys (a hybrid's layer_pattern)."""
     run_dir = root / (f"{name}-lr{rate}-s{seed}" if rate else f"{name}-s{seed}")
     run_dir.mkdir(parents=True)
     tags = [name, f"seed={seed}", "size=2x32", f"n_kv_head={n_kv_head}", "match=width"]
@@ -65,6 +67,7 @@ def write_log(
         block_size=32,
         n_kv_head=n_kv_head,
         wandb_tags=tags,
+        **(model or {}),
     )
     records = [
         {
@@ -495,3 +498,29 @@ def test_runs_trained_for_other_iterations_than_their_comparison_are_marked(tmp_
     marked = (rows["mha"]["other_iters"], rows["mqa"]["other_iters"])
     assert marked == ("mha-s1337 20", "mqa-s1337 30")
     assert "them: mha-s1337 20; mqa-s1337 30 iterations." in out
+
+
+def test_a_hybrids_cache_bytes_are_its_attention_kv_and_its_state(tmp_path: Path) -> None:
+    """A Gated DeltaNet hybrid beside MHA: its KV column is its attention layer's K/V at the
+    context plus its recurrent layer's state (fp32) and convolution inputs, counted by hand, and a
+    line under the table says so; without a hybrid there is no such line."""
+    for seed in (1337, 1338):
+        write_log(tmp_path, "mha", 4, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100})
+        write_log(
+            tmp_path,
+            "mha-dl",
+            4,
+            seed,
+            {10: 2.0, 20: 1.4 + seed % 2 / 100},
+            model=dict(layer_pattern="DL"),
+        )
+    out, _, rows = report_of(tmp_path, "--variants=[mha,mha-dl]", "--seeds=2")
+    column = "kv_bytes@40_bfloat16"
+    assert int(rows["mha"][column]) == 2 * 40 * 2 * 32 * 2  # 2 layers of K and V, 32 wide, bf16
+    state = 4 * 8 * 8 * 4 + 96 * 3 * 2  # 4 heads of 8 x 8 in fp32; 3 inputs of 96 channels
+    assert int(rows["mha-dl"][column]) == 40 * 2 * 32 * 2 + state
+    assert "recurrent layer's state (fp32" in out
+    other = tmp_path / "plain"
+    for seed in (1337, 1338):
+        write_log(other, "mha", 4, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100})
+    assert "recurrent layer's state" not in report_of(other, "--variants=[mha]", "--seeds=2")[0]
