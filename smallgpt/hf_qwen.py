@@ -118,15 +118,19 @@ def qwen35(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[st
     for i, letter in enumerate(c.layer_letters):
         ours = f"transformer.h.{i}."
         theirs = f"model.layers.{i}."
-        names = dict(BLOCK)
-        if letter == "D":
-            names |= RECURRENT
-        else:
-            names |= {f"{a}.weight": f"{b}.weight" for a, b in ATTENTION.items()}
+        if letter != "D":
             state[theirs + "self_attn.q_proj.weight"] = query_and_gate(c, sd, ours)
-        for a, b in names.items():
+        for a, b in layer_names(letter).items():
             state[theirs + b] = sd[ours + a] - (1 if a in ONE_PLUS_W else 0)
     return "Qwen3_5ForCausalLM", qwen_config(c), state
+
+
+def layer_names(letter: str) -> dict[str, str]:
+    """A layer's parameters, ours -> Qwen3.5's, but q_proj (query_and_gate): a Gated DeltaNet
+    layer's (D) or an attention layer's, and the block's."""
+    if letter == "D":
+        return BLOCK | RECURRENT
+    return BLOCK | {f"{a}.weight": f"{b}.weight" for a, b in ATTENTION.items()}
 
 
 def query_and_gate(c: GPTConfig, sd: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
@@ -193,16 +197,12 @@ def from_qwen35(
     for i, letter in enumerate(letters):
         ours = f"transformer.h.{i}."
         theirs = f"model.layers.{i}."
-        names = dict(BLOCK)
-        if letter == "D":
-            names |= RECURRENT
-        else:
-            names |= {f"{a}.weight": f"{b}.weight" for a, b in ATTENTION.items()}
+        if letter != "D":
             q_proj = sd[theirs + "self_attn.q_proj.weight"].view(c.num_attention_heads, 2, -1)
             q, gate = q_proj.unbind(1)
             state[ours + "attn.c_q.weight"] = q.reshape(-1, c.hidden_size)
             state[ours + "attn.gate.c_gate.weight"] = gate.reshape(-1, c.hidden_size)
-        for a, b in names.items():
+        for a, b in layer_names(letter).items():
             state[ours + a] = sd[theirs + b] + (1 if a in ONE_PLUS_W else 0)
     return config, state
 
