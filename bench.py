@@ -315,6 +315,7 @@ def decode_row(
     row = {
         "mode": "decode",
         "attention": mcfg.attention_kind,
+        "layers": mcfg.layer_letters,  # L global, S local, D Gated DeltaNet
         "n_kv_head": mcfg.n_kv_head,
         "kv_lora_rank": mcfg.kv_lora_rank,
         "batch": batch,
@@ -467,6 +468,7 @@ def run_decode(
     rows = bench_decode(cfg, mcfg, device, dtype)
     columns = {
         "attention": "attention",
+        **({"layers": "layers"} if mcfg.recurrent_layers else {}),
         "n_kv_head": "n_kv_head",
         "kv_lora_rank": "kv_lora_rank",
         "batch": "batch",

@@ -540,9 +540,11 @@ class GPT(nn.Module):
         flops = 6 * matmul_weights + 6 * attending * seq_len * (query_width + c.n_embd)
         # a Gated DeltaNet layer's products a token (delta_rule.chunked), about four over its
         # chunk (q.k, k.k, the solves, the scores' sum) and four with its state
-        chunk = GatedDeltaNet.chunk
-        recurrent = 6 * c.n_embd * (4 * chunk + 4 * c.head_dim)
-        return flops + len(c.recurrent_layers) * recurrent
+        for block in self.transformer.h:
+            if isinstance(block.attn, GatedDeltaNet):
+                chunk = min(block.attn.chunk, seq_len)
+                flops += 6 * c.n_embd * (4 * chunk + 4 * c.head_dim)
+        return flops
 
     def estimate_mfu(
         self, tokens_per_iter: int, dt: float, peak_flops: float, seq_len: int | None = None

@@ -64,6 +64,7 @@ def chunked(
         state = q.new_zeros(B, H, d_k, d_v)
     if T == 0:
         return v.new_zeros(B, H, 0, d_v), state
+    chunk = min(chunk, T)  # a short sequence (a prompt) is one chunk of its own length
     pad = -T % chunk
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

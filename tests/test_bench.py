@@ -80,6 +80,21 @@ def test_train_bench_counts_flops_by_hand(G: int) -> None:
     assert row["ms_per_iter"] > 0 and row["loss"] > 0
 
 
+def test_train_bench_times_each_chunk_of_a_gated_deltanet_model() -> None:
+    """--chunks: a row per chunk size, its FLOPs counted by hand (the Gated DeltaNet layer's
+    projections, then its chunk's and its state's products, the chunk at most the sequence)."""
+    args = [*TINY, "--vocab_size=50", "--layer_pattern=D", "--batch_size=2", "--chunks=[4,64]"]
+    r = run(["bench.py", "--mode=train", *args, "--compiles=[False]", "--dtypes=['float32']"])
+    rows = json_rows(r.stdout)
+    assert [row["chunk"] for row in rows] == [4, 64]
+    D, H, V, T = 32, 4, 50, 16
+    matmul = 5 * D * D + 2 * D * H + 8 * D * D + V * D  # qkv, z, o; b, a; MLP; lm_head
+    for row, chunk in zip(rows, (4, T), strict=True):
+        assert row["flops_per_token"] == 6 * matmul + 6 * D * (4 * chunk + 4 * D // H)
+        assert row["ms_per_iter"] > 0 and row["loss"] > 0
+    assert "| chunk |" in r.stdout
+
+
 @COMPILES
 def test_hf_bench_checks_greedy_tokens_against_hugging_face() -> None:
     r = run(
@@ -216,6 +231,8 @@ def test_nanogpt_bench_without_a_checkout_is_one_line(tmp_path: Path) -> None:
         (["--batch_sizes=[0]"], "batch_sizes=[0] must all be positive"),
         (["--kv_heads=[3]"], "n_head=4 is not divisible by n_kv_head=3"),
         (["--mode=hf", "--new_tokens=[16]"], "each must be below it"),
+        (["--mode=train", "--chunks=[8]"], "chunks=[8] sizes Gated DeltaNet layers' chunks"),
+        (["--mode=train", "--layer_pattern=D", "--chunks=[0]"], "chunks=[0] must all be"),
     ],
 )
 def test_bad_bench_settings_are_one_line_before_any_work(args: list[str], message: str) -> None:
