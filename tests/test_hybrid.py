@@ -6,6 +6,7 @@ must catch (a convolution state off by one, a pad that enters the state, the wri
 dropped). Each decoding path with a hybrid model is in test_decode_matrix.py."""
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -97,8 +98,9 @@ def test_a_gate_open_wide_is_attention_without_one(kind: str) -> None:
     """The output gate's bias at +30 and its weights 0 (sigmoid = 1): the model's logits are those
     of the same weights without a gate; with the bias at 0 they are not."""
     plain = attention_model(n_layer=2)
-    gated = GPT(GPTConfig(**(vars_of(plain.config) | dict(attn_gate=kind)))).eval()
-    gated.load_state_dict(plain.state_dict(), strict=False)
+    gated = GPT(dataclasses.replace(plain.config, attn_gate=kind)).eval()
+    missing, unexpected = gated.load_state_dict(plain.state_dict(), strict=False)
+    assert unexpected == [] and all(".attn.gate.c_gate." in k for k in missing)
     idx = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         for block in gated.transformer.h:
@@ -110,20 +112,15 @@ def test_a_gate_open_wide_is_attention_without_one(kind: str) -> None:
         assert not torch.allclose(gated(idx, idx)[0], plain(idx, idx)[0], atol=1e-3)
 
 
-def vars_of(config: GPTConfig) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(config)
-
-
 def test_a_rotary_fraction_rotates_the_first_features_as_qwen3_5_does() -> None:
     """rope_fraction=1 rotates every feature (the model of the default key); 0.25 rotates the first
     quarter by tables of that width and leaves the rest, as Qwen3.5's apply_rotary_pos_emb does
     with partial_rotary_factor=0.25."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-    full = GPTConfig(n_head=2, n_embd=64, block_size=16, pos_encoding="rope")
-    quarter = GPTConfig(n_head=2, n_embd=64, block_size=16, pos_encoding="rope", rope_fraction=0.25)
+    shape = dict(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=61, pos_encoding="rope")
+    full = GPTConfig(**shape)
+    quarter = GPTConfig(**shape, rope_fraction=0.25)
     assert full.rope_dim == 32 and quarter.rope_dim == 8
     m = GPT(quarter)
     x = torch.randn(1, 2, 16, 32)
