@@ -33,7 +33,7 @@ class GatedDeltaNet(nn.Module):
     decay nor write, so a row's state is what its own tokens make."""
 
     kernel = 4  # the convolution's taps
-    chunk = 64  # tokens a step of delta_rule.chunked (docs/compare.md "Hybrids")
+    chunk = 64  # tokens a step of delta_rule.chunked (docs/compare.md "the chunk")
 
     def __init__(self, layer: int, n_embd: int, n_head: int, bias: bool, dropout: float) -> None:
         super().__init__()

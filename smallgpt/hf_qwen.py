@@ -1,6 +1,6 @@
 """Gated DeltaNet hybrids and Qwen3.5's attention (an output gate, q/k norms, a rotary fraction) as
 transformers' dense Qwen3_5ForCausalLM, both ways; what the class cannot hold is refused in one line
-before anything is written (docs/export.md "Hybrids"). smallgpt/hf.py calls these.
+before anything is written (docs/export.md "Gated DeltaNet hybrids"). smallgpt/hf.py calls these.
 
 The class differs from ours in three ways, each matched by construction: its RMSNorms (but the
 Gated DeltaNet's output norm) scale by 1 + w, so w - 1 goes out and w + 1 comes in; its q_proj
