@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import Cache, RMSNorm, Rope, StateShape
+from attention import Cache, RMSNorm, Rope
 from smallgpt import delta_rule
 from smallgpt.fast_paths import Linear
 
@@ -37,7 +37,9 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, layer: int, n_embd: int, n_head: int, bias: bool, dropout: float) -> None:
         super().__init__()
-        self.layer, self.n_head, self.head_dim = layer, n_head, n_embd // n_head
+        self.layer = layer
+        self.n_head = n_head
+        self.head_dim = n_embd // n_head
         self.c_qkv = Linear(n_embd, 3 * n_embd, bias=bias)  # [q | k | v], head by head
         self.conv = nn.Parameter(torch.empty(3 * n_embd, 1, self.kernel))  # nn.Conv1d's shape
         self.c_z = Linear(n_embd, n_embd, bias=bias)
@@ -49,11 +51,6 @@ class GatedDeltaNet(nn.Module):
         self.c_proj = Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
 
-    @property
-    def state_shape(self) -> StateShape:
-        hd = self.head_dim
-        return StateShape(self.conv.size(0), self.kernel, self.n_head, hd, hd)
-
     def initial(self, name: str, generator: torch.Generator | None) -> torch.Tensor:
         """The initial values of the parameters no other layer has, as fla initialises them: the
         convolution as nn.Conv1d's default bound, A uniform in [1, 16], and dt_bias the inverse
@@ -63,6 +60,7 @@ class GatedDeltaNet(nn.Module):
             return torch.empty(self.conv.shape).uniform_(-bound, bound, generator=generator)
         if name == "A_log":
             return torch.empty(self.n_head).uniform_(1.0, 16.0, generator=generator).log()
+        assert name == "dt_bias", f"no initial values for {name}"
         low, high = math.log(0.001), math.log(0.1)
         dt = (torch.rand(self.n_head, generator=generator) * (high - low) + low).exp()
         return dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
