@@ -59,6 +59,7 @@ def markdown(
             f"## {size} (n_layer x n_embd)",
             "",
             *variants_table(scratch, cfg),
+            *cache_note(scratch),
             "",
             *rates_table(scratch),
             *other_budgets_note(mine),
@@ -128,19 +129,10 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     if any(r.get("mqar_acc") is not None for r in scratch):
         columns["mqar_solved"] = f"MQAR solved ({at})"
         columns["mqar_acc"] = "MQAR acc"
-    notes = []
-    if any(r.get("recurrent_layers") for r in scratch):
-        notes = [
-            "",
-            "KV bytes of a variant with Gated DeltaNet layers: its attention layers' K/V, and each "
-            "recurrent layer's state (fp32, head_dim x head_dim a head) and last convolution "
-            "inputs, the same at any context.",
-        ]
     if "induction_acc" not in columns and "mqar_acc" not in columns:
-        return [table(shown, columns), *notes]
+        return [table(shown, columns)]
     return [
         table(shown, columns),
-        *notes,
         "",
         f"solved: the runs whose accuracy reached {cfg.solved_threshold:g}, of the seeds' runs, "
         "with the 95% Clopper-Pearson interval of that proportion, then the mean accuracy of the "
@@ -149,6 +141,18 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
         "accuracy pooled over seeds (correct answers over answers) with its 95% Wilson interval; "
         "then vs MHA: the seed-paired difference of the per-seed accuracies ± its 95% Student t "
         "interval; positive is better.",
+    ]
+
+
+def cache_note(scratch: list[dict]) -> list[str]:
+    """What a hybrid's KV column counts (an empty line, then the sentence); none without one."""
+    if not any(r.get("recurrent_layers") for r in scratch):
+        return []
+    return [
+        "",
+        "KV bytes of a variant with Gated DeltaNet layers: its attention layers' K/V, and each "
+        "recurrent layer's state (fp32, head_dim x head_dim a head) and last convolution inputs, "
+        "the same at any context.",
     ]
 
 
