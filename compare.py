@@ -156,7 +156,7 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
     divisors = sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True)
     models = [dataclasses.replace(mha, n_kv_head=g) for g in divisors]
     for variant in map(Variant.parse, cfg.variants):
-        if variant.kind == "mla" or variant.window_suffix:
+        if variant.kind == "mla" or variant.suffix:
             models.append(variant.config(mha))
     rows = []
     for mcfg in models:

@@ -480,7 +480,8 @@ class GPT(nn.Module):
             w: attention.attention_mask(T, start, pad, idx.device, w, w and ring)
             for w in set(windows) - {attention.RECURRENT}
         }
-        masks[attention.RECURRENT] = attention.real_tokens(T, start, pad, idx.device)
+        if attention.RECURRENT in windows:  # a recurrent layer's: the real tokens
+            masks[attention.RECURRENT] = attention.real_tokens(T, start, pad, idx.device)
         for block, window in zip(self.transformer.h, windows, strict=True):
             x = block(x, rope, masks[window], kv_cache)
         if kv_cache is not None:

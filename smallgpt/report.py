@@ -40,9 +40,9 @@ def speed_key(c: GPTConfig, context: int, batch: int) -> str:
     else:
         kv = f"kv{c.n_kv_head}"
     shape = f"{c.n_layer}x{c.n_embd}-h{c.n_head}-{kv}-mlp{c.mlp_hidden}-{c.pos_encoding}"
-    # all global: no suffix, as the keys stored before windows were
-    window = Variant.from_config(c).window_suffix
-    return f"{shape}{window}@{context}x{batch}"
+    # all global attention without options: no suffix, as the keys stored before windows were
+    suffix = Variant.from_config(c).suffix
+    return f"{shape}{suffix}@{context}x{batch}"
 
 
 def read_runs(root: Path) -> tuple[list[dict], str | None]:

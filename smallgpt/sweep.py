@@ -280,7 +280,7 @@ def conversion_runs(
     method, uptrained for each fraction (a variant with local or recurrent layers, or Qwen3.5's
     attention options, is trained from scratch only)."""
     runs = []
-    for variant in [v for v in variants if v != MHA and not v.window_suffix]:
+    for variant in [v for v in variants if v != MHA and not v.suffix]:
         source = next(r for r in scratch if r.name == "mha")
         # MLA's K/V come from one SVD of MHA's, with no latent norm (convert.to_latent); the
         # methods pool K/V heads

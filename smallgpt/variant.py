@@ -108,7 +108,7 @@ class Variant:
         return dataclasses.replace(mha, n_kv_head=n_kv_head)
 
     @property
-    def window_suffix(self) -> str:
+    def suffix(self) -> str:
         """'-<pattern>[<window>]' where some layer is local or recurrent ('-sssl64', '-dddl'), then
         the attention options ('-gate-qknorm'); '' for all-global attention without options."""
         suffix = ""
@@ -128,7 +128,7 @@ class Variant:
 
     def __str__(self) -> str:
         size = self.n_kv_head if self.kind == "gqa" else self.kv_lora_rank
-        return f"{self.kind}{size or ''}{self.window_suffix}"
+        return f"{self.kind}{size or ''}{self.suffix}"
 
 
 MHA = Variant("mha")  # the all-global MHA model, what a comparison measures the others against
