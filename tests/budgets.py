@@ -106,7 +106,8 @@ BUDGETS: dict[str, dict[str, float]] = {
         "test_one_out_dir_holds_one_run_at_a_time_and_a_killed_holder_leaves_no_lock": 6,
     },
     "test_model.py": {
-        "test_one_query_attention_over_a_bf16_cache_equals_sdpa": 12,
+        # one torch.compile of three attention calls, from a cold cache: 8.4 s
+        "test_compiled_one_query_attention_over_a_bf16_cache_equals_sdpa": 45,
         "test_each_variant_overfits_one_batch": 6,
         "test_training_forward_compiles_without_graph_breaks": 6,
     },

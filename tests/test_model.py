@@ -213,25 +213,49 @@ def test_training_attention_equals_each_projection_rotated_by_hand(
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
-def test_one_query_attention_over_a_bf16_cache_equals_sdpa(n_kv_head: int, compiled: bool) -> None:
+def bf16_cache_cases() -> list[tuple[torch.Tensor, ...]]:
+    """One query of 4 heads over a cache of 37 positions with 4, 2 and 1 K/V heads: each case's
+    fp32 q, k, v and SDPA's output over K/V repeated to the query heads."""
+    cases = []
+    for n_kv_head in (4, 2, 1):
+        q = torch.randn(2, 4, 1, 16)
+        k, v = (torch.randn(2, n_kv_head, 37, 16) for _ in range(2))
+        ref_k, ref_v = (t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v))
+        cases.append((q, k, v, F.scaled_dot_product_attention(q, ref_k, ref_v)))
+    return cases
+
+
+def test_one_query_attention_over_a_bf16_cache_equals_sdpa() -> None:
     """Decoding in bf16 on CPU, attention() takes one_query_attention: SDPA's function of the fp32
-    values to bf16 rounding, eager (fp32 products) and compiled (bf16 products), each K/V head
-    serving its queries."""
-    q = torch.randn(2, 4, 1, 16)
-    k, v = (torch.randn(2, n_kv_head, 37, 16) for _ in range(2))
-    ref_k, ref_v = (t.repeat_interleave(4 // n_kv_head, dim=1) for t in (k, v))
-    ref = F.scaled_dot_product_attention(q, ref_k, ref_v)
-    low = [t.bfloat16() for t in (q, k, v)]
-    call = torch.compile(fast_paths.attention, fullgraph=True) if compiled else fast_paths.attention
+    values to bf16 rounding (fp32 products), each K/V head serving its queries."""
+    for q, k, v, ref in bf16_cache_cases():
+        low = [t.bfloat16() for t in (q, k, v)]
+        with torch.inference_mode():
+            out = fast_paths.attention(*low, None, 0.0, cached=True)
+            direct = fast_paths.one_query_attention(*low)
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.05)
+        assert torch.equal(out, direct)  # the path attention() takes, not SDPA's
+
+
+def test_compiled_one_query_attention_over_a_bf16_cache_equals_sdpa() -> None:
+    """The same compiled (bf16 products): SDPA's output to bf16 rounding for each K/V head count.
+    The three cases are one compiled function (one compile, not three; the eager cases were one
+    parametrized test with these until they were merged)."""
+    cases = bf16_cache_cases()
+
+    def each(*lows: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            fast_paths.attention(*lows[i : i + 3], None, 0.0, cached=True)
+            for i in range(0, len(lows), 3)
+        ]
+
+    lows = [t.bfloat16() for q, k, v, _ in cases for t in (q, k, v)]
     with torch.inference_mode():
-        out = call(*low, None, 0.0, cached=True)
-        direct = fast_paths.one_query_attention(*low)
-    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.05)
-    if not compiled:  # the path attention() takes, not SDPA's
-        assert torch.equal(out, direct)
+        outs = torch.compile(each, fullgraph=True)(*lows)
+    for out, (*_, ref) in zip(outs, cases, strict=True):
+        assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.05)
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1])
