@@ -20,7 +20,7 @@ from pathlib import Path
 
 from configurator import run_cli
 from smallgpt.atomic import atomic_open
-from smallgpt.errors import UserError
+from smallgpt.configs import variant_problems
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,19 +47,22 @@ class ZoologyConfig:
     def __post_init__(self) -> None:
         if not self.pairs or not self.widths or min(self.pairs + self.widths) < 1:
             raise ValueError(f"pairs={self.pairs} and widths={self.widths}: give positive sizes")
+        problems = variant_problems(self.variants)  # before any dataset is prepared
+        if problems:
+            raise ValueError("; ".join(problems))
 
 
 def run(command: list[str]) -> None:
     """A script of the repository run as `python command...` would run it (its command line, its
     output, its exit status), in this process: without the two seconds a fresh interpreter spends
-    importing torch. A failure ends this script in a line."""
+    importing torch. A failure ends this script with that script's own line and exit status."""
     argv = sys.argv
     sys.argv = list(command)
     try:
         runpy.run_path(str(ROOT / command[0]), run_name="__main__")
     except SystemExit as e:
         if e.code not in (0, None):
-            raise UserError(f"python {' '.join(command)} failed: see its output above") from None
+            raise
     finally:
         sys.argv = argv
 

@@ -180,6 +180,23 @@ def test_the_zoology_script_draws_accuracy_against_width_per_pair_count(tmp_path
     assert (out / "zoology.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_zoology_script_refuses_a_bad_variant_before_it_prepares_anything(
+    tmp_path: Path,
+) -> None:
+    """A variant compare.py would refuse is one line and exit 2 before any dataset is prepared; a
+    step that fails later (compare.py's refusal of a rate) ends the script with that step's own
+    line and status, not a second one."""
+    common = ["scripts/zoology_mqar.py", "--pairs=[2]", "--widths=[16]", "--seq_len=12"]
+    common += ["--key_vocab=8", "--value_vocab=8", "--train_examples=300", "--max_iters=4"]
+    common += [f"--out={tmp_path / 'zoo'}", f"--data={tmp_path / 'data'}"]
+    r = cli([*common, "--variants=[mha,bogus]"])
+    assert r.returncode == 2 and r.stderr.startswith("error: variants: bogus is not mha")
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "data").exists(), r.stderr
+    r = cli([*common, "--variants=[mha]", "--lrs=[-1]"])
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and "lrs" in r.stderr, r.stderr
+    assert not (tmp_path / "zoo" / "p2" / "report.csv").exists()
+
+
 def test_batches_target_the_answers_only(task: Path) -> None:
     batches = Batches(task, block_size=L - 1, batch_size=8, seed=0, device="cpu")
     for x, y in (batches.train(0, 0), batches.eval("val", 0)):
