@@ -251,7 +251,7 @@ def main(cfg: AblationConfig) -> None:
         run_one(cfg.one, json.loads(os.environ[ARGS]))
         return
     settings = cfg.settings or list(SETTINGS)
-    out = Path(cfg.out)
+    out = Path(cfg.out).resolve()  # its runs start in the repository root; this may be elsewhere
     for setting in settings:
         for seed in range(1337, 1337 + cfg.seeds):
             folder = out / f"{setting}-s{seed}"

@@ -88,7 +88,7 @@ def comparison(cfg: ZoologyConfig, pairs: int) -> Path:
     sizes = ",".join(f"{cfg.n_layer}x{w}" for w in cfg.widths)
     command = [
         "compare.py",
-        "config/compare/mqar.py",
+        str(ROOT / "config" / "compare" / "mqar.py"),
         f"--dataset={data}",
         f"--out_dir={out}",
         f"--block_size={cfg.seq_len - 1}",

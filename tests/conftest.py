@@ -306,17 +306,17 @@ class Result:
     stderr: str
 
 
-def cli(args: list[str], env: dict | None = None) -> Result:
-    """`python SCRIPT ARGS...` from the repo root, run in this process as __main__ (runpy): the
-    script's own command line, errors and exit status, without the 2-3 s a fresh interpreter spends
-    importing torch. Tests that need a process of their own (signals, torchrun, wandb, variables
-    read at import) use subprocess instead."""
+def cli(args: list[str], env: dict | None = None, cwd: Path | None = None) -> Result:
+    """`python SCRIPT ARGS...` from the repo root (or from cwd, SCRIPT still the repo's), run in
+    this process as __main__ (runpy): the script's own command line, errors and exit status,
+    without the 2-3 s a fresh interpreter spends importing torch. Tests that need a process of their
+    own (signals, torchrun, wandb, variables read at import) use subprocess instead."""
     script, *rest = args
     out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8") for _ in range(2))
     saved = dict(os.environ), sys.argv, os.getcwd()
     os.environ.update(env or {})
     sys.argv = [script, *rest]
-    os.chdir(ROOT)
+    os.chdir(cwd or ROOT)
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import cli, read_log, run
+from conftest import ROOT, cli, read_log, run
 from smallgpt.checkpoint import load_run, parse_source
 from smallgpt.data import Batches, load_meta, open_tokens
 from smallgpt.errors import UserError
@@ -150,9 +150,10 @@ def test_the_zoology_layout_queries_every_key_once_at_power_law_gaps(tmp_path: P
 
 def test_the_zoology_script_draws_accuracy_against_width_per_pair_count(tmp_path: Path) -> None:
     """scripts/zoology_mqar.py at 2 and 3 pairs, widths 16 and 32: a Zoology-layout dataset and a
-    comparison per pair count, and a table whose cells are each comparison's MQAR accuracy."""
-    out = tmp_path / "zoo"
-    run(
+    comparison per pair count, and a table whose cells are each comparison's MQAR accuracy. Run
+    from a folder of its own with relative paths: what it writes and reads is there, not in the
+    repository (its steps once ran from the repository's root and wrote there)."""
+    r = cli(
         [
             "scripts/zoology_mqar.py",
             "--pairs=[2,3]",
@@ -165,11 +166,14 @@ def test_the_zoology_script_draws_accuracy_against_width_per_pair_count(tmp_path
             "--train_examples=300",
             "--max_iters=4",
             "--decode_context=16",
-            f"--out={out}",
-            f"--data={tmp_path / 'data'}",
+            "--out=zoo",
+            "--data=data",
         ],
         env={"WANDB_MODE": "disabled"},
+        cwd=tmp_path,
     )
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "zoo"
     assert load_meta(tmp_path / "data" / "mqar-zoology-p3")["example_tokens"] == 12
     md = (out / "zoology.md").read_text()
     assert "| pairs | variant | width 16 | width 32 |" in md
@@ -178,6 +182,7 @@ def test_the_zoology_script_draws_accuracy_against_width_per_pair_count(tmp_path
         cells = [f"{float(rows[f'1x{w}']['mqar_acc']):.3f} (0/1 solved)" for w in (16, 32)]
         assert f"| {pairs} | mha | {cells[0]} | {cells[1]} |" in md
     assert (out / "zoology.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (ROOT / "zoo").exists() and not (ROOT / "data" / "mqar-zoology-p2").exists()
 
 
 def test_the_zoology_script_refuses_a_bad_variant_before_it_prepares_anything(
