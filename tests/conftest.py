@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._inductor import select_algorithm
 
 import budgets
 from model import GPT, GPTConfig
@@ -55,11 +54,21 @@ def template_where_it_can(choices: list) -> list:
 # compiled steps are never these, the suite keeps inductor's cache in a folder of its own (shared
 # by every checkout, unless TORCHINDUCTOR_CACHE_DIR names one). docs/testing.md "Compiled decode
 # steps".
-select_algorithm.add_preprocessing_fn(template_where_it_can)
 os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR",
     str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_smallgpt_tests"),
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """template_where_it_can registered with inductor in each process that runs tests, not in
+    pytest-xdist's controller, which runs none: importing inductor's autotuning there took 2 s
+    before any worker started."""
+    if config.getoption("numprocesses", default=None) and not hasattr(config, "workerinput"):
+        return
+    from torch._inductor import select_algorithm
+
+    select_algorithm.add_preprocessing_fn(template_where_it_can)
 
 
 # A shell starts a background job with SIGINT ignored, and a Python started so keeps it ignored

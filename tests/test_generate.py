@@ -14,6 +14,7 @@ from conftest import (
     distinct,
     lively,
     sharpened,
+    template_where_it_can,
     tiny_model,
 )
 from smallgpt import compiled_step, fast_paths
@@ -271,6 +272,16 @@ def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
     assert all(p.dtype == dtype and p.view(-1)[0] == -1 - i % 128 for i, p in enumerate(probes))
     layouts = {compiled_step.blocked(p, 16, 2).float().numpy().tobytes() for p in probes}
     assert len(layouts) == len(probes)
+
+
+def test_the_process_running_the_tests_compiles_with_the_template_untimed() -> None:
+    """conftest registers template_where_it_can with inductor in the process that runs the tests
+    (a pytest-xdist worker, or pytest itself with -n 0), not only in xdist's controller: else every
+    compile here would time each product's choices (docs/testing.md "Compiled decode steps")."""
+    from torch._inductor import select_algorithm
+
+    selector = select_algorithm.get_algorithm_selector_cache()
+    assert template_where_it_can in selector.preprocessing_fns
 
 
 @pytest.mark.parametrize(
