@@ -9,4 +9,4 @@ ruff check .
 # thread ranks). OpenMP threads that sleep instead of spinning while they wait keep the workers' torch threads from
 # taking each other's cores (docs/testing.md).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
-python -m pytest -n 2 --dist loadgroup "$@"
+python -m pytest -n 2 "$@"  # --dist loadgroup: pyproject.toml's addopts
