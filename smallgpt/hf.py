@@ -23,6 +23,7 @@ from smallgpt.hf_llama import (
     granite_swa,
     llama,
     llama_class,
+    shape_config,
 )
 from smallgpt.hf_qwen import MODEL_TYPE as QWEN_TYPE
 from smallgpt.hf_qwen import check_qwen, from_qwen35, qwen35, wants_qwen
@@ -109,17 +110,11 @@ def starcoder2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str,
     import transformers
 
     config = transformers.Starcoder2Config(
-        vocab_size=c.vocab_size,
-        hidden_size=c.n_embd,
-        intermediate_size=c.mlp_hidden,
-        num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head,
+        **shape_config(c),
         num_key_value_heads=c.n_kv_head,
         hidden_act="gelu" if c.gelu == "exact" else "gelu_pytorch_tanh",
-        max_position_embeddings=c.block_size,
         norm_epsilon=1e-5,
         use_bias=c.bias,
-        tie_word_embeddings=True,
         rope_theta=c.rope_theta,
         rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
         sliding_window=None,

@@ -107,6 +107,20 @@ def renamed(
     return {theirs + b: sd[ours + a] for a, b in names.items() if ours + a in sd}
 
 
+def shape_config(c: GPTConfig) -> dict[str, Any]:
+    """The fields every transformers decoder config names alike (Llama, DeepSeek-V3, Qwen3.5,
+    Starcoder2): the model's sizes, its context and its tied embeddings."""
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.mlp_hidden,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        max_position_embeddings=c.block_size,
+        tie_word_embeddings=True,
+    )
+
+
 def rope_config(c: GPTConfig) -> dict[str, Any]:
     """The rotary base, as transformers 5 (rope_parameters) and 4.57 (rope_theta) read it."""
     return dict(
@@ -122,19 +136,13 @@ def llama(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.n_embd,
-        intermediate_size=c.mlp_hidden,
-        num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head,
+        **shape_config(c),
         num_key_value_heads=c.n_kv_head,
         head_dim=c.head_dim,
         hidden_act="silu",
-        max_position_embeddings=c.block_size,
         rms_norm_eps=NORM_EPS,
         attention_bias=c.bias,
         mlp_bias=c.bias,
-        tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=None,
         **rope_config(c),
@@ -180,17 +188,11 @@ def deepseek(
     import transformers
 
     config = transformers.DeepseekV3Config(
-        vocab_size=c.vocab_size,
-        hidden_size=c.n_embd,
-        intermediate_size=c.mlp_hidden,
-        num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head,
+        **shape_config(c),
         num_key_value_heads=c.n_head,
         hidden_act="silu",
-        max_position_embeddings=c.block_size,
         rms_norm_eps=NORM_EPS,
         attention_bias=False,
-        tie_word_embeddings=True,
         kv_lora_rank=c.kv_lora_rank,
         q_lora_rank=c.q_lora_rank,
         qk_rope_head_dim=c.qk_rope_head_dim,

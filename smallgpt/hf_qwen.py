@@ -15,6 +15,7 @@ from attention import NORM_EPS
 from gated_deltanet import GatedDeltaNet
 from model import GPTConfig
 from smallgpt.errors import UserError
+from smallgpt.hf_llama import shape_config
 
 MODEL_TYPE = "qwen3_5_text"
 # an attention layer's modules, ours -> Qwen3.5's (c_q and the gate's c_gate make q_proj)
@@ -82,17 +83,11 @@ def qwen_config(c: GPTConfig) -> Any:
 
     kinds = {"L": "full_attention", "D": "linear_attention"}
     return Qwen3_5TextConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.n_embd,
-        intermediate_size=c.mlp_hidden,
-        num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head,
+        **shape_config(c),
         num_key_value_heads=c.n_kv_head,
         head_dim=c.head_dim,
         hidden_act="silu",
-        max_position_embeddings=c.block_size,
         rms_norm_eps=NORM_EPS,
-        tie_word_embeddings=True,
         attention_bias=False,
         linear_conv_kernel_dim=GatedDeltaNet.kernel,
         linear_key_head_dim=c.head_dim,
