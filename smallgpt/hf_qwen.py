@@ -15,14 +15,12 @@ from attention import NORM_EPS
 from gated_deltanet import GatedDeltaNet
 from model import GPTConfig
 from smallgpt.errors import UserError
-from smallgpt.hf_llama import shape_config
+from smallgpt.hf_llama import LLAMA_LAYER, shape_config
 
 MODEL_TYPE = "qwen3_5_text"
-# an attention layer's modules, ours -> Qwen3.5's (c_q and the gate's c_gate make q_proj)
-ATTENTION = {
-    "attn.c_k": "self_attn.k_proj",
-    "attn.c_v": "self_attn.v_proj",
-    "attn.c_proj": "self_attn.o_proj",
+# an attention layer's modules, ours -> Qwen3.5's: Llama's but c_q (c_q and the gate's c_gate make
+# q_proj), with q/k norms
+ATTENTION = {a: b for a, b in LLAMA_LAYER.items() if a.startswith("attn.") and a != "attn.c_q"} | {
     "attn.q_norm": "self_attn.q_norm",
     "attn.k_norm": "self_attn.k_norm",
 }
@@ -38,14 +36,8 @@ RECURRENT = {
     "attn.norm.weight": "linear_attn.norm.weight",
     "attn.c_proj.weight": "linear_attn.out_proj.weight",
 }
-# every block's, ours -> Qwen3.5's; the norms among them scale by 1 + w there
-BLOCK = {
-    "ln_1.weight": "input_layernorm.weight",
-    "ln_2.weight": "post_attention_layernorm.weight",
-    "mlp.c_gate.weight": "mlp.gate_proj.weight",
-    "mlp.c_fc.weight": "mlp.up_proj.weight",
-    "mlp.c_proj.weight": "mlp.down_proj.weight",
-}
+# every block's, ours -> Qwen3.5's (Llama's norms and MLP); its norms scale by 1 + w
+BLOCK = {f"{a}.weight": f"{b}.weight" for a, b in LLAMA_LAYER.items() if not a.startswith("attn.")}
 ONE_PLUS_W = ("ln_1.weight", "ln_2.weight", "attn.q_norm.weight", "attn.k_norm.weight")
 
 
