@@ -24,6 +24,7 @@ from smallgpt.hf_llama import (
     llama,
     llama_class,
     shape_config,
+    shape_of,
 )
 from smallgpt.hf_qwen import MODEL_TYPE as QWEN_TYPE
 from smallgpt.hf_qwen import check_qwen, from_qwen35, qwen35, wants_qwen
@@ -281,17 +282,12 @@ def from_starcoder2(
     """A Starcoder2 config as ours, and its weights under our names (more than the model may
     take: a LayerNorm's zero biases where it has none)."""
     config = GPTConfig(
-        block_size=c.max_position_embeddings,
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
+        **shape_of(c),
         n_kv_head=c.num_key_value_heads,
-        n_embd=c.hidden_size,
         bias=c.use_bias,
         pos_encoding="rope",
         rope_theta=float(c.rope_parameters["rope_theta"]),
         gelu=gelu,
-        mlp_hidden=c.intermediate_size,
     )
     names = {
         "transformer.wte.weight": "model.embed_tokens.weight",

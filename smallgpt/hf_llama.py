@@ -121,6 +121,18 @@ def shape_config(c: GPTConfig) -> dict[str, Any]:
     )
 
 
+def shape_of(c: Any) -> dict[str, Any]:
+    """shape_config's inverse: our sizes and context from such a transformers config."""
+    return dict(
+        block_size=c.max_position_embeddings,
+        vocab_size=c.vocab_size,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        n_embd=c.hidden_size,
+        mlp_hidden=c.intermediate_size,
+    )
+
+
 def rope_config(c: GPTConfig) -> dict[str, Any]:
     """The rotary base, as transformers 5 (rope_parameters) and 4.57 (rope_theta) read it."""
     return dict(
@@ -257,17 +269,11 @@ def from_llama_block(
     if bad := llama_block_problems(c, sd):
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
     rope = c.rope_parameters or {}
-    common = dict(
-        block_size=c.max_position_embeddings,
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        n_embd=c.hidden_size,
+    common = shape_of(c) | dict(
         pos_encoding="rope",
         rope_theta=float(rope["rope_theta"]),
         norm="rmsnorm",
         mlp="swiglu",
-        mlp_hidden=c.intermediate_size,
     )
     if c.model_type == "deepseek_v3":
         return from_deepseek(c, sd, common)

@@ -15,7 +15,7 @@ from attention import NORM_EPS
 from gated_deltanet import GatedDeltaNet
 from model import GPTConfig
 from smallgpt.errors import UserError
-from smallgpt.hf_llama import LLAMA_LAYER, shape_config
+from smallgpt.hf_llama import LLAMA_LAYER, shape_config, shape_of
 
 MODEL_TYPE = "qwen3_5_text"
 # an attention layer's modules, ours -> Qwen3.5's: Llama's but c_q (c_q and the gate's c_gate make
@@ -159,19 +159,14 @@ def from_qwen35(
     attending = "L" in letters
     rope = c.rope_parameters
     config = GPTConfig(
-        block_size=c.max_position_embeddings,
-        vocab_size=c.vocab_size,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
+        **shape_of(c),
         n_kv_head=c.num_key_value_heads,
-        n_embd=c.hidden_size,
         bias=False,
         pos_encoding="rope",
         rope_theta=float(rope["rope_theta"]),
         rope_fraction=float(rope.get("partial_rotary_factor", 1.0)),
         norm="rmsnorm",
         mlp="swiglu",
-        mlp_hidden=c.intermediate_size,
         layer_pattern=shortest_period(letters),
         attn_gate="element" if attending else "none",
         qk_norm=attending,
