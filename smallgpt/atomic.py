@@ -5,6 +5,7 @@ the project wrote: a temp name of its own pattern (temp_path), removed when stal
 its folder (remove_stale_temps)."""
 
 import fcntl
+import json
 import os
 import re
 import secrets
@@ -129,14 +130,16 @@ def lock_holder(folder: Path) -> str | None:
 
 
 # What this project writes into a folder, by the file that marks each kind (a run's checkpoint or
-# log, a dataset's meta.json, an export's smallgpt.json, a comparison's compare.json, written when
-# compare.py makes it, or its measures): the rule for any command that writes into or replaces a
-# folder.
+# log, a dataset's meta.json, an export's smallgpt.json; a comparison's compare.json and the
+# scripts' zoology.json and ablation.json, each written when its tool makes or adopts the folder,
+# claim_folder): the rule for any command that writes into or replaces a folder.
 KIND_MARKERS = {
     "a run": ("ckpt.pt", "log.jsonl"),
     "a dataset": ("meta.json",),
     "an export": ("smallgpt.json",),
-    "a comparison": ("compare.json", "speed.json", "report.md"),
+    "a comparison": ("compare.json",),
+    "a Zoology figure": ("zoology.json",),
+    "an MLA ablation": ("ablation.json",),
 }
 
 
@@ -187,3 +190,41 @@ def check_writes_into(folder: str | Path, kind: str, writes: tuple[str, ...]) ->
         raise UserError(
             f"{folder} holds {held}, not {kind}{what}: choose another folder (nothing was written)"
         )
+
+
+def check_claimable(folder: str | Path, kind: str) -> None:
+    """Before any work: a tool that writes `kind` (a key of KIND_MARKERS whose marker it writes)
+    takes folder only where it is absent, empty, or already marked as that kind (an earlier run of
+    the tool); else a UserError naming what it holds (nothing was written)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file, not a folder: choose another folder")
+    held = folder_kind(folder)
+    if held in ("nothing", kind):
+        return
+    what = held
+    if held == "other files":
+        names = sorted(p.name for p in folder.iterdir() if p.name != ".lock")
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        what = f"files this tool did not write ({shown})"
+    marker = KIND_MARKERS[kind][0]
+    raise UserError(
+        f"{folder} holds {what} and no {marker}, so it is not {kind} made by this project: "
+        f"choose an empty or new folder (nothing was written)"
+    )
+
+
+def claim_folder(folder: str | Path, kind: str, record: dict) -> None:
+    """Make folder (check_claimable's rule, checked again) and mark it as `kind` with its marker
+    file holding record (e.g. the command), once: what later runs of the tool recognise."""
+    check_claimable(folder, kind)
+    folder = Path(folder)
+    marker = folder / KIND_MARKERS[kind][0]
+    if marker.exists():
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise cannot_write(folder, e) from e
+    with atomic_open(marker, "w") as f:
+        json.dump({"kind": kind, **record}, f, indent=1)
