@@ -57,7 +57,8 @@ from model import GPT
 from smallgpt import recall, report, runtime, sweep
 from smallgpt.atomic import (
     atomic_open,
-    check_writes_into,
+    check_claimable,
+    claim_folder,
     folder_lock,
     lock_holder,
     remove_stale_temps,
@@ -76,7 +77,7 @@ MLA_KEYS = ("qk_rope_head_dim", "q_lora_rank", "latent_norm")
 SCHEDULE_KEYS = ("max_iters", "warmup_iters", "lr_decay_iters", "decay_lr")
 
 # What compare.py writes at the root of a comparison (beside its runs' folders); the first marks it
-# (smallgpt/atomic.py)
+# (smallgpt/atomic.py's KIND_MARKERS: a folder is the comparison's only when it holds that one)
 COMPARISON_FILES = ("compare.json", report.SPEED_FILE, "report.md", "report.csv", "report.png")
 COMPARISON_TEMPS = "|".join(map(re.escape, COMPARISON_FILES))  # those written through a temp file
 
@@ -122,7 +123,7 @@ def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device
     interleaved over the shapes (so drift on a shared machine spreads over all of them), into
     root/speed.json."""
     path = root / report.SPEED_FILE
-    stored = json.loads(path.read_text()) if path.is_file() else {}
+    stored = report.read_speeds(root)
     shapes = {}
     for r in runs:
         shapes[report.speed_key(r.model, cfg.decode_context, cfg.decode_batch)] = r.model
@@ -308,6 +309,8 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     if cfg.convert and MHA not in variants:
         held = f"n_head={base.n_head}" if key == "kv_heads" else "mha"
         raise UserError(f"convert=True converts the MHA runs: {listed} must hold {held}")
+    if cfg.convert:
+        check_conversions(variants, listed, "convert_methods" in given)
 
     same = repeated([round(f * base.max_iters) for f in cfg.uptrain_fractions])
     if cfg.convert and same is not None:
@@ -318,6 +321,24 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         )
     check_variants(cfg, base, variants, key)
     return cfg, base
+
+
+def check_conversions(variants: list[Variant], listed: str, methods_given: bool) -> None:
+    """What --convert=True would convert (sweep.conversion_runs: MHA into each all-global variant
+    but MHA) is something, and --convert_methods (given: methods_given) reaches one of them: a
+    UserError where either would do nothing."""
+    targets = [v for v in variants if v != MHA and not v.suffix]
+    if not targets:
+        raise UserError(
+            f"convert=True converts MHA into the variants of all-global attention (gqa<n_kv_head>, "
+            f"mqa, mla<kv_lora_rank>) and {listed} has none besides mha (local, recurrent and "
+            f"gated variants train from scratch only): add one, e.g. gqa2, or leave convert out"
+        )
+    if methods_given and all(v.kind == "mla" for v in targets):
+        raise UserError(
+            f"convert_methods pool K/V heads for gqa and mqa targets, and {listed} converts only "
+            f"to MLA (by SVD: convert.to_latent): leave convert_methods out"
+        )
 
 
 def check_runs(cfg: CompareConfig, base: TrainConfig, runs: list[sweep.Run]) -> None:
@@ -448,7 +469,8 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
     runs = sweep.plan(cfg, base, vocab or 50304, root)
     # before any work: a run that cannot train, or would mix budgets
     check_runs(cfg, base, runs)
-    if MHA not in sweep.compared_variants(cfg, sweep.mha_config(base, 1)):
+    mha = sweep.mha_config(base, 1)
+    if MHA not in sweep.compared_variants(cfg, mha):
         key = "variants" if cfg.variants else "kv_heads"
         add = "mha" if cfg.variants else base.n_head
         print(
@@ -456,6 +478,14 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
             f"these variants but shows no difference to MHA; add {add} to {key} for that",
             flush=True,
         )
+    if cfg.convert:
+        scratch_only = [str(v) for v in sweep.compared_variants(cfg, mha) if v.suffix]
+        if scratch_only:
+            print(
+                f"convert=True: {', '.join(scratch_only)} train from scratch only (a conversion "
+                f"makes all-global attention of MHA's)",
+                flush=True,
+            )
     with sweep.Stop() as stop:
         try:
             # the device and dtype, as each run's train.py decides them
@@ -470,7 +500,8 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
             with folder_lock(root, "compare.py"):
                 # what a killed compare.py left half-written
                 remove_stale_temps(root, COMPARISON_TEMPS)
-                mark_comparison(root)
+                # the folder is the comparison's from here on (compare.json)
+                claim_folder(root, "a comparison", {"command": sys.argv})
                 sweep.launch_all(runs, times, base.eval_iters, stop)
                 stop.where = "while measuring the decode speeds"
                 measure_speeds(cfg, runs, root, place.device)
@@ -483,15 +514,6 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
                 flush=True,
             )
             sys.exit(128 + e.signum)
-
-
-def mark_comparison(root: Path) -> None:
-    """Write root/compare.json once, when the sweep makes the folder: what marks it as a comparison
-    (smallgpt/atomic.py)."""
-    marker = root / COMPARISON_FILES[0]
-    if not marker.exists():
-        with atomic_open(marker, "w") as f:
-            json.dump({"kind": "a comparison", "command": sys.argv}, f, indent=1)
 
 
 def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | None:
@@ -513,12 +535,17 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
         costs(cfg, base)
         return
     root = Path(base.out_dir)
-    if cfg.mode != "plan":  # e.g. not into a dataset, a run or an export
-        check_writes_into(root, "a comparison", COMPARISON_FILES)
+    if cfg.mode != "plan":
+        # before any work: a folder compare.py made (compare.json), or an empty or new one
+        check_claimable(root, "a comparison")
+        # and the decode speeds it keeps there readable (a sweep would merge its own into them)
+        report.read_speeds(root)
     if cfg.mode in ("train", "all", "plan"):
         train(cfg, base, root)
     if cfg.mode in ("report", "all"):
-        text = report.write_report(root, cfg, base, sweep_status(cfg, base, root))
+        # the runs this command names: its variants, seeds, sizes, rates and conversions
+        runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
+        text = report.write_report(root, cfg, base, runs, sweep_status(cfg, base, root))
         print(f"{text}\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
 
 

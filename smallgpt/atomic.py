@@ -209,8 +209,8 @@ def check_claimable(folder: str | Path, kind: str) -> None:
         what = f"files this tool did not write ({shown})"
     marker = KIND_MARKERS[kind][0]
     raise UserError(
-        f"{folder} holds {what} and no {marker}, so it is not {kind} made by this project: "
-        f"choose an empty or new folder (nothing was written)"
+        f"{folder} holds {what}, not {kind} (no {marker}, which marks one): choose an empty or "
+        f"new folder (nothing was written)"
     )
 
 

@@ -9,6 +9,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from smallgpt.atomic import atomic_open
+
 
 def losses_by_rate(row: dict) -> dict[str, str]:
     """A row's val_loss_by_lr as {rate: mean final val loss, as written ('inf': a seed
@@ -54,7 +56,8 @@ def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_open(path) as f:  # never a half-written figure
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
 
 

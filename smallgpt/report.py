@@ -12,8 +12,9 @@ import json
 import math
 import statistics
 import sys
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from smallgpt.errors import UserError
 from smallgpt.plots import conversion_target, plot
 from smallgpt.report_text import kv_column, markdown
 from smallgpt.runlog import read_run, start_wandb, unfinished
+from smallgpt.sweep import Run
 from smallgpt.variant import Variant
 
 SPEED_FILE = "speed.json"
@@ -45,28 +47,58 @@ def speed_key(c: GPTConfig, context: int, batch: int) -> str:
     return f"{shape}{suffix}@{context}x{batch}"
 
 
-def read_runs(root: Path) -> tuple[list[dict], str | None]:
-    """Every finished run under root (runlog.unfinished: its final evaluation logged whole),
-    read_run's record plus what the sweep's tags say of it; and a sentence naming those left out as
-    unfinished (None if none), also printed on stderr: a run's final val loss is never an earlier
-    evaluation's."""
-    dirs = sorted(p.parent for p in root.glob("*/log.jsonl"))
+def read_speeds(root: Path) -> dict[str, list[float]]:
+    """The decode speeds the sweep stored in root/speed.json, by shape (speed_key); {} where there
+    are none yet. A UserError where the file is not what the sweep writes (a sweep would merge its
+    measurements into it, a report read them)."""
+    path = root / SPEED_FILE
+    if not path.is_file():
+        return {}
+    try:
+        stored = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not JSON ({e}): {SPEED_REDO}") from e
+    numbers = (int, float)
+    valid = isinstance(stored, dict) and all(
+        isinstance(v, list) and all(isinstance(x, numbers) for x in v) for v in stored.values()
+    )
+    if not valid:
+        raise UserError(f"{path} is not a record of decode speeds by shape: {SPEED_REDO}")
+    return stored
+
+
+# what to do about a speed.json that compare.py cannot read
+SPEED_REDO = "delete it, and the sweep measures the speeds again (nothing was trained or written)"
+
+
+def read_runs(root: Path, planned: list[Run]) -> tuple[list[dict], list[str]]:
+    """The finished runs of planned (the runs the command names: its variants, seeds, sizes, rates
+    and conversions; runlog.unfinished: its final evaluation logged whole), read_run's record plus
+    what the sweep's tags say of it and the iterations the command plans for it; and the sentences
+    naming what is left out (unfinished, not trained yet, or under root but not named by the
+    command), also printed on stderr: a run's final val loss is never an earlier evaluation's."""
+    named = {run.dir: run for run in planned}
+    logged = sorted(p.parent for p in root.glob("*/log.jsonl"))
+    dirs = [d for d in named if d in logged]
+    notes = left_out_notes(root, planned, [d for d in logged if d not in named])
     if not dirs:
         raise UserError(
-            f"no runs under {root} (no */log.jsonl): run the sweep first (--mode=train)"
+            f"no run of this command under {root} (no <run>/log.jsonl of the {len(planned)} it "
+            f"names): run the sweep first (--mode=train)"
         )
-    runs = [read_run(d) | {"dir": str(d)} for d in dirs]
+    runs = [read_run(d) | {"dir": str(d), "planned_iters": named[d].iters} for d in dirs]
     # the runs not finished (stopped, killed, still running), left out
     why = {r["dir"]: reason for r in runs if (reason := unfinished(r))}
-    left_out = None
     if why:
-        named = "; ".join(f"{d} ({w})" for d, w in why.items())
-        left_out = (
-            f"Left out of the report, unfinished: {named}. Run the sweep again (--mode=train) to "
-            f"finish them."
+        unfinished_runs = "; ".join(f"{d} ({w})" for d, w in why.items())
+        notes.insert(
+            0,
+            f"Left out of the report, unfinished: {unfinished_runs}. Run the sweep again "
+            f"(--mode=train) to finish them.",
         )
-        print(left_out, file=sys.stderr)
         runs = [r for r in runs if r["dir"] not in why]
+    for note in notes:
+        print(note, file=sys.stderr)
     if not runs:
         raise UserError(
             f"no run under {root} has finished yet ({len(why)} unfinished): run the sweep "
@@ -74,7 +106,26 @@ def read_runs(root: Path) -> tuple[list[dict], str | None]:
         )
     for r in runs:
         r |= tagged_as(r)
-    return runs, left_out
+    return runs, notes
+
+
+def left_out_notes(root: Path, planned: list[Run], others: list[Path]) -> list[str]:
+    """Sentences naming the runs planned that have no log yet, and the run folders under root
+    (others) that the command does not name: neither is read."""
+    notes = []
+    missing = [run.dir.name for run in planned if not (run.dir / "log.jsonl").is_file()]
+    if missing:
+        notes.append(
+            f"Not trained yet, so not in the report: {', '.join(missing)} (of the "
+            f"{len(planned)} runs this command names). Run the sweep (--mode=train)."
+        )
+    if others:
+        notes.append(
+            f"Not read: {', '.join(d.name for d in others)} under {root}, runs that this command "
+            f"does not name (other variants, seeds, sizes, learning rates or conversions than "
+            f"its own)."
+        )
+    return notes
 
 
 def tagged_as(run: dict) -> dict:
@@ -91,8 +142,11 @@ def tagged_as(run: dict) -> dict:
     diverged = run.get("diverged")
     final = run["evals"][-1] if not diverged else {"val_loss": math.inf, "iter": diverged["iter"]}
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
+    # trained for other iterations than the command plans (a diverged run stopped early)
+    other_budget = not diverged and final["iter"] != run["planned_iters"]
     return {
         "diverged": bool(diverged),
+        "other_budget": other_budget,
         "variant": tags[0] if tags and "=" not in tags[0] else run["name"],
         "seed": cfg["seed"],
         "size": tagged.get("size", f"{mc['n_layer']}x{mc['n_embd']}"),
@@ -114,37 +168,50 @@ def reported_split(runs: list[dict]) -> str:
     return "test" if all(r["test"] is not None for r in runs if not r["diverged"]) else "val"
 
 
-def rate_choice(runs: list[dict]) -> tuple[list[dict], dict[tuple[str, str], dict], list[str]]:
+@dataclass(slots=True)
+class RateChoice:
+    """Each size x variant at its chosen learning rate of --lrs (rate_choice)."""
+
+    kept: list[dict]  # the runs at the chosen rates
+    # (size, variant) -> {rate: mean final val loss over its seeds}
+    means: dict[tuple[str, str], dict]
+    # (size, variant) -> {rate: its runs trained for other iterations than planned, with theirs}
+    other_budget: dict[tuple[str, str], dict[str, str]]
+    lost: list[str]  # '<size> <variant>' of those diverged at every rate (no row)
+
+
+def rate_choice(runs: list[dict]) -> RateChoice:
     """The runs at each size x variant's chosen learning rate, the one of --lrs with the lowest mean
     final val loss over its seeds (the first of equals; a sweep without --lrs has one, None; a rate
-    at which a seed diverged: infinite); each size x variant's mean final val loss by rate; and
-    '<size> <variant>' for those diverged at every rate (no row)."""
+    at which a seed diverged: infinite), and what the choice was made from."""
     by_rate = defaultdict(lambda: defaultdict(list))
     for r in runs:
-        by_rate[(r["size"], r["variant"])][r["rate"]].append(r["final"])
-    means = {k: {rate: statistics.fmean(v) for rate, v in m.items()} for k, m in by_rate.items()}
+        by_rate[(r["size"], r["variant"])][r["rate"]].append(r)
+    means = {
+        k: {rate: statistics.fmean(r["final"] for r in rs) for rate, rs in m.items()}
+        for k, m in by_rate.items()
+    }
+    other_budget = {
+        k: {rate: other_iters(rs) for rate, rs in m.items() if other_iters(rs)}
+        for k, m in by_rate.items()
+    }
     chosen = {k: min(m, key=m.get) for k, m in means.items() if min(m.values()) < math.inf}
     lost = [f"{size} {variant}" for size, variant in means if (size, variant) not in chosen]
     kept = [r for r in runs if chosen.get((r["size"], r["variant"]), False) == r["rate"]]
-    return kept, means, lost
+    return RateChoice(kept, means, other_budget, lost)
 
 
 def summary_rows(
-    runs: list[dict],
-    speeds: dict[str, list[float]],
-    cfg: CompareConfig,
-    split: str,
-    by_rate: dict[tuple[str, str], dict] | None = None,
+    choice: RateChoice, speeds: dict[str, list[float]], cfg: CompareConfig, split: str
 ) -> list[dict]:
     """One row per size x variant (conversions: x method x fraction), over its seeds, of runs at
-    one learning rate each (rate_choice; by_rate: each one's mean final val loss by rate), its
-    figures on split (cfg: KV and speed settings)."""
+    one learning rate each (rate_choice), its figures on split (cfg: KV and speed settings)."""
+    runs = choice.kept
     for r in runs:
         r["reported"] = r["test"] if split == "test" else r["final"]
     by_seed = runs_by_seed(runs)
     groups = {k: list(g.values()) for k, g in by_seed.items()}
     finals = {k: {seed: r["reported"] for seed, r in g.items()} for k, g in by_seed.items()}
-    odd = other_budgets(groups)
     # each group's decode speeds, stored under its shape's key
     speed_of = {}
     for k, group in groups.items():
@@ -159,8 +226,12 @@ def summary_rows(
         mha_runs = groups.get((size, "mha")) if vs_mha else None
         # the row's columns, concern by concern
         row = model_columns(size, name, group[0], cfg)
-        row |= rate_columns(group[0]["rate"], (by_rate or {}).get((size, name), {}))
-        row |= loss_columns(group, odd, mha_finals, split)
+        row |= rate_columns(
+            group[0]["rate"],
+            choice.means.get((size, name), {}),
+            choice.other_budget.get((size, name), {}),
+        )
+        row |= loss_columns(group, mha_finals, split)
         if group[0]["method"]:
             row |= conversion_columns(group, finals.get((size, conversion_target(row))))
         row |= speed_columns(group, speed_of[(size, name)], mha_speed)
@@ -170,18 +241,12 @@ def summary_rows(
 
 
 def runs_by_seed(runs: list[dict]) -> dict[tuple[str, str], dict[int, dict]]:
-    """The runs by (size, variant), then by seed: of two runs at one seed (an earlier sweep's
-    folder, say), the later one, said on stderr."""
+    """The runs by (size, variant), then by seed: one each, since the runs are the command's own
+    (read_runs), one folder per size, variant, rate and seed, at one rate each (rate_choice)."""
     by_seed = defaultdict(dict)
     for r in runs:
         mine = by_seed[(r["size"], r["variant"])]
-        old = mine.get(r["seed"])
-        if old is not None:
-            print(
-                f"two runs of {r['variant']} at seed {r['seed']}: {old['dir']} left out, "
-                f"{r['dir']} kept",
-                file=sys.stderr,
-            )
+        assert r["seed"] not in mine, f"two runs of {r['variant']} at seed {r['seed']}"
         mine[r["seed"]] = r
     return by_seed
 
@@ -214,21 +279,22 @@ def model_columns(size: str, name: str, first: dict, cfg: CompareConfig) -> dict
     }
 
 
-def rate_columns(rate: str | None, means: dict) -> dict:
-    """A row's learning rate of --lrs (the chosen) and its mean final val loss at each it trained
-    at ('0.001:1.5200 0.003:1.4800'); none for a sweep without --lrs."""
+def rate_columns(rate: str | None, means: dict, other_budget: dict[str, str]) -> dict:
+    """A row's learning rate of --lrs (the chosen), its mean final val loss at each it trained
+    at ('0.001:1.5200 0.003:1.4800') and the rates whose runs include some trained for other
+    iterations than planned, with those runs ('0.003=gqa2-lr0.003-s1337 200'); none for a sweep
+    without --lrs."""
     if rate is None:
         return {}
     return {
         "lr": rate,
         # a rate at which a seed diverged: 'inf'
         "val_loss_by_lr": " ".join(f"{r}:{loss:.4f}" for r, loss in means.items()),
+        "lr_other_iters": "; ".join(f"{r}={runs}" for r, runs in other_budget.items()) or None,
     }
 
 
-def loss_columns(
-    group: list[dict], odd: set[str], mha_finals: dict[int, float] | None, split: str
-) -> dict:
+def loss_columns(group: list[dict], mha_finals: dict[int, float] | None, split: str) -> dict:
     """A group's budget and final val loss over its seeds, its final test loss where split is
     test, and its seed-paired difference to MHA's on split (mha_finals: {seed: loss}; None for MHA
     itself)."""
@@ -249,7 +315,7 @@ def loss_columns(
         "split": split,
         "iters": first["iters"],
         "iters_by_seed": " ".join(str(r["iters"]) for r in group),
-        "other_iters": other_iters(group, odd),
+        "other_iters": other_iters(group),
         "tokens": first["tokens"],
         "seeds": est.n,
         "val_loss": est.mean,
@@ -327,27 +393,10 @@ def row_order(rows: list[dict], cfg: CompareConfig) -> Callable[[dict], tuple]:
     return key
 
 
-def other_budgets(groups: dict[tuple, list[dict]]) -> set[str]:
-    """The folders of the runs trained for other iterations than the rest of their comparison (a
-    size's runs from scratch, or its conversions uptrained for one fraction): those off the most
-    common count, or all of a comparison where no count is the most common."""
-    comparisons = defaultdict(list)
-    for (size, _), group in groups.items():
-        for r in group:
-            comparisons[(size, r["fraction"])].append(r)
-    odd = set()
-    for members in comparisons.values():
-        counts = Counter(r["iters"] for r in members).most_common()  # [(iters, runs), ...]
-        if len(counts) == 1:
-            continue
-        tied = counts[0][1] == counts[1][1]
-        odd |= {r["dir"] for r in members if tied or r["iters"] != counts[0][0]}
-    return odd
-
-
-def other_iters(group: list[dict], odd: set[str]) -> str | None:
-    """'gqa2-s1338 60': the runs of a row among odd (other_budgets), with their iterations."""
-    named = [f"{Path(r['dir']).name} {r['iters']}" for r in group if r["dir"] in odd]
+def other_iters(group: list[dict]) -> str | None:
+    """'gqa2-s1338 60': the runs of group trained for other iterations than the command plans
+    for them (its budget: max_iters, or a conversion's fraction of it), with their iterations."""
+    named = [f"{Path(r['dir']).name} {r['iters']}" for r in group if r["other_budget"]]
     return "; ".join(named) or None
 
 
@@ -407,23 +456,23 @@ def accuracy_columns(
 
 
 def write_report(
-    root: Path, cfg: CompareConfig, base: TrainConfig, status: str | None = None
+    root: Path, cfg: CompareConfig, base: TrainConfig, planned: list[Run], status: str | None = None
 ) -> str:
-    """report.md, report.csv and report.png under root from its runs' logs (and, with
-    base.wandb_log, the rows as a wandb Table in one more run of the sweep's group); returns
-    report.md's text, which starts with status (the sweep still running) and the runs left out, if
-    any."""
-    runs, left_out = read_runs(root)
-    speed_path = root / SPEED_FILE
-    speeds = json.loads(speed_path.read_text()) if speed_path.is_file() else {}
+    """report.md, report.csv and report.png under root from the logs of the runs planned (those
+    the command names), and, with base.wandb_log, the rows as a wandb Table in one more run of the
+    sweep's group; returns report.md's text, which starts with status (the sweep still running)
+    and the runs left out, if any."""
+    runs, left_out = read_runs(root, planned)
+    speeds = read_speeds(root)
 
     split = reported_split(runs)
-    runs, by_rate, lost = rate_choice(runs)
-    rows = summary_rows(runs, speeds, cfg, split, by_rate)
-    notes = [note for note in (status, left_out) if note]
-    if lost:
+    choice = rate_choice(runs)
+    rows = summary_rows(choice, speeds, cfg, split)
+    notes = [status] if status else []
+    notes += left_out
+    if choice.lost:
         notes.append(
-            f"Diverged at every rate of --lrs (no row): {', '.join(lost)}. Give lower rates."
+            f"Diverged at every rate of --lrs (no row): {', '.join(choice.lost)}. Give lower rates."
         )
     if split == "val":
         notes.append(
@@ -438,7 +487,7 @@ def write_report(
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
-    plot(runs, rows, root / "report.png")
+    plot(choice.kept, rows, root / "report.png")
     if base.wandb_log:
         log_table(rows, base, root)
     return text

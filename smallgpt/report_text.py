@@ -9,7 +9,8 @@ from smallgpt.configs import CompareConfig
 from smallgpt.measure import table
 from smallgpt.plots import conversion_target, losses_by_rate
 
-OTHER_BUDGET = "†"  # marks a row with a run trained for other iterations than its comparison's
+# marks a row, or a rate of --lrs, with a run trained for other iterations than the command plans
+OTHER_BUDGET = "†"
 MATCHES = {
     "width": "width (<variant>: MHA's n_embd and MLP, so fewer parameters)",
     "params": "params (<variant>-params: the MLP widened to MHA's parameter count, within 1%)",
@@ -166,8 +167,12 @@ def rates_table(scratch: list[dict]) -> list[str]:
     for r in rows:
         by_rate = losses_by_rate(r)
         shown_loss = {rate: "diverged" if loss == "inf" else loss for rate, loss in by_rate.items()}
+        off_budget = other_budget_rates(r)
         marked = {
-            rate: loss + (" *" if rate == r["lr"] else "") for rate, loss in shown_loss.items()
+            rate: loss
+            + (" *" if rate == r["lr"] else "")
+            + (f" {OTHER_BUDGET}" if rate in off_budget else "")
+            for rate, loss in shown_loss.items()
         }
         cells.append({"variant": r["variant"], **marked})
     rates = list(dict.fromkeys(rate for cell in cells for rate in cell if rate != "variant"))
@@ -183,6 +188,15 @@ def rates_table(scratch: list[dict]) -> list[str]:
     ]
 
 
+def other_budget_rates(row: dict) -> dict[str, str]:
+    """A row's rates of --lrs with runs trained for other iterations than planned: {rate: those
+    runs with their iterations} (its lr_other_iters column)."""
+    listed = row.get("lr_other_iters")
+    if not listed:
+        return {}
+    return dict(item.split("=", 1) for item in listed.split("; "))
+
+
 def budget_mark(row: dict) -> str:
     """' †' for a cell of a row with a run trained for other iterations than the rest, or ''."""
     if row["other_iters"]:
@@ -191,15 +205,18 @@ def budget_mark(row: dict) -> str:
 
 
 def other_budgets_note(rows: list[dict]) -> list[str]:
-    """A line (then an empty one) naming the runs of rows trained for other iterations than the
-    rest of their comparison; none if there is none."""
+    """A line (then an empty one) naming the runs of rows, and of the rates their choice was made
+    from, trained for other iterations than the command plans for them; none if there is none."""
     odd = [r["other_iters"] for r in rows if r["other_iters"]]
+    for r in rows:
+        odd += [runs for runs in other_budget_rates(r).values() if runs not in odd]
     if not odd:
         return []
     return [
-        f"{OTHER_BUDGET} Trained for other iterations than the rest of their comparison, so "
-        f"not comparable with them: {'; '.join(odd)} iterations. Train every run to one "
-        f"budget (compare.py --extend=True trains runs on to the sweep's max_iters).",
+        f"{OTHER_BUDGET} Trained for other iterations than this command's budget (max_iters, "
+        f"or a conversion's fraction of it), so not comparable with the rest: {'; '.join(odd)} "
+        f"iterations. Train every run to one budget (compare.py --extend=True trains runs on "
+        f"to the sweep's max_iters).",
         "",
     ]
 

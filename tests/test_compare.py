@@ -480,18 +480,14 @@ def test_sweep_over_seeds_with_params_match_and_conversions(
         f.write('{"event": "eval", "iter": 4')
     mqa_log = out / "mqa-params-s1338" / "log.jsonl"
     mqa_log.write_text(mqa_log.read_text().splitlines()[0] + "\n")
-    shutil.copytree(
-        out / "mha-s1337", out / "mha"
-    )  # the same run in an earlier sweep's folder: counted once
+    # the same run in a folder this command does not name (an earlier sweep's): not read
+    shutil.copytree(out / "mha-s1337", out / "mha")
     r = run([*args, "--mode=report"])
     assert (
         f"Left out of the report, unfinished: {out / 'mha-s1338'} (its log's last line is cut "
         f"short (killed while writing it)); {out / 'mqa-params-s1338'} (no evaluation logged yet)"
     ) in r.stderr
-    assert (
-        f"two runs of mha at seed 1337: {out / 'mha'} left out, {out / 'mha-s1337'} kept"
-        in r.stderr
-    )
+    assert f"Not read: mha under {out}, runs that this command does not name" in r.stderr
     again = {row["variant"]: row for row in csv.DictReader(open(out / "report.csv"))}
     assert again["mqa-params"]["seeds"] == "1" and again["mqa-params"]["val_loss_ci95"] == ""
     assert again["mha"]["seeds"] == "1"
@@ -1191,6 +1187,7 @@ def trained_run(folder: Path, dataset: Path, iters: int, **schedule: object) -> 
     cfg = parse_config(TrainConfig, [f"--dataset={dataset}", *train_args])
     cfg = dataclasses.replace(cfg, out_dir=str(folder), **schedule)
     folder.mkdir(parents=True)
+    (folder.parent / "compare.json").write_text('{"kind": "a comparison"}')  # the sweep's mark
     save_checkpoint(
         folder / "ckpt.pt",
         tiny_model(),
@@ -1238,7 +1235,7 @@ def test_a_sweep_over_runs_trained_at_another_budget_is_refused_before_any_train
     assert "use another out_dir, or --extend=True to train such runs on to this budget" in r.stderr
     assert "$ python train.py" not in r.stdout
     assert (out / "mha-s1337" / "ckpt.pt").read_bytes() == before
-    assert sorted(p.name for p in out.iterdir()) == ["mha-s1337"]
+    assert sorted(p.name for p in out.iterdir()) == ["compare.json", "mha-s1337"]
 
 
 def test_extend_trains_runs_on_but_never_shortens_one_or_keeps_a_stale_conversion(

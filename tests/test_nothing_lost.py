@@ -356,6 +356,55 @@ def test_a_comparison_writes_only_into_a_folder_of_its_kind(
     assert files(root) == ["compare.json"]
 
 
+def test_a_comparison_adopts_only_an_empty_folder_or_its_own(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    """A folder of the user's (a report.md and a speed.json of theirs, or any file) is refused in
+    one line before any work, in every mode that writes; a folder marked by compare.json whose
+    speed.json is not the sweep's record is refused before any run trains, not after all of them;
+    an empty folder is taken, and nothing of the user's is replaced."""
+    compare = ["compare.py", f"--dataset={pycode_small}", *TINY_TRAIN, "--kv_heads=[4]"]
+    user = tmp_path / "c2"
+    user.mkdir()
+    (user / "report.md").write_text("my notes")
+    (user / "speed.json").write_text('{"mine": [1.0]}')
+    for mode in ("train", "report", "all"):
+        line = one_line(cli([*compare, f"--out_dir={user}", f"--mode={mode}"]))
+        assert f"{user} holds files this tool did not write (report.md, speed.json), not a " in line
+        assert files(user) == ["report.md", "speed.json"]
+    assert (user / "report.md").read_text() == "my notes"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")  # a name compare.py never writes: refused too
+    one_line(cli([*compare, f"--out_dir={other}"]), "holds files this tool did not write (notes")
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "compare.json").write_text('{"kind": "a comparison"}')
+    for text, why in (("{not json", "is not JSON"), ("[1, 2]", "is not a record of decode")):
+        (sweep / "speed.json").write_text(text)
+        one_line(cli([*compare, f"--out_dir={sweep}"]), f"{sweep / 'speed.json'} {why}")
+        assert files(sweep) == ["compare.json", "speed.json"]  # no run started
+
+
+def test_a_conversion_that_would_convert_nothing_is_refused(tmp_path: Path) -> None:
+    """--convert=True converts MHA into the all-global variants: with only hybrids, local or
+    gated variants beside MHA there is nothing to convert; convert_methods with only MLA targets
+    (converted by SVD) would pool nothing."""
+    compare = ["compare.py", *TINY_TRAIN, f"--out_dir={tmp_path / 'c'}", "--convert=True"]
+    for variants in ("[mha,mha-dl]", "[mha,mha-sl8,mha-gate]"):
+        one_line(
+            cli([*compare, f"--variants={variants}", "--mode=plan"]),
+            "convert=True converts MHA into the variants of all-global attention",
+            "'mha-dl']" if "dl" in variants else "'mha-gate']",
+            "has none besides mha",
+        )
+    one_line(
+        cli([*compare, "--variants=[mha,mla32]", "--convert_methods=[first]", "--mode=plan"]),
+        "convert_methods pool K/V heads for gqa and mqa targets",
+    )
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_failed_write_and_a_released_lock_remove_only_their_own(tmp_path: Path) -> None:
     """atomic_open deletes its own temp on an error (the file and a user's file beside it stay);
     folder_lock removes the folder it made only while that holds nothing but its lock."""

@@ -54,6 +54,8 @@ def write_log(
     model: more of the model's keys (a hybrid's layer_pattern)."""
     run_dir = root / (f"{name}-lr{rate}-s{seed}" if rate else f"{name}-s{seed}")
     run_dir.mkdir(parents=True)
+    # the mark a sweep leaves in its folder, which compare.py adopts only with it
+    (root / "compare.json").write_text('{"kind": "a comparison"}')
     tags = [name, f"seed={seed}", "size=2x32", f"n_kv_head={n_kv_head}", "match=width"]
     if rate:
         tags.append(f"lr={rate}")
@@ -287,6 +289,12 @@ def test_each_variant_is_reported_at_its_own_best_rate_measured_on_the_test_spli
     assert "| mha | 1.5100 * | 1.6100 |" in md and "| mqa | 1.5900 | 1.5600 * |" in md
     assert "which the choice never saw" in md and "The dataset has no test split" not in md
     assert f"| 1.7200 ± {T_975_1 * 0.04 / 2:.4f} (n=2) |" in md
+    # the report of one rate and one variant reads those runs alone, however many the folder holds
+    out, err, rows = report_of(tmp_path, "--kv_heads=[4]", "--seeds=1", "--lrs=[0.01]")
+    assert list(rows) == ["mha"] and rows["mha"]["lr"] == "0.01"
+    assert rows["mha"]["val_loss_by_lr"] == "0.01:1.6000" and rows["mha"]["seeds"] == "1"
+    unread = "mha-lr0.001-s1337, mha-lr0.001-s1338, mha-lr0.01-s1338, mqa-lr0.001-s1337"
+    assert f"Not read: {unread}, mqa-lr0.001-s1338, mqa-lr0.01-s1337, mqa-lr0.01-s1338" in err
 
 
 def test_a_rate_at_which_a_seed_diverged_is_never_chosen(tmp_path: Path) -> None:
@@ -473,10 +481,13 @@ def test_a_report_without_recall_records_has_no_recall_columns(tmp_path: Path) -
     assert "induction" not in out and "MQAR" not in out and "Wilson" not in out
 
 
-def test_runs_trained_for_other_iterations_than_their_comparison_are_marked(tmp_path: Path) -> None:
-    """gqa2 at seed 1338 was trained on to 40 iterations, the others to 20: its row is marked in the
-    table and named under it with its iterations, not paired silently; with one run at each count
-    (no most common), every run of the comparison is."""
+def test_runs_trained_for_other_iterations_than_the_command_plans_are_marked(
+    tmp_path: Path,
+) -> None:
+    """The command's budget is max_iters=20 (SHAPE). gqa2 at seed 1338 was trained on to 40: its
+    row is marked in the table and named under it with its iterations, not paired silently. Where
+    no run is at the budget's count, each is marked; at --lrs, a rate whose runs were trained to
+    another budget is marked in the rate table, chosen or not (an --extend of one rate alone)."""
     for name, g in (("mha", 4), ("gqa2", 2)):
         for seed in (1337, 1338):
             longer = name == "gqa2" and seed == 1338
@@ -489,15 +500,25 @@ def test_runs_trained_for_other_iterations_than_their_comparison_are_marked(tmp_
     assert "| 20 it, 0.01M tok |" in table["| mha"]  # no mark
     assert "| 20 it, 0.01M tok † |" in table["| gqa2"]
     assert (
-        "† Trained for other iterations than the rest of their comparison, so not comparable "
-        "with them: gqa2-s1338 40 iterations."
+        "† Trained for other iterations than this command's budget (max_iters, or a conversion's "
+        "fraction of it), so not comparable with the rest: gqa2-s1338 40 iterations."
     ) in out
-    write_log(tmp_path / "b", "mha", 4, 1337, {10: 2.0, 20: 1.5})
-    write_log(tmp_path / "b", "mqa", 1, 1337, {10: 2.0, 20: 1.5, 30: 1.4}, max_iters=30)
+    write_log(tmp_path / "b", "mha", 4, 1337, {10: 2.0, 20: 1.5, 30: 1.45}, max_iters=30)
+    write_log(tmp_path / "b", "mqa", 1, 1337, {10: 2.0, 20: 1.5, 30: 1.4, 40: 1.3}, max_iters=40)
     out, _, rows = report_of(tmp_path / "b", "--kv_heads=[4,1]")
     marked = (rows["mha"]["other_iters"], rows["mqa"]["other_iters"])
-    assert marked == ("mha-s1337 20", "mqa-s1337 30")
-    assert "them: mha-s1337 20; mqa-s1337 30 iterations." in out
+    assert marked == ("mha-s1337 30", "mqa-s1337 40")
+    assert "rest: mha-s1337 30; mqa-s1337 40 iterations." in out
+    # two rates, the second's runs trained on to 40 (and so the best): both rows' rate tables
+    # mark it, whichever rate each chose
+    for rate in ("0.001", "0.01"):
+        for name, g in (("mha", 4), ("mqa", 1)):
+            losses = {10: 2.0, 20: 1.5} if rate == "0.001" else {10: 2.0, 20: 1.5, 40: 1.2}
+            write_log(tmp_path / "c", name, g, 1337, losses, max_iters=max(losses), rate=rate)
+    out, _, rows = report_of(tmp_path / "c", "--kv_heads=[4,1]", "--lrs=[0.001,0.01]")
+    assert rows["mha"]["lr_other_iters"] == "0.01=mha-lr0.01-s1337 40"
+    assert "| mha | 1.5000 | 1.2000 * † |" in out and "| mqa | 1.5000 | 1.2000 * † |" in out
+    assert "rest: mha-lr0.01-s1337 40; mqa-lr0.01-s1337 40 iterations." in out
 
 
 def test_a_hybrids_cache_bytes_are_its_attention_kv_and_its_state(tmp_path: Path) -> None:
