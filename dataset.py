@@ -14,7 +14,7 @@ from smallgpt.errors import UserError
 from dataclasses import dataclass
 from pathlib import Path
 
-from smallgpt.data import prepare_text, read_text
+from smallgpt.data import prepare_text, read_text, settings_of
 
 
 @dataclass(slots=True)
@@ -40,6 +40,7 @@ def main(cfg: TextConfig) -> None:
         cfg.val_fraction,
         cfg.vocab_size,
         cfg.test_fraction,
+        settings_of(cfg),
     )
 
 

@@ -2,6 +2,7 @@
 (a ValueError naming the numbers, said by configurator.py as one line), importable by the modules
 below the scripts."""
 
+import itertools
 import re
 from dataclasses import dataclass, field, fields
 
@@ -407,7 +408,13 @@ def variant_problems(names: list[str]) -> list[str]:
             f"variants: {', '.join(cased)}: variant names are lower case: {lower} "
             f"(train.py's --window_pattern=SL is -sl<window> here)"
         )
-    unknown = [name for name in bad if name not in cased]
+    reordered = {name: in_order(name) for name in bad if name not in cased and in_order(name)}
+    for name, fixed in reordered.items():
+        problems.append(
+            f"variants: {name}: a name's parts go in the order kind, pattern, -gate or -headgate, "
+            f"-qknorm, -rope<percent>: {fixed}"
+        )
+    unknown = [name for name in bad if name not in cased and name not in reordered]
     if unknown:
         problems.append(
             f"variants: {', '.join(unknown)} is not mha, gqa<n_kv_head>, mqa or "
@@ -416,6 +423,19 @@ def variant_problems(names: list[str]) -> list[str]:
             f"(gqa2-dddl), then -gate or -headgate, -qknorm, -rope<percent> (gqa2-dddl-gate-qknorm)"
         )
     return problems
+
+
+def in_order(name: str) -> str | None:
+    """name with its parts after the kind put in the order a variant's name takes, where that makes
+    one (mha-qknorm-gate -> mha-gate-qknorm); None where no order does."""
+    kind, *parts = name.split("-")
+    if len(parts) > 5:  # more parts than a name has: no order makes one
+        return None
+    for order in itertools.permutations(parts):
+        candidate = "-".join((kind, *order))
+        if is_variant(candidate):
+            return candidate
+    return None
 
 
 def is_variant(name: str) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from smallgpt.data import writing_dataset
+from smallgpt.data import settings_of, writing_dataset
 from smallgpt.errors import UserError, first_line
 from smallgpt.tokenizer import gpt2_encoding
 
@@ -75,6 +75,7 @@ def prepare_corpus(
     source: str = "the corpus",
     local: bool = True,
     test_split: bool = True,
+    settings: dict | None = None,
 ) -> None:
     """Tokenise a corpus with GPT-2's BPE, an end-of-text token after each document, every
     val_every-th document into val.bin (with test_split, the one after it into test.bin) and the
@@ -82,7 +83,7 @@ def prepare_corpus(
     leaves the previous dataset intact; a re-run starts over."""
     enc = gpt2_encoding()
     ds = tokenized(ds, enc, text_field, max_docs, num_proc)
-    counts = write_splits(ds, out_dir, val_every, enc.n_vocab, source, local, test_split)
+    counts = write_splits(ds, out_dir, val_every, enc.n_vocab, source, local, test_split, settings)
     written = ", ".join(f"{n:,} {split}" for split, n in counts.items())
     print(f"wrote {out_dir}: {written} tokens")
 
@@ -122,6 +123,7 @@ def write_splits(
     source: str,
     local: bool,
     test_split: bool = True,
+    settings: dict | None = None,
 ) -> dict[str, int]:
     """Every val_every-th document's ids into out_dir's val.bin (with test_split, the next
     document's into test.bin), the others into train.bin (uint16), and the tokens each split
@@ -133,7 +135,7 @@ def write_splits(
     i = -1
     # the files are renamed into place only after the last document: an error leaves a dataset in
     # out_dir as it was
-    with writing_dataset(out_dir, names) as (files, meta), reading(source, local):
+    with writing_dataset(out_dir, names, settings) as (files, meta), reading(source, local):
         for i, example in enumerate(tqdm(ds, desc=f"writing {out_dir}", unit="doc")):
             split = "train"
             if i % val_every == 0:
@@ -196,4 +198,5 @@ def prepare_hub_corpus(cfg: CorpusConfig, hub_id: str) -> None:
         source=cfg.input or hub_id,
         local=bool(cfg.input),
         test_split=cfg.test_split,
+        settings=settings_of(cfg),
     )

@@ -9,6 +9,7 @@ trained on the text by Hugging Face tokenizers, kept beside it as tokenizer.json
 dataset.py is the command line that turns any local text file into such a dataset (prepare_text).
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -36,14 +37,40 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
+# The files a preparation writes besides meta.json: token splits, MQAR's answer masks and a BPE
+# tokenizer. meta.json lists those it wrote ("files"); only such names are ever removed.
+DATASET_FILES = re.compile(rf"(train|val|test)(_mask)?\.bin|{re.escape(BPE_FILE)}")
+
+
+def settings_of(config: object) -> dict:
+    """A preparation's settings as its dataset's meta.json records them ("settings"): its config's
+    fields but where it writes (out_dir), so that a cached dataset is reused only for the same."""
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "out_dir"}
+
+
+def earlier_files(out_dir: Path) -> set[str]:
+    """The files the dataset in out_dir holds by an earlier preparation: those its meta.json lists,
+    or, for a meta from before the list, every file of a dataset's names there; none where there is
+    no dataset (a user's files beside no meta.json are not the project's)."""
+    try:
+        listed = json.loads((out_dir / "meta.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):  # no dataset, or a damaged meta
+        return set()
+    if not isinstance(listed, list):
+        listed = [p.name for p in out_dir.iterdir()]
+    return {name for name in listed if isinstance(name, str) and DATASET_FILES.fullmatch(name)}
+
+
 @contextmanager
 def writing_dataset(
-    out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.bin")
+    out_dir: Path, names: tuple[str, ...] = ("train.bin", "val.bin"), settings: dict | None = None
 ) -> Iterator[tuple[dict, dict]]:
     """Write a dataset folder: the block writes the named files ({name: binary temp file}) and fills
-    the meta dict; then meta.json is removed, the files are renamed into place and meta.json is
-    written, last. A failure in the block leaves a dataset in out_dir as it was; a folder without
-    meta.json is never taken as complete (load_meta)."""
+    the meta dict; then meta.json is removed, so are an earlier preparation's files that this one
+    does not write (a test split, masks, a tokenizer: nothing of it is left beside the new meta),
+    the files are renamed into place and meta.json is written, last, listing them and the
+    preparation's settings (settings_of). A failure in the block leaves a dataset in out_dir as it
+    was; a folder without meta.json is never taken as complete (load_meta)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"out_dir {out_dir} is a file, not a folder: choose another --out_dir")
     files = (*names, "meta.json")
@@ -52,10 +79,16 @@ def writing_dataset(
     # one writer at a time
     with folder_lock(out_dir, "a dataset's preparation"), ExitStack() as stack:
         remove_stale_temps(out_dir, "|".join(map(re.escape, files)))  # a killed one's
+        earlier = earlier_files(out_dir)
         # the temp files are renamed when the stack closes, after meta.json is gone
         yield {name: stack.enter_context(atomic_open(out_dir / name)) for name in names}, meta
         (out_dir / "meta.json").unlink(missing_ok=True)
+        for name in sorted(earlier - set(names)):
+            (out_dir / name).unlink(missing_ok=True)
         stack.close()
+        meta["files"] = list(names)
+        if settings is not None:
+            meta["settings"] = settings
         with atomic_open(out_dir / "meta.json", "w") as f:
             json.dump(meta, f, indent=1)
 
@@ -66,9 +99,10 @@ def write_dataset(
     val_ids: np.ndarray,
     meta: dict,
     test_ids: np.ndarray | None = None,
+    settings: dict | None = None,
 ) -> None:
     """Write train.bin, val.bin (test.bin, given test_ids; a 'bpe' meta's tokenizer.json), then
-    meta.json (writing_dataset)."""
+    meta.json, with the preparation's settings (writing_dataset)."""
     dtype = token_dtype(meta["vocab_size"])
     bpe = meta.get("bpe")
     splits = {"train": train_ids, "val": val_ids}
@@ -77,7 +111,7 @@ def write_dataset(
     names = tuple(f"{split}.bin" for split in splits)
     if bpe is not None:
         names += (BPE_FILE,)
-    with writing_dataset(out_dir, names) as (files, written):
+    with writing_dataset(out_dir, names, settings) as (files, written):
         if bpe is not None:
             files[BPE_FILE].write(bpe.encode())
         for split, ids in splits.items():
@@ -95,7 +129,13 @@ def load_meta(path: Path) -> dict:
     file = path / "meta.json"
     if not file.is_file():
         hint = "prepare it first (python dataset.py --help)"
-        if (DATA_ROOT / path.name / "prepare.py").is_file():
+        here = Path(path.name)  # a bare name is data/<name>; the user may mean a folder here
+        if path == DATA_ROOT / path.name and (here / "meta.json").is_file():
+            hint = (
+                f"a name is a folder under {DATA_ROOT}; for the dataset in ./{path.name}, give "
+                f"its path: --dataset=./{path.name}"
+            )
+        elif (DATA_ROOT / path.name / "prepare.py").is_file():
             hint = f"run python data/{path.name}/prepare.py first"
         raise UserError(f"no dataset at {path} (missing meta.json): {hint}")
     try:
@@ -332,9 +372,11 @@ def prepare_text(
     val_fraction: float = 0.05,
     vocab_size: int | None = None,
     test_fraction: float = 0.05,
+    settings: dict | None = None,
 ) -> None:
     """Tokenise one text (char-level, GPT-2 BPE, or a BPE of vocab_size trained on it) and write it
-    as a dataset with train, val and (test_fraction above 0) test splits."""
+    as a dataset with train, val and (test_fraction above 0) test splits, recording settings (the
+    preparation's: settings_of)."""
     if not text:
         raise UserError("the text is empty: nothing to make a dataset of")
     if vocab_size is not None and tokenizer != "bpe":
@@ -365,4 +407,4 @@ def prepare_text(
         raise UserError(f"unknown tokenizer {tokenizer!r}: use 'char', 'gpt2' or 'bpe'")
 
     train_ids, val_ids, test_ids = split_ids(ids, val_fraction, test_fraction)
-    write_dataset(out_dir, train_ids, val_ids, meta, test_ids)
+    write_dataset(out_dir, train_ids, val_ids, meta, test_ids, settings)

@@ -1053,6 +1053,12 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
             "name, e.g. --variants=[mha,mha-sl8]",
         ),
         ("--variants=[mha,gqa0,mla16]", "variants: gqa0 is not mha"),
+        (
+            "--variants=[mha,mha-qknorm-gate]",
+            "variants: mha-qknorm-gate: a name's parts go in the order kind, pattern, -gate or "
+            "-headgate, -qknorm, -rope<percent>: mha-gate-qknorm",
+        ),
+        ("--variants=[mha,mqa-rope50-dl]", "mqa-rope50-dl: a name's parts go in the order"),
         ("--variants=[mha] --kv_heads=[4]", "kv_heads=[4] and variants=['mha']: give one of them"),
         ("--variants=[mla16,mla16]", "variants=['mla16', 'mla16'] lists mla16 twice"),
         (

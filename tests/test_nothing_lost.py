@@ -16,7 +16,7 @@ from conftest import TINY_TRAIN, cli, run, tiny_model
 from export import ExportConfig, check_destinations
 from smallgpt.atomic import TEMP_MARK, atomic_open, folder_lock, remove_stale_temps, temp_path
 from smallgpt.checkpoint import keep_copy, save_checkpoint
-from smallgpt.data import write_dataset
+from smallgpt.data import write_dataset, writing_dataset
 from smallgpt.errors import UserError
 from smallgpt.sharding import prune_sharded
 
@@ -121,6 +121,54 @@ def test_preparing_a_dataset_again_removes_only_its_own_stale_temps(tmp_path: Pa
         with pytest.raises(UserError, match="is in use by a test"):
             write_dataset(data, ids, ids, meta)
     assert json.loads((data / "meta.json").read_text())["train_tokens"] == 50
+
+
+def test_preparing_a_dataset_again_leaves_nothing_of_the_earlier_one(tmp_path: Path) -> None:
+    """A preparation that changes what a folder holds removes the earlier one's files it does not
+    write itself (a BPE tokenizer.json after a char preparation, a test split, MQAR's answer
+    masks, which would make plain text read as MQAR), by the list meta.json keeps, or by a
+    dataset's names for a meta from before the list; a user's file stays. meta.json records the
+    preparation's settings."""
+    text = tmp_path / "in.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    data = tmp_path / "d2"
+    prepare = ["dataset.py", f"--input={text}", f"--out_dir={data}"]
+    run([*prepare, "--tokenizer=bpe", "--vocab_size=300"])
+    (data / "notes.md").write_text("the user's")
+    assert files(data) == [".lock", "meta.json", "notes.md", "test.bin", "tokenizer.json"] + [
+        "train.bin",
+        "val.bin",
+    ]
+    run([*prepare, "--test_fraction=0"])  # char-level, no test split
+    assert files(data) == [".lock", "meta.json", "notes.md", "train.bin", "val.bin"]
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["tokenizer"] == "char" and meta["files"] == ["train.bin", "val.bin"]
+    assert meta["settings"] == {
+        "input": str(text),
+        "tokenizer": "char",
+        "vocab_size": None,
+        "val_fraction": 0.05,
+        "test_fraction": 0.0,
+    }
+    # an MQAR-like preparation (masks), then plain text: no mask is left to be read as answers
+    ids = np.arange(100) % 5
+    with writing_dataset(data, ("train.bin", "val.bin", "train_mask.bin", "val_mask.bin")) as (
+        bins,
+        written,
+    ):
+        for name, f in bins.items():
+            f.write(ids.astype(np.uint16 if "mask" not in name else np.uint8).tobytes())
+        written.update(vocab_size=5, dtype="uint16", train_tokens=100, val_tokens=100)
+        written.update(tokenizer="char", chars=list("abcde"))
+    meta = json.loads((data / "meta.json").read_text())
+    del meta["files"]  # as a preparation before the list wrote it
+    (data / "meta.json").write_text(json.dumps(meta))
+    run(prepare)
+    assert files(data) == [".lock", "meta.json", "notes.md", "test.bin", "train.bin", "val.bin"]
+    assert (data / "notes.md").read_text() == "the user's"
+    # the dataset by its bare name, beside it: the line says how to give it, not to prepare it
+    r = cli(["train.py", "--dataset=d2", *TINY_TRAIN], cwd=tmp_path)
+    one_line(r, "no dataset at ", "data/d2 (missing meta.json)", "give its path: --dataset=./d2")
 
 
 def test_an_export_without_its_list_of_files_refuses_a_users_file(tmp_path: Path) -> None:

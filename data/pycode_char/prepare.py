@@ -17,7 +17,7 @@ from configurator import run_cli  # first: a Ctrl-C while the libraries import i
 # isort: split
 from tqdm import tqdm
 
-from smallgpt.data import split_ids, write_dataset
+from smallgpt.data import settings_of, split_ids, write_dataset
 from smallgpt.tokenizer import CharTokenizer
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -61,7 +61,7 @@ def main(cfg: PrepareConfig) -> None:
     tok = CharTokenizer.from_text(text)
     meta = tok.meta() | {"source": f"Python {sys.version.split()[0]} stdlib, {len(files)} files"}
     train, val, test = split_ids(tok.encode_array(text), cfg.val_fraction, cfg.test_fraction)
-    write_dataset(Path(cfg.out_dir), train, val, meta, test)
+    write_dataset(Path(cfg.out_dir), train, val, meta, test, settings_of(cfg))
 
 
 if __name__ == "__main__":

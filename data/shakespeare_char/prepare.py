@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from configurator import run_cli
-from smallgpt.data import download_text, prepare_text, read_text
+from smallgpt.data import download_text, prepare_text, read_text, settings_of
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
@@ -26,7 +26,12 @@ class PrepareConfig:
 def main(cfg: PrepareConfig) -> None:
     text = read_text(cfg.input) if cfg.input else download_text(cfg.url)
     prepare_text(
-        text, Path(cfg.out_dir), cfg.tokenizer, cfg.val_fraction, test_fraction=cfg.test_fraction
+        text,
+        Path(cfg.out_dir),
+        cfg.tokenizer,
+        cfg.val_fraction,
+        test_fraction=cfg.test_fraction,
+        settings=settings_of(cfg),
     )
 
 
