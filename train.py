@@ -28,6 +28,7 @@ from smallgpt import checkpoint, convert, recall, runtime, sharding
 from smallgpt.atomic import check_writes_into, folder_lock, remove_stale_temps
 from smallgpt.configs import TrainConfig, parse_train
 from smallgpt.data import Batches, data_dir
+from smallgpt.measure import evaluate
 from smallgpt.optim import lr_at, make_optimizer, state_bytes
 from smallgpt.runlog import RunLog
 
@@ -37,27 +38,6 @@ RUN_TEMPS = r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"
 
 
 @torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    batches: Batches,
-    eval_iters: int,
-    amp: AbstractContextManager,
-    splits: tuple[str, ...] = ("train", "val"),
-) -> dict[str, float]:
-    """Mean loss over eval_iters fixed batches of each split."""
-    model.eval()
-    out = {}
-    for split in splits:
-        losses = torch.zeros(eval_iters)
-        for k in range(eval_iters):
-            with amp:
-                _, loss = model(*batches.eval(split, k))
-            losses[k] = loss.item()
-        out[split] = losses.mean().item()
-    model.train()
-    return out
-
-
 def init_model(
     cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtype, ckpt: dict | None = None
 ) -> tuple[GPT, dict | None]:

@@ -206,7 +206,7 @@ def conversion_steps(run_dir: str) -> str:
     from smallgpt.checkpoint import load_run, parse_source
     from smallgpt.convert import rotary_features, to_latent
     from smallgpt.data import Batches, data_dir
-    from train import evaluate
+    from smallgpt.measure import evaluate
 
     run = load_run(parse_source("resume"), run_dir, tokenizer=False)
     cfg, mha = run.config, run.model.eval()

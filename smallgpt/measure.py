@@ -1,16 +1,19 @@
 """What bench.py, smallgpt/bench_peers.py and compare.py measure and print with: the MHA/GQA/MQA
 variants of a model, timed decoding (from a prompt, and cached steps at long context), timed
-training steps (a sweep's plan), and markdown tables.
+training steps (a sweep's plan), the loss on a dataset's fixed evaluation batches (train.py's
+evaluations), and markdown tables.
 """
 
 import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
 from model import GPT, GPTConfig
+from smallgpt.data import Batches
 from smallgpt.generation import stream
 from smallgpt.optim import make_optimizer
 from smallgpt.runtime import Placement, synchronize
@@ -20,6 +23,27 @@ def default_kv_heads(n_head: int) -> list[int]:
     """The variants to compare: n_head (MHA), the middle divisor (GQA) and 1 (MQA)."""
     divisors = [g for g in range(2, n_head) if n_head % g == 0]
     return sorted({n_head, 1, *divisors[len(divisors) // 2 :][:1]}, reverse=True)
+
+
+def evaluate(
+    model: torch.nn.Module,
+    batches: Batches,
+    eval_iters: int,
+    amp: AbstractContextManager,
+    splits: tuple[str, ...] = ("train", "val"),
+) -> dict[str, float]:
+    """Mean loss over eval_iters fixed batches of each split."""
+    model.eval()
+    out = {}
+    for split in splits:
+        losses = torch.zeros(eval_iters)
+        for k in range(eval_iters):
+            with amp:
+                _, loss = model(*batches.eval(split, k))
+            losses[k] = loss.item()
+        out[split] = losses.mean().item()
+    model.train()
+    return out
 
 
 def timed_decode(

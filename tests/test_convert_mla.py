@@ -15,7 +15,7 @@ from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint
 from smallgpt.convert import to_latent
 from smallgpt.data import Batches
 from smallgpt.errors import UserError
-from train import evaluate
+from smallgpt.measure import evaluate
 
 ATOL = 1e-5  # float32: the converted model computes the same scores through other products
 H, HD, C = 4, 8, 32  # tiny_model's heads, head_dim, n_embd

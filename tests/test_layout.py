@@ -180,3 +180,33 @@ def test_a_bug_keeps_its_traceback_and_a_user_error_is_one_line(
     assert (
         r.returncode == 2 and r.stderr == "error: invalid config: batch_size=0 must be positive\n"
     ), r.stderr
+
+
+def test_pip_install_declares_the_requirements_and_installs_only_imported_modules() -> None:
+    """`pip install -e .` gives a working environment: its dependencies are requirements.txt's
+    (the metadata setuptools builds from pyproject.toml); and of the root's modules it puts at the
+    top level of an environment only those that the package, data/*/prepare.py and scripts/ import
+    (a script runs by its path: `train`, `eval`, ... are not installed, docs/architecture.md)."""
+    from packaging.requirements import Requirement
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    config = read_configuration(ROOT / "pyproject.toml")
+
+    def names(lines: list[str]) -> set[str]:
+        kept = [line.split("#")[0].strip() for line in lines]
+        return {Requirement(line).name for line in kept if line}
+
+    listed = (ROOT / "requirements.txt").read_text().splitlines()
+    assert names(config["project"]["dependencies"]) == names(listed) and "torch" in names(listed)
+    root_modules = {p.stem for p in ROOT.glob("*.py")}
+    importers = [*(ROOT / "smallgpt").glob("*.py"), *ROOT.glob("data/*/*.py")]
+    imported = set()
+    for path in [*importers, *ROOT.glob("scripts/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module)
+    installed = set(config["tool"]["setuptools"]["py-modules"])
+    assert installed == imported & root_modules
+    assert not installed & SCRIPTS

@@ -17,8 +17,8 @@ from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
 from smallgpt import recall
 from smallgpt.data import Batches
 from smallgpt.errors import UserError
+from smallgpt.measure import evaluate
 from smallgpt.runlog import read_run, unfinished
-from train import evaluate
 
 
 class Copier(torch.nn.Module):
