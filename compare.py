@@ -121,13 +121,29 @@ def show_plan(
 def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device: str) -> None:
     """The cached-step decode speed on device of each shape not measured yet, speed_repeats times
     interleaved over the shapes (so drift on a shared machine spreads over all of them), into
-    root/speed.json."""
+    root/speed.json with the settings they were measured with (report.speed_settings): speeds
+    stored with other settings (another machine, device or torch) are measured again, all."""
     path = root / report.SPEED_FILE
+    settings = report.speed_settings(cfg, device)
     stored = report.read_speeds(root)
+    by_shape = stored.by_shape
+    if by_shape and stored.settings != settings:
+        was = stored.settings or {}
+        changed = [
+            f"{k} {was.get(k, 'not recorded')!r} -> {v!r}"
+            for k, v in settings.items()
+            if was.get(k) != v
+        ]
+        print(
+            f"{path} holds decode speeds measured with other settings ({'; '.join(changed)}): "
+            f"measuring every shape again",
+            flush=True,
+        )
+        by_shape = {}
     shapes = {}
     for r in runs:
         shapes[report.speed_key(r.model, cfg.decode_context, cfg.decode_batch)] = r.model
-    todo = {k: m for k, m in shapes.items() if len(stored.get(k, [])) < cfg.speed_repeats}
+    todo = {k: m for k, m in shapes.items() if len(by_shape.get(k, [])) < cfg.speed_repeats}
     if not todo:
         return
     print(
@@ -144,7 +160,7 @@ def measure_speeds(cfg: CompareConfig, runs: list[sweep.Run], root: Path, device
             )
             fresh[k].append(tok_s)
     with atomic_open(path, "w") as f:
-        json.dump(stored | fresh, f, indent=1)
+        json.dump({"measured_with": settings, "speeds": by_shape | fresh}, f, indent=1)
     print(f"measured in {time.perf_counter() - t0:.0f} s: {path}")
 
 

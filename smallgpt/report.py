@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig
-from smallgpt import stats
+from smallgpt import runtime, stats
 from smallgpt.atomic import atomic_open
 from smallgpt.checkpoint import parse_source
 from smallgpt.configs import CompareConfig, TrainConfig
@@ -47,24 +47,53 @@ def speed_key(c: GPTConfig, context: int, batch: int) -> str:
     return f"{shape}{suffix}@{context}x{batch}"
 
 
-def read_speeds(root: Path) -> dict[str, list[float]]:
-    """The decode speeds the sweep stored in root/speed.json, by shape (speed_key); {} where there
-    are none yet. A UserError where the file is not what the sweep writes (a sweep would merge its
-    measurements into it, a report read them)."""
+@dataclass(slots=True)
+class Speeds:
+    """What speed.json holds: the decode speeds by shape (speed_key), and the settings they were
+    measured with (speed_settings; None in a file from before they were recorded)."""
+
+    by_shape: dict[str, list[float]]
+    settings: dict | None
+
+
+def read_speeds(root: Path) -> Speeds:
+    """The decode speeds the sweep stored in root/speed.json (none yet: empty). A UserError where
+    the file is not what the sweep writes (a sweep would merge its measurements into it, a report
+    read them)."""
     path = root / SPEED_FILE
     if not path.is_file():
-        return {}
+        return Speeds({}, None)
     try:
         stored = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path} is not JSON ({e}): {SPEED_REDO}") from e
+    if isinstance(stored, dict) and set(stored) == {"measured_with", "speeds"}:
+        speeds = Speeds(stored["speeds"], stored["measured_with"])
+    else:  # written before the settings were recorded: the speeds alone
+        speeds = Speeds(stored, None)
     numbers = (int, float)
-    valid = isinstance(stored, dict) and all(
-        isinstance(v, list) and all(isinstance(x, numbers) for x in v) for v in stored.values()
+    valid = (
+        isinstance(speeds.by_shape, dict)
+        and all(
+            isinstance(v, list) and all(isinstance(x, numbers) for x in v)
+            for v in speeds.by_shape.values()
+        )
+        and isinstance(speeds.settings, dict | None)
     )
     if not valid:
         raise UserError(f"{path} is not a record of decode speeds by shape: {SPEED_REDO}")
-    return stored
+    return speeds
+
+
+def speed_settings(cfg: CompareConfig, device: str) -> dict:
+    """What a decode speed depends on besides the shape (speed_key): where and how it is
+    measured. speed.json's speeds are reused only when measured with these."""
+    return {
+        "device": runtime.device_name(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "decode_steps": cfg.decode_steps,
+    }
 
 
 # what to do about a speed.json that compare.py cannot read
@@ -463,7 +492,7 @@ def write_report(
     sweep's group; returns report.md's text, which starts with status (the sweep still running)
     and the runs left out, if any."""
     runs, left_out = read_runs(root, planned)
-    speeds = read_speeds(root)
+    speeds = read_speeds(root).by_shape
 
     split = reported_split(runs)
     choice = rate_choice(runs)

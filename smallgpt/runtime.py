@@ -257,6 +257,21 @@ def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
     return None if key is None else GPU_PEAK_FLOPS[key][dtype == torch.float32]
 
 
+def device_name(device: str) -> str:
+    """What a measurement ran on, by name: the GPU's, or the CPU's model (Linux's /proc/cpuinfo,
+    else the platform's processor type)."""
+    if device_type(device) == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    found = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    if found:
+        return found[1].strip()
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast pays
     off."""

@@ -968,10 +968,38 @@ def test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer(
     # positions x K and V x heads x head_dim x 2
     assert int(row["kv_bytes@40_bfloat16"]) == (8 + 40) * 2 * 4 * 8 * 2
     assert read_log(out / "mha-s8-s1337")[0]["model_config"]["window"] == 8
-    assert [key for key in json.loads((out / "speed.json").read_text())] == [
+    assert [key for key in json.loads((out / "speed.json").read_text())["speeds"]] == [
         "2x32-h4-kv4-mlp128-learned-s8@40x2"
     ]
     assert "| mha-s8 |" in (out / "report.md").read_text()
+
+
+def test_stored_decode_speeds_are_reused_only_with_the_settings_that_measured_them(
+    tmp_path: Path,
+) -> None:
+    """speed.json records what its speeds were measured with (the device by name, threads, torch,
+    decode_steps): a sweep reuses them with the same, and measures every shape again with any
+    other, or where a file from before the record says nothing of them."""
+    import compare
+    from smallgpt import report
+
+    cfg, base = compare.parse([*SWEEP, f"--out_dir={tmp_path}", "--kv_heads=[4]"])
+    cfg.speed_repeats = 1
+    runs = sweep.plan(cfg, base, 61, tmp_path)
+    key = report.speed_key(runs[0].model, cfg.decode_context, cfg.decode_batch)
+    now = report.speed_settings(cfg, "cpu")
+    assert now["device"] and now["decode_steps"] == 3
+    path = tmp_path / "speed.json"
+    path.write_text(json.dumps({"measured_with": now, "speeds": {key: [1.5]}}))
+    compare.measure_speeds(cfg, runs, tmp_path, "cpu")
+    assert json.loads(path.read_text())["speeds"] == {key: [1.5]}  # the same settings: reused
+    elsewhere = {"measured_with": now | {"device": "another CPU"}, "speeds": {key: [1.5]}}
+    for stored in (elsewhere, {key: [1.5]}):
+        path.write_text(json.dumps(stored))
+        compare.measure_speeds(cfg, runs, tmp_path, "cpu")
+        measured = json.loads(path.read_text())
+        assert measured["measured_with"] == now
+        assert list(measured["speeds"]) == [key] and measured["speeds"][key] != [1.5]
 
 
 @pytest.mark.parametrize(
