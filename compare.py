@@ -532,6 +532,18 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
             sys.exit(128 + e.signum)
 
 
+def unmarked_sweep_hint(root: Path) -> str:
+    """For a folder refused as not a comparison: how to adopt one that a sweep made before sweeps
+    marked their folders (it holds runs' logs), or nothing."""
+    if not root.is_dir() or not any(root.glob("*/log.jsonl")):
+        return ""
+    marker = root / COMPARISON_FILES[0]
+    return (
+        f"; if it is a sweep of yours from before compare.py marked its folders, mark it: "
+        f'echo \'{{"kind": "a comparison"}}\' > {marker}'
+    )
+
+
 def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | None:
     """A line saying the sweep into root is still running (a compare.py holds its lock), or None."""
     holder = lock_holder(root)
@@ -553,7 +565,10 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
     root = Path(base.out_dir)
     if cfg.mode != "plan":
         # before any work: a folder compare.py made (compare.json), or an empty or new one
-        check_claimable(root, "a comparison")
+        try:
+            check_claimable(root, "a comparison")
+        except UserError as e:
+            raise UserError(f"{e}{unmarked_sweep_hint(root)}") from None
         # and the decode speeds it keeps there readable (a sweep would merge its own into them)
         report.read_speeds(root)
     if cfg.mode in ("train", "all", "plan"):

@@ -425,6 +425,11 @@ def test_a_comparison_adopts_only_an_empty_folder_or_its_own(
     other.mkdir()
     (other / "notes.txt").write_text("mine")  # a name compare.py never writes: refused too
     one_line(cli([*compare, f"--out_dir={other}"]), "holds files this tool did not write (notes")
+    # a sweep's folder from before sweeps marked them: the line says how to mark it
+    (other / "mha-s1337").mkdir()
+    (other / "mha-s1337" / "log.jsonl").write_text("")
+    line = one_line(cli([*compare, f"--out_dir={other}", "--mode=report"]))
+    assert line.endswith(f'mark it: echo \'{{"kind": "a comparison"}}\' > {other}/compare.json')
     sweep = tmp_path / "sweep"
     sweep.mkdir()
     (sweep / "compare.json").write_text('{"kind": "a comparison"}')
