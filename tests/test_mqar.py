@@ -62,6 +62,10 @@ def test_splits_are_disjoint_and_meta_is_as_asked(task: Path, tmp_path: Path) ->
         and meta["test_tokens"] == 100 * L
     )
     assert meta["chars"] == [chr(0x4E00 + i) for i in range(K + V)]
+    # every setting that made it, resolved (a script reusing it compares them), out_dir aside
+    made = dict(TASK, layout="compact", power_a=0.01, seed=1337)
+    made |= dict(train_examples=400, val_examples=100, test_examples=100)
+    assert meta["settings"] == made
     train, val, test = (examples(task, split)[0] for split in ("train", "val", "test"))
     assert train.shape == (400, L) and val.shape == (100, L) and test.shape == (100, L)
     rows = [{row.tobytes() for row in split} for split in (train, val, test)]
