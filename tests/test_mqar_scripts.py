@@ -5,14 +5,18 @@ with nothing written (issue 66)."""
 
 import csv
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, Result, cli, run
+from model import GPT, GPTConfig
+from smallgpt.checkpoint import save_checkpoint
 from smallgpt.data import load_meta
 
 ZOOLOGY = "scripts/zoology_mqar.py"
+ABLATION = "scripts/mla_mqar_ablation.py"
 # a small figure: 2 pairs in examples of 12 tokens, 8 keys, 8 values, 300 training examples
 SMALL = ["--pairs=[2]", "--widths=[16]", "--seq_len=12", "--key_vocab=8", "--value_vocab=8"]
 SMALL += ["--train_examples=300", "--max_iters=4"]
@@ -24,6 +28,27 @@ def refused(r: Result, *says: str) -> None:
     assert r.returncode == 2 and one_line, r.stderr
     for text in says:
         assert text in r.stderr, r.stderr
+
+
+@pytest.fixture
+def no_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ablation script's train.py runs (subprocesses) fail the test: a mistake is said before
+    the first."""
+
+    def started(command: list[str], **kwargs: object) -> None:
+        raise AssertionError(f"a run started: {command}")
+
+    monkeypatch.setattr(subprocess, "run", started)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data folder holding a small `mqar` (prepare.py's defaults: examples of 32 tokens, as the
+    ablation's config trains on), 300 training examples."""
+    root = tmp_path_factory.mktemp("data")
+    counts = ["--train_examples=300", "--val_examples=50", "--test_examples=50"]
+    run(["data/mqar/prepare.py", f"--out_dir={root / 'mqar'}", *counts])
+    return root
 
 
 def test_the_zoology_script_draws_accuracy_against_width_per_pair_count(tmp_path: Path) -> None:
@@ -146,3 +171,83 @@ def test_the_zoology_script_reuses_a_dataset_only_when_it_records_this_calls_set
     refused(r, f"{data} records no settings")
     assert not (tmp_path / "zoo").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--settings=[bogus]"], "settings: bogus is not a setting; they are mha, mla128, "),
+        (["--settings=[mla12]"], "(did you mean mla128 or mla128-long?)"),
+        (["--settings=[mha,mha]"], "settings=['mha', 'mha'] lists mha twice"),
+        (["--settings=[]"], "settings=[] lists no setting"),
+        (["--seeds=0"], "seeds=0 must be positive"),
+        (["--one=mha"], "one='mha' is internal"),
+        (["--conversion=run", "--settings=[mha]"], "give one of them"),
+    ],
+)
+def test_the_ablation_script_says_each_mistake_in_one_line_before_any_work(
+    tmp_path: Path, flags: list[str], says: str, no_runs: None
+) -> None:
+    r = cli([ABLATION, f"--out={tmp_path / 'abl'}", *flags])
+    refused(r, says)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_ablation_script_needs_its_dataset_before_the_first_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_runs: None
+) -> None:
+    """data/mqar missing: the standard line, before any run starts or the out folder is made."""
+    monkeypatch.setattr("smallgpt.data.DATA_ROOT", tmp_path / "data")
+    r = cli([ABLATION, "--settings=[mha]", "--seeds=1", f"--out={tmp_path / 'abl'}"])
+    refused(r, f"no dataset at {tmp_path / 'data' / 'mqar'} (missing meta.json)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_ablation_run_ends_the_script_with_its_status(
+    tmp_path: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A train.py run that fails (its own line said why) ends the script with its exit status and
+    no traceback; the out folder is marked as the script's, and a user's folder is not taken."""
+    monkeypatch.setattr("smallgpt.data.DATA_ROOT", data_root)
+    commands = []
+
+    def failing(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 3)
+
+    monkeypatch.setattr(subprocess, "run", failing)
+    out = tmp_path / "abl"
+    r = cli([ABLATION, "--settings=[mha,mla128]", "--seeds=2", f"--out={out}"])
+    assert r.returncode == 3 and "Traceback" not in r.stderr and r.stderr == "", r.stderr
+    assert len(commands) == 1 and commands[0][1] == str(ROOT / "train.py")
+    assert json.loads((out / "ablation.json").read_text())["kind"] == "an MLA ablation"
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.md").write_text("mine")
+    r = cli([ABLATION, "--settings=[mha]", f"--out={user}"])
+    refused(r, f"{user} holds files this tool did not write (notes.md)")
+    assert len(commands) == 1 and [p.name for p in user.iterdir()] == ["notes.md"]
+
+
+@pytest.mark.parametrize(
+    "model, says",
+    [
+        (dict(pos_encoding="learned"), "is a run with pos_encoding='learned'"),
+        (dict(pos_encoding="rope", kv_lora_rank=16), "and this one is MLA"),
+    ],
+)
+def test_the_ablation_script_measures_the_conversion_of_a_rotary_mha_run_only(
+    tmp_path: Path, data_root: Path, model: dict, says: str
+) -> None:
+    """--conversion of a run with learned positions, or of an MLA run: one line naming the key,
+    before any step is measured."""
+    config = GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=31, vocab_size=128, **model)
+    data = data_root / "mqar"
+    (tmp_path / "run").mkdir()
+    keys = dict(dataset=str(data), block_size=31, batch_size=4, seed=1337, eval_iters=1)
+    meta = load_meta(data)
+    save_checkpoint(
+        tmp_path / "run" / "ckpt.pt", GPT(config), iter_num=0, data_meta=meta, config=keys
+    )
+    r = cli([ABLATION, f"--conversion={tmp_path / 'run'}"])
+    refused(r, f"conversion={tmp_path / 'run'}", says)
