@@ -13,8 +13,15 @@ diagnosis): `mla128-rope-per-head` gives each head its own rotary key (kv_a make
 instead of DeepSeek's one shared), as does `mla128-holds-mha` (with a rotary key as wide as MHA's
 and no latent norm: MHA is one of its functions), and `mla128-latent-adamw` leaves the latent maps
 (kv_a, kv_b) to AdamW while Muon takes the other matrices.
+
+Every mistake is one line before the first run: each key (a setting it does not have, one listed
+twice), each setting's train.py config, data/mqar (missing, or not of the config's examples), and a
+--conversion run that is not a rotary MHA one. --out is taken only when new, empty or made by this
+script (its ablation.json marks it; the runs in it are train.py's own folders). A run that fails
+ends the script with that run's exit status, after its own line.
 """
 
+import difflib
 import json
 import os
 import runpy
@@ -25,10 +32,17 @@ from pathlib import Path
 
 import torch
 
-from configurator import run_cli
+from configurator import parse_config, run_cli
+from smallgpt import recall
+from smallgpt.atomic import check_claimable, claim_folder
+from smallgpt.configs import TrainConfig, repeated
+from smallgpt.data import Batches, data_dir
+from smallgpt.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = "SMALLGPT_ABLATION_ARGS"  # train.py's arguments for a patched setting's process (JSON)
+KIND = "an MLA ablation"  # smallgpt/atomic.py's kind: ablation.json marks the out folder
+FIRST_SEED = 1337  # the runs' seeds: FIRST_SEED, FIRST_SEED + 1, ...
 
 MLA = ["--kv_lora_rank=128"]  # DeepSeek-V2's proportions at n_embd=128: 4 head dims, rotary 16
 SETTINGS = {
@@ -66,6 +80,39 @@ class AblationConfig:
     out: str = "out-mla-ablation"
     one: str = ""  # internal: run this setting in this process (its patch applied; ARGS: how)
     conversion: str = ""  # a trained rotary MHA run: its loss through each step of to_latent
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.seeds < 1:
+            problems.append(f"seeds={self.seeds} must be positive")
+        if self.settings is not None:
+            problems += setting_problems(self.settings)
+        if self.one and self.one not in PATCHED:
+            problems.append(f"one={self.one!r} is internal (a patched setting's run): leave it out")
+        if self.conversion and self.settings is not None:
+            problems.append(
+                f"conversion={self.conversion} measures a trained run, settings={self.settings} "
+                "trains runs: give one of them"
+            )
+        if not self.out:
+            problems.append("out='' names no folder")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+def setting_problems(settings: list[str]) -> list[str]:
+    """What is wrong with --settings: none listed, a name of no setting, a setting twice."""
+    if not settings:
+        return ["settings=[] lists no setting: leave it out for all of them"]
+    problems = []
+    for name in [name for name in settings if name not in SETTINGS]:
+        close = difflib.get_close_matches(name, SETTINGS, n=2)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        problems.append(f"settings: {name} is not a setting{hint}; they are {', '.join(SETTINGS)}")
+    again = repeated(settings)
+    if again is not None:
+        problems.append(f"settings={settings} lists {again} twice: list it once")
+    return problems
 
 
 def patched_latent_attention(
@@ -163,6 +210,34 @@ def latent_maps_in_adamw() -> None:
     optim.make_optimizer = make_optimizer
 
 
+def run_args(setting: str, seed: int, folder: Path) -> list[str]:
+    """train.py's arguments for setting's run of seed in folder."""
+    return [
+        str(ROOT / "config" / "compare" / "mqar.py"),
+        "--n_embd=128",
+        f"--seed={seed}",
+        f"--out_dir={folder}",
+        "--wandb_log=False",
+        *SETTINGS[setting],
+    ]
+
+
+def check_runs(settings: list[str], out: Path) -> None:
+    """Before the first run: each setting's train.py config (as train.py reads it: a UserError
+    naming the setting), and the dataset they train on, as train.py reads it (missing: load_meta's
+    line; examples of another length than the config's block_size)."""
+    for setting in settings:
+        folder = out / f"{setting}-s{FIRST_SEED}"
+        try:
+            train = parse_config(TrainConfig, run_args(setting, FIRST_SEED, folder))
+        except UserError as e:
+            raise UserError(f"settings: {setting}: {e}") from e
+    # every setting trains on the config's dataset, at its block_size
+    data = data_dir(train.dataset)
+    batches = Batches(data, train.block_size, train.batch_size, train.seed, "cpu")
+    recall.check_dataset(train.final_evals, batches.meta, train.block_size, str(data))
+
+
 def run_one(setting: str, args: list[str]) -> None:
     """train.py with args, in this process, after setting's patch."""
     PATCHED[setting]()
@@ -181,10 +256,10 @@ def summary(out: Path, settings: list[str], seeds: int) -> str:
     ]
     for setting in settings:
         accs, losses = [], []
-        for seed in range(1337, 1337 + seeds):
+        for seed in range(FIRST_SEED, FIRST_SEED + seeds):
             log = [json.loads(x) for x in (out / f"{setting}-s{seed}" / "log.jsonl").open()]
-            recall = next(r for r in log if r["event"] == "recall")
-            accs.append(recall["mqar"]["accuracy"])
+            final = next(r for r in log if r["event"] == "recall")
+            accs.append(final["mqar"]["accuracy"])
             losses.append([r for r in log if r["event"] == "eval"][-1]["test_loss"])
         won = stats.solved(accs, 0.9)
         loss = stats.mean_interval(losses)
@@ -202,24 +277,40 @@ def conversion_steps(run_dir: str) -> str:
     loss after conversion comes from."""
     from contextlib import nullcontext
 
-    from smallgpt import recall
     from smallgpt.checkpoint import load_run, parse_source
     from smallgpt.convert import rotary_features, to_latent
-    from smallgpt.data import Batches, data_dir
     from smallgpt.measure import evaluate
 
-    run = load_run(parse_source("resume"), run_dir, tokenizer=False)
+    what = f"conversion={run_dir}"
+    try:
+        run = load_run(parse_source("resume"), run_dir, tokenizer=False)
+    except UserError as e:
+        raise UserError(f"{what}: {e}") from e
     cfg, mha = run.config, run.model.eval()
+    if mha.config.pos_encoding != "rope":
+        raise UserError(
+            f"{what} is a run with pos_encoding={mha.config.pos_encoding!r}: the conversion's "
+            "steps start with partial RoPE, which needs rotary positions; give a rotary MHA run"
+        )
+    keys = ("dataset", "block_size", "batch_size", "seed", "eval_iters")
+    if missing := [k for k in keys if k not in cfg]:
+        raise UserError(
+            f"{what}: its checkpoint records no {', '.join(missing)} (an older run's): "
+            "give a run trained since"
+        )
+    rope_dim = mha.config.head_dim // 2  # MLA's default, as the comparison's mla<R> variants
+    try:  # first: what MLA conversion refuses (a GQA or MLA run, ...), before any other step
+        converted = to_latent(mha, mha.config.n_embd, rope_dim).eval()
+    except UserError as e:
+        raise UserError(f"{what}: {e}") from e
     batches = Batches(
         data_dir(cfg["dataset"]), cfg["block_size"], cfg["batch_size"], cfg["seed"], "cpu"
     )
     split = batches.held_out
-    rope_dim = mha.config.head_dim // 2  # MLA's default, as the comparison's mla<R> variants
     partial = load_run(parse_source("resume"), run_dir, tokenizer=False).model.eval()
     rope, _ = rotary_features(mha.config.head_dim, rope_dim)
     dropped = [i for i in range(mha.config.head_dim // 2) if i not in rope.tolist()]
     partial.rope_cos[:, dropped], partial.rope_sin[:, dropped] = 1.0, 0.0  # no rotation there
-    converted = to_latent(mha, mha.config.n_embd, rope_dim).eval()
     lines = [f"| model ({run_dir}) | {split} loss | MQAR acc |", "|---|---|---|"]
     for name, model in (
         ("MHA as trained", mha),
@@ -248,30 +339,32 @@ def main(cfg: AblationConfig) -> None:
         print(conversion_steps(cfg.conversion))
         return
     if cfg.one:
+        if ARGS not in os.environ:
+            raise UserError(f"one={cfg.one} is internal (a patched setting's run): leave it out")
         run_one(cfg.one, json.loads(os.environ[ARGS]))
         return
     settings = cfg.settings or list(SETTINGS)
     out = Path(cfg.out).resolve()  # its runs start in the repository root; this may be elsewhere
+    # every refusal before the first run: the folder, the runs' configs, the dataset
+    check_claimable(out, KIND)
+    check_runs(settings, out)
+    claim_folder(out, KIND, {"command": sys.argv})
     for setting in settings:
-        for seed in range(1337, 1337 + cfg.seeds):
+        for seed in range(FIRST_SEED, FIRST_SEED + cfg.seeds):
             folder = out / f"{setting}-s{seed}"
             log = folder / "log.jsonl"
             if log.is_file() and '"recall"' in log.read_text():
                 continue  # finished before
-            args = [
-                "config/compare/mqar.py",
-                "--n_embd=128",
-                f"--seed={seed}",
-                f"--out_dir={folder}",
-                "--wandb_log=False",
-                *SETTINGS[setting],
-            ]
+            args = run_args(setting, seed, folder)
             command = [sys.executable, str(ROOT / "train.py"), *args]
             if setting in PATCHED:
                 command = [sys.executable, __file__, f"--one={setting}"]
             print(f"$ {setting} seed {seed}", flush=True)
             env = os.environ | {ARGS: json.dumps(args)}
-            subprocess.run(command, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+            done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+            if done.returncode:  # its own line said why (stderr is this script's)
+                code = done.returncode
+                sys.exit(code if code > 0 else 128 - code)  # a signal's: as a shell gives it
     print(summary(out, settings, cfg.seeds))
 
 

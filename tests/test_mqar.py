@@ -1,7 +1,6 @@
 """data/mqar/prepare.py: the MQAR task (Zoology) as files, checked by parsing every example back,
 through dataset.Batches, and by a short training run."""
 
-import csv
 import math
 import re
 from pathlib import Path
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, cli, read_log, run
+from conftest import cli, read_log, run
 from smallgpt.checkpoint import load_run, parse_source
 from smallgpt.data import Batches, load_meta, open_tokens
 from smallgpt.errors import UserError
@@ -62,6 +61,10 @@ def test_splits_are_disjoint_and_meta_is_as_asked(task: Path, tmp_path: Path) ->
         and meta["test_tokens"] == 100 * L
     )
     assert meta["chars"] == [chr(0x4E00 + i) for i in range(K + V)]
+    # every setting that made it, resolved (a script reusing it compares them), out_dir aside
+    made = dict(TASK, layout="compact", power_a=0.01, seed=1337)
+    made |= dict(train_examples=400, val_examples=100, test_examples=100)
+    assert meta["settings"] == made
     train, val, test = (examples(task, split)[0] for split in ("train", "val", "test"))
     assert train.shape == (400, L) and val.shape == (100, L) and test.shape == (100, L)
     rows = [{row.tobytes() for row in split} for split in (train, val, test)]
@@ -146,60 +149,6 @@ def test_the_zoology_layout_queries_every_key_once_at_power_law_gaps(tmp_path: P
     seen = np.bincount(slot, minlength=slots) / len(slot)
     assert seen == pytest.approx(p, abs=0.015)  # 20,000 draws: a standard error under 0.004
     assert p[0] > 1.9 * p[1] > 0  # the first slot the likeliest, 2^0.99 times the second
-
-
-def test_the_zoology_script_draws_accuracy_against_width_per_pair_count(tmp_path: Path) -> None:
-    """scripts/zoology_mqar.py at 2 and 3 pairs, widths 16 and 32: a Zoology-layout dataset and a
-    comparison per pair count, and a table whose cells are each comparison's MQAR accuracy. Run
-    from a folder of its own with relative paths: what it writes and reads is there, not in the
-    repository (its steps once ran from the repository's root and wrote there)."""
-    r = cli(
-        [
-            "scripts/zoology_mqar.py",
-            "--pairs=[2,3]",
-            "--widths=[16,32]",
-            "--n_layer=1",
-            "--variants=[mha]",
-            "--seq_len=12",
-            "--key_vocab=8",
-            "--value_vocab=8",
-            "--train_examples=300",
-            "--max_iters=4",
-            "--decode_context=16",
-            "--out=zoo",
-            "--data=data",
-        ],
-        env={"WANDB_MODE": "disabled"},
-        cwd=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr
-    out = tmp_path / "zoo"
-    assert load_meta(tmp_path / "data" / "mqar-zoology-p3")["example_tokens"] == 12
-    md = (out / "zoology.md").read_text()
-    assert "| pairs | variant | width 16 | width 32 |" in md
-    for pairs in (2, 3):
-        rows = {r["size"]: r for r in csv.DictReader(open(out / f"p{pairs}" / "report.csv"))}
-        cells = [f"{float(rows[f'1x{w}']['mqar_acc']):.3f} (0/1 solved)" for w in (16, 32)]
-        assert f"| {pairs} | mha | {cells[0]} | {cells[1]} |" in md
-    assert (out / "zoology.png").read_bytes()[:4] == b"\x89PNG"
-    assert not (ROOT / "zoo").exists() and not (ROOT / "data" / "mqar-zoology-p2").exists()
-
-
-def test_the_zoology_script_refuses_a_bad_variant_before_it_prepares_anything(
-    tmp_path: Path,
-) -> None:
-    """A variant compare.py would refuse is one line and exit 2 before any dataset is prepared; a
-    step that fails later (compare.py's refusal of a rate) ends the script with that step's own
-    line and status, not a second one."""
-    common = ["scripts/zoology_mqar.py", "--pairs=[2]", "--widths=[16]", "--seq_len=12"]
-    common += ["--key_vocab=8", "--value_vocab=8", "--train_examples=300", "--max_iters=4"]
-    common += [f"--out={tmp_path / 'zoo'}", f"--data={tmp_path / 'data'}"]
-    r = cli([*common, "--variants=[mha,bogus]"])
-    assert r.returncode == 2 and r.stderr.startswith("error: variants: bogus is not mha")
-    assert r.stderr.count("\n") == 1 and not (tmp_path / "data").exists(), r.stderr
-    r = cli([*common, "--variants=[mha]", "--lrs=[-1]"])
-    assert r.returncode == 2 and r.stderr.count("error:") == 1 and "lrs" in r.stderr, r.stderr
-    assert not (tmp_path / "zoo" / "p2" / "report.csv").exists()
 
 
 def test_batches_target_the_answers_only(task: Path) -> None:

@@ -16,10 +16,11 @@ stream of next-token targets, where it shows only to later positions.
 
 The loss mask is 1 exactly at the answers; no val or test example equals a train example, and no
 test example a val one (a learning rate chosen on val is measured on examples it never saw). Train
-with --block_size=<seq_len - 1>.
+with --block_size=<seq_len - 1>. meta.json records the settings that made the dataset (`settings`:
+every key but out_dir), which a script reusing it compares with its own (scripts/zoology_mqar.py).
 """
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from configurator import run_cli  # first: a Ctrl-C while the libraries import is then one line
@@ -222,6 +223,8 @@ def main(cfg: PrepareConfig) -> None:
             tokenizer="char",
             chars=[chr(0x4E00 + i) for i in range(vocab)],
             example_tokens=cfg.seq_len,
+            # what made it: a script that reuses the dataset checks them (scripts/zoology_mqar.py)
+            settings={k: v for k, v in asdict(cfg).items() if k != "out_dir"},
         )
     counts = ", ".join(f"{len(examples):,} {split}" for split, (examples, _) in splits.items())
     print(
