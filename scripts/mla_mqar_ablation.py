@@ -21,6 +21,7 @@ script (its ablation.json marks it; the runs in it are train.py's own folders). 
 ends the script with that run's exit status, after its own line.
 """
 
+import dataclasses
 import difflib
 import json
 import os
@@ -35,9 +36,11 @@ import torch
 from configurator import parse_config, run_cli
 from smallgpt import recall
 from smallgpt.atomic import check_claimable, claim_folder
+from smallgpt.checkpoint import load_checkpoint
 from smallgpt.configs import TrainConfig, repeated
 from smallgpt.data import Batches, data_dir
 from smallgpt.errors import UserError
+from smallgpt.runlog import read_run
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = "SMALLGPT_ABLATION_ARGS"  # train.py's arguments for a patched setting's process (JSON)
@@ -222,10 +225,10 @@ def run_args(setting: str, seed: int, folder: Path) -> list[str]:
     ]
 
 
-def check_runs(settings: list[str], out: Path) -> None:
+def check_runs(settings: list[str], out: Path) -> dict:
     """Before the first run: each setting's train.py config (as train.py reads it: a UserError
     naming the setting), and the dataset they train on, as train.py reads it (missing: load_meta's
-    line; examples of another length than the config's block_size)."""
+    line; examples of another length than the config's block_size); that dataset's meta."""
     for setting in settings:
         folder = out / f"{setting}-s{FIRST_SEED}"
         try:
@@ -236,6 +239,44 @@ def check_runs(settings: list[str], out: Path) -> None:
     data = data_dir(train.dataset)
     batches = Batches(data, train.block_size, train.batch_size, train.seed, "cpu")
     recall.check_dataset(train.final_evals, batches.meta, train.block_size, str(data))
+    return batches.meta
+
+
+def finished(folder: Path) -> bool:
+    """Whether the run in folder logged its recall record, its last."""
+    log = folder / "log.jsonl"
+    return log.is_file() and '"recall"' in log.read_text()
+
+
+# what a finished run's dataset must share with today's to be reused: how it was prepared, its size
+DATA_KEYS = ("settings", "vocab_size", "train_tokens", "val_tokens", "test_tokens")
+
+
+def check_finished(settings: list[str], seeds: int, out: Path, meta: dict) -> None:
+    """Before the first run: a run finished before is reused (not trained again) only where it was
+    trained as this call would train it: its logged config (out_dir aside) and its dataset (the
+    meta its checkpoint keeps, against today's); else a UserError naming the run and the
+    differences."""
+    for setting in settings:
+        for seed in range(FIRST_SEED, FIRST_SEED + seeds):
+            folder = out / f"{setting}-s{seed}"
+            if not finished(folder):
+                continue
+            planned = parse_config(TrainConfig, run_args(setting, seed, folder))
+            planned = json.loads(json.dumps(dataclasses.asdict(planned)))  # as a log holds it
+            logged = read_run(folder)["config"]
+            differ = [k for k in planned if k != "out_dir" and logged.get(k) != planned[k]]
+            was = [f"{k}={logged.get(k)!r}" for k in differ]
+            ckpt = folder / "ckpt.pt"
+            trained_on = load_checkpoint(ckpt, "cpu", mmap=True).get("data_meta") or {}
+            if any(trained_on.get(k) != meta.get(k) for k in DATA_KEYS):
+                was.append(f"a dataset {planned['dataset']} prepared otherwise than today's")
+            if was:
+                raise UserError(
+                    f"{folder} holds a finished run trained with {', '.join(was)}, not as this "
+                    f"call trains {setting} at seed {seed}: delete it, or give --out=<another "
+                    f"folder>"
+                )
 
 
 def run_one(setting: str, args: list[str]) -> None:
@@ -347,14 +388,14 @@ def main(cfg: AblationConfig) -> None:
     out = Path(cfg.out).resolve()  # its runs start in the repository root; this may be elsewhere
     # every refusal before the first run: the folder, the runs' configs, the dataset
     check_claimable(out, KIND)
-    check_runs(settings, out)
+    meta = check_runs(settings, out)
+    check_finished(settings, cfg.seeds, out, meta)
     claim_folder(out, KIND, {"command": sys.argv})
     for setting in settings:
         for seed in range(FIRST_SEED, FIRST_SEED + cfg.seeds):
             folder = out / f"{setting}-s{seed}"
-            log = folder / "log.jsonl"
-            if log.is_file() and '"recall"' in log.read_text():
-                continue  # finished before
+            if finished(folder):
+                continue  # finished before, as this call would train it (check_finished)
             args = run_args(setting, seed, folder)
             command = [sys.executable, str(ROOT / "train.py"), *args]
             if setting in PATCHED:

@@ -251,3 +251,44 @@ def test_the_ablation_script_measures_the_conversion_of_a_rotary_mha_run_only(
     )
     r = cli([ABLATION, f"--conversion={tmp_path / 'run'}"])
     refused(r, f"conversion={tmp_path / 'run'}", says)
+
+
+def test_a_finished_ablation_run_is_reused_only_as_this_call_would_train_it(
+    tmp_path: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch, no_runs: None
+) -> None:
+    """A run that logged its recall record is not trained again where its logged config and its
+    dataset are this call's; trained otherwise (another budget in the log, or a dataset prepared
+    again since), it is one line before any run starts, naming the difference."""
+    import dataclasses
+
+    from configurator import parse_config
+    from train import TrainConfig
+
+    monkeypatch.setattr("smallgpt.data.DATA_ROOT", data_root)
+    out = tmp_path / "abl"
+    folder = out / "mha-s1337"
+    folder.mkdir(parents=True)
+    (out / "ablation.json").write_text('{"kind": "an MLA ablation"}')
+    args = [str(ROOT / "config/compare/mqar.py"), "--n_embd=128", "--seed=1337"]
+    args += [f"--out_dir={folder}", "--wandb_log=False"]
+    config = dataclasses.asdict(parse_config(TrainConfig, args))
+    meta = load_meta(data_root / "mqar")
+
+    def finished_run(config: dict, meta: dict) -> None:
+        records = [
+            {"event": "config", "config": config, "start_iter": 0, "model_config": {}},
+            {"event": "eval", "iter": 1500, "val_loss": 0.5, "test_loss": 0.6, "elapsed_s": 1},
+            {"event": "recall", "iter": 1500, "mqar": {"accuracy": 0.95, "correct": 95, "n": 100}},
+        ]
+        (folder / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=128))
+        save_checkpoint(folder / "ckpt.pt", model, iter_num=1500, data_meta=meta)
+
+    finished_run(config, meta)
+    command = [ABLATION, "--settings=[mha]", "--seeds=1", f"--out={out}"]
+    r = cli(command)
+    assert r.returncode == 0 and "| mha | 1/1" in r.stdout, r.stderr
+    finished_run(config | {"max_iters": 3000}, meta)
+    refused(cli(command), f"{folder} holds a finished run trained with max_iters=3000, not as")
+    finished_run(config, meta | {"settings": meta["settings"] | {"key_vocab": 32}})
+    refused(cli(command), "a dataset mqar prepared otherwise than today's")
