@@ -327,6 +327,12 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         raise UserError(f"convert=True converts the MHA runs: {listed} must hold {held}")
     if cfg.convert:
         check_conversions(variants, listed, "convert_methods" in given)
+    if "params" in cfg.match and set(variants) == {MHA}:
+        raise UserError(
+            f"match={cfg.match}: params widens each variant's MLP to MHA's parameters, and "
+            f"{listed} holds MHA alone (trained at its own width): add a variant, or leave "
+            f"params out"
+        )
 
     same = repeated([round(f * base.max_iters) for f in cfg.uptrain_fractions])
     if cfg.convert and same is not None:

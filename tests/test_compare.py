@@ -1087,6 +1087,7 @@ def test_stored_decode_speeds_are_reused_only_with_the_settings_that_measured_th
             "-headgate, -qknorm, -rope<percent>: mha-gate-qknorm",
         ),
         ("--variants=[mha,mqa-rope50-dl]", "mqa-rope50-dl: a name's parts go in the order"),
+        ("--kv_heads=[4] --match=[width,params]", "match=['width', 'params']: params widens each"),
         ("--variants=[mha] --kv_heads=[4]", "kv_heads=[4] and variants=['mha']: give one of them"),
         ("--variants=[mla16,mla16]", "variants=['mla16', 'mla16'] lists mla16 twice"),
         (
