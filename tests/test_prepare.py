@@ -189,13 +189,16 @@ def test_corpus_pipeline_on_local_parquet(script: str, tmp_path: Path, tiny_bpe:
     assert bytes(val[: val.tolist().index(eot)].tolist()).decode() == docs[0]
     assert bytes(test[: test.tolist().index(eot)].tolist()).decode() == docs[1]
     assert bytes(train[: train.tolist().index(eot)].tolist()).decode() == docs[2]
-    for name in (
-        "train.bin",
-        "val.bin",
-        "test.bin",
-        "meta.json",
-    ):  # streaming gives the same files; a re-run overwrites whole
+    # streaming gives the same files; a re-run overwrites whole
+    for name in ("train.bin", "val.bin", "test.bin"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
+    # and the same meta, but for the settings it records, which say how each was read
+    metas = [json.loads((out / "meta.json").read_text()) for out in outs]
+    settings = [m.pop("settings") for m in metas]
+    assert metas[0] == metas[1] and settings[0] == settings[1] | {"streaming": False}
+    assert settings[1]["streaming"] is True and settings[0]["input"] == str(
+        tmp_path / "docs.parquet"
+    )
     assert not list(outs[0].glob("*.tmp"))
     # a re-run that fails (a document with no text, streamed or not) leaves the dataset there as it
     # was
