@@ -284,6 +284,15 @@ def test_a_key_no_layer_reads_is_one_problem_of_its_own_and_what_layers_read_is_
     assert str(Variant.from_config(Variant.parse("mha-d").config(mha))) == "mha-d"
 
 
+def test_a_list_that_names_an_item_twice_is_one_line() -> None:
+    """eval.py's tasks and distances, train.py's final_evals: a repeat measures nothing new."""
+    r = cli(["eval.py", "--tasks=[induction,induction]"])
+    one_line(r, "tasks=['induction', 'induction'] lists 'induction' twice")
+    one_line(cli(["eval.py", "--distances=[8,16,8]"]), "distances=[8, 16, 8] lists 8 twice")
+    r = cli(["train.py", "--final_evals=[position,position]"])
+    one_line(r, "final_evals=['position', 'position'] lists 'position' twice")
+
+
 def test_the_limits_themselves_are_accepted() -> None:
     """One below each refused value builds: a window of block_size - 1, a latent one feature under
     MHA's K and V, a rotary key as wide as the head, S on the last layer but one."""
