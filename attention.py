@@ -709,6 +709,26 @@ def output_gate(n_embd: int, n_head: int, kind: str, bias: bool) -> OutputGate |
     return None if kind == "none" else OutputGate(n_embd, n_head, kind, bias)
 
 
+# The GPTConfig keys an attention layer reads beyond the model's own (its sizes, norm, MLP and kind
+# of positions): its K/V heads or MLA's latents (CausalSelfAttention, LatentAttention), Qwen3.5's
+# options, and the rotary tables' base and fraction. model.py's LAYER_KINDS names them for L and
+# S, and GPTConfig refuses each where no layer of the pattern reads it.
+READS = frozenset(
+    {
+        "n_kv_head",
+        "kv_lora_rank",
+        "qk_rope_head_dim",
+        "q_lora_rank",
+        "latent_norm",
+        "attn_gate",
+        "qk_norm",
+        "rope_theta",
+        "rope_fraction",
+    }
+)
+LOCAL_READS = READS | {"window"}  # a local layer's: an attention layer's and its window
+
+
 class CausalSelfAttention(nn.Module):
     """n_head query heads over n_kv_head K/V heads: MHA (equal), GQA (a divisor), MQA (one);
     optionally q and k RMS-normalised per head before their rotation (qk_norm, as Qwen3's) and

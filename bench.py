@@ -13,7 +13,8 @@ table.
     python bench.py --mode=recipes --configs='[A.py,B.py]' [train.py flags]
 
 The model, device and dtype come from train.py's config files and flags; the keys of BenchConfig
-steer the bench.
+steer the bench. A flag that the mode does not read (MODES) is refused before any work: it would
+change nothing (config files are train.py's, so their other keys are left alone).
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
@@ -30,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -277,10 +279,9 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
     without: tokens/s, prefill and step times, for each variant x batch x new_tokens."""
     rows = []
     gen = torch.Generator().manual_seed(0)
-    shapes = [
-        dataclasses.replace(base, n_kv_head=g)
-        for g in cfg.kv_heads or default_kv_heads(base.n_head)
-    ]
+    # a model with no attention layer has no K/V heads to vary (main refuses kv_heads for it)
+    kv_heads = (cfg.kv_heads or default_kv_heads(base.n_head)) if base.attends else [base.n_head]
+    shapes = [dataclasses.replace(base, n_kv_head=g) for g in kv_heads]
     shapes += [dataclasses.replace(base, kv_lora_rank=r) for r in cfg.kv_lora_ranks]
     for mcfg in shapes:
         model = GPT(mcfg).to(device=device, dtype=dtype).eval()
@@ -314,7 +315,7 @@ def decode_row(
     ctx = min(n, mcfg.block_size)  # positions cached at the end
     row = {
         "mode": "decode",
-        "attention": mcfg.attention_kind,
+        "attention": mcfg.attention_label,  # none where every layer is recurrent
         "layers": mcfg.layer_letters,  # L global, S local, D Gated DeltaNet
         "n_kv_head": mcfg.n_kv_head,
         "kv_lora_rank": mcfg.kv_lora_rank,
@@ -432,7 +433,36 @@ def bench_int8(cfg: BenchConfig, base: TrainConfig) -> list[dict]:
 
 def parse(argv: list[str]) -> tuple[BenchConfig, TrainConfig, list[str]]:
     ours, train_args = split_args(argv, BenchConfig)
-    return parse_config(BenchConfig, ours), parse_config(TrainConfig, train_args), train_args
+    cfg = parse_config(BenchConfig, ours)
+    base = parse_config(TrainConfig, train_args)
+    # the flags given, bench.py's and train.py's: each must be one the mode reads
+    flags = ours + [arg for arg in train_args if arg.startswith("--")]
+    if problems := unread_flags(cfg.mode, flags):
+        raise UserError("; ".join(problems))
+    return cfg, base, train_args
+
+
+def unread_flags(mode: str, flags: list[str]) -> list[str]:
+    """A line for each --key=value flag that mode does not read (MODES), naming what it measures
+    and the key it reads instead or the modes that read this one."""
+    problems = []
+    reads = MODES[mode].reads
+    for flag in flags:
+        key = flag[2:].split("=", 1)[0]
+        if key == "mode" or key in reads:
+            continue
+        if INSTEAD.get(key) in reads:
+            hint = f"it reads --{INSTEAD[key]}"
+        else:
+            readers = [name for name, other in MODES.items() if key in other.reads]
+            if len(readers) > 1:  # 'train, decode or hf'
+                readers = [", ".join(readers[:-1]), readers[-1]]
+            hint = f"--mode={' or '.join(readers)} reads it"
+        problems.append(
+            f"{flag} is not read by --mode={mode}, which measures {MODES[mode].measures} "
+            f"({hint}): leave it out"
+        )
+    return problems
 
 
 # each mode's benchmark and its table, called with (cfg, base, train_args, device, mcfg): the
@@ -577,15 +607,85 @@ def run_recipes(
     print(table(rows, columns))
 
 
+class Mode(NamedTuple):
+    """A mode: its benchmark and table, what it measures (as a refusal says it), and the keys it
+    reads, bench.py's and train.py's (a flag of any other is refused)."""
+
+    run: Callable[[BenchConfig, TrainConfig, list[str], str, GPTConfig], None]
+    measures: str
+    reads: frozenset[str]
+
+
+# the keys of a fresh model of train.py's keys (random weights) on its device
+MODEL = frozenset(GPTConfig.__dataclass_fields__) | {"dataset", "device"}
+# and of train.py's step with AdamW on random batches
+STEP = MODEL | {
+    "batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "grad_clip",
+    "seed",
+    "peak_flops",
+}
+# train.py's keys that a mode running train.py passes on (in an out_dir of its own)
+TRAIN_FLAGS = frozenset(TrainConfig.__dataclass_fields__) - {"out_dir"}
+# train.py's keys and the lists that other modes time each of, one for the other: a refusal
+# names the one the mode reads
+PAIRS = {
+    "compile": "compiles",
+    "dtype": "dtypes",
+    "n_kv_head": "kv_heads",
+    "kv_lora_rank": "kv_lora_ranks",
+}
+INSTEAD = PAIRS | {many: one for one, many in PAIRS.items()}
+# decode's own keys, and train.py's dtype: the models it times are in the one dtype
+DECODE_KEYS = {
+    "kv_heads",
+    "kv_lora_ranks",
+    "new_tokens",
+    "batch_sizes",
+    "recompute_max_batch",
+    "repeats",
+    "linear_split",
+    "dtype",
+}
 MODES = {
-    "train": run_train,
-    "decode": run_decode,
-    "memory": run_memory,
-    "int8": run_int8,
-    "hf": run_hf,
-    "nanogpt": run_nanogpt,
-    "gguf": run_gguf,
-    "recipes": run_recipes,
+    "train": Mode(
+        run_train,
+        "train.py's step on a fresh model of train.py's keys",
+        STEP | {"compiles", "dtypes", "warmup", "iters", "profile", "chunks"},
+    ),
+    "decode": Mode(
+        run_decode,
+        "decoding by fresh models of train.py's keys, not a run",
+        (MODEL - {"n_kv_head", "kv_lora_rank"}) | DECODE_KEYS,
+    ),
+    "memory": Mode(run_memory, "the bytes of GPT-2's shapes", frozenset({"world_sizes"})),
+    "int8": Mode(
+        run_int8,
+        "out_dir's run with int8 weights",
+        frozenset({"out_dir", "dataset", "batch_size", "eval_iters", "seed", "new_tokens"}),
+    ),
+    "hf": Mode(
+        run_hf,
+        "a fresh GPT-2 of train.py's sizes against Hugging Face's",
+        frozenset({"n_layer", "n_head", "n_embd", "block_size", "vocab_size", "dataset", "device"})
+        | {"new_tokens", "dtypes", "repeats", "llama_cpp"},
+    ),
+    "nanogpt": Mode(
+        run_nanogpt,
+        "train.py runs against nanoGPT's",
+        TRAIN_FLAGS | {"nanogpt_dir", "compiles", "warmup", "iters", "profile"},
+    ),
+    "gguf": Mode(
+        run_gguf,
+        "out_dir's run in llama.cpp",
+        frozenset({"out_dir", "llama_cpp", "prompt", "new_tokens"}),
+    ),
+    "recipes": Mode(run_recipes, "train.py runs of the configs", TRAIN_FLAGS | {"configs"}),
 }
 # the modes that read their model from a checkpoint or config files, not from train.py's keys
 OWN_MODEL = ("int8", "gguf", "recipes")
@@ -595,6 +695,12 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
     cfg, base, train_args = config
     device = resolve_device(base.device, 0)
     mcfg = base.model_config(vocab_size=vocab_size_of(base.dataset) or 50304)
+    if not mcfg.attends and (cfg.kv_heads or cfg.kv_lora_ranks):
+        raise UserError(
+            f"kv_heads={cfg.kv_heads}, kv_lora_ranks={cfg.kv_lora_ranks} vary the attention "
+            f"layers' K/V and {mcfg.pattern_key}={getattr(mcfg, mcfg.pattern_key)!r} on "
+            f"n_layer={mcfg.n_layer} has none: leave them out"
+        )
     if bad := [k for k in cfg.kv_heads if mcfg.n_head % k]:
         raise UserError(
             f"kv_heads={cfg.kv_heads}: n_head={mcfg.n_head} is not divisible by n_kv_head={bad[0]}"
@@ -607,7 +713,7 @@ def main(config: tuple[BenchConfig, TrainConfig, list[str]]) -> None:
         )
     if cfg.mode not in OWN_MODEL:
         header(cfg.mode, device, mcfg)
-    MODES[cfg.mode](cfg, base, train_args, device, mcfg)
+    MODES[cfg.mode].run(cfg, base, train_args, device, mcfg)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from smallgpt import checkpoint, recall, runtime
 from smallgpt.checkpoint import Run, Source, load_run, parse_source
+from smallgpt.configs import repeat_problems
 from smallgpt.data import Batches, data_dir, load_meta, splits_of
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -55,6 +56,9 @@ class EvalConfig:
         if self.tasks == []:
             problems.append("tasks=[] names no task: give some of " + ", ".join(recall.TASKS))
         problems += recall.task_problems("tasks", self.tasks or [])
+        # a task or a distance named twice is measured once
+        problems += repeat_problems("tasks", self.tasks or [])
+        problems += repeat_problems("distances", self.distances)
         if self.seed is not None and self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
         if self.split not in ("val", "test", "held_out"):

@@ -95,7 +95,7 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
         "| | |",
         "|---|---|",
         f"| class | `{type(hf_model).__name__}` |",
-        f"| attention | {c.attention_kind} (n_head={c.n_head}, {c.kv_sizes}) |",
+        f"| attention | {c.mixing} |",
         f"| shape | {c.n_layer} layers, {c.n_embd} wide, MLP {c.mlp_hidden}, block_size "
         f"{c.block_size}, {c.pos_encoding} positions |",
         f"| parameters | {model.num_params():,} |",

@@ -33,6 +33,9 @@ class GatedDeltaNet(nn.Module):
     decay nor write, so a row's state is what its own tokens make."""
 
     kernel = 4  # the convolution's taps
+    # the GPTConfig keys it reads beyond the model's own: none (its sizes are n_embd and n_head),
+    # so an attention key on a model of these layers alone changes nothing (model.LAYER_KINDS)
+    READS: frozenset[str] = frozenset()
     chunk = 64  # tokens a step of delta_rule.chunked (docs/compare.md "the chunk")
 
     def __init__(self, layer: int, n_embd: int, n_head: int, bias: bool, dropout: float) -> None:

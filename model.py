@@ -5,8 +5,8 @@ kinds, their cache and the rotary positions are in attention.py."""
 import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -18,6 +18,34 @@ from gated_deltanet import GatedDeltaNet
 from smallgpt.fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
+
+
+class LayerKind(NamedTuple):
+    """A kind of layer: its name in messages, whether it attends, and the GPTConfig keys it reads
+    beyond the model's own (sizes, norm, MLP, dropout, the kind of positions)."""
+
+    name: str
+    attends: bool
+    reads: frozenset[str]
+
+
+# each kind of layer by its letter in window_pattern and layer_pattern: a key that no layer of a
+# model's pattern reads would change nothing, so GPTConfig refuses it (unread_keys)
+LAYER_KINDS = {
+    "L": LayerKind("global attention", True, attention.READS),
+    "S": LayerKind("local attention", True, attention.LOCAL_READS),
+    "D": LayerKind("Gated DeltaNet", False, GatedDeltaNet.READS),
+}
+
+
+def kind_names(letters: list[str]) -> str:
+    """The kinds of these letters, as a message names them: 'global and local attention'."""
+    names = [LAYER_KINDS[letter].name for letter in letters]
+    *firsts, last = [name.rsplit(" ", 1) for name in names]
+    if firsts and all(len(n) == 2 and n[1] == last[-1] for n in [*firsts, last]):
+        # one noun: 'global and local attention'
+        return " and ".join(n[0] for n in [*firsts, last]) + " " + last[-1]
+    return " and ".join(names)
 
 
 @dataclass(slots=True)
@@ -67,42 +95,34 @@ class GPTConfig:
             self.mlp_hidden = 8 * round(self.n_embd / 3) if swiglu else 4 * self.n_embd
         sizes_known = all(type(n) is int and n > 0 for n in (self.n_embd, self.n_head))
         if self.kv_lora_rank is not None and self.qk_rope_head_dim is None and sizes_known:
-            self.qk_rope_head_dim = self.head_dim // 2 if self.pos_encoding == "rope" else 0
+            self.qk_rope_head_dim = self.latent_rope_default
         problems = self.size_problems()
-        problems += attention.latent_problems(
-            self.kv_lora_rank,
-            self.qk_rope_head_dim,
-            self.q_lora_rank,
-            self.latent_norm,
-            self.pos_encoding,
-            self.n_kv_head,
-            self.n_head,
-            self.n_embd,
-        )
         problems += attention.pattern_problems(
             self.window, self.window_pattern, self.layer_pattern, self.block_size
         )
-        problems += attention.gate_problems(
-            self.attn_gate, self.qk_norm, self.rope_fraction, self.kv_lora_rank is not None
-        )
-        if not problems and self.window is not None and not self.local_layers:
-            key = "window_pattern" if self.layer_pattern is None else "layer_pattern"
-            problems.append(
-                f"{key}={getattr(self, key)!r} on n_layer={self.n_layer} "
-                f"makes no layer local (the last layer is always global), so "
-                f"window={self.window} would change nothing: give a pattern with "
-                f"S among the first {self.n_layer - 1} layers, or leave window out"
+        if not problems:  # the sizes and letters are sound, so each layer's kind is known
+            problems += self.layer_problems()
+        # a key that no layer of the pattern reads: its own checks would only add noise
+        unread = {} if problems else self.unread_keys()
+        problems += unread.values()
+        if not unread:
+            problems += attention.latent_problems(
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                self.q_lora_rank,
+                self.latent_norm,
+                self.pos_encoding,
+                self.n_kv_head,
+                self.n_head,
+                self.n_embd,
+            )
+            problems += attention.gate_problems(
+                self.attn_gate, self.qk_norm, self.rope_fraction, self.kv_lora_rank is not None
             )
         if not problems:  # the sizes are integers, so their ratios can be checked
             problems += self.ratio_problems()
-        if not problems and set(self.layer_letters) == {"D"}:
-            if self.attn_gate != "none" or self.qk_norm:
-                problems.append(
-                    f"attn_gate={self.attn_gate!r}, qk_norm={self.qk_norm} apply to attention "
-                    f"layers and layer_pattern={self.layer_pattern!r} has none: leave them out"
-                )
         problems += self.choice_problems(rope_checkable=not problems)
-        problems += self.unused_keys()
+        problems += [line for key, line in self.unused_keys().items() if key not in unread]
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 
@@ -115,6 +135,68 @@ class GPTConfig:
             if type(value) is not int or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
         return problems
+
+    def layer_problems(self) -> list[str]:
+        """A pattern with more letters than layers (the letters past the last layer name none), or
+        a window on no layer (the pattern's S falls on the last layer, always global)."""
+        key = self.pattern_key
+        pattern = getattr(self, key)
+        n = self.n_layer
+        if len(pattern) > n:
+            model = self.layer_letters
+            # the kinds the cut leaves out, or all attention
+            lost = [LAYER_KINDS[x].name for x in dict.fromkeys(pattern) if x not in model]
+            if not self.attends and any(LAYER_KINDS[x].attends for x in pattern):
+                lost = ["attention"]
+            note = f", no {' or '.join(lost)} layer" if lost else ""
+            example = pattern[: n - 1] + pattern[-1]  # the pattern's last letter on the last layer
+            letters = "letters" if n > 1 else "letter"
+            return [
+                f"{key}={pattern!r} has {len(pattern)} letters and n_layer={n}: the letters "
+                f"past layer {n} name no layer (the model would be {model!r}{note}); give at "
+                f"most {n} {letters}, e.g. {example!r}"
+            ]
+        if self.window is not None and not self.local_layers:
+            return [
+                f"{key}={pattern!r} on n_layer={n} makes no layer local (the last layer is "
+                f"always global), so window={self.window} would change nothing: give a pattern "
+                f"with S among the first {n - 1} layers, or leave window out"
+            ]
+        return []
+
+    def unread_keys(self) -> dict[str, str]:
+        """Each key set away from its default that no layer of this pattern reads (LAYER_KINDS),
+        and its problem line."""
+        kinds = [LAYER_KINDS[letter] for letter in set(self.layer_letters)]
+        read = frozenset().union(*(kind.reads for kind in kinds))
+        unread = {}
+        for f in fields(self):
+            key = f.name
+            readers = [x for x, kind in LAYER_KINDS.items() if key in kind.reads]
+            if not readers or key in read or getattr(self, key) == self.default_of(key):
+                continue
+            pattern = getattr(self, self.pattern_key)
+            unread[key] = (
+                f"{key}={getattr(self, key)!r} is read only by {kind_names(readers)} layers "
+                f"({', '.join(readers)}), and {self.pattern_key}={pattern!r} on "
+                f"n_layer={self.n_layer} has none: leave it out"
+            )
+        return unread
+
+    def default_of(self, key: str) -> object:
+        """key's value had it been left out: n_kv_head's is n_head, qk_rope_head_dim's follows from
+        kv_lora_rank and the positions, the others' their field's default."""
+        if key == "n_kv_head":
+            return self.n_head
+        if key == "qk_rope_head_dim" and self.kv_lora_rank is not None:
+            return self.latent_rope_default
+        return GPTConfig.__dataclass_fields__[key].default
+
+    @property
+    def latent_rope_default(self) -> int:
+        """MLA's rotary key width when qk_rope_head_dim is left out: half a head with rotary
+        positions, none with learned ones."""
+        return self.head_dim // 2 if self.pos_encoding == "rope" else 0
 
     def ratio_problems(self) -> list[str]:
         """Heads that do not divide the width, K/V heads that do not divide the heads."""
@@ -158,21 +240,22 @@ class GPTConfig:
             problems.append(f"rope_theta={self.rope_theta!r} must be a positive number")
         return problems
 
-    def unused_keys(self) -> list[str]:
-        """Keys set away from their defaults where this model has no use for them."""
-        unused = []
+    def unused_keys(self) -> dict[str, str]:
+        """Keys set away from their defaults where this model has no use for them (whatever its
+        layers: unread_keys), each with its problem line."""
+        unused = {}
         if self.pos_encoding == "learned" and self.rope_theta != 10000.0:
-            unused.append(
+            unused["rope_theta"] = (
                 f"rope_theta={self.rope_theta} applies to rotary positions: "
                 "set pos_encoding='rope', or leave rope_theta out"
             )
         if self.pos_encoding == "learned" and self.rope_fraction != 1:
-            unused.append(
+            unused["rope_fraction"] = (
                 f"rope_fraction={self.rope_fraction} applies to rotary positions: "
                 "set pos_encoding='rope', or leave rope_fraction out"
             )
         if self.mlp == "swiglu" and self.gelu != "exact":
-            unused.append(
+            unused["gelu"] = (
                 f"gelu={self.gelu!r} applies to mlp='gelu' (SwiGLU gates with SiLU): leave gelu out"
             )
         return unused
@@ -180,6 +263,11 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def pattern_key(self) -> str:
+        """The key that names each layer's kind: layer_pattern where given, else window_pattern."""
+        return "window_pattern" if self.layer_pattern is None else "layer_pattern"
 
     @property
     def layer_letters(self) -> str:
@@ -212,9 +300,15 @@ class GPTConfig:
         return int(self.head_dim * self.rope_fraction)
 
     @property
+    def attends(self) -> bool:
+        """Whether some layer attends (LAYER_KINDS), rather than every one being recurrent."""
+        return any(LAYER_KINDS[letter].attends for letter in set(self.layer_letters))
+
+    @property
     def attention_kind(self) -> str:
-        """'MLA' (kv_lora_rank set), else 'MHA' (n_kv_head == n_head), 'MQA' (n_kv_head == 1 <
-        n_head) or 'GQA' (in between)."""
+        """The attention layers' kind, as code dispatches on it: 'MLA' (kv_lora_rank set), else
+        'MHA' (n_kv_head == n_head), 'MQA' (n_kv_head == 1 < n_head) or 'GQA' (in between); 'MHA'
+        where no layer attends (n_kv_head is n_head there). A user reads attention_label."""
         if self.kv_lora_rank is not None:
             return "MLA"
         if self.n_kv_head == self.n_head:
@@ -231,11 +325,28 @@ class GPTConfig:
             f"q_lora_rank={self.q_lora_rank}"
         )
 
+    @property
+    def attention_label(self) -> str:
+        """The attention as a table's column says it: attention_kind, or 'none' where no layer
+        attends."""
+        return self.attention_kind if self.attends else "none"
+
+    @property
+    def mixing(self) -> str:
+        """How the layers mix tokens, as describe() and export.py's model card begin: the
+        attention kind and its K/V sizes, or, where no layer attends, the recurrent layers."""
+        if not self.attends:
+            return (
+                f"no attention layer: Gated DeltaNet layers {self.recurrent_layers} of "
+                f"{self.n_layer} (n_head={self.n_head})"
+            )
+        return f"{self.attention_kind} (n_head={self.n_head}, {self.kv_sizes})"
+
     def describe(self) -> str:
         """The model's one line, as every script prints it: its attention, positions, local and
         recurrent layers, e.g. 'GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1]
         of 3 (window 8)'."""
-        line = f"{self.attention_kind} (n_head={self.n_head}, {self.kv_sizes})"
+        line = self.mixing
         extras = []
         if self.attn_gate != "none":
             extras.append(f"gated by {self.attn_gate}")
@@ -248,7 +359,7 @@ class GPTConfig:
             line += f" on {self.rope_dim} of {self.head_dim} features"
         if self.local_layers:
             line += f", local layers {self.local_layers} of {self.n_layer} (window {self.window})"
-        if self.recurrent_layers:
+        if self.recurrent_layers and self.attends:  # else mixing named them
             line += f", Gated DeltaNet layers {self.recurrent_layers} of {self.n_layer}"
         return line
 

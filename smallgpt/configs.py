@@ -87,6 +87,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         problems = self.count_problems()
         problems += task_problems("final_evals", self.final_evals)
+        problems += repeat_problems("final_evals", self.final_evals)
         try:
             source = parse_source(self.init_from)
         except ValueError as e:
@@ -450,6 +451,15 @@ def is_variant(name: str) -> bool:
 def repeated(items: list) -> object | None:
     """The first item listed again in items, None if they are distinct."""
     return next((item for i, item in enumerate(items) if item in items[:i]), None)
+
+
+def repeat_problems(key: str, items: list) -> list[str]:
+    """A line where key's list (of tasks, of distances) names an item twice: the repeat would
+    measure nothing new."""
+    again = repeated(items)
+    if again is None:
+        return []
+    return [f"{key}={items} lists {again!r} twice: a repeat measures nothing new, so list it once"]
 
 
 # named --sizes: (n_layer, n_embd)

@@ -44,7 +44,7 @@ class RunLog:
         if cfg.wandb_log:  # a resumed run goes on in the wandb run it started
             self.wandb = start_wandb(
                 cfg,
-                f"{Path(cfg.dataset).name}-{model_config.attention_kind}",
+                f"{Path(cfg.dataset).name}-{model_config.attention_label}",
                 self.wandb_id() if start_iter else None,
             )
         self.write(

@@ -243,6 +243,68 @@ def test_bad_bench_settings_are_one_line_before_any_work(args: list[str], messag
     assert r.returncode == 2 and error.startswith("error: ") and message in error
 
 
+# what decode mode measures, as a refusal says it
+DECODING = "which measures decoding by fresh models of train.py's keys, not a run"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--mode=decode", "--out_dir=RUN"],
+            f"--out_dir=RUN is not read by --mode=decode, {DECODING} (--mode=int8 or gguf reads "
+            "it): leave it out",
+        ),
+        (["--out_dir=RUN"], "--out_dir=RUN is not read by --mode=decode"),  # the default mode
+        (["--mode=train", "--compile=True"], "--compile=True is not read by --mode=train"),
+        (["--mode=train", "--dtype=float32"], "(it reads --dtypes): leave it out"),
+        (["--mode=decode", "--n_kv_head=2"], "(it reads --kv_heads): leave it out"),
+        (["--mode=decode", "--chunks=[4]"], "--chunks=[4] is not read by --mode=decode"),
+        (["--mode=train", "--repeats=2"], "(--mode=decode or hf reads it)"),
+        (["--mode=memory", "--n_layer=2"], "--n_layer=2 is not read by --mode=memory"),
+        (["--mode=hf", "--pos_encoding=rope"], "--pos_encoding=rope is not read by --mode=hf"),
+        (["--mode=gguf", "--device=cpu"], "--device=cpu is not read by --mode=gguf"),
+        (["--mode=int8", "--n_layer=2"], "--n_layer=2 is not read by --mode=int8"),
+        (["--mode=recipes", "--configs=[a.py]", "--out_dir=x"], "--out_dir=x is not read by"),
+        (
+            ["--layer_pattern=D", "--kv_heads=[2]"],
+            "kv_heads=[2], kv_lora_ranks=[] vary the attention layers' K/V and "
+            "layer_pattern='D' on n_layer=6 has none",
+        ),
+    ],
+)
+def test_a_flag_the_mode_does_not_read_is_one_line_before_any_work(
+    args: list[str], message: str
+) -> None:
+    """--mode=decode --out_dir=RUN would time a fresh model of train.py's keys, not the run: each
+    mode reads its own keys (bench.MODES), and a flag of another is refused, saying which reads it
+    (train.py's config files are left alone: their keys are train.py's)."""
+    r = cli(["bench.py", *args])
+    (error,) = [line for line in r.stderr.splitlines() if not line.startswith("# ")]
+    assert r.returncode == 2 and error.startswith("error: ") and message in error, r.stderr
+
+
+def test_every_key_is_read_by_some_mode_and_a_model_without_attention_decodes_as_itself() -> None:
+    """bench.MODES names only real keys and reads each somewhere (so a refusal can say where); a
+    model of Gated DeltaNet layers alone is decoded as it is, once, its attention 'none' (not MHA,
+    GQA and MQA variants that differ in nothing)."""
+    import dataclasses
+
+    import bench
+    from smallgpt.configs import TrainConfig
+
+    fields = dataclasses.fields(bench.BenchConfig) + dataclasses.fields(TrainConfig)
+    keys = {f.name for f in fields} - {"mode"}
+    read = frozenset().union(*(mode.reads for mode in bench.MODES.values()))
+    assert read == keys
+    r = cli(["bench.py", *TINY, "--layer_pattern=D", "--vocab_size=50", "--new_tokens=[4]"])
+    rows = json_rows(r.stdout)
+    assert [(x["attention"], x["layers"], x["batch"]) for x in rows] == [
+        ("none", "D", 1),
+        ("none", "D", 8),
+    ]
+
+
 def test_memory_bench_reports_ddp_and_fsdp_bytes_per_process() -> None:
     r = cli(["bench.py", "--mode=memory", "--world_sizes=[2,8]"])
     rows = json_rows(r.stdout)

@@ -116,6 +116,12 @@ def test_describe_is_the_models_one_line() -> None:
     )
     mqa = GPTConfig(**base, n_kv_head=1)
     assert mqa.describe() == "MQA (n_head=4, n_kv_head=1), learned positions"
+    # no attention layer: no attention kind named (the kind code dispatches on stays MHA's)
+    recurrent = GPTConfig(**base, layer_pattern="D", pos_encoding="rope")
+    assert recurrent.describe() == (
+        "no attention layer: Gated DeltaNet layers [0, 1, 2] of 3 (n_head=4), rope positions"
+    )
+    assert (recurrent.attention_label, recurrent.attention_kind) == ("none", "MHA")
 
 
 def test_a_new_kind_of_cache_is_one_class(monkeypatch: object) -> None:

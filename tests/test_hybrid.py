@@ -204,7 +204,10 @@ def test_layer_pattern_names_each_layers_mixer() -> None:
             dict(qk_norm=True, kv_lora_rank=8, pos_encoding="rope"),
             ["qk_norm=True does not apply to MLA"],
         ),
-        (dict(layer_pattern="D", attn_gate="element"), ["has none: leave them out"]),
+        (
+            dict(layer_pattern="D", attn_gate="element"),
+            ["attn_gate='element' is read only by global and local attention layers (L, S)"],
+        ),
     ],
 )
 def test_bad_pattern_and_gate_keys_are_one_line(overrides: dict, names: list[str]) -> None:

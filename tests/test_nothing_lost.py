@@ -20,6 +20,9 @@ from smallgpt.data import write_dataset, writing_dataset
 from smallgpt.errors import UserError
 from smallgpt.sharding import prune_sharded
 
+# what GPTConfig says of a key that only attention layers read, on a model with none
+UNREAD = "is read only by global and local attention layers (L, S)"
+
 
 def one_line(r: object, *parts: str) -> str:
     """The one `error:` line of a refused command, holding each of parts."""
@@ -267,6 +270,33 @@ def test_a_leading_tilde_is_the_home_folder(pycode_small: Path, tmp_path: Path) 
         (dict(latent_norm=False), "latent_norm=False is an MLA key: set kv_lora_rank too"),
         (dict(rope_theta=500.0), "rope_theta=500.0 applies to rotary positions"),
         (dict(mlp="swiglu", gelu="tanh"), "gelu='tanh' applies to mlp='gelu'"),
+        # a pattern's letters past the last layer: cut, they would name no layer
+        (
+            dict(layer_pattern="DDDL"),
+            "layer_pattern='DDDL' has 4 letters and n_layer=2: the letters past layer 2 name no "
+            "layer (the model would be 'DD', no attention layer); give at most 2 letters, "
+            "e.g. 'DL'",
+        ),
+        (dict(layer_pattern="LLLD"), "(the model would be 'LL', no Gated DeltaNet layer)"),
+        (dict(window=4, window_pattern="SSSL"), "window_pattern='SSSL' has 4 letters"),
+        # a key that only attention layers read, on a model with none
+        (
+            dict(layer_pattern="DD", n_kv_head=1),
+            f"n_kv_head=1 {UNREAD}, and layer_pattern='DD' on n_layer=2 has none: leave it out",
+        ),
+        (dict(layer_pattern="D", kv_lora_rank=16), f"kv_lora_rank=16 {UNREAD}"),
+        (dict(layer_pattern="D", latent_norm=False), f"latent_norm=False {UNREAD}"),
+        (dict(layer_pattern="D", qk_rope_head_dim=4), f"qk_rope_head_dim=4 {UNREAD}"),
+        (dict(layer_pattern="D", q_lora_rank=8), f"q_lora_rank=8 {UNREAD}"),
+        (dict(layer_pattern="D", qk_norm=True), f"qk_norm=True {UNREAD}"),
+        (
+            dict(layer_pattern="D", pos_encoding="rope", rope_theta=500.0),
+            f"rope_theta=500.0 {UNREAD}",
+        ),
+        (
+            dict(layer_pattern="D", pos_encoding="rope", rope_fraction=0.5),
+            f"rope_fraction=0.5 {UNREAD}",
+        ),
     ],
 )
 def test_a_setting_that_would_change_nothing_is_one_line_naming_it(
@@ -277,6 +307,38 @@ def test_a_setting_that_would_change_nothing_is_one_line_naming_it(
     with pytest.raises(ValueError) as err:
         GPTConfig(**{"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32} | overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_key_no_layer_reads_is_one_problem_of_its_own_and_what_layers_read_is_kept() -> None:
+    """On a model of Gated DeltaNet layers alone: a line for each attention key given and none for
+    what MLA's latent resolves (its rotary key's width); an n_kv_head of n_head (its default), a
+    pattern that tiles the layers, and learned positions' rotary keys (named as unused, not unread)
+    as before; compare.py's all-recurrent variant (mha-d) still names its model."""
+    from model import GPTConfig
+    from smallgpt.variant import Variant
+
+    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, layer_pattern="D")
+    with pytest.raises(ValueError) as err:
+        GPTConfig(**base, attn_gate="element", qk_norm=True)
+    assert str(err.value).count("is read only by") == 2 and "\n" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        GPTConfig(**base, kv_lora_rank=16, pos_encoding="rope")
+    assert "kv_lora_rank=16" in str(err.value) and "qk_rope_head_dim" not in str(err.value)
+    with pytest.raises(ValueError, match="rope_theta=500.0 applies to rotary positions"):
+        GPTConfig(**(base | dict(layer_pattern="DL")), rope_theta=500.0)
+    assert GPTConfig(**base, n_kv_head=4).attention_kind == "MHA"
+    assert GPTConfig(**(base | dict(n_layer=6, layer_pattern="DL"))).layer_letters == "DLDLDL"
+    mha = GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=32)
+    assert str(Variant.from_config(Variant.parse("mha-d").config(mha))) == "mha-d"
+
+
+def test_a_list_that_names_an_item_twice_is_one_line() -> None:
+    """eval.py's tasks and distances, train.py's final_evals: a repeat measures nothing new."""
+    r = cli(["eval.py", "--tasks=[induction,induction]"])
+    one_line(r, "tasks=['induction', 'induction'] lists 'induction' twice")
+    one_line(cli(["eval.py", "--distances=[8,16,8]"]), "distances=[8, 16, 8] lists 8 twice")
+    r = cli(["train.py", "--final_evals=[position,position]"])
+    one_line(r, "final_evals=['position', 'position'] lists 'position' twice")
 
 
 def test_the_limits_themselves_are_accepted() -> None:
