@@ -181,7 +181,7 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
             model = GPT(mcfg)
         kv = mcfg.kv_cache_bytes(1, mcfg.block_size, getattr(torch, cfg.kv_dtype))
         kv_column = f"KV cache/sequence @ {mcfg.block_size} ({cfg.kv_dtype}, MiB)"
-        kind = mcfg.attention_kind
+        kind = mcfg.attention_label  # 'none' where no layer attends
         if kind == "MLA":
             kind += f" (kv_lora_rank={mcfg.kv_lora_rank})"
         if mcfg.window:
@@ -190,7 +190,7 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
             kind += f", Gated DeltaNet in {mcfg.layer_pattern}"
         rows.append(
             {
-                "n_kv_head": mcfg.n_kv_head,
+                "n_kv_head": mcfg.n_kv_head if mcfg.attends else "-",
                 "kind": kind,
                 "params (M)": round(model.num_params() / 1e6, 2),
                 # a hybrid's: the mean of its attention and recurrent layers'

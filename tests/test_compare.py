@@ -1215,6 +1215,15 @@ def test_costs_table_lists_every_divisor(kv_dtype: str | None, nbytes: int) -> N
         assert float(row[kv_column]) == round(kv / 2**20, 2)
 
 
+def test_the_costs_table_names_a_model_without_attention_so() -> None:
+    """An all-recurrent variant (mha-dd: no layer attends) is 'none' in the kind column, with no
+    K/V heads, not the MHA that its name's grammar starts from."""
+    r = run(["compare.py", "--mode=costs", "--n_layer=2", "--variants=[mha,mha-dd,mha-dl]"])
+    rows = [line.split(" | ")[:2] for line in r.stdout.splitlines() if line.startswith("| ")]
+    assert ["| -", "none, Gated DeltaNet in DD"] in rows
+    assert ["| 6", "MHA, Gated DeltaNet in DL"] in rows  # n_head=6, the default
+
+
 def trained_run(folder: Path, dataset: Path, iters: int, **schedule: object) -> bytes:
     """A run's checkpoint as a sweep leaves it at iteration iters, trained with SWEEP's settings
     but for schedule (a finished one: iters = max_iters); its bytes."""
