@@ -36,7 +36,9 @@ MLA's other keys. Every run is checked before the first trains (its config, the 
 final_evals). A run trained before at another budget (max_iters, warmup_iters, lr_decay_iters,
 decay_lr) is refused: resumed, it would change its learning-rate schedule midway; --extend=True
 trains such runs on to the new budget from their checkpoints (the rate then follows the new
-schedule), and the report marks runs whose iterations differ from the rest of their comparison.
+schedule). The report reads exactly the runs the command names and marks those trained for other
+iterations than its budget. out_dir is taken only when new, empty or marked as a comparison by the
+compare.json a sweep writes there.
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
