@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT
+from model import GPT, GPTConfig
 from smallgpt import recall, report, runtime, sweep
 from smallgpt.atomic import (
     atomic_open,
@@ -77,6 +77,30 @@ from smallgpt.variant import MHA, Variant
 MLA_KEYS = ("qk_rope_head_dim", "q_lora_rank", "latent_norm")
 # a run's budget and learning-rate schedule: resumed with others, it changes its schedule midway
 SCHEDULE_KEYS = ("max_iters", "warmup_iters", "lr_decay_iters", "decay_lr")
+# train.py keys that say where a run is written, logged and how it is run, not what it trains or
+# measures: a run trained before with other values of these is still the sweep's run (the dataset
+# is compared by its meta, checkpoint_of; init_from names the folders, which may have moved)
+WHERE_KEYS = (
+    "out_dir",
+    "init_from",
+    "dataset",
+    "eval_interval",
+    "eval_at_start",
+    "eval_only",
+    "log_interval",
+    "always_save_checkpoint",
+    "keep_last",
+    "wandb_log",
+    "wandb_project",
+    "wandb_run_name",
+    "wandb_group",
+    "wandb_tags",
+    "device",
+    "dtype",
+    "compile",
+    "parallel",
+    "peak_flops",
+)
 
 # What compare.py writes at the root of a comparison (beside its runs' folders); the first marks it
 # (smallgpt/atomic.py's KIND_MARKERS: a folder is the comparison's only when it holds that one)
@@ -409,6 +433,7 @@ def check_budgets(
         if stored is None:
             continue
         now = planned[run.dir]
+        check_same_settings(run, stored, now)
         was = {
             k: v for k, v in stored["config"].items() if k in SCHEDULE_KEYS and v != getattr(now, k)
         }
@@ -420,6 +445,30 @@ def check_budgets(
     if not cfg.extend:
         raise UserError(other_budget(changed, planned))
     check_extension(runs, planned, changed, trained_to)
+
+
+def check_same_settings(run: sweep.Run, stored: dict, now: TrainConfig) -> None:
+    """A run trained before is the sweep's run only where it was trained as this command trains it:
+    its model (stored: sweep.trained's record), and its training keys but its budget
+    (SCHEDULE_KEYS, which --extend may change) and WHERE_KEYS; else a UserError naming the keys
+    (resumed or counted finished, it would sit beside runs of other settings in the report)."""
+    model_keys = {f.name for f in dataclasses.fields(GPTConfig)}
+    ignored = {*SCHEDULE_KEYS, *WHERE_KEYS, *model_keys}
+    planned = json.loads(json.dumps(dataclasses.asdict(now)))  # as a checkpoint holds it
+    was = {k: v for k, v in stored["config"].items() if k in planned and k not in ignored}
+    asked = {k: planned[k] for k in was}
+    # the model as the plan resolves it (its MLP, vocabulary), against the checkpoint's
+    was |= stored["model_config"]
+    asked |= dataclasses.asdict(run.model)
+    differ = [k for k in asked if k in was and was[k] != asked[k]]
+    if differ:
+        trained = ", ".join(f"{k}={was[k]!r}" for k in differ)
+        wanted = ", ".join(f"{k}={asked[k]!r}" for k in differ)
+        raise UserError(
+            f"{run.dir.name} was trained with {trained}, and this sweep asks {wanted}: its runs "
+            f"would sit beside runs of other settings; use another out_dir, or give the "
+            f"settings the runs were trained with"
+        )
 
 
 def checkpoint_of(run: sweep.Run, meta: dict | None, dataset: str) -> dict | None:

@@ -53,9 +53,12 @@ def earlier_files(out_dir: Path) -> set[str]:
     or, for a meta from before the list, every file of a dataset's names there; none where there is
     no dataset (a user's files beside no meta.json are not the project's)."""
     try:
-        listed = json.loads((out_dir / "meta.json").read_text()).get("files")
-    except (OSError, ValueError, AttributeError):  # no dataset, or a damaged meta
+        meta = json.loads((out_dir / "meta.json").read_text())
+    except (OSError, ValueError):  # no dataset, or a damaged meta
         return set()
+    if meta_problems(meta):  # a meta.json of the user's, not a dataset's: none of it is ours
+        return set()
+    listed = meta.get("files")
     if not isinstance(listed, list):
         listed = [p.name for p in out_dir.iterdir()]
     return {name for name in listed if isinstance(name, str) and DATASET_FILES.fullmatch(name)}

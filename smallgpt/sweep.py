@@ -344,13 +344,18 @@ def finished(run: Run) -> bool:
 
 def trained(run: Run) -> dict | None:
     """What the checkpoint in run's folder was trained as: {'iter_num', 'config' (its run's),
-    'data_meta' (the dataset's it read)}; None where the folder holds no checkpoint."""
+    'model_config' (its model's), 'data_meta' (the dataset's it read)}; None where the folder holds
+    no checkpoint."""
     path = run.dir / "ckpt.pt"
     if not path.is_file():
         return None
     ckpt = load_checkpoint(path, "cpu", mmap=True)
-    config = run_config(ckpt)
-    return {"iter_num": ckpt["iter_num"], "config": config, "data_meta": ckpt.get("data_meta")}
+    return {
+        "iter_num": ckpt["iter_num"],
+        "config": run_config(ckpt),
+        "model_config": ckpt["model_config"],
+        "data_meta": ckpt.get("data_meta"),
+    }
 
 
 def train_args(run: Run) -> list[str]:

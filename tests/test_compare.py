@@ -1232,12 +1232,13 @@ def trained_run(folder: Path, dataset: Path, iters: int, **schedule: object) -> 
     cfg = dataclasses.replace(cfg, out_dir=str(folder), **schedule)
     folder.mkdir(parents=True)
     (folder.parent / "compare.json").write_text('{"kind": "a comparison"}')  # the sweep's mark
+    meta = load_meta(dataset)
     save_checkpoint(
         folder / "ckpt.pt",
-        tiny_model(),
+        GPT(cfg.model_config(meta["vocab_size"])),  # the model the sweep trains there
         iter_num=iters,
         config=dataclasses.asdict(cfg),
-        data_meta=load_meta(dataset),
+        data_meta=meta,
     )
     return (folder / "ckpt.pt").read_bytes()
 
@@ -1280,6 +1281,39 @@ def test_a_sweep_over_runs_trained_at_another_budget_is_refused_before_any_train
     assert "$ python train.py" not in r.stdout
     assert (out / "mha-s1337" / "ckpt.pt").read_bytes() == before
     assert sorted(p.name for p in out.iterdir()) == ["compare.json", "mha-s1337"]
+
+
+@pytest.mark.parametrize(
+    ("trained", "says"),
+    [
+        (
+            {"batch_size": 4},
+            "mha-s1337 was trained with batch_size=4, and this sweep asks batch_size=8",
+        ),
+        (
+            {"eval_iters": 2},
+            "mha-s1337 was trained with eval_iters=2, and this sweep asks eval_iters=4",
+        ),
+        ({"bias": True}, "mha-s1337 was trained with bias=True, and this sweep asks bias=False"),
+        ({"log_interval": 1, "keep_last": 2}, None),  # where it logs and keeps: still this run
+    ],
+)
+def test_a_sweep_reuses_a_run_only_as_it_would_train_it(
+    pycode_small: Path, tmp_path: Path, trained: dict, says: str | None
+) -> None:
+    """A run trained before (its checkpoint) with other training keys or another model than the
+    sweep would give it is one line before any work, not resumed or counted finished beside the
+    others; one that differs only in where it logs and keeps its files is the sweep's run."""
+    out = tmp_path / "cmp"
+    before = trained_run(out / "mha-s1337", pycode_small, 30, **trained)
+    args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]"]
+    r = cli([*args, "--mode=plan"])
+    if says is None:
+        assert r.returncode == 0 and "1 runs, 1 to run" in r.stdout, r.stderr
+        return
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {says}"), r.stderr
+    assert len(r.stderr.splitlines()) == 1
+    assert (out / "mha-s1337" / "ckpt.pt").read_bytes() == before
 
 
 def test_extend_trains_runs_on_but_never_shortens_one_or_keeps_a_stale_conversion(

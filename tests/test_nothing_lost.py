@@ -169,6 +169,13 @@ def test_preparing_a_dataset_again_leaves_nothing_of_the_earlier_one(tmp_path: P
     run(prepare)
     assert files(data) == [".lock", "meta.json", "notes.md", "test.bin", "train.bin", "val.bin"]
     assert (data / "notes.md").read_text() == "the user's"
+    # a meta.json that is no dataset's (the user's): nothing beside it is taken for a preparation's
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "meta.json").write_text('{"author": "me"}')
+    (mine / "test.bin").write_bytes(b"the user's")
+    run(["dataset.py", f"--input={text}", f"--out_dir={mine}", "--test_fraction=0"])
+    assert (mine / "test.bin").read_bytes() == b"the user's"
     # the dataset by its bare name, beside it: the line says how to give it, not to prepare it
     r = cli(["train.py", "--dataset=d2", *TINY_TRAIN], cwd=tmp_path)
     one_line(r, "no dataset at ", "data/d2 (missing meta.json)", "give its path: --dataset=./d2")
