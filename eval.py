@@ -27,6 +27,13 @@ from smallgpt.configs import repeat_problems
 from smallgpt.data import Batches, data_dir, load_meta, splits_of
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The keys each task reads (recall.run_tasks): one given that no task of the command reads would
+# change nothing, so it is refused (check_read)
+TASK_KEYS = {
+    "induction": ("distances", "induction_length", "examples", "batch_size", "seed"),
+    "position": ("dataset", "split", "eval_iters", "batch_size"),
+    "mqar": ("dataset", "split", "eval_iters", "batch_size"),
+}
 
 
 @dataclass(slots=True)
@@ -82,6 +89,22 @@ def with_run_defaults(cfg: EvalConfig, run_config: dict) -> EvalConfig:
     return dataclasses.replace(cfg, **values)
 
 
+def check_read(given: EvalConfig, tasks: list[str]) -> None:
+    """A UserError for a key the command gives (given: its config before the run's values fill it)
+    that none of tasks reads (TASK_KEYS)."""
+    defaults = EvalConfig()
+    read = {key for task in tasks for key in TASK_KEYS[task]}
+    for key in dict.fromkeys(k for keys in TASK_KEYS.values() for k in keys):
+        value = getattr(given, key)
+        if key in read or value == getattr(defaults, key):
+            continue
+        readers = [task for task, keys in TASK_KEYS.items() if key in keys]
+        raise UserError(
+            f"{key}={value!r} is read by {' and '.join(readers)}, and tasks={tasks} has none of "
+            f"them: leave {key} out, or add a task that reads it"
+        )
+
+
 def check_tokens(run: Run, source: Source, meta: dict, dataset: str, name: str) -> None:
     """The dataset must be in the model's own tokens, as train.py checks where it resumes or
     fine-tunes: another tokenizer's ids are other tokens to the model, or lie past its embedding."""
@@ -100,7 +123,9 @@ def main(cfg: EvalConfig) -> None:
             f"weights (gpt2*, hf:<folder>)"
         )
     run = load_run(source, cfg.out_dir, "cpu")
+    given = cfg
     cfg = with_run_defaults(cfg, run.config)
+    check_read(given, cfg.tasks)  # the tasks as the run's final_evals may have named them
     model = run.model
     block_size = model.config.block_size
     name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)

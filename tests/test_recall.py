@@ -175,7 +175,7 @@ def test_train_logs_its_final_evals_and_eval_py_prints_the_same(
     for flags, message in [
         (["--distances=[30]"], "induction distance 30 with induction_length=8"),
         (["--induction_length=64"], "induction_length=64 needs 128 distinct tokens"),
-        (["--tasks=[mqar]"], "the mqar task reads an MQAR dataset"),
+        (["--tasks=[induction,mqar]"], "the mqar task reads an MQAR dataset"),
         (["--tasks=[recall]"], "tasks: 'recall' is not one of induction, position, mqar"),
     ]:
         r = cli([*base, *flags])
@@ -316,6 +316,10 @@ def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
         ([f"--dataset={shuffled}"], wrong_tokens),
         (["--tasks=[induction,position,mqar]"], "the mqar task reads an MQAR"),
         ([f"--dataset={old}", "--split=test"], f"split=test: {old} has no test split"),
+        # a key that no task of the command reads
+        (["--tasks=[position]", "--distances=[8]"], "distances=[8] is read by induction, and "),
+        (["--tasks=[induction]", "--split=val"], "split='val' is read by position and mqar"),
+        (["--tasks=[position]", "--examples=8"], "examples=8 is read by induction"),
     ]:
         r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", *flags])
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
