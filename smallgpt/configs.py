@@ -95,6 +95,7 @@ class TrainConfig:
             source = Source("scratch")
         problems += self.choice_problems()
         problems += self.schedule_problems()
+        problems += self.unread_problems()
         if problems:
             raise ValueError("invalid config: " + "; ".join(problems))
         # the model's own checks, before any work (pretrained weights decide their own model)
@@ -150,6 +151,24 @@ class TrainConfig:
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             problems.append(f"dtype={self.dtype!r} must be one of auto, float32, bfloat16, float16")
+        return problems
+
+    def unread_problems(self) -> list[str]:
+        """Training keys set away from their defaults where the run would not read them: Muon's
+        rate without Muon, the decay's end and floor without a decay."""
+        defaults = TrainConfig.__dataclass_fields__
+        problems = []
+        if self.optimizer != "muon" and self.muon_lr != defaults["muon_lr"].default:
+            problems.append(
+                f"muon_lr={self.muon_lr} is Muon's rate and optimizer={self.optimizer!r}: set "
+                f"optimizer='muon', or leave muon_lr out"
+            )
+        for key in ("lr_decay_iters", "min_lr"):
+            if not self.decay_lr and getattr(self, key) != defaults[key].default:
+                problems.append(
+                    f"{key}={getattr(self, key)} shapes the decay and decay_lr=False keeps the "
+                    f"rate constant: leave {key} out, or decay_lr on"
+                )
         return problems
 
     def schedule_problems(self) -> list[str]:

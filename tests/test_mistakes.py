@@ -38,6 +38,9 @@ def one_line(r: object, message: str) -> None:
             "optimizer='muon' does not go with parallel='fsdp'",
         ),
         (["--out_dir="], "--out_dir= gives out_dir an empty value (an unset shell variable?)"),
+        # a key the run would not read: Muon's rate under AdamW, the decay's end with no decay
+        (["--muon_lr=0.05"], "muon_lr=0.05 is Muon's rate and optimizer='adamw'"),
+        (["--decay_lr=False", "--min_lr=1e-5"], "min_lr=1e-05 shapes the decay and decay_lr=False"),
     ],
 )
 def test_train_flags_that_make_no_sense(
