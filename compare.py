@@ -473,7 +473,8 @@ def check_same_settings(run: sweep.Run, stored: dict, now: TrainConfig) -> None:
 
 def checkpoint_of(run: sweep.Run, meta: dict | None, dataset: str) -> dict | None:
     """What run's checkpoint was trained as (sweep.trained; None without one), refused where the
-    dataset (its meta) was prepared again, with other tokens, since the run trained."""
+    dataset (its meta) was prepared again since the run trained: with other tokens, or otherwise
+    (other splits, or other settings where both metas record them)."""
     stored = sweep.trained(run)
     if stored is None or meta is None:
         return stored
@@ -481,6 +482,17 @@ def checkpoint_of(run: sweep.Run, meta: dict | None, dataset: str) -> dict | Non
         check_vocabulary(run.model.vocab_size, meta, stored["data_meta"], dataset)
     except UserError as e:
         raise UserError(f"{run.dir.name}: {e}") from e
+    trained_on = stored["data_meta"] or {}
+    keys = ["train_tokens", "val_tokens", "test_tokens"]
+    if "settings" in trained_on and "settings" in meta:
+        keys.append("settings")
+    differ = [k for k in keys if trained_on.get(k) != meta.get(k)]
+    if differ:
+        was = ", ".join(f"{k}={trained_on.get(k)!r}" for k in differ)
+        raise UserError(
+            f"{run.dir.name} was trained on dataset {dataset} as it was prepared before ({was}), "
+            f"not as it is now: use another out_dir, or prepare the dataset as it was"
+        )
     return stored
 
 

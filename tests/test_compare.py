@@ -1224,9 +1224,12 @@ def test_the_costs_table_names_a_model_without_attention_so() -> None:
     assert ["| 6", "MHA, Gated DeltaNet in DL"] in rows  # n_head=6, the default
 
 
-def trained_run(folder: Path, dataset: Path, iters: int, **schedule: object) -> bytes:
+def trained_run(
+    folder: Path, dataset: Path, iters: int, data_meta: dict | None = None, **schedule: object
+) -> bytes:
     """A run's checkpoint as a sweep leaves it at iteration iters, trained with SWEEP's settings
-    but for schedule (a finished one: iters = max_iters); its bytes."""
+    but for schedule (a finished one: iters = max_iters), on the dataset's meta but for
+    data_meta's keys; its bytes."""
     train_args = [a for a in SWEEP if not a.startswith(("--decode", "--speed"))]
     cfg = parse_config(TrainConfig, [f"--dataset={dataset}", *train_args])
     cfg = dataclasses.replace(cfg, out_dir=str(folder), **schedule)
@@ -1238,7 +1241,7 @@ def trained_run(folder: Path, dataset: Path, iters: int, **schedule: object) -> 
         GPT(cfg.model_config(meta["vocab_size"])),  # the model the sweep trains there
         iter_num=iters,
         config=dataclasses.asdict(cfg),
-        data_meta=meta,
+        data_meta=meta | (data_meta or {}),
     )
     return (folder / "ckpt.pt").read_bytes()
 
@@ -1296,6 +1299,8 @@ def test_a_sweep_over_runs_trained_at_another_budget_is_refused_before_any_train
         ),
         ({"bias": True}, "mha-s1337 was trained with bias=True, and this sweep asks bias=False"),
         ({"log_interval": 1, "keep_last": 2}, None),  # where it logs and keeps: still this run
+        # its dataset prepared again since, with as many tokens of the same characters
+        ({"data_meta": {"train_tokens": 1}}, "mha-s1337 was trained on dataset "),
     ],
 )
 def test_a_sweep_reuses_a_run_only_as_it_would_train_it(
@@ -1305,7 +1310,8 @@ def test_a_sweep_reuses_a_run_only_as_it_would_train_it(
     sweep would give it is one line before any work, not resumed or counted finished beside the
     others; one that differs only in where it logs and keeps its files is the sweep's run."""
     out = tmp_path / "cmp"
-    before = trained_run(out / "mha-s1337", pycode_small, 30, **trained)
+    meta = trained.pop("data_meta", {})
+    before = trained_run(out / "mha-s1337", pycode_small, 30, meta, **trained)
     args = ["compare.py", f"--dataset={pycode_small}", f"--out_dir={out}", *SWEEP, "--kv_heads=[4]"]
     r = cli([*args, "--mode=plan"])
     if says is None:
