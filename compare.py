@@ -422,10 +422,11 @@ def check_budgets(
     meta: dict | None,
     dataset: str,
 ) -> None:
-    """Refuse to resume a run trained at another budget (SCHEDULE_KEYS) unless --extend=True asks
-    for it: it would change its learning-rate schedule midway (the rate rises again) and the
-    report set it beside runs of another budget. With extend, refuse what extending cannot do:
-    shorten a run, or keep the conversions made of a model it trains on."""
+    """Refuse a run trained before with other settings (check_same_settings), and to resume one
+    trained at another budget (SCHEDULE_KEYS) unless --extend=True asks for it: it would change
+    its learning-rate schedule midway (the rate rises again) and the report set it beside runs of
+    another budget. With extend, refuse what extending cannot do: shorten a run, or keep the
+    conversions made of a model it trains on."""
     changed = {}  # a run's folder -> its checkpoint's schedule keys that differ from the plan's
     trained_to = {}  # ... -> its checkpoint's iteration
     for run in runs:
@@ -613,12 +614,12 @@ def unmarked_sweep_hint(root: Path) -> str:
     )
 
 
-def sweep_status(cfg: CompareConfig, base: TrainConfig, root: Path) -> str | None:
-    """A line saying the sweep into root is still running (a compare.py holds its lock), or None."""
+def sweep_status(runs: list[sweep.Run], root: Path) -> str | None:
+    """A line saying the sweep of runs into root is still running (a compare.py holds its lock),
+    or None."""
     holder = lock_holder(root)
     if holder is None:
         return None
-    runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
     finished = sum(map(sweep.finished, runs))
     return (
         f"The sweep is still running ({holder}): {finished} of {len(runs)} runs finished. This "
@@ -645,7 +646,7 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
     if cfg.mode in ("report", "all"):
         # the runs this command names: its variants, seeds, sizes, rates and conversions
         runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
-        text = report.write_report(root, cfg, base, runs, sweep_status(cfg, base, root))
+        text = report.write_report(root, cfg, base, runs, sweep_status(runs, root))
         print(f"{text}\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
 
 

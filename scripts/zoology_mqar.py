@@ -299,17 +299,15 @@ def prepare(cfg: ZoologyConfig, pairs: int) -> None:
     run([PREPARE, f"--out_dir={dataset_folder(cfg, pairs)}", *flags])
 
 
-def accuracies(folder: Path, cfg: ZoologyConfig) -> dict[str, dict[int, tuple[float, str]]]:
-    """A comparison's MQAR accuracy by variant and width, of this call's widths (at its n_layer)
-    and variants only: (pooled accuracy, 'k/n' solved)."""
-    widths = {f"{cfg.n_layer}x{w}": w for w in cfg.widths}
+def accuracies(folder: Path) -> dict[str, dict[int, tuple[float, str]]]:
+    """A comparison's MQAR accuracy by variant and width: (pooled accuracy, 'k/n' solved). Its
+    report.csv holds this call's widths and variants alone (compare.py reports the runs its
+    command names, whatever else an earlier call trained there)."""
     out: dict[str, dict[int, tuple[float, str]]] = {}
     with open(folder / "report.csv") as f:
         for row in csv.DictReader(f):
-            width = widths.get(row["size"])
-            # an earlier call may have trained other sizes and variants there
-            ours = width is not None and (not cfg.variants or row["variant"] in cfg.variants)
-            if row.get("mqar_acc") and ours:
+            if row.get("mqar_acc"):
+                width = int(row["size"].split("x")[1])
                 solved = f"{row['mqar_solved']}/{row['mqar_runs']}"
                 out.setdefault(row["variant"], {})[width] = (float(row["mqar_acc"]), solved)
     return out
@@ -368,7 +366,7 @@ def main(cfg: ZoologyConfig) -> None:
         if pairs in fresh:
             prepare(cfg, pairs)
         run(compare_command(cfg, pairs))
-        by_pairs[pairs] = accuracies(out / f"p{pairs}", cfg)
+        by_pairs[pairs] = accuracies(out / f"p{pairs}")
     figure(by_pairs, out / "zoology.png")
     text = table(by_pairs)
     with atomic_open(out / "zoology.md", "w") as f:

@@ -220,10 +220,8 @@ def rate_choice(runs: list[dict]) -> RateChoice:
         k: {rate: statistics.fmean(r["final"] for r in rs) for rate, rs in m.items()}
         for k, m in by_rate.items()
     }
-    other_budget = {
-        k: {rate: other_iters(rs) for rate, rs in m.items() if other_iters(rs)}
-        for k, m in by_rate.items()
-    }
+    marked = {k: {rate: other_iters(rs) for rate, rs in m.items()} for k, m in by_rate.items()}
+    other_budget = {k: {r: runs for r, runs in m.items() if runs} for k, m in marked.items()}
     chosen = {k: min(m, key=m.get) for k, m in means.items() if min(m.values()) < math.inf}
     lost = [f"{size} {variant}" for size, variant in means if (size, variant) not in chosen]
     kept = [r for r in runs if chosen.get((r["size"], r["variant"]), False) == r["rate"]]

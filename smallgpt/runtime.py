@@ -6,6 +6,7 @@ before reading a clock. train.py, sample.py, bench.py and compare.py share these
 import ctypes
 import gc
 import os
+import platform
 import re
 import sys
 import time
@@ -267,8 +268,6 @@ def device_name(device: str) -> str:
     found = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
     if found:
         return found[1].strip()
-    import platform
-
     return platform.processor() or platform.machine()
 
 
