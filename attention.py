@@ -1,53 +1,49 @@
-"""The attention kinds behind one interface to the block and the KV cache, with the rotary positions
-and masks they share: CausalSelfAttention (MHA, GQA or MQA, set by its number of K/V heads, with
-Qwen3.5's options: an output gate, q/k norms, a rotary fraction) and LatentAttention (Multi-head
-Latent Attention, whose cache holds one low-rank latent and one rotary key per token); the masks
-also cut a local layer's keys to its window (GPTConfig.window). The cache of every kind of layer
-lives here too (KVCache and its kinds: Rows, Ring, and the recurrent layers' Recurrent, which
-gated_deltanet.py's layer reads and writes). model.py builds them from GPTConfig.
+"""Attention, the kinds of layer that attend: global (L in layer_pattern: every earlier token) and
+local (S: the newest `window` tokens), each as MHA, GQA or MQA (CausalSelfAttention, set by its
+number of K/V heads, with Qwen3.5's options: an output gate, q/k norms, a rotary fraction) or as
+Multi-head Latent Attention (LatentAttention, where kv_lora_rank is set: its cache holds one
+low-rank latent and one rotary key per token); with the rotary positions and the masks they share,
+and the checks of the keys they read. model.LAYER_KINDS holds the two kinds as rows.
 
 GQA: https://arxiv.org/abs/2305.13245, MQA: https://arxiv.org/abs/1911.02150, MLA:
 https://arxiv.org/abs/2405.04434"""
 
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Hashable
 
 import torch
 import torch.nn as nn
 
-from smallgpt.fast_paths import Linear, attention, joint_linear
+from kv_cache import Cache, KVCache, RingSpec, RowsSpec, StaticKVCache
+from layer_kind import Config, LayerKind, Mask, Mixer, Rope
+from smallgpt.fast_paths import Linear, joint_linear, sdpa
 
 NORM_EPS = 1e-5  # every RMSNorm's, as nn.LayerNorm's default (exported as Llama's rms_norm_eps)
-RECURRENT = "D"  # a recurrent layer's entry in GPTConfig.layer_windows (it has no window)
-Window = int | str | None  # a layer's: None global, an int local, RECURRENT recurrent
-Device = torch.device | str
 
 
-class Cache(Protocol):
-    """What a layer needs of a cache: KVCache, or its fixed-shape view StaticKVCache. An attention
-    layer writes and reads its keys and values (update), a recurrent one its state (recurrent,
-    remember)."""
+class RMSNorm(nn.RMSNorm):
+    """torch's RMSNorm with this project's epsilon, computed in its weight's dtype: under
+    autocast a bf16 input would miss the fused kernel (and warn)."""
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def __init__(self, width: int) -> None:
+        super().__init__(width, eps=NORM_EPS)
 
-    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def remember(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None: ...
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
 
 
-def latent_problems(
-    kv_lora_rank: int | None,
-    qk_rope_head_dim: int | None,
-    q_lora_rank: int | None,
-    latent_norm: bool,
-    pos_encoding: str,
-    n_kv_head: int,
-    n_head: int,
-    n_embd: int,
-) -> list[str]:
+# ---- the checks of the keys attention reads (GPTConfig gathers them through the kinds) ----
+
+
+def latent_problems(c: Config) -> list[str]:
     """What is wrong with GPTConfig's MLA keys, a key that would change nothing included."""
+    kv_lora_rank = c.kv_lora_rank
+    qk_rope_head_dim = c.qk_rope_head_dim
+    q_lora_rank = c.q_lora_rank
+    latent_norm = c.latent_norm
+    pos_encoding = c.pos_encoding
+    n_kv_head = c.n_kv_head
+    n_head = c.n_head
+    n_embd = c.n_embd
     if kv_lora_rank is None:
         given = {"qk_rope_head_dim": qk_rope_head_dim, "q_lora_rank": q_lora_rank}
         if latent_norm is not True:  # its default: anything else asks for a latent's norm
@@ -89,30 +85,12 @@ def latent_problems(
     return problems
 
 
-def window_problems(
-    window: int | None, pattern: str, block_size: int, key: str = "window_pattern"
-) -> list[str]:
-    """What is wrong with GPTConfig's local-layer keys, alone and against block_size (GPTConfig
-    checks that some layer is local). key: the pattern's name, window_pattern or layer_pattern
-    (whose letters may name recurrent layers too, D)."""
-    allowed = {"S", "L", "D"} if key == "layer_pattern" else {"S", "L"}
-    letters = isinstance(pattern, str) and pattern and set(pattern.upper()) <= allowed
-    if not letters:
-        if key == "layer_pattern":
-            return [
-                f"layer_pattern={pattern!r} must be letters L (global attention), S (local "
-                "attention, its window) and D (Gated DeltaNet), e.g. 'DDDL'"
-            ]
-        return [
-            f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), "
-            "e.g. 'SSSL'"
-        ]
-    if pattern != pattern.upper():
-        return [
-            f"{key}={pattern!r}: its letters are upper case, "
-            f"{key}={pattern.upper()!r} (compare.py's variant names spell them lower "
-            "case, e.g. mha-sl8)"
-        ]
+def window_problems(c: Config) -> list[str]:
+    """What is wrong with the local layers' window, against the pattern and block_size: a
+    pattern of S needs a window, a window needs an S on a layer but the last (always global)."""
+    key = c.pattern_key
+    pattern = getattr(c, key)
+    window = c.window
     if window is None:
         if "S" in pattern:
             return [f"{key}={pattern!r} has local layers (S): give their window"]
@@ -124,32 +102,38 @@ def window_problems(
             f"window={window} with {key}={pattern!r}: no layer is local; give a pattern "
             "with S, e.g. 'SSSL' (the last layer is always global)"
         ]
-    if type(block_size) is int and window >= block_size:
+    if type(c.block_size) is int and window >= c.block_size:
         return [
-            f"window={window} is not below block_size={block_size}, so a local layer would see "
-            f"what a global one sees: give a window below {block_size}, or leave window out"
+            f"window={window} is not below block_size={c.block_size}, so a local layer would see "
+            f"what a global one sees: give a window below {c.block_size}, or leave window out"
+        ]
+    if len(pattern) <= c.n_layer and "S" not in c.layer_letters:
+        n = c.n_layer
+        return [
+            f"{key}={pattern!r} on n_layer={n} makes no layer local (the last layer is "
+            f"always global), so window={window} would change nothing: give a pattern "
+            f"with S among the first {n - 1} layers, or leave window out"
         ]
     return []
 
 
-def pattern_problems(
-    window: int | None, window_pattern: str, layer_pattern: str | None, block_size: int
-) -> list[str]:
-    """What is wrong with the keys that name each layer's kind: window_pattern (S and L), or
-    layer_pattern (S, L and D), not both."""
-    if layer_pattern is None:
-        return window_problems(window, window_pattern, block_size)
-    if window_pattern != "L":
+def window_pattern_problems(pattern: str) -> list[str]:
+    """What is wrong with window_pattern's letters: nanochat's S (local) and L (global)."""
+    if not (isinstance(pattern, str) and pattern and set(pattern.upper()) <= {"S", "L"}):
         return [
-            f"layer_pattern={layer_pattern!r} and window_pattern={window_pattern!r}: give one "
-            "(layer_pattern spells window_pattern's S and L too)"
+            f"window_pattern={pattern!r} must be letters S (a local layer) and L (a global one), "
+            "e.g. 'SSSL'"
         ]
-    return window_problems(window, layer_pattern, block_size, key="layer_pattern")
+    return []
 
 
-def gate_problems(attn_gate: str, qk_norm: bool, rope_fraction: float, mla: bool) -> list[str]:
+def gate_problems(c: Config) -> list[str]:
     """What is wrong with the keys of Qwen3.5's attention: its output gate, q/k norms and rotary
     fraction (GPTConfig checks the fraction's rotated width)."""
+    attn_gate = c.attn_gate
+    qk_norm = c.qk_norm
+    rope_fraction = c.rope_fraction
+    mla = c.kv_lora_rank is not None
     problems = []
     if attn_gate not in ("none", "head", "element"):
         problems.append(f"attn_gate={attn_gate!r} must be one of none, head, element")
@@ -170,432 +154,7 @@ def gate_problems(attn_gate: str, qk_norm: bool, rope_fraction: float, mla: bool
     return problems
 
 
-class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm with this project's epsilon, computed in its weight's dtype: under
-    autocast a bf16 input would miss the fused kernel (and warn)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__(width, eps=NORM_EPS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
-
-
-class Rows:
-    """The global layers' cache: K and V of every such layer, (layers, B, heads, max_len, width),
-    position p at slot p. MLA's is one head of [latent | rotary key] and V of no width
-    (LatentAttention: its values are the latent)."""
-
-    grows = True  # its slots are the cache's length (a compiled step's dynamic size)
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = k
-        self.v = v
-
-    @classmethod
-    def zeros(
-        cls, layers: int, batch_size: int, shape: "CacheShape", device: Device, dtype: torch.dtype
-    ) -> "Rows":
-        """An empty cache of this kind for `layers` layers (shape: the layers' sizes)."""
-        slots = cls.slots(shape.windows, shape.max_len)
-        k, v = (
-            torch.zeros(layers, batch_size, shape.heads, slots, width, device=device, dtype=dtype)
-            for width in (shape.k_width, shape.v_width)
-        )
-        return cls(k, v)
-
-    @staticmethod
-    def owns(window: Window) -> bool:
-        """Whether a layer of this window keeps its cache here: a global one."""
-        return window is None
-
-    @staticmethod
-    def slots(windows: list[Window], max_len: int) -> int:
-        """The slots a layer of this kind keeps, in a cache of max_len positions."""
-        return max_len
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k, self.v
-
-    @property
-    def layers(self) -> int:
-        return self.k.size(0)
-
-    def reset(self, rows: torch.Tensor) -> None:
-        """Forget what these rows held: nothing to do, the mask hides slots before a row's pad."""
-
-    def update(
-        self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write layer i's k, v (B, heads, T, width) at start; return its keys and values so far."""
-        end = start + k.size(2)
-        self.k[i, :, :, start:end] = k
-        self.v[i, :, :, start:end] = v
-        return self.k[i, :, :, :end], self.v[i, :, :, :end]  # (B, heads, end, width)
-
-    def slot(self, pos: torch.Tensor) -> torch.Tensor:
-        """The slot of the position held in pos (a 1-element tensor), for the static step."""
-        return pos
-
-    def read(self, i: int, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's keys and values for the static step: its first length slots, or all."""
-        k = self.k[i]
-        v = self.v[i]
-        if length is None:
-            return k, v
-        return k.narrow(2, 0, length), v.narrow(2, 0, length)
-
-    def splice(self, rows: torch.Tensor, start: int, own: "Rows", count: int) -> None:
-        """Write own's first count positions (a cache of the rows alone, filled from position 0)
-        at start.. in those rows of this one."""
-        end = start + count
-        self.k[:, rows, :, start:end] = own.k[..., :count, :]
-        self.v[:, rows, :, start:end] = own.v[..., :count, :]
-
-    def shift(self, by: int, end: int) -> None:
-        """Move the positions by..end to 0..end - by (the slots no row sees are dropped)."""
-        for t in (self.k, self.v):
-            t[..., : end - by, :] = t[..., by:end, :].clone()
-
-
-class Ring(Rows):
-    """The local layers' cache: a ring of `size` slots a layer, (layers, B, heads, size, width),
-    position p at slot p % size, so that it holds the newest positions, all a window sees."""
-
-    grows = False  # its slots are the window's, whatever the cache's length
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        super().__init__(k, v)
-        self.size = k.size(3)
-
-    @staticmethod
-    def owns(window: Window) -> bool:
-        return isinstance(window, int)
-
-    @staticmethod
-    def slots(windows: list[Window], max_len: int) -> int:
-        local = [w for w in windows if KINDS[owner(w)] is Ring]
-        assert len(set(local)) <= 1, f"one window for every local layer, not {sorted(set(local))}"
-        return min(local[0], max_len) if local else 0
-
-    def update(
-        self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write layer i's k, v (B, heads, T, width) at start; return the keys and values it
-        attends over, in slot order (their positions: attention_mask's `ring`): after the write
-        for one token; before it, then the chunk's own, for a chunk (whose writes would overwrite
-        keys its first queries see); only the chunk's from an empty cache."""
-        T = k.size(2)
-        ring_k = self.k[i]  # (B, heads, size, width)
-        ring_v = self.v[i]
-        if T == 1:
-            ring_k[:, :, start % self.size] = k[:, :, 0]
-            ring_v[:, :, start % self.size] = v[:, :, 0]
-            if start == 0:
-                return k, v
-            return ring_k, ring_v
-        if start == 0:
-            seen = (k, v)
-        else:
-            seen = (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
-        n = min(T, self.size)  # the chunk's newest n tokens are kept
-        slots = torch.arange(start + T - n, start + T, device=k.device) % self.size
-        ring_k.index_copy_(2, slots, k[:, :, T - n :])
-        ring_v.index_copy_(2, slots, v[:, :, T - n :])
-        return seen
-
-    def slot(self, pos: torch.Tensor) -> torch.Tensor:
-        return pos % self.size
-
-    def read(self, i: int, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]  # the whole ring: every slot written is in the window
-
-    def splice(self, rows: torch.Tensor, start: int, own: "Ring", count: int) -> None:
-        """Write the positions own's ring holds (the newest of count, filled from position 0 for
-        the rows alone) at their slots in those rows of this one, where they are start.. ."""
-        held = torch.arange(count - own.size, count, device=rows.device)  # own's positions
-        for mine, theirs in ((self.k, own.k), (self.v, own.v)):
-            rings = mine[:, rows]  # (layers, rows, heads, size, width)
-            rings[:, :, :, (start + held) % self.size] = theirs[:, :, :, held % own.size]
-            mine[:, rows] = rings
-
-    def shift(self, by: int, end: int) -> None:
-        """Turn the ring so that each position sits at its slot once positions move left by by."""
-        for t in (self.k, self.v):
-            t.copy_(t.roll(-by, dims=3))
-
-
-class Recurrent:
-    """The recurrent layers' cache (GatedDeltaNet): each layer's last kernel - 1 inputs of its
-    convolution, (layers, B, channels, kernel - 1), and its state S, (layers, B, heads, d_k, d_v),
-    in fp32 (a running sum over every token): bytes that do not grow with the context. It holds
-    no positions: a prefill from an empty cache starts from zeros, a refill takes the rows' own
-    state (recomputed from the tokens they keep) and a shift leaves it as it is."""
-
-    grows = False
-
-    def __init__(self, conv: torch.Tensor, state: torch.Tensor) -> None:
-        self.conv = conv
-        self.state = state
-
-    @classmethod
-    def zeros(
-        cls, layers: int, batch_size: int, shape: "CacheShape", device: Device, dtype: torch.dtype
-    ) -> "Recurrent":
-        s = shape.state
-        conv = torch.zeros(layers, batch_size, s.channels, s.kernel - 1, device=device, dtype=dtype)
-        size = (layers, batch_size, s.heads, s.key_width, s.value_width)
-        return cls(conv, torch.zeros(size, device=device, dtype=torch.float32))
-
-    @staticmethod
-    def owns(window: Window) -> bool:
-        return window == RECURRENT
-
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.conv, self.state
-
-    @property
-    def layers(self) -> int:
-        return self.conv.size(0)
-
-    def read(self, i: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's convolution inputs and state before position start: zeros at 0 (whatever
-        an earlier sequence left)."""
-        if start == 0:
-            return torch.zeros_like(self.conv[i]), torch.zeros_like(self.state[i])
-        return self.conv[i], self.state[i]
-
-    def write(self, i: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        self.conv[i] = conv
-        self.state[i] = state
-
-    def splice(self, rows: torch.Tensor, start: int, own: "Recurrent", count: int) -> None:
-        """These rows take own's state: what the rows' own tokens left (the positions mean
-        nothing to a state)."""
-        self.conv[:, rows] = own.conv
-        self.state[:, rows] = own.state
-
-    def shift(self, by: int, end: int) -> None:
-        """Nothing moves: the positions dropped are slots no row sees, never in a state."""
-
-    def reset(self, rows: torch.Tensor) -> None:
-        """These rows start again from nothing (a row whose context slid to a single token)."""
-        self.conv[:, rows] = 0
-        self.state[:, rows] = 0
-
-
-# The kinds of cache, one per kind of layer: a layer keeps its cache in the first that owns its
-# window (None: global, an int: local, RECURRENT: a recurrent layer).
-KINDS = (Rows, Ring, Recurrent)
-
-
-def owner(window: Window) -> int:
-    """The index in KINDS of the kind that keeps a layer of this window's cache."""
-    return next(i for i, kind in enumerate(KINDS) if kind.owns(window))
-
-
-@dataclass(frozen=True)
-class StateShape:
-    """A recurrent layer's cache sizes: its convolution's channels (q, k and v of every head) and
-    kernel, and its state's heads, key and value widths."""
-
-    channels: int
-    kernel: int
-    heads: int
-    key_width: int
-    value_width: int
-
-
-NO_STATE = StateShape(0, 1, 0, 0, 0)  # a model without recurrent layers
-
-
-@dataclass(frozen=True)
-class CacheShape:
-    """The sizes every kind of cache is made from: each layer's window (KINDS), the positions,
-    an attention layer's heads and K/V widths (GPTConfig.cache_layout), a recurrent one's
-    state."""
-
-    windows: tuple[Window, ...]
-    max_len: int
-    heads: int
-    k_width: int
-    v_width: int
-    state: StateShape = NO_STATE
-
-
-class KVCache:
-    """Preallocated K and V of every attention layer, laid out as GPTConfig.cache_layout says: K/V
-    heads un-repeated (MHA/GQA/MQA), or MLA's one head of [latent | rotary key]; and a recurrent
-    layer's state. Each kind of layer keeps its own (`kinds`): the global layers' Rows, the local
-    layers' Ring, the recurrent layers' Recurrent. `pos` counts positions written; GPT.forward
-    advances it once per call, after the last layer. zeros() makes an empty one. Only this module
-    reads or writes the tensors: the engine calls the methods below."""
-
-    def __init__(
-        self, kinds: tuple[Rows | Recurrent, ...], shape: CacheShape, pos: int = 0
-    ) -> None:
-        self.kinds = kinds  # one of each of KINDS
-        self.shape = shape
-        self.max_len = kinds[0].k.size(3)  # the global layers' slots
-        # a local layer's slots, 0 without one (its masks: attention_mask's ring)
-        self.ring = next((kind.size for kind in kinds if isinstance(kind, Ring)), 0)
-        self.where = []  # each layer's kind and its index among that kind's layers
-        seen = [0] * len(KINDS)
-        for window in shape.windows:
-            kind = owner(window)
-            self.where.append((kind, seen[kind]))
-            seen[kind] += 1
-        self.windows = shape.windows
-        self.pos = pos
-
-    @classmethod
-    def zeros(
-        cls, shape: CacheShape, batch_size: int, device: Device, dtype: torch.dtype
-    ) -> "KVCache":
-        """An empty cache of these sizes (the local layers share one window)."""
-        owners = [owner(window) for window in shape.windows]
-        kinds = tuple(
-            kind.zeros(owners.count(i), batch_size, shape, device, dtype)
-            for i, kind in enumerate(KINDS)
-        )
-        return cls(kinds, shape)
-
-    @classmethod
-    def of_tensors(cls, tensors: list[torch.Tensor], shape: CacheShape) -> "KVCache":
-        """A cache over tensors (those of tensors(), e.g. a compiled step's inputs)."""
-        kinds = tuple(kind(*tensors[2 * i : 2 * i + 2]) for i, kind in enumerate(KINDS))
-        return cls(kinds, shape)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the cache: the inputs of a compiled step (of_tensors builds it back)."""
-        return [t for kind in self.kinds for t in kind.tensors()]
-
-    def grows(self) -> list[bool]:
-        """For each of tensors(): whether its slots are the cache's length."""
-        return [kind.grows for kind in self.kinds for _ in kind.tensors()]
-
-    def example(self, length: int) -> list[torch.Tensor]:
-        """Tensors shaped as tensors() for a cache of `length` positions (to export a step on)."""
-        tensors = self.tensors()
-        for i, grows in enumerate(self.grows()):
-            if grows:
-                t = tensors[i]
-                tensors[i] = t.new_zeros(*t.shape[:3], length, t.size(4))
-        return tensors
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors())
-
-    @property
-    def device(self) -> torch.device:
-        return self.kinds[0].k.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.kinds[0].k.dtype
-
-    @property
-    def batch_size(self) -> int:
-        return self.kinds[0].k.size(1)
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, heads, T, width) at pos; return the keys and values the layer attends
-        over: a global layer's from 0 to pos + T, a local layer's ring (Ring.update)."""
-        kind, i = self.where[layer]
-        return self.kinds[kind].update(i, self.pos, k, v)
-
-    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A recurrent layer's convolution inputs (B, channels, kernel - 1) and state (B, heads,
-        d_k, d_v) before pos (Recurrent.read)."""
-        kind, i = self.where[layer]
-        return self.kinds[kind].read(i, self.pos)
-
-    def remember(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        """A recurrent layer's convolution inputs and state after the tokens at hand."""
-        kind, i = self.where[layer]
-        self.kinds[kind].write(i, conv, state)
-
-    def refill(self, rows: list[int], own: "KVCache | None") -> None:
-        """Write own (a cache of these rows alone, its positions from 0) into these rows,
-        right-aligned at pos: own's last position goes at pos - 1. None: the rows start again
-        from nothing (their slots before pos are hidden by their pad)."""
-        at = torch.tensor(rows, device=self.device)
-        if own is None:
-            for kind in self.kinds:
-                kind.reset(at)
-            return
-        for mine, theirs in zip(self.kinds, own.kinds, strict=True):
-            if theirs.layers:
-                mine.splice(at, self.pos - own.pos, theirs, own.pos)
-
-    def shift(self, by: int) -> None:
-        """Move every layer's positions left by `by` (slots no row sees), making room at the end."""
-        for kind in self.kinds:
-            if kind.layers:
-                kind.shift(by, self.pos)
-        self.pos -= by
-
-    def static(self, pos: torch.Tensor, length: int | None) -> "StaticKVCache":
-        """This cache as the fixed-shape one-token step reads it (StaticKVCache)."""
-        return StaticKVCache(self, pos, length)
-
-
-class StaticKVCache:
-    """A KVCache as the fixed-shape one-token step (static_step.decode_static) uses it: K/V written
-    at a position held in a 1-element tensor (a local layer's at its ring slot), in place into the
-    cache's tensors (not a view of them, which a compiled step would copy whole), and read whole: a
-    global layer's first `length` positions, or all max_len when length is None (the step masks
-    the unwritten ones); a recurrent layer's state read and written whole. masks: what the query
-    at pos sees, for each window (a recurrent layer's: None, every row is real)."""
-
-    def __init__(self, cache: KVCache, pos: torch.Tensor, length: int | None) -> None:
-        self.cache = cache
-        self.length = length
-        self.pos = pos
-        device = pos.device
-        batch = torch.arange(cache.batch_size, device=device)[:, None]
-        heads = torch.arange(cache.kinds[0].k.size(2), device=device)[None, :]
-        self.rows = (batch, heads)  # (B, heads) slots of one position
-        # what the query at pos sees (visible): a global layer's slots hold positions 0..; over
-        # its first `length` slots it sees them all (no mask)
-        keys = torch.arange(length or cache.max_len, device=device)
-        self.masks = {None: None if length else visible(pos, keys, None)[None, None, None, :]}
-        self.masks[RECURRENT] = None
-        if cache.ring:  # a local layer's ring: the positions its slots hold
-            window = next(w for w in cache.windows if isinstance(w, int))
-            held = ring_positions(pos + 1, cache.ring, device)
-            self.masks[window] = visible(pos, held, window)[None, None, None, :]
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        kind_index, i = self.cache.where[layer]
-        kind = self.cache.kinds[kind_index]
-        at = (torch.full((), i, device=k.device), *self.rows, kind.slot(self.pos))
-        kind.k.index_put_(at, k[:, :, 0])
-        if v.size(-1):  # MLA's cache has no V (its values are the latent, in K)
-            kind.v.index_put_(at, v[:, :, 0])
-        return kind.read(i, self.length)
-
-    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kind_index, i = self.cache.where[layer]
-        kind = self.cache.kinds[kind_index]
-        return kind.conv[i], kind.state[i]
-
-    def remember(self, layer: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        """Written in place with index_put_ (a compiled step's inputs, not a copy of them)."""
-        kind_index, i = self.cache.where[layer]
-        kind = self.cache.kinds[kind_index]
-        at = (torch.full((), i, device=conv.device),)
-        kind.conv.index_put_(at, conv.to(kind.conv.dtype))
-        kind.state.index_put_(at, state)
-
-
-Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand
-Mask = torch.Tensor | None  # bool (B or 1, 1, T, Tk), True where a query sees a key
+# ---- positions and masks ----
 
 
 def rope_tables(dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -629,16 +188,6 @@ def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) 
     if window is not None:
         mask = mask & (key_pos > query_pos - window)
     return mask
-
-
-def real_tokens(
-    T: int, start: int, pad: torch.Tensor | None, device: torch.device
-) -> torch.Tensor | None:
-    """A recurrent layer's mask (B, T) of the tokens at start..start+T-1: True where a row's token
-    is real, False on its left padding (pad[b] slots of row b); None without padding."""
-    if pad is None:
-        return None
-    return torch.arange(start, start + T, device=device)[None, :] >= pad[:, None]
 
 
 def attention_mask(
@@ -692,10 +241,10 @@ class OutputGate(nn.Module):
     """Gated Attention (arXiv 2505.06708): attention's output times sigmoid of a projection of the
     layer's input, one gate a head ('head') or a feature ('element', Qwen3.5's)."""
 
-    def __init__(self, n_embd: int, n_head: int, kind: str, bias: bool) -> None:
+    def __init__(self, n_embd: int, n_head: int, per: str, bias: bool) -> None:
         super().__init__()
         self.n_head = n_head
-        self.c_gate = Linear(n_embd, n_embd if kind == "element" else n_head, bias=bias)
+        self.c_gate = Linear(n_embd, n_embd if per == "element" else n_head, bias=bias)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (B, T, n_head, head_dim) gated by x (B, T, n_embd)."""
@@ -704,15 +253,15 @@ class OutputGate(nn.Module):
         return y * torch.sigmoid(gate)
 
 
-def output_gate(n_embd: int, n_head: int, kind: str, bias: bool) -> OutputGate | None:
-    """The gate GPTConfig.attn_gate names, or None ('none')."""
-    return None if kind == "none" else OutputGate(n_embd, n_head, kind, bias)
+def output_gate(n_embd: int, n_head: int, per: str, bias: bool) -> OutputGate | None:
+    """The gate GPTConfig.attn_gate names (per 'head' or 'element'), or None ('none')."""
+    return None if per == "none" else OutputGate(n_embd, n_head, per, bias)
 
 
 # The GPTConfig keys an attention layer reads beyond the model's own (its sizes, norm, MLP and kind
 # of positions): its K/V heads or MLA's latents (CausalSelfAttention, LatentAttention), Qwen3.5's
-# options, and the rotary tables' base and fraction. model.py's LAYER_KINDS names them for L and
-# S, and GPTConfig refuses each where no layer of the pattern reads it.
+# options, and the rotary tables' base and fraction. GPTConfig refuses each where no layer of the
+# pattern reads it.
 READS = frozenset(
     {
         "n_kv_head",
@@ -726,46 +275,83 @@ READS = frozenset(
         "rope_fraction",
     }
 )
-LOCAL_READS = READS | {"window"}  # a local layer's: an attention layer's and its window
 
 
-class CausalSelfAttention(nn.Module):
+class Attention(Mixer):
+    """What the two forms of attention share: their window (None: global) and masks."""
+
+    def __init__(self, layer: int, window: int | None) -> None:
+        super().__init__(layer)
+        self.window = window
+
+    @property
+    def mask_key(self) -> Hashable:
+        return ("attention", self.window)
+
+    def mask(
+        self,
+        T: int,
+        start: int,
+        pad: torch.Tensor | None,
+        device: torch.device,
+        kv_cache: KVCache | None,
+    ) -> Mask:
+        # a local layer's cache is a ring: its keys are the ring's slots
+        ring = None
+        if self.window is not None and kv_cache is not None:
+            ring = kv_cache.slots(self.layer)
+        return attention_mask(T, start, pad, device, self.window, ring)
+
+    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
+        # a global layer's slots hold positions 0..: over its first `length` it sees them all
+        if self.window is None:
+            if cache.length:
+                return None
+            keys = torch.arange(cache.max_len, device=pos.device)
+        else:  # a ring: the positions its slots hold
+            keys = ring_positions(pos + 1, cache.slots(self.layer), pos.device)
+        return visible(pos, keys, self.window)[None, None, None, :]
+
+
+class CausalSelfAttention(Attention):
     """n_head query heads over n_kv_head K/V heads: MHA (equal), GQA (a divisor), MQA (one);
     optionally q and k RMS-normalised per head before their rotation (qk_norm, as Qwen3's) and
-    the output gated (OutputGate)."""
+    the output gated (OutputGate). window: a local layer's (None: global)."""
 
-    def __init__(
-        self,
-        layer: int,
-        n_embd: int,
-        n_head: int,
-        n_kv_head: int,
-        bias: bool,
-        dropout: float,
-        qk_norm: bool = False,
-        gate: str = "none",
-    ) -> None:
-        super().__init__()
-        self.layer, self.n_head, self.n_kv_head = layer, n_head, n_kv_head
-        self.head_dim = n_embd // n_head
-        kv_dim = n_kv_head * self.head_dim
+    def __init__(self, config: Config, layer: int, window: int | None = None) -> None:
+        super().__init__(layer, window)
+        n_embd = config.n_embd
+        bias = config.bias
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.head_dim
+        kv_dim = self.n_kv_head * self.head_dim
         self.c_q = Linear(n_embd, n_embd, bias=bias)
         self.c_k = Linear(n_embd, kv_dim, bias=bias)
         self.c_v = Linear(n_embd, kv_dim, bias=bias)
-        if qk_norm:
+        # Qwen3's q/k norms: each head's query and key RMS-normalised before the rotation
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim)
             self.k_norm = RMSNorm(self.head_dim)
-        self.qk_norm = qk_norm
-        self.gate = output_gate(n_embd, n_head, gate, bias)
+        self.gate = output_gate(n_embd, self.n_head, config.attn_gate, bias)
         self.c_proj = Linear(n_embd, n_embd, bias=bias)
-        self.dropout = dropout
-        self.resid_dropout = nn.Dropout(dropout)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def mixing_flops(self, seq_len: int) -> int:
+        # 6 a feature of every query and value over seq_len keys: scores and weighted sums (PaLM)
+        width = self.n_head * self.head_dim
+        return 6 * seq_len * 2 * width
 
     def forward(
         self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
     ) -> torch.Tensor:
         B, T, C = x.shape  # C is n_embd
-        H, G, hd = self.n_head, self.n_kv_head, self.head_dim
+        H = self.n_head
+        G = self.n_kv_head
+        hd = self.head_dim
+        # q, k and v of every head, q and k rotated; with a cache, k and v joined to the earlier
         if kv_cache is None and rope is not None and not self.qk_norm:
             # q, k and v as one product, q and k rotated as one
             qkv = (
@@ -786,9 +372,11 @@ class CausalSelfAttention(nn.Module):
             q, k = rotate(q.transpose(1, 2), rope), rotate(k.transpose(1, 2), rope)
             if kv_cache is not None:
                 k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
-        # q: (B, n_head, T, head_dim); k, v: (B, n_kv_head, Tk, head_dim)
+        # each query head over its group's K/V head: q (B, n_head, T, head_dim), k and v
+        # (B, n_kv_head, Tk, head_dim)
         dropout_p = self.dropout if self.training else 0.0
-        y = attention(q, k, v, mask, dropout_p, cached=kv_cache is not None)
+        y = sdpa(q, k, v, mask, dropout_p, cached=kv_cache is not None)
+        # the heads side by side, gated, projected back into the residual stream
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         if self.gate is not None:
             y = self.gate(x, y)
@@ -796,7 +384,7 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(Attention):
     """Multi-head Latent Attention (DeepSeek-V2, section 2.1): K and V of every head are
     up-projected (kv_b) from one latent of kv_lora_rank features a token, and positions ride on
     rope_dim extra query/key features, the rotary key shared by the heads (decoupled RoPE); the
@@ -814,55 +402,55 @@ class LatentAttention(nn.Module):
     # dtype
     matrices: tuple[str, ...] = ("kv_b",)
 
-    def __init__(
-        self,
-        layer: int,
-        n_embd: int,
-        n_head: int,
-        kv_lora_rank: int,
-        rope_dim: int,
-        q_lora_rank: int | None,
-        latent_norm: bool,
-        bias: bool,
-        dropout: float,
-        gate: str = "none",
-    ) -> None:
-        super().__init__()
-        self.layer, self.n_head, self.head_dim = layer, n_head, n_embd // n_head
-        self.gate = output_gate(n_embd, n_head, gate, bias)
-        self.q_lora_rank = q_lora_rank
-        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
-        q_dim = n_head * (
-            self.head_dim + rope_dim
-        )  # each head: head_dim features for the latent's keys, rope_dim
-        if q_lora_rank is None:
+    def __init__(self, config: Config, layer: int, window: int | None = None) -> None:
+        super().__init__(layer, window)
+        n_embd = config.n_embd
+        n_head = config.n_head
+        bias = config.bias
+        self.n_head = n_head
+        self.head_dim = config.head_dim
+        self.gate = output_gate(n_embd, n_head, config.attn_gate, bias)
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.rope_dim = config.rope_dim
+        # each head's query: head_dim features for the latent's keys, then rope_dim rotary ones
+        q_dim = n_head * (self.head_dim + self.rope_dim)
+        if self.q_lora_rank is None:
             self.c_q = Linear(n_embd, q_dim, bias=bias)
-        else:
-            self.q_a = Linear(n_embd, q_lora_rank, bias=bias)
-            self.q_norm = RMSNorm(q_lora_rank)
-            self.q_b = Linear(q_lora_rank, q_dim, bias=False)
-        self.kv_a = Linear(n_embd, kv_lora_rank + rope_dim, bias=bias)  # [latent | rotary key]
-        self.kv_norm = RMSNorm(kv_lora_rank) if latent_norm else nn.Identity()
-        self.kv_b = Linear(
-            kv_lora_rank, 2 * n_embd, bias=False
-        )  # each head's [k | v], head_dim each
+        else:  # the queries' own latent
+            self.q_a = Linear(n_embd, self.q_lora_rank, bias=bias)
+            self.q_norm = RMSNorm(self.q_lora_rank)
+            self.q_b = Linear(self.q_lora_rank, q_dim, bias=False)
+        # [latent | rotary key], then each head's [k | v] (head_dim each) from the latent
+        self.kv_a = Linear(n_embd, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_norm = RMSNorm(self.kv_lora_rank) if config.latent_norm else nn.Identity()
+        self.kv_b = Linear(self.kv_lora_rank, 2 * n_embd, bias=False)
         self.c_proj = Linear(n_embd, n_embd, bias=bias)
-        self.dropout = dropout
-        self.resid_dropout = nn.Dropout(dropout)
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def mixing_flops(self, seq_len: int) -> int:
+        # as CausalSelfAttention's, each query wider by its rotary features
+        width = self.n_head * self.head_dim
+        return 6 * seq_len * (2 * width + self.n_head * self.rope_dim)
 
     def forward(
         self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
     ) -> torch.Tensor:
         B, T, C = x.shape
-        H, hd, R = self.n_head, self.head_dim, self.kv_lora_rank
+        H = self.n_head
+        hd = self.head_dim
+        R = self.kv_lora_rank
+        # the queries, directly or through their own latent, each head's split into the features
+        # that meet the latent's keys and the rotary ones
         q = self.c_q(x) if self.q_lora_rank is None else self.q_b(self.q_norm(self.q_a(x)))
         q = q.view(B, T, H, hd + self.rope_dim).transpose(1, 2)  # (B, H, T, head_dim + rope_dim)
         q, q_rope = q.split((hd, self.rope_dim), dim=-1)
-        latent, k_rope = self.kv_a(x).split(
-            (R, self.rope_dim), dim=-1
-        )  # (B, T, R), (B, T, rope_dim)
-        # the rotary key: one head, (B, 1, T, rope_dim)
-        latent, k_rope = (self.kv_norm(latent), k_rope[:, None])
+        # the latent (B, T, R) and the one rotary key the heads share, (B, 1, T, rope_dim)
+        latent, k_rope = self.kv_a(x).split((R, self.rope_dim), dim=-1)
+        latent = self.kv_norm(latent)
+        k_rope = k_rope[:, None]
+        # positions ride on the rotary features alone
         if rope is not None:
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
         dropout_p = self.dropout if self.training else 0.0
@@ -873,7 +461,7 @@ class LatentAttention(nn.Module):
             k, v = kv.permute(3, 0, 2, 1, 4).unbind(0)
             k = torch.cat((k, k_rope.expand(B, H, T, self.rope_dim)), dim=-1)
             q = torch.cat((q, q_rope), dim=-1)
-            y = attention(q, k, v, mask, dropout_p, cached=False, scale=scale)
+            y = sdpa(q, k, v, mask, dropout_p, cached=False, scale=scale)
         else:
             # absorbed: q . (W_uk latent) = (q W_uk) . latent, then the softmax-weighted latents
             # times W_uv. The cache holds [latent | rotary key], one head, and no V.
@@ -882,10 +470,102 @@ class LatentAttention(nn.Module):
             # each head's key and value maps, (H, hd, R)
             w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(1)
             q = torch.cat((q @ w_uk, q_rope), dim=-1)  # (B, H, T, R + rope_dim)
-            latents = attention(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale)
+            latents = sdpa(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale)
             y = latents @ w_uv.mT  # (B, H, T, head_dim)
+        # the heads side by side, gated, projected back into the residual stream
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         if self.gate is not None:
             y = self.gate(x, y)
         y = y.reshape(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y))
+
+
+def attention_for(config: Config, layer: int, window: int | None) -> Attention:
+    """The attention the config names: MLA where kv_lora_rank is set, else MHA/GQA/MQA."""
+    if config.kv_lora_rank is None:
+        return CausalSelfAttention(config, layer, window)
+    return LatentAttention(config, layer, window)
+
+
+def rows_spec(c: Config) -> RowsSpec:
+    """One attention layer's cache a token: K/V heads un-repeated and their widths, or MLA's one
+    head of [latent | rotary key] and no V (its values are the latent: LatentAttention)."""
+    if c.kv_lora_rank is not None:
+        return RowsSpec(1, c.kv_lora_rank + c.qk_rope_head_dim, 0)
+    return RowsSpec(c.n_kv_head, c.head_dim, c.head_dim)
+
+
+def attention_problems(c: Config) -> list[str]:
+    """The attention keys' problems where some layer attends (else they are unread keys)."""
+    if not c.attends:
+        return []
+    return latent_problems(c) + gate_problems(c)
+
+
+# Qwen3.5's names of an attention layer's parameters (transformers' Qwen3_5ForCausalLM), ours under
+# a block's "attn." -> theirs under a layer's, but c_q: its q_proj holds each head's query and gate
+# side by side (smallgpt/hf_qwen.py)
+HF_NAMES = {
+    "c_k.weight": "self_attn.k_proj.weight",
+    "c_v.weight": "self_attn.v_proj.weight",
+    "c_proj.weight": "self_attn.o_proj.weight",
+    "q_norm.weight": "self_attn.q_norm.weight",
+    "k_norm.weight": "self_attn.k_norm.weight",
+}
+
+
+class GlobalAttention(LayerKind):
+    """L: attention over every earlier token."""
+
+    letter = "L"
+    name = "global attention"
+    attends = True
+    reads = READS
+    hf_layer_type = "full_attention"
+    hf_names = HF_NAMES
+
+    @classmethod
+    def build(cls, config: Config, layer: int) -> Attention:
+        return attention_for(config, layer, None)
+
+    @classmethod
+    def problems(cls, config: Config) -> list[str]:
+        return attention_problems(config)
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> RowsSpec:
+        return rows_spec(config)
+
+    @classmethod
+    def describe(cls, config: Config, layers: list[int]) -> None:
+        return None  # the attention heads the line: GPTConfig.mixing
+
+
+class LocalAttention(LayerKind):
+    """S: attention over the newest `window` tokens (a query sees itself and window - 1 before
+    it), nanochat's sliding window; its cache a ring of the window's slots."""
+
+    letter = "S"
+    name = "local attention"
+    attends = True
+    reads = READS | {"window"}
+    on_last_layer = "L"  # the last layer sees the whole context (nanochat's rule)
+    hf_layer_type = "sliding_attention"
+    hf_names = HF_NAMES
+
+    @classmethod
+    def build(cls, config: Config, layer: int) -> Attention:
+        return attention_for(config, layer, config.window)
+
+    @classmethod
+    def problems(cls, config: Config) -> list[str]:
+        return window_problems(config) or attention_problems(config)
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> RingSpec:
+        rows = rows_spec(config)
+        return RingSpec(rows.heads, rows.k_width, rows.v_width, config.window)
+
+    @classmethod
+    def describe(cls, config: Config, layers: list[int]) -> str:
+        return f"local layers {layers} of {config.n_layer} (window {config.window})"

@@ -35,8 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from gated_deltanet import GatedDeltaNet
-from model import GPT, GPTConfig
+from model import GPT, LAYER_KINDS, GPTConfig
 from smallgpt import bench_peers, runtime, sharding
 from smallgpt.checkpoint import Source, load_run
 from smallgpt.configs import TrainConfig
@@ -70,8 +69,8 @@ class BenchConfig:
     iters: int = 10  # measured iterations; the median is reported
     # train: then 5 more iterations under torch.profiler, its 25 costliest ops printed
     profile: bool = False
-    # train: the Gated DeltaNet layers' chunk (tokens a step of delta_rule.chunked) at each of
-    # these sizes; empty: the layer's own (attention.GatedDeltaNet.chunk)
+    # train: the chunked layers' chunk (Gated DeltaNet's: tokens a step of delta_rule.chunked) at
+    # each of these sizes; empty: each kind's own (LayerKind.chunk)
     chunks: list[int] = field(default_factory=list)
     # decode: MHA/GQA/MQA variants of the model, from a 1-token prompt, greedy
     kv_heads: list[int] = field(default_factory=list)  # empty: n_head, a middle divisor, 1
@@ -172,8 +171,8 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
             # a fresh model and its optimizer, as train.py makes them
             torch.manual_seed(base.seed)
             raw = GPT(mcfg).to(device)
-            for block in raw.transformer.h:
-                if chunk and isinstance(block.attn, GatedDeltaNet):
+            for block, kind in zip(raw.transformer.h, mcfg.layer_kinds, strict=True):
+                if chunk and kind.chunk:
                     block.attn.chunk = chunk
             step = training_step(raw, base, batches, device, dtype, compiled)
             # the timed iterations, the warm-up ones (where compilation happens) left out
@@ -182,8 +181,8 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
             if cfg.profile:
                 profile_steps(step, device)
             row = train_row(raw, base, device, dtype_name, compiled, dt, loss, peak)
-            if mcfg.recurrent_layers:
-                row["chunk"] = chunk or GatedDeltaNet.chunk
+            if chunked(mcfg):
+                row["chunk"] = chunk or max(kind.chunk or 0 for kind in mcfg.layer_kinds)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -469,19 +468,27 @@ def unread_flags(mode: str, flags: list[str]) -> list[str]:
 # bench's keys, train.py's, train.py's flags as given, the device, and the model they describe
 
 
+def chunked(mcfg: GPTConfig) -> bool:
+    """Whether some layer's kind runs in chunks (LayerKind.chunk)."""
+    return any(kind.chunk for kind in mcfg.layer_kinds)
+
+
 def run_train(
     cfg: BenchConfig, base: TrainConfig, train_args: list[str], device: str, mcfg: GPTConfig
 ) -> None:
-    if cfg.chunks and not mcfg.recurrent_layers:
+    if cfg.chunks and not chunked(mcfg):
+        kinds = [kind for kind in LAYER_KINDS.values() if kind.chunk]
+        names = " or ".join(kind.name for kind in kinds)
+        letter = kinds[0].letter
         raise UserError(
-            f"chunks={cfg.chunks} sizes Gated DeltaNet layers' chunks and this model has none: "
-            "give --layer_pattern with D (e.g. DDDL), or leave chunks out"
+            f"chunks={cfg.chunks} sizes {names} layers' chunks and this model has none: give "
+            f"--layer_pattern with {letter} (e.g. {3 * letter}L), or leave chunks out"
         )
     rows = bench_train(cfg, base, mcfg, device)
     columns = {
         "dtype": "dtype",
         "compile": "compile",
-        **({"chunk": "chunk"} if mcfg.recurrent_layers else {}),
+        **({"chunk": "chunk"} if chunked(mcfg) else {}),
         "ms_per_iter": "ms/iter",
         "tokens_per_s": "tokens/s",
         "mfu_pct": "MFU %",

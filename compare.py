@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, kind_names
 from smallgpt import recall, report, runtime, sweep
 from smallgpt.atomic import (
     atomic_open,
@@ -199,7 +199,7 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
     divisors = sorted({d for d in range(1, base.n_head + 1) if base.n_head % d == 0}, reverse=True)
     models = [dataclasses.replace(mha, n_kv_head=g) for g in divisors]
     for variant in map(Variant.parse, cfg.variants):
-        if variant.kind == "mla" or variant.suffix:
+        if variant.attention == "mla" or variant.suffix:
             models.append(variant.config(mha))
     rows = []
     for mcfg in models:
@@ -212,8 +212,9 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
             kind += f" (kv_lora_rank={mcfg.kv_lora_rank})"
         if mcfg.window:
             kind += f", window {mcfg.window} in {mcfg.layer_pattern or mcfg.window_pattern}"
-        if mcfg.recurrent_layers:
-            kind += f", Gated DeltaNet in {mcfg.layer_pattern}"
+        if mcfg.recurrent_layers:  # the kinds that do not attend, by name
+            letters = sorted({mcfg.layer_letters[i] for i in mcfg.recurrent_layers})
+            kind += f", {kind_names(letters)} in {mcfg.layer_pattern}"
         rows.append(
             {
                 "n_kv_head": mcfg.n_kv_head if mcfg.attends else "-",
@@ -289,6 +290,7 @@ def check_variants(
             shape = (
                 model.n_kv_head,
                 model.kv_lora_rank,
+                model.layer_letters,
                 tuple(model.layer_windows),
                 model.attn_gate,
                 model.qk_norm,
@@ -299,7 +301,7 @@ def check_variants(
                 windows = f", layer windows {model.layer_windows}" if model.window else ""
                 raise UserError(
                     f"{listed}: {other} and {variant} are the same model at {size} "
-                    f"({model.attention_kind}, {model.kv_sizes}{windows}): list one of "
+                    f"({model.attention_type}, {model.kv_label}{windows}): list one of "
                     f"them"
                 )
         for variant, model in models.items():
@@ -310,7 +312,7 @@ def check_variants(
                     f"{canonical}"
                 )
             # and each MLA conversion possible
-            if cfg.convert and model.attention_kind == "MLA":
+            if cfg.convert and model.attention_type == "MLA":
                 try:
                     check_latent_target(model)
                 except UserError as e:
@@ -382,7 +384,7 @@ def check_conversions(variants: list[Variant], listed: str, methods_given: bool)
             f"mqa, mla<kv_lora_rank>) and {listed} has none besides mha (local, recurrent and "
             f"gated variants train from scratch only): add one, e.g. gqa2, or leave convert out"
         )
-    if methods_given and all(v.kind == "mla" for v in targets):
+    if methods_given and all(v.attention == "mla" for v in targets):
         raise UserError(
             f"convert_methods pool K/V heads for gqa and mqa targets, and {listed} converts only "
             f"to MLA (by SVD: convert.to_latent): leave convert_methods out"

@@ -104,7 +104,7 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
         f"| dataset | {dataset} ({tokenizer} tokens, vocab {c.vocab_size}) |",
         trained,
     ]
-    if c.pos_encoding == "learned" and c.attention_kind == "GQA":
+    if c.pos_encoding == "learned" and c.attention_type == "GQA":
         lines += [
             "",
             f"GPT-2 has no GQA: each of the {c.n_kv_head} K/V heads is repeated for its group of "
@@ -156,7 +156,7 @@ def past_block_size(c: GPTConfig) -> str:
 def hf_kv_bytes(c: GPTConfig) -> int:
     """KV-cache bytes per token of the exported model (GPT-2 holds a GQA model's K/V heads
     repeated)."""
-    if c.pos_encoding == "learned" and c.attention_kind == "GQA":
+    if c.pos_encoding == "learned" and c.attention_type == "GQA":
         c = dataclasses.replace(c, n_kv_head=c.n_head)
     return c.kv_cache_bytes(1, 1)
 

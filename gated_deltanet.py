@@ -1,17 +1,33 @@
-"""The recurrent mixing kind: Gated DeltaNet (https://arxiv.org/abs/2412.06464), a linear-attention
-layer whose cache is a fixed state (attention.Recurrent) instead of keys and values, behind the same
-interface to the block and the cache as attention.py's kinds; the gated delta rule it runs is in
-smallgpt/delta_rule.py. model.py builds it where GPTConfig.layer_pattern says D."""
+"""The recurrent kind of layer: Gated DeltaNet (https://arxiv.org/abs/2412.06464), a linear
+attention whose cache is a fixed state instead of keys and values, behind the same interface to
+the block and the cache as attention's kinds; the gated delta rule it runs is in
+smallgpt/delta_rule.py. D in layer_pattern: model.LAYER_KINDS holds it as a row."""
 
 import math
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from attention import Cache, RMSNorm, Rope
+from attention import RMSNorm
+from kv_cache import Cache, KVCache, StateSpec, StaticKVCache
+from layer_kind import Config, LayerKind, Mask, Mixer, Rope
 from smallgpt import delta_rule
 from smallgpt.fast_paths import Linear
+
+KERNEL = 4  # the convolution's taps
+
+
+def real_tokens(
+    T: int, start: int, pad: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """The mask (B, T) of the tokens at start..start+T-1: True where a row's token is real, False
+    on its left padding (pad[b] slots of row b); None without padding."""
+    if pad is None:
+        return None
+    return torch.arange(start, start + T, device=device)[None, :] >= pad[:, None]
 
 
 def l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -19,7 +35,7 @@ def l2_normalised(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(Mixer, LayerKind):
     """A linear-attention layer, Gated DeltaNet (arXiv 2412.06464) as Qwen3.5 builds it: q, k and v
     of n_head heads from one projection through a short causal depthwise convolution and SiLU, q
     and k L2-normalised; per head and token a write strength b = sigmoid(c_b x) and a decay exp(g),
@@ -32,17 +48,35 @@ class GatedDeltaNet(nn.Module):
     mask (B, T), True at a real token (None: all are): a left pad enters as zeros that neither
     decay nor write, so a row's state is what its own tokens make."""
 
-    kernel = 4  # the convolution's taps
-    # the GPTConfig keys it reads beyond the model's own: none (its sizes are n_embd and n_head),
-    # so an attention key on a model of these layers alone changes nothing (model.LAYER_KINDS)
-    READS: frozenset[str] = frozenset()
+    letter = "D"
+    name = "Gated DeltaNet"
+    # it reads no key beyond the model's own (its sizes are n_embd and n_head), so an attention
+    # key on a model of these layers alone changes nothing
+    reads = frozenset()
+    # Qwen3.5's (transformers' Qwen3_5ForCausalLM): its layer type, and its parameters' names
+    hf_layer_type = "linear_attention"
+    hf_names = {
+        "c_qkv.weight": "linear_attn.in_proj_qkv.weight",
+        "conv": "linear_attn.conv1d.weight",
+        "c_z.weight": "linear_attn.in_proj_z.weight",
+        "c_b.weight": "linear_attn.in_proj_b.weight",
+        "c_a.weight": "linear_attn.in_proj_a.weight",
+        "A_log": "linear_attn.A_log",
+        "dt_bias": "linear_attn.dt_bias",
+        "norm.weight": "linear_attn.norm.weight",
+        "c_proj.weight": "linear_attn.out_proj.weight",
+    }
+    kernel = KERNEL
     chunk = 64  # tokens a step of delta_rule.chunked (docs/compare.md "the chunk")
 
-    def __init__(self, layer: int, n_embd: int, n_head: int, bias: bool, dropout: float) -> None:
-        super().__init__()
-        self.layer = layer
+    def __init__(self, config: Config, layer: int) -> None:
+        super().__init__(layer)
+        n_embd = config.n_embd
+        n_head = config.n_head
+        bias = config.bias
+        dropout = config.dropout
         self.n_head = n_head
-        self.head_dim = n_embd // n_head
+        self.head_dim = config.head_dim
         self.c_qkv = Linear(n_embd, 3 * n_embd, bias=bias)  # [q | k | v], head by head
         self.conv = nn.Parameter(torch.empty(3 * n_embd, 1, self.kernel))  # nn.Conv1d's shape
         self.c_z = Linear(n_embd, n_embd, bias=bias)
@@ -76,11 +110,13 @@ class GatedDeltaNet(nn.Module):
         if mask is not None:
             x = x * mask[..., None]  # a pad token: zeros in
         qkv = self.c_qkv(x).transpose(1, 2)  # (B, 3 C, T)
+        # the convolution's last kernel - 1 inputs and the state before these tokens: none
+        # from an empty context
         if kv_cache is None:
             conv_in = qkv.new_zeros(B, 3 * C, self.kernel - 1)
             state = None
         else:
-            conv_in, state = kv_cache.recurrent(self.layer)
+            conv_in, state = kv_cache.read_state(self.layer)
         # the causal convolution over the last kernel - 1 inputs then these
         inputs = torch.cat((conv_in.to(qkv.dtype), qkv), dim=-1)  # (B, 3 C, kernel - 1 + T)
         qkv = F.silu(F.conv1d(inputs, self.conv.to(qkv.dtype), groups=3 * C))  # (B, 3 C, T)
@@ -94,12 +130,77 @@ class GatedDeltaNet(nn.Module):
         if mask is not None:  # a pad neither decays nor writes
             b = b * mask[:, None]
             g = g * mask[:, None]
+        # the gated delta rule: one step while decoding, chunk by chunk over a sequence
         if T == 1 and state is not None:
             o, state = delta_rule.recurrent(q, k, v, g, b, state)
         else:
             o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
+        # what the next tokens start from
         if kv_cache is not None:
-            kv_cache.remember(self.layer, inputs[..., -(self.kernel - 1) :], state)
+            kv_cache.write_state(self.layer, inputs[..., -(self.kernel - 1) :], state)
+        # each head's output normed and gated by SiLU(c_z x), then projected
         z = self.c_z(x).view(B, T, H, hd)
         o = self.norm(o.transpose(1, 2)) * F.silu(z.float())  # (B, T, H, head_dim)
         return self.resid_dropout(self.c_proj(o.to(x.dtype).reshape(B, T, C)))
+
+    @property
+    def mask_key(self) -> Hashable:
+        return GatedDeltaNet
+
+    def mask(
+        self,
+        T: int,
+        start: int,
+        pad: torch.Tensor | None,
+        device: torch.device,
+        kv_cache: KVCache | None,
+    ) -> Mask:
+        # the recurrence orders the tokens: its mask only says which are real
+        return real_tokens(T, start, pad, device)
+
+    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
+        return None  # one token a row, every row real
+
+    def mixing_flops(self, seq_len: int) -> int:
+        # its products a token (delta_rule.chunked), about four over its chunk (q.k, k.k, the
+        # solves, the scores' sum) and four with its state
+        chunk = min(self.chunk, seq_len)
+        return 6 * self.n_head * self.head_dim * (4 * chunk + 4 * self.head_dim)
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> StateSpec:
+        """q, k and v of every head through its convolution (its last kernel - 1 inputs), and a
+        head_dim x head_dim state a head in fp32 (a running sum over every token)."""
+        hd = config.head_dim
+        conv = (3 * config.n_embd, KERNEL - 1)
+        state = (config.n_head, hd, hd)
+        return StateSpec((conv, state), (False, True))
+
+    @classmethod
+    def hf_config(cls, config: Config) -> dict[str, Any]:
+        """Its keys of transformers' Qwen3_5TextConfig: its heads are ours, keys as wide as
+        values."""
+        return dict(
+            linear_conv_kernel_dim=KERNEL,
+            linear_key_head_dim=config.head_dim,
+            linear_value_head_dim=config.head_dim,
+            linear_num_key_heads=config.n_head,
+            linear_num_value_heads=config.n_head,
+        )
+
+    @classmethod
+    def hf_problems(cls, hf_config: Any) -> list[str]:
+        """What a Qwen3.5 config's linear-attention layers hold that this kind cannot."""
+        c = hf_config
+        hd = c.hidden_size // c.num_attention_heads
+        linear = (c.linear_key_head_dim, c.linear_value_head_dim)
+        linear_heads = (c.linear_num_key_heads, c.linear_num_value_heads)
+        problems = []
+        if linear != (hd, hd) or linear_heads != (c.num_attention_heads,) * 2:
+            problems.append(
+                f"linear heads {linear_heads} of widths {linear} (ours: "
+                f"{c.num_attention_heads} of {hd}, keys as wide as values)"
+            )
+        if c.linear_conv_kernel_dim != KERNEL:
+            problems.append(f"linear_conv_kernel_dim={c.linear_conv_kernel_dim}")
+        return problems

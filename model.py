@@ -1,41 +1,46 @@
-"""A GPT whose attention is MHA, GQA or MQA (set by n_kv_head) or MLA (kv_lora_rank), with a
-preallocated KV cache, in GPT-2's block or Llama's (norm='rmsnorm', mlp='swiglu'). The attention
-kinds, their cache and the rotary positions are in attention.py."""
+"""A GPT: token embeddings, n_layer blocks and the tied output head, each block a norm, a layer
+that mixes tokens, a norm and an MLP (GPT-2's block, or Llama's: norm='rmsnorm', mlp='swiglu').
+The layer that mixes tokens is of the kind its letter in layer_pattern names, a row of LAYER_KINDS:
+global or local attention (attention.py: MHA, GQA or MQA by n_kv_head, or MLA by kv_lora_rank) or
+Gated DeltaNet (gated_deltanet.py). Decoding keeps each layer's cache in a KVCache (kv_cache.py)."""
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 import attention
-from attention import CausalSelfAttention, KVCache, LatentAttention, RMSNorm, Rope
+from attention import GlobalAttention, LocalAttention, RMSNorm
 from gated_deltanet import GatedDeltaNet
+from kv_cache import Cache, CacheShape, KVCache
+from layer_kind import LayerKind, Mask, Mixer, Rope
 from smallgpt.fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
 
-
-class LayerKind(NamedTuple):
-    """A kind of layer: its name in messages, whether it attends, and the GPTConfig keys it reads
-    beyond the model's own (sizes, norm, MLP, dropout, the kind of positions)."""
-
-    name: str
-    attends: bool
-    reads: frozenset[str]
-
-
-# each kind of layer by its letter in window_pattern and layer_pattern: a key that no layer of a
-# model's pattern reads would change nothing, so GPTConfig refuses it (unread_keys)
-LAYER_KINDS = {
-    "L": LayerKind("global attention", True, attention.READS),
-    "S": LayerKind("local attention", True, attention.LOCAL_READS),
-    "D": LayerKind("Gated DeltaNet", False, GatedDeltaNet.READS),
+# The kinds of layer, each by its letter in layer_pattern (and window_pattern's S and L). A new
+# kind is a file and a row here, or register_kind at run time (docs/architecture.md).
+LAYER_KINDS: dict[str, type[LayerKind]] = {
+    "L": GlobalAttention,
+    "S": LocalAttention,
+    "D": GatedDeltaNet,
 }
+
+
+def register_kind(kind: type[LayerKind]) -> None:
+    """Add a kind of layer to LAYER_KINDS at run time, under its letter (one upper-case letter
+    no other kind has)."""
+    letter = kind.letter
+    if not (len(letter) == 1 and letter.isupper()):
+        raise ValueError(f"a kind's letter is one upper-case letter, not {letter!r}")
+    if LAYER_KINDS.get(letter, kind) is not kind:
+        raise ValueError(f"letter {letter!r} is {LAYER_KINDS[letter].name}'s already")
+    LAYER_KINDS[letter] = kind
 
 
 def kind_names(letters: list[str]) -> str:
@@ -48,14 +53,44 @@ def kind_names(letters: list[str]) -> str:
     return " and ".join(names)
 
 
+def pattern_problems(c: "GPTConfig") -> list[str]:
+    """What is wrong with the keys that name each layer's kind: window_pattern (S and L, as
+    nanochat's), or layer_pattern (any kind's letter), not both."""
+    key = c.pattern_key
+    pattern = getattr(c, key)
+    if key == "window_pattern":
+        problems = attention.window_pattern_problems(pattern)
+    elif c.window_pattern != "L":
+        return [
+            f"layer_pattern={pattern!r} and window_pattern={c.window_pattern!r}: give one "
+            "(layer_pattern spells window_pattern's S and L too)"
+        ]
+    elif isinstance(pattern, str) and pattern and set(pattern.upper()) <= set(LAYER_KINDS):
+        problems = []
+    else:
+        kinds = [f"{letter} ({kind.name})" for letter, kind in LAYER_KINDS.items()]
+        problems = [
+            f"layer_pattern={pattern!r} must be letters {', '.join(kinds[:-1])} and {kinds[-1]},"
+            " one a layer, repeated over the layers"
+        ]
+    if not problems and pattern != pattern.upper():
+        problems.append(
+            f"{key}={pattern!r}: its letters are upper case, {key}={pattern.upper()!r} "
+            "(compare.py's variant names spell them lower case, e.g. mha-sl8)"
+        )
+    return problems
+
+
 @dataclass(slots=True)
 class GPTConfig:
+    # ---- the model's size ----
     block_size: int = 1024
     vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64 for faster matmuls
     n_layer: int = 12
     n_head: int = 12
     n_kv_head: int | None = None  # None or n_head: MHA; 1: MQA; a divisor of n_head in between: GQA
     n_embd: int = 768
+    # ---- the block: GPT-2's by default, Llama's with rmsnorm and swiglu ----
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
     pos_encoding: str = "learned"  # 'learned' (GPT-2 absolute positions) or 'rope' (rotary)
@@ -64,30 +99,34 @@ class GPTConfig:
     mlp_hidden: int | None = None  # None: GPT-2's 4 * n_embd, or as many weights in SwiGLU
     norm: str = "layernorm"  # or 'rmsnorm' (Llama's)
     mlp: str = "gelu"  # or 'swiglu' (Llama's gated MLP: https://arxiv.org/abs/2002.05202)
-    # MLA (DeepSeek's names): the latent's width d_c (None: no MLA), the rotary key's width d_R
-    # (None: head_dim // 2 with rope, 0 with learned positions), the queries' own latent (None:
-    # none), an RMSNorm on the latent
+    # ---- MLA (DeepSeek's names) ----
+    # the latent's width d_c (None: no MLA), the rotary key's width d_R (None: head_dim // 2 with
+    # rope, 0 with learned positions), the queries' own latent (None: none), an RMSNorm on the
+    # latent
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
     q_lora_rank: int | None = None
     latent_norm: bool = True
-    # local layers: a local layer's window in tokens (a query sees itself and window - 1 before it),
-    # and which layers are local: nanochat's letters (S local, L global) repeated over the layers,
-    # the last one always global
+    # ---- which kind each layer is ----
+    # a local layer's window in tokens (a query sees itself and window - 1 before it), and which
+    # layers are local: nanochat's letters (S local, L global) repeated over the layers, the last
+    # one always global
     window: int | None = None
     window_pattern: str = "L"
-    # each layer's mixer, letters repeated over the layers: L global attention, S local (its
-    # window), D Gated DeltaNet (a linear recurrence: attention.GatedDeltaNet), e.g. 'DDDL' as
-    # Qwen3.5's; None: window_pattern's S and L, the last layer never local either way
+    # each layer's kind, letters of LAYER_KINDS repeated over the layers: L global attention, S
+    # local (its window), D Gated DeltaNet (a linear recurrence), e.g. 'DDDL' as Qwen3.5's; None:
+    # window_pattern's S and L, the last layer never local either way
     layer_pattern: str | None = None
-    # Qwen3.5's attention, each its own key: the output gated by sigmoid of a projection of x, one
-    # gate a head or a feature (https://arxiv.org/abs/2505.06708); q and k RMS-normalised per head;
-    # the fraction of each head's features rotated (the first ones)
+    # ---- Qwen3.5's attention options ----
+    # the output gated by sigmoid of a projection of x, one gate a head or a feature
+    # (https://arxiv.org/abs/2505.06708); q and k RMS-normalised per head; the fraction of each
+    # head's features rotated (the first ones)
     attn_gate: str = "none"
     qk_norm: bool = False
     rope_fraction: float = 1.0
 
     def __post_init__(self) -> None:
+        # the keys left out that follow from others
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.mlp_hidden is None and type(self.n_embd) is int:  # SwiGLU: 3 matrices of 8/3 n_embd
@@ -96,29 +135,16 @@ class GPTConfig:
         sizes_known = all(type(n) is int and n > 0 for n in (self.n_embd, self.n_head))
         if self.kv_lora_rank is not None and self.qk_rope_head_dim is None and sizes_known:
             self.qk_rope_head_dim = self.latent_rope_default
+        # every problem found, raised as one line: sizes, then the pattern, then each kind's keys
         problems = self.size_problems()
-        problems += attention.pattern_problems(
-            self.window, self.window_pattern, self.layer_pattern, self.block_size
-        )
+        problems += pattern_problems(self)
         if not problems:  # the sizes and letters are sound, so each layer's kind is known
             problems += self.layer_problems()
+            for kind in LAYER_KINDS.values():
+                problems += [p for p in kind.problems(self) if p not in problems]
         # a key that no layer of the pattern reads: its own checks would only add noise
         unread = {} if problems else self.unread_keys()
         problems += unread.values()
-        if not unread:
-            problems += attention.latent_problems(
-                self.kv_lora_rank,
-                self.qk_rope_head_dim,
-                self.q_lora_rank,
-                self.latent_norm,
-                self.pos_encoding,
-                self.n_kv_head,
-                self.n_head,
-                self.n_embd,
-            )
-            problems += attention.gate_problems(
-                self.attn_gate, self.qk_norm, self.rope_fraction, self.kv_lora_rank is not None
-            )
         if not problems:  # the sizes are integers, so their ratios can be checked
             problems += self.ratio_problems()
         problems += self.choice_problems(rope_checkable=not problems)
@@ -137,32 +163,25 @@ class GPTConfig:
         return problems
 
     def layer_problems(self) -> list[str]:
-        """A pattern with more letters than layers (the letters past the last layer name none), or
-        a window on no layer (the pattern's S falls on the last layer, always global)."""
+        """A pattern with more letters than layers: the letters past the last layer name none."""
         key = self.pattern_key
         pattern = getattr(self, key)
         n = self.n_layer
-        if len(pattern) > n:
-            model = self.layer_letters
-            # the kinds the cut leaves out, or all attention
-            lost = [LAYER_KINDS[x].name for x in dict.fromkeys(pattern) if x not in model]
-            if not self.attends and any(LAYER_KINDS[x].attends for x in pattern):
-                lost = ["attention"]
-            note = f", no {' or '.join(lost)} layer" if lost else ""
-            example = pattern[: n - 1] + pattern[-1]  # the pattern's last letter on the last layer
-            letters = "letters" if n > 1 else "letter"
-            return [
-                f"{key}={pattern!r} has {len(pattern)} letters and n_layer={n}: the letters "
-                f"past layer {n} name no layer (the model would be {model!r}{note}); give at "
-                f"most {n} {letters}, e.g. {example!r}"
-            ]
-        if self.window is not None and not self.local_layers:
-            return [
-                f"{key}={pattern!r} on n_layer={n} makes no layer local (the last layer is "
-                f"always global), so window={self.window} would change nothing: give a pattern "
-                f"with S among the first {n - 1} layers, or leave window out"
-            ]
-        return []
+        if len(pattern) <= n:
+            return []
+        model = self.layer_letters
+        # the kinds the cut leaves out, or all attention
+        lost = [LAYER_KINDS[x].name for x in dict.fromkeys(pattern) if x not in model]
+        if not self.attends and any(LAYER_KINDS[x].attends for x in pattern):
+            lost = ["attention"]
+        note = f", no {' or '.join(lost)} layer" if lost else ""
+        example = pattern[: n - 1] + pattern[-1]  # the pattern's last letter on the last layer
+        letters = "letters" if n > 1 else "letter"
+        return [
+            f"{key}={pattern!r} has {len(pattern)} letters and n_layer={n}: the letters "
+            f"past layer {n} name no layer (the model would be {model!r}{note}); give at "
+            f"most {n} {letters}, e.g. {example!r}"
+        ]
 
     def unread_keys(self) -> dict[str, str]:
         """Each key set away from its default that no layer of this pattern reads (LAYER_KINDS),
@@ -271,26 +290,36 @@ class GPTConfig:
 
     @property
     def layer_letters(self) -> str:
-        """Each layer's letter (L, S or D): layer_pattern, else window_pattern, repeated over the
-        layers, the last layer global where the pattern would make it local."""
+        """Each layer's letter: layer_pattern, else window_pattern, repeated over the layers; on
+        the last layer, a kind that may not be there gives way (a local layer becomes global)."""
         pattern = self.window_pattern if self.layer_pattern is None else self.layer_pattern
         letters = (pattern * self.n_layer)[: self.n_layer]
-        return letters[:-1] + ("L" if letters[-1] == "S" else letters[-1])
+        last = LAYER_KINDS[letters[-1]].on_last_layer or letters[-1]
+        return letters[:-1] + last
 
     @property
-    def layer_windows(self) -> list[attention.Window]:
-        """Each layer's window as the cache keys its kinds (attention.KINDS): None for a global
-        layer, the window for a local one, attention.RECURRENT for a Gated DeltaNet layer."""
-        windows = {"L": None, "S": self.window, "D": attention.RECURRENT}
-        return [windows[letter] for letter in self.layer_letters]
+    def layer_kinds(self) -> list[type[LayerKind]]:
+        """Each layer's kind (LAYER_KINDS)."""
+        return [LAYER_KINDS[letter] for letter in self.layer_letters]
+
+    def layers_of(self, kind: type[LayerKind]) -> list[int]:
+        """The layers of this kind."""
+        return [i for i, k in enumerate(self.layer_kinds) if k is kind]
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's window: the window where its kind reads one (a local layer), else None."""
+        return [self.window if "window" in kind.reads else None for kind in self.layer_kinds]
 
     @property
     def local_layers(self) -> list[int]:
-        return [i for i, letter in enumerate(self.layer_letters) if letter == "S"]
+        """The layers that see a window of the context."""
+        return [i for i, window in enumerate(self.layer_windows) if window is not None]
 
     @property
     def recurrent_layers(self) -> list[int]:
-        return [i for i, letter in enumerate(self.layer_letters) if letter == "D"]
+        """The layers that do not attend: a recurrence orders their tokens."""
+        return [i for i, kind in enumerate(self.layer_kinds) if not kind.attends]
 
     @property
     def rope_dim(self) -> int:
@@ -302,10 +331,10 @@ class GPTConfig:
     @property
     def attends(self) -> bool:
         """Whether some layer attends (LAYER_KINDS), rather than every one being recurrent."""
-        return any(LAYER_KINDS[letter].attends for letter in set(self.layer_letters))
+        return any(kind.attends for kind in self.layer_kinds)
 
     @property
-    def attention_kind(self) -> str:
+    def attention_type(self) -> str:
         """The attention layers' kind, as code dispatches on it: 'MLA' (kv_lora_rank set), else
         'MHA' (n_kv_head == n_head), 'MQA' (n_kv_head == 1 < n_head) or 'GQA' (in between); 'MHA'
         where no layer attends (n_kv_head is n_head there). A user reads attention_label."""
@@ -316,7 +345,7 @@ class GPTConfig:
         return "MQA" if self.n_kv_head == 1 else "GQA"
 
     @property
-    def kv_sizes(self) -> str:
+    def kv_label(self) -> str:
         """The keys that size K and V besides n_head: n_kv_head, or MLA's latents."""
         if self.kv_lora_rank is None:
             return f"n_kv_head={self.n_kv_head}"
@@ -327,25 +356,33 @@ class GPTConfig:
 
     @property
     def attention_label(self) -> str:
-        """The attention as a table's column says it: attention_kind, or 'none' where no layer
+        """The attention as a table's column says it: attention_type, or 'none' where no layer
         attends."""
-        return self.attention_kind if self.attends else "none"
+        return self.attention_type if self.attends else "none"
+
+    def kind_fragments(self) -> list[str]:
+        """What each kind of this model's layers adds to describe(), in LAYER_KINDS' order."""
+        fragments = []
+        for kind in LAYER_KINDS.values():
+            layers = self.layers_of(kind)
+            fragment = kind.describe(self, layers) if layers else None
+            if fragment:
+                fragments.append(fragment)
+        return fragments
 
     @property
     def mixing(self) -> str:
         """How the layers mix tokens, as describe() and export.py's model card begin: the
-        attention kind and its K/V sizes, or, where no layer attends, the recurrent layers."""
+        attention kind and its K/V sizes, or, where no layer attends, the other layers."""
         if not self.attends:
-            return (
-                f"no attention layer: Gated DeltaNet layers {self.recurrent_layers} of "
-                f"{self.n_layer} (n_head={self.n_head})"
-            )
-        return f"{self.attention_kind} (n_head={self.n_head}, {self.kv_sizes})"
+            layers = ", ".join(self.kind_fragments())
+            return f"no attention layer: {layers} (n_head={self.n_head})"
+        return f"{self.attention_type} (n_head={self.n_head}, {self.kv_label})"
 
     def describe(self) -> str:
-        """The model's one line, as every script prints it: its attention, positions, local and
-        recurrent layers, e.g. 'GQA (n_head=4, n_kv_head=2), rope positions, local layers [0, 1]
-        of 3 (window 8)'."""
+        """The model's one line, as every script prints it: its attention, positions, and the
+        layers of other kinds, e.g. 'GQA (n_head=4, n_kv_head=2), rope positions, local layers
+        [0, 1] of 3 (window 8)'."""
         line = self.mixing
         extras = []
         if self.attn_gate != "none":
@@ -357,66 +394,24 @@ class GPTConfig:
         line += f", {self.pos_encoding} positions"
         if self.rope_fraction != 1:
             line += f" on {self.rope_dim} of {self.head_dim} features"
-        if self.local_layers:
-            line += f", local layers {self.local_layers} of {self.n_layer} (window {self.window})"
-        if self.recurrent_layers and self.attends:  # else mixing named them
-            line += f", Gated DeltaNet layers {self.recurrent_layers} of {self.n_layer}"
+        if self.attends:  # else mixing named them
+            for fragment in self.kind_fragments():
+                line += f", {fragment}"
         return line
 
-    @property
-    def cache_layout(self) -> tuple[int, int, int]:
-        """One layer's cache per token: heads, K width, V width. MLA's is one head of [latent |
-        rotary key] and no V (its values are the latent: attention.LatentAttention)."""
-        if self.kv_lora_rank is not None:
-            return 1, self.kv_lora_rank + self.qk_rope_head_dim, 0
-        return self.n_kv_head, self.head_dim, self.head_dim
-
-    @property
-    def state_shape(self) -> attention.StateShape:
-        """A Gated DeltaNet layer's cache sizes (attention.GatedDeltaNet): q, k and v of every
-        head through its convolution, a head_dim x head_dim state a head."""
-        hd = self.head_dim
-        return attention.StateShape(3 * self.n_embd, GatedDeltaNet.kernel, self.n_head, hd, hd)
+    def cache_shape(self, max_len: int) -> CacheShape:
+        """The sizes of a cache of max_len positions: each layer's kind's spec (kv_cache.py)."""
+        specs = tuple(kind.cache_spec(self) for kind in self.layer_kinds)
+        return CacheShape(specs, max_len)
 
     def kv_cache_bytes(
         self, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32
     ) -> int:
-        """Bytes of the cache in every layer for batch_size sequences of seq_len positions: 2
-        n_kv_head head_dim values a token and layer, or MLA's kv_lora_rank + qk_rope_head_dim, a
-        local layer keeping at most its window of tokens; a Gated DeltaNet layer's state (fp32)
-        and last convolution inputs, whatever seq_len."""
-        heads, k_width, v_width = self.cache_layout
-        attending = [w for w in self.layer_windows if w != attention.RECURRENT]
-        tokens = sum(min(seq_len, w or seq_len) for w in attending)  # over the layers
-        kv = tokens * heads * (k_width + v_width) * dtype.itemsize
-        s = self.state_shape
-        state = (
-            s.heads * s.key_width * s.value_width * 4 + s.channels * (s.kernel - 1) * dtype.itemsize
-        )
-        return batch_size * (kv + len(self.recurrent_layers) * state)
-
-
-def mixer_for(c: GPTConfig, layer: int) -> CausalSelfAttention | LatentAttention | GatedDeltaNet:
-    """The layer's mixer the config names: Gated DeltaNet where its letter is D, else attention:
-    MLA where kv_lora_rank is set, else MHA/GQA/MQA."""
-    if c.layer_letters[layer] == "D":
-        return GatedDeltaNet(layer, c.n_embd, c.n_head, c.bias, c.dropout)
-    if c.kv_lora_rank is None:
-        return CausalSelfAttention(
-            layer, c.n_embd, c.n_head, c.n_kv_head, c.bias, c.dropout, c.qk_norm, c.attn_gate
-        )
-    return LatentAttention(
-        layer,
-        c.n_embd,
-        c.n_head,
-        c.kv_lora_rank,
-        c.rope_dim,
-        c.q_lora_rank,
-        c.latent_norm,
-        c.bias,
-        c.dropout,
-        c.attn_gate,
-    )
+        """Bytes of the cache in every layer for batch_size sequences of seq_len positions: each
+        layer's kind's (an attention layer's K/V, at most a local layer's window of them; a
+        recurrent layer's state, whatever seq_len)."""
+        specs = self.cache_shape(seq_len).specs
+        return batch_size * sum(spec.nbytes(seq_len, dtype) for spec in specs)
 
 
 def norm_for(config: GPTConfig, width: int) -> nn.LayerNorm | RMSNorm:
@@ -452,18 +447,39 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
+    """A norm, the layer's mixer (its kind's: config.layer_kinds), a norm, the MLP; each added to
+    the residual stream."""
+
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.ln_1 = norm_for(config, config.n_embd)
-        self.attn = mixer_for(config, layer)
+        self.attn = config.layer_kinds[layer].build(config, layer)
         self.ln_2 = norm_for(config, config.n_embd)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv_cache: KVCache | None
+        self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
     ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), rope, mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
+
+
+def gpt2_initial(
+    module: nn.Module,
+    owner: str,
+    leaf: str,
+    shape: torch.Size,
+    residual_std: float,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """GPT-2's initial values of a parameter: norms' weights one, biases zero, other weights
+    N(0, 0.02), those of a projection back into the residual stream (c_proj) residual_std."""
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        return torch.full(shape, 1.0 if leaf == "weight" else 0.0, device="cpu")
+    if leaf == "bias":
+        return torch.zeros(shape, device="cpu")
+    std = residual_std if owner.endswith("c_proj") else 0.02
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
 
 class GPT(nn.Module):
@@ -512,20 +528,15 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
-            owner, _, kind = name.rpartition(".")
+            owner, _, leaf = name.rpartition(".")
             module = self.get_submodule(owner)
             generator = None
             if seed is not None:  # crc32: a CPU generator keeps 32 bits of its seed
                 generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            if isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                values = torch.full(p.shape, 1.0 if kind == "weight" else 0.0, device="cpu")
-            elif kind == "bias":
-                values = torch.zeros(p.shape, device="cpu")
-            elif isinstance(module, GatedDeltaNet):  # its convolution, decay and step
-                values = module.initial(kind, generator)
-            else:
-                std = residual_std if owner.endswith("c_proj") else 0.02
-                values = torch.empty(p.shape, device="cpu").normal_(0.0, std, generator=generator)
+            # a mixer's own rule for its own parameters (a recurrence's decay), else GPT-2's
+            values = module.initial(leaf, generator) if isinstance(module, Mixer) else None
+            if values is None:
+                values = gpt2_initial(module, owner, leaf, p.shape, residual_std, generator)
             assign(p, values)
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -551,15 +562,8 @@ class GPT(nn.Module):
         """An empty cache of max_len (default block_size) positions, a local layer's its window, a
         recurrent layer's its state."""
         weight = self.transformer.wte.weight
-        shape = self.cache_shape(max_len or self.config.block_size)
+        shape = self.config.cache_shape(max_len or self.config.block_size)
         return KVCache.zeros(shape, batch_size, weight.device, dtype or weight.dtype)
-
-    def cache_shape(self, max_len: int) -> attention.CacheShape:
-        """The sizes of a cache of max_len positions (attention.KVCache)."""
-        c = self.config
-        heads, k_width, v_width = c.cache_layout
-        windows = tuple(c.layer_windows)
-        return attention.CacheShape(windows, max_len, heads, k_width, v_width, c.state_shape)
 
     def forward(
         self,
@@ -573,6 +577,7 @@ class GPT(nn.Module):
         idx (B, T) continues kv_cache (if any). pad (B,) counts each row's left-padding tokens (the
         cache's too): they are masked out and the row's positions start after them."""
         B, T = idx.shape
+        # these tokens' positions: after the cache's, and after each row's padding
         start = 0 if kv_cache is None else kv_cache.pos
         end = start + T
         block_size = self.config.block_size
@@ -583,20 +588,22 @@ class GPT(nn.Module):
         pos = torch.arange(start, end, device=idx.device)  # (T,)
         if pad is not None:
             pos = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
+        # the token embeddings, with the learned positions added or the rotary tables to apply
         x, rope = self.embed(idx, pos)
         x = self.transformer.drop(x)
-        windows = self.config.layer_windows  # a local layer's mask cuts its window (and its ring)
-        ring = None if kv_cache is None else kv_cache.ring
-        masks = {
-            w: attention.attention_mask(T, start, pad, idx.device, w, w and ring)
-            for w in set(windows) - {attention.RECURRENT}
-        }
-        if attention.RECURRENT in windows:  # a recurrent layer's: the real tokens
-            masks[attention.RECURRENT] = attention.real_tokens(T, start, pad, idx.device)
-        for block, window in zip(self.transformer.h, windows, strict=True):
-            x = block(x, rope, masks[window], kv_cache)
+        # each layer's mask by its kind's rule, computed once for the layers that share it
+        masks: dict[Hashable, Mask] = {}
+        for block in self.transformer.h:
+            key = block.attn.mask_key
+            if key not in masks:
+                masks[key] = block.attn.mask(T, start, pad, idx.device, kv_cache)
+        # the blocks, each reading and writing its own part of the cache
+        for block in self.transformer.h:
+            x = block(x, rope, masks[block.attn.mask_key], kv_cache)
+        # the cache now holds these T positions too
         if kv_cache is not None:
             kv_cache.pos += T
+        # the final norm, then the logits (tied to the token embeddings)
         x = self.transformer.ln_f(x)
         if targets is None:  # generation needs only the next token's logits
             return self.lm_head(x[:, -1:, :]), None  # (B, 1, vocab_size)
@@ -643,20 +650,11 @@ class GPT(nn.Module):
         """Training FLOPs (forward + backward) per token, as in the PaLM paper's appendix B: 6 per
         matmul weight (lm_head and K/V projections included) plus 6 * n_layer * seq_len * (the
         widths of all heads' queries and values) for attention scores and weighted sums (causal
-        masking not subtracted): 12 * n_layer * n_embd * seq_len but for MLA's rotary features."""
-        c = self.config
+        masking not subtracted), or another kind's own (Mixer.mixing_flops)."""
+        seq_len = seq_len or self.config.block_size
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        query_width = c.n_embd + (c.n_head * c.rope_dim if c.kv_lora_rank is not None else 0)
-        seq_len = seq_len or c.block_size
-        attending = c.n_layer - len(c.recurrent_layers)
-        flops = 6 * matmul_weights + 6 * attending * seq_len * (query_width + c.n_embd)
-        # a Gated DeltaNet layer's products a token (delta_rule.chunked), about four over its
-        # chunk (q.k, k.k, the solves, the scores' sum) and four with its state
-        for block in self.transformer.h:
-            if isinstance(block.attn, GatedDeltaNet):
-                chunk = min(block.attn.chunk, seq_len)
-                flops += 6 * c.n_embd * (4 * chunk + 4 * c.head_dim)
-        return flops
+        mixing = sum(block.attn.mixing_flops(seq_len) for block in self.transformer.h)
+        return 6 * matmul_weights + mixing
 
     def estimate_mfu(
         self, tokens_per_iter: int, dt: float, peak_flops: float, seq_len: int | None = None

@@ -22,7 +22,7 @@ from torch._inductor.exc import InvalidCxxCompiler
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 from torch.nn import functional as F
 
-from attention import KVCache
+from kv_cache import KVCache
 from smallgpt.atomic import atomic_open
 from smallgpt.errors import UserError
 from smallgpt.fast_paths import SPLIT_COPY_BYTES, Linear, prepare_splits
@@ -88,7 +88,7 @@ class SplitStep(nn.Module):
             for i, m in enumerate(self.linears):
                 w, b, rw, rb = (getattr(self, f"split{i}_{name}", None) for name in "wbrs")
                 m.split = m.split._replace(weight=w, bias=b, rest=None if rw is None else (rw, rb))
-            kv_cache = KVCache.of_tensors(list(cache), self.model.cache_shape(0))
+            kv_cache = KVCache.of_tensors(list(cache), self.model.config.cache_shape(0))
             logits = decode_static(self.model, idx, positions[-1:], kv_cache, positions.size(0))
             greedy = logits[:, -1].argmax(dim=-1)  # inside the graph: faster than ATen's argmax
             return logits, greedy
@@ -233,7 +233,7 @@ def export_step(
     slots = torch.export.Dim("cache", min=2, max=top)
     # on a small cache of its own, 2 of its 3 positions filled: sizes that tell the two apart
     example = (idx, torch.arange(2, device=idx.device), *cache.example(3))
-    dims = tuple({3: slots} if grows else None for grows in cache.grows())  # the *cache inputs
+    dims = tuple({3: slots} if grows else None for grows in cache.growing())  # the *cache inputs
     shapes = (None, {0: length}, dims)
     return torch.export.export(step, example, dynamic_shapes=shapes, strict=False)
 
@@ -363,7 +363,7 @@ class CompiledStep:
             key = (
                 tuple(self.idx.shape),
                 self.cache.dtype,
-                self.cache.ring,
+                self.cache.fixed_shapes(),
                 torch.get_num_threads(),
                 tuple((name, t.shape, t.stride(), t.dtype) for name, t in weights.items()),
                 tuple(

@@ -111,9 +111,9 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
     layer's keys and values together (section 3.2, SVD_joint). With learned positions it is exact at
     kv_lora_rank = n_embd (docs/compare.md)."""
     source = model.config
-    if source.attention_kind != "MHA":
+    if source.attention_type != "MHA":
         raise UserError(
-            f"MLA conversion starts from an MHA model, and this one is {source.attention_kind} "
+            f"MLA conversion starts from an MHA model, and this one is {source.attention_type} "
             f"(n_head={source.n_head}, n_kv_head={source.n_kv_head}): convert the MHA run instead"
         )
     kept = {

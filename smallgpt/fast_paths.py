@@ -26,7 +26,7 @@ SPLIT_COPY_BYTES = 32 * 2**20
 SPLIT_COPY_WIDE = True
 
 
-def attention(
+def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -89,7 +89,7 @@ def one_query_attention(
     scale: float | None = None,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """attention() of one query per head, q (B, n_head, 1, hd), over the keys of k, v that mask
+    """sdpa() of one query per head, q (B, n_head, 1, hd), over the keys of k, v that mask
     (B or 1, 1, 1, Tk) lets it see (None: all): two matmuls and a softmax in fp32, each K/V
     head's queries as its rows (no copies for GQA/MQA). For bf16 on CPU, where SDPA's kernel
     is slower at a long context: eager in fp32 (torch's one-row bf16 products are slow),
@@ -114,7 +114,7 @@ def matmul_attention(
     dropout_p: float,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """attention() as two batched matmuls and a softmax, the mask added to the scores inside the
+    """sdpa() as two batched matmuls and a softmax, the mask added to the scores inside the
     first (baddbmm): faster than SDPA's flash kernel for bf16 training on CPU, not in fp32
     (docs/performance-cpu.md). Each K/V head's queries are stacked as one batch entry, so GQA/MQA
     need no copies of K/V."""

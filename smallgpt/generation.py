@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn as nn
 
-from attention import KVCache
+from kv_cache import KVCache
+from smallgpt.errors import UserError
 from smallgpt.static_step import decode_static
 
 
@@ -263,6 +264,15 @@ def fast_step(
 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]] | None:
     """The faster one-token step for an unpadded batch, where there is one: a CUDA graph on CUDA
     (unless cuda_graph=False), the compiled step on CPU (if compile_step), else None."""
+    # a kind of layer the fixed-shape step cannot run, as that kind says
+    cannot = {kind.name: kind.static_step for kind in model.config.layer_kinds if kind.static_step}
+    if cannot and compile_step:
+        name, why = next(iter(cannot.items()))
+        raise UserError(
+            f"the compiled decode step cannot run {name} layers ({why}): decode without compile"
+        )
+    if cannot:
+        return None
     if cuda_graph and kv_cache.device.type == "cuda":
         return CUDAGraphStep(model, kv_cache, kv_cache.batch_size)
     if compile_step and kv_cache.device.type == "cpu":

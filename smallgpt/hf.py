@@ -50,6 +50,14 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 def target_class(config: Any) -> str:
     """The transformers class that holds a model of config (a GPTConfig); one that none holds: a
     UserError."""
+    # a kind of layer that no transformers class holds (its hf_layer_type is None)
+    for kind in dict.fromkeys(config.layer_kinds):
+        if kind.hf_layer_type is None:
+            pattern = getattr(config, config.pattern_key)
+            raise UserError(
+                f"no transformers class holds {kind.name} layers ({kind.letter} in "
+                f"{config.pattern_key}={pattern!r}): this model cannot be exported"
+            )
     if wants_qwen(config):  # Gated DeltaNet layers, or Qwen3.5's attention
         check_qwen(config)
         return "Qwen3_5ForCausalLM"
@@ -57,7 +65,7 @@ def target_class(config: Any) -> str:
         return name
     if config.pos_encoding == "rope":
         return "Starcoder2ForCausalLM"
-    return "GPTBigCodeForCausalLM" if config.attention_kind == "MQA" else "GPT2LMHeadModel"
+    return "GPTBigCodeForCausalLM" if config.attention_type == "MQA" else "GPT2LMHeadModel"
 
 
 def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
@@ -67,15 +75,15 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
     import transformers
 
     c = model.config
-    kind = target_class(c)
+    class_name = target_class(c)
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    if kind == "Qwen3_5ForCausalLM":
+    if class_name == "Qwen3_5ForCausalLM":
         cls_name, hf_config, state = qwen35(c, sd)
-    elif kind == "DeepseekV3ForCausalLM":
+    elif class_name == "DeepseekV3ForCausalLM":
         cls_name, hf_config, state = deepseek(c, sd, llama_cpp)
-    elif kind == "LlamaForCausalLM":
+    elif class_name == "LlamaForCausalLM":
         cls_name, hf_config, state = llama(c, sd)
-    elif kind == "GraniteSWAForCausalLM":
+    elif class_name == "GraniteSWAForCausalLM":
         cls_name, hf_config, state = granite_swa(c, sd)
     elif c.pos_encoding == "rope":
         if llama_cpp and not c.bias:  # llama.cpp's Starcoder2 requires biases: zeros
@@ -130,12 +138,12 @@ def starcoder2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str,
     }
     for i in range(c.n_layer):
         for ours, theirs in STARCODER2_LAYER.items():
-            for kind in ("weight", "bias"):
-                key = f"transformer.h.{i}.{ours}.{kind}"
+            for leaf in ("weight", "bias"):
+                key = f"transformer.h.{i}.{ours}.{leaf}"
                 if key in sd:
-                    state[f"model.layers.{i}.{theirs}.{kind}"] = sd[key]
+                    state[f"model.layers.{i}.{theirs}.{leaf}"] = sd[key]
                 elif ours.startswith("ln"):  # nn.LayerNorm always has a bias
-                    state[f"model.layers.{i}.{theirs}.{kind}"] = zeros
+                    state[f"model.layers.{i}.{theirs}.{leaf}"] = zeros
     return "Starcoder2ForCausalLM", config, state
 
 
@@ -143,7 +151,7 @@ def gpt2(c: Any, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str, torch
     """Learned positions: GPTBigCode with multi_query for MQA, else GPT-2 (GQA's K/V heads repeated
     for their groups); both hold Q, K and V as one c_attn, and biases everywhere (zeros where the
     model has none)."""
-    mqa = c.attention_kind == "MQA"
+    mqa = c.attention_type == "MQA"
     name = "GPTBigCodeForCausalLM" if mqa else "GPT2LMHeadModel"
     return name, gpt2_config(c, mqa), gpt2_state(c, sd, mqa)
 

@@ -175,7 +175,7 @@ def granite_swa(
     _, llama_config, state = llama(c, sd)
     not_granite = ("head_dim", "model_type", "architectures")
     keys = {k: v for k, v in llama_config.to_dict().items() if k not in not_granite}
-    layer_types = ["sliding_attention" if w else "full_attention" for w in c.layer_windows]
+    layer_types = [kind.hf_layer_type for kind in c.layer_kinds]
     keys |= dict(
         attention_multiplier=c.head_dim**-0.5,
         sliding_window=c.window,

@@ -12,30 +12,14 @@ from typing import Any
 import torch
 
 from attention import NORM_EPS
-from gated_deltanet import GatedDeltaNet
-from model import GPTConfig
+from layer_kind import LayerKind
+from model import LAYER_KINDS, GPTConfig
 from smallgpt.errors import UserError
 from smallgpt.hf_llama import LLAMA_LAYER, shape_config, shape_of
 
 MODEL_TYPE = "qwen3_5_text"
-# an attention layer's modules, ours -> Qwen3.5's: Llama's but c_q (c_q and the gate's c_gate make
-# q_proj), with q/k norms
-ATTENTION = {a: b for a, b in LLAMA_LAYER.items() if a.startswith("attn.") and a != "attn.c_q"} | {
-    "attn.q_norm": "self_attn.q_norm",
-    "attn.k_norm": "self_attn.k_norm",
-}
-# a Gated DeltaNet layer's parameters, ours -> Qwen3.5's
-RECURRENT = {
-    "attn.c_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn.conv": "linear_attn.conv1d.weight",
-    "attn.c_z.weight": "linear_attn.in_proj_z.weight",
-    "attn.c_b.weight": "linear_attn.in_proj_b.weight",
-    "attn.c_a.weight": "linear_attn.in_proj_a.weight",
-    "attn.A_log": "linear_attn.A_log",
-    "attn.dt_bias": "linear_attn.dt_bias",
-    "attn.norm.weight": "linear_attn.norm.weight",
-    "attn.c_proj.weight": "linear_attn.out_proj.weight",
-}
+# the layer types Qwen3.5's class holds (each kind's hf_layer_type names its own)
+LAYER_TYPES = ("full_attention", "linear_attention")
 # every block's, ours -> Qwen3.5's (Llama's norms and MLP); its norms scale by 1 + w
 BLOCK = {f"{a}.weight": f"{b}.weight" for a, b in LLAMA_LAYER.items() if not a.startswith("attn.")}
 ONE_PLUS_W = ("ln_1.weight", "ln_2.weight", "attn.q_norm.weight", "attn.k_norm.weight")
@@ -73,7 +57,8 @@ def qwen_config(c: GPTConfig) -> Any:
     """Qwen3_5TextConfig of c: its Gated DeltaNet heads are c's heads, keys as wide as values."""
     from transformers import Qwen3_5TextConfig
 
-    kinds = {"L": "full_attention", "D": "linear_attention"}
+    kinds = set(c.layer_kinds)
+    layer_keys = {key: value for kind in kinds for key, value in kind.hf_config(c).items()}
     return Qwen3_5TextConfig(
         **shape_config(c),
         num_key_value_heads=c.n_kv_head,
@@ -81,12 +66,8 @@ def qwen_config(c: GPTConfig) -> Any:
         hidden_act="silu",
         rms_norm_eps=NORM_EPS,
         attention_bias=False,
-        linear_conv_kernel_dim=GatedDeltaNet.kernel,
-        linear_key_head_dim=c.head_dim,
-        linear_value_head_dim=c.head_dim,
-        linear_num_key_heads=c.n_head,
-        linear_num_value_heads=c.n_head,
-        layer_types=[kinds[letter] for letter in c.layer_letters],
+        **layer_keys,
+        layer_types=[kind.hf_layer_type for kind in c.layer_kinds],
         rope_parameters={
             "rope_type": "default",
             "rope_theta": c.rope_theta,
@@ -101,22 +82,28 @@ def qwen35(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[st
         "model.embed_tokens.weight": sd["transformer.wte.weight"],
         "model.norm.weight": sd["transformer.ln_f.weight"] - 1,
     }
-    for i, letter in enumerate(c.layer_letters):
+    for i, kind in enumerate(c.layer_kinds):
         ours = f"transformer.h.{i}."
         theirs = f"model.layers.{i}."
-        if letter != "D":
+        if kind.attends:
             state[theirs + "self_attn.q_proj.weight"] = query_and_gate(c, sd, ours)
-        for a, b in layer_names(letter).items():
+        for a, b in layer_names(kind).items():
             state[theirs + b] = sd[ours + a] - (1 if a in ONE_PLUS_W else 0)
     return "Qwen3_5ForCausalLM", qwen_config(c), state
 
 
-def layer_names(letter: str) -> dict[str, str]:
-    """A layer's parameters, ours -> Qwen3.5's, but q_proj (query_and_gate): a Gated DeltaNet
-    layer's (D) or an attention layer's, and the block's."""
-    if letter == "D":
-        return BLOCK | RECURRENT
-    return BLOCK | {f"{a}.weight": f"{b}.weight" for a, b in ATTENTION.items()}
+def layer_names(kind: type[LayerKind]) -> dict[str, str]:
+    """A layer's parameters, ours -> Qwen3.5's, but q_proj (query_and_gate): its kind's, and the
+    block's."""
+    return BLOCK | {f"attn.{a}": b for a, b in kind.hf_names.items()}
+
+
+def kinds_of(layer_types: list[str]) -> list[type[LayerKind]] | None:
+    """Each layer's kind by its transformers layer type; None where a type is no kind's."""
+    by_type = {kind.hf_layer_type: kind for kind in LAYER_KINDS.values()}
+    if not set(layer_types) <= set(by_type) & set(LAYER_TYPES):
+        return None
+    return [by_type[t] for t in layer_types]
 
 
 def query_and_gate(c: GPTConfig, sd: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
@@ -130,8 +117,6 @@ def qwen_problems(c: Any) -> list[str]:
     """What a Qwen3.5 config holds that our model cannot, each as the setting that says it."""
     rope = c.rope_parameters or {}
     hd = c.hidden_size // c.num_attention_heads
-    linear = (c.linear_key_head_dim, c.linear_value_head_dim)
-    linear_heads = (c.linear_num_key_heads, c.linear_num_value_heads)
     problems = {
         f"tie_word_embeddings={c.tie_word_embeddings}": not c.tie_word_embeddings,
         f"hidden_act={c.hidden_act!r}": c.hidden_act != "silu",
@@ -139,12 +124,13 @@ def qwen_problems(c: Any) -> list[str]:
         f"rope_type={rope.get('rope_type')!r}": rope.get("rope_type", "default") != "default",
         "attention_bias=True": c.attention_bias,
         f"head_dim={c.head_dim} (not hidden_size / num_attention_heads = {hd})": c.head_dim != hd,
-        f"linear heads {linear_heads} of widths {linear} (ours: {c.num_attention_heads} of "
-        f"{hd}, keys as wide as values)": linear != (hd, hd)
-        or linear_heads != (c.num_attention_heads,) * 2,
-        f"linear_conv_kernel_dim={c.linear_conv_kernel_dim}": c.linear_conv_kernel_dim
-        != GatedDeltaNet.kernel,
     }
+    kinds = kinds_of(c.layer_types)
+    if kinds is None:
+        problems[f"layer_types {sorted(set(c.layer_types))}"] = True
+    else:
+        for kind in dict.fromkeys(kinds):
+            problems |= dict.fromkeys(kind.hf_problems(c), True)
     return [what for what, true in problems.items() if true]
 
 
@@ -155,8 +141,9 @@ def from_qwen35(
     what our model cannot hold is refused in one line."""
     if bad := qwen_problems(c):
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
-    letters = "".join("D" if t == "linear_attention" else "L" for t in c.layer_types)
-    attending = "L" in letters
+    kinds = kinds_of(c.layer_types)
+    letters = "".join(kind.letter for kind in kinds)
+    attending = any(kind.attends for kind in kinds)
     rope = c.rope_parameters
     config = GPTConfig(
         **shape_of(c),
@@ -175,15 +162,15 @@ def from_qwen35(
         "transformer.wte.weight": sd["model.embed_tokens.weight"],
         "transformer.ln_f.weight": sd["model.norm.weight"] + 1,
     }
-    for i, letter in enumerate(letters):
+    for i, kind in enumerate(kinds):
         ours = f"transformer.h.{i}."
         theirs = f"model.layers.{i}."
-        if letter != "D":
+        if kind.attends:
             q_proj = sd[theirs + "self_attn.q_proj.weight"].view(c.num_attention_heads, 2, -1)
             q, gate = q_proj.unbind(1)
             state[ours + "attn.c_q.weight"] = q.reshape(-1, c.hidden_size)
             state[ours + "attn.gate.c_gate.weight"] = gate.reshape(-1, c.hidden_size)
-        for a, b in layer_names(letter).items():
+        for a, b in layer_names(kind).items():
             state[ours + a] = sd[theirs + b] + (1 if a in ONE_PLUS_W else 0)
     return config, state
 

@@ -147,6 +147,14 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(slots * p.nbytes for group in optimizer.param_groups for p in group["params"])
 
 
+def muon_takes(model: GPT, name: str) -> bool:
+    """Whether Muon takes the block matrix `name`: all but those of the Linears a mixer leaves to
+    AdamW (its `adamw_matrices`, as a kind of layer may declare)."""
+    owner = name.rpartition(".")[0]
+    parent, _, linear = owner.rpartition(".")
+    return linear not in getattr(model.get_submodule(parent), "adamw_matrices", ())
+
+
 def make_optimizer(
     model: GPT,
     kind: str,
@@ -165,7 +173,7 @@ def make_optimizer(
         inner = []  # the blocks' matrices: Muon's
         rest = []  # AdamW's
         for name, p in model.named_parameters():
-            if p.dim() == 2 and name.startswith("transformer.h."):
+            if p.dim() == 2 and name.startswith("transformer.h.") and muon_takes(model, name):
                 inner.append(p)
             else:
                 rest.append(p)

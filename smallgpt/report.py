@@ -37,7 +37,7 @@ SPEED_FILE = "speed.json"
 
 def speed_key(c: GPTConfig, context: int, batch: int) -> str:
     """A shape's key in speed.json: what the cached-step decode speed depends on."""
-    if c.attention_kind == "MLA":
+    if c.attention_type == "MLA":
         kv = f"mla{c.kv_lora_rank}r{c.qk_rope_head_dim}"
     else:
         kv = f"kv{c.n_kv_head}"
@@ -294,7 +294,7 @@ def model_columns(size: str, name: str, first: dict, cfg: CompareConfig) -> dict
         "n_head": m.n_head,
         "n_kv_head": m.n_kv_head,
         "kv_lora_rank": m.kv_lora_rank,
-        "recurrent_layers": len(m.recurrent_layers),  # Gated DeltaNet's
+        "recurrent_layers": len(m.recurrent_layers),  # the layers that do not attend
         "match": first["match"],
         "method": first["method"],
         "uptrain_fraction": first["fraction"],

@@ -6,7 +6,7 @@ KVCache) computes the same logits (tests/test_model.py)."""
 
 import torch
 
-from attention import KVCache
+from kv_cache import KVCache
 from model import GPT
 
 
@@ -18,7 +18,14 @@ def decode_static(
     sync, for CUDAGraphStep), or over a global layer's first `length` positions (the compiled CPU
     step's one dynamic size); a local layer over its ring."""
     x, rope = model.embed(idx, pos)
-    view = kv_cache.static(pos, length)  # writes at pos, reads whole; its masks for each window
-    for block, window in zip(model.transformer.h, model.config.layer_windows, strict=True):
-        x = block(x, rope, view.masks[window], view)
+    # the cache as this step reads it: written at pos, read whole
+    view = kv_cache.static(pos, length)
+    # each layer's mask by its kind's rule, once for the layers that share it
+    masks = {}
+    for block in model.transformer.h:
+        key = block.attn.mask_key
+        if key not in masks:
+            masks[key] = block.attn.static_mask(pos, view)
+    for block in model.transformer.h:
+        x = block(x, rope, masks[block.attn.mask_key], view)
     return model.lm_head(model.transformer.ln_f(x))

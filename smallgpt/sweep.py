@@ -284,7 +284,7 @@ def conversion_runs(
         source = next(r for r in scratch if r.name == "mha")
         # MLA's K/V come from one SVD of MHA's, with no latent norm (convert.to_latent); the
         # methods pool K/V heads
-        latent = variant.kind == "mla"
+        latent = variant.attention == "mla"
         target = dataclasses.replace(variant.config(mha), latent_norm=not latent)
         methods = ["svd"] if latent else cfg.convert_methods
         for method in methods:

@@ -1,134 +1,132 @@
 """A comparison's variant names (compare.py --variants, its runs' folders and tags): the one
 grammar, read by Variant.parse and written by str(Variant), and the model each name makes of an
-MHA model. The kind in a name is GPTConfig.attention_kind's, in lower case."""
+MHA model. The attention in a name is GPTConfig.attention_type's, in lower case; its pattern's
+letters are LAYER_KINDS'."""
 
 import dataclasses
 import re
 from dataclasses import dataclass
 
-from model import GPTConfig
+import attention
+from model import LAYER_KINDS, GPTConfig
 
-# a name, all lower case: its kind and size (mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>), then
-# its layers' pattern if not all global attention: S local (with the window after it), D Gated
-# DeltaNet (mha-sssl64: window_pattern='SSSL', window=64; gqa2-dddl: layer_pattern='DDDL'), then
-# Qwen3.5's attention options: -gate (per feature) or -headgate, -qknorm, -rope<percent>
-NAME = re.compile(
-    r"(?P<kind>mha|mqa|gqa(?P<n_kv_head>[1-9][0-9]*)|mla(?P<kv_lora_rank>[1-9][0-9]*))"
-    r"(?:-(?P<pattern>[sld]+)(?P<window>[1-9][0-9]*)?)?"
-    r"(?P<gate>-gate|-headgate)?(?P<qk_norm>-qknorm)?(?:-rope(?P<rope>[1-9][0-9]?))?"
-)
+# the keys a variant may set besides its attention's, in the order its name spells them: the
+# layers' pattern and window, then Qwen3.5's attention options
+OPTIONS = ("layer_pattern", "window_pattern", "window", "attn_gate", "qk_norm", "rope_fraction")
 GATES = {None: "none", "-gate": "element", "-headgate": "head"}
+
+
+def name_grammar() -> re.Pattern:
+    """A name, all lower case: its attention and size (mha, gqa<n_kv_head>, mqa,
+    mla<kv_lora_rank>), then its layers' pattern if not all global attention, letters of
+    LAYER_KINDS with the window after it where some layer is local (mha-sssl64:
+    window_pattern='SSSL', window=64; gqa2-dddl: layer_pattern='DDDL'), then Qwen3.5's attention
+    options: -gate (per feature) or -headgate, -qknorm, -rope<percent>. Read from the table at
+    each call, so that a kind registered at run time has its letter."""
+    letters = "".join(LAYER_KINDS).lower()
+    return re.compile(
+        r"(?P<attention>mha|mqa|gqa(?P<n_kv_head>[1-9][0-9]*)|mla(?P<kv_lora_rank>[1-9][0-9]*))"
+        rf"(?:-(?P<pattern>[{letters}]+)(?P<window>[1-9][0-9]*)?)?"
+        r"(?P<gate>-gate|-headgate)?(?P<qk_norm>-qknorm)?(?:-rope(?P<rope>[1-9][0-9]?))?"
+    )
+
+
+def pattern_keys(pattern: str | None, window: int | None) -> dict[str, object]:
+    """The keys that give a variant's layers this pattern (upper case) and window: window_pattern
+    where its letters are nanochat's S and L (attention.window_pattern_problems), else
+    layer_pattern."""
+    keys: dict[str, object] = {}
+    if pattern is None:
+        return keys
+    if attention.window_pattern_problems(pattern):
+        keys["layer_pattern"] = pattern
+    else:
+        keys["window_pattern"] = pattern
+    if window is not None:
+        keys["window"] = window
+    return keys
 
 
 @dataclass(frozen=True, slots=True)
 class Variant:
     """A model variant as its name says: 'mha', 'gqa2', 'mqa', 'mla16', 'mha-sssl64',
-    'gqa2-dddl-gate-qknorm'."""
+    'gqa2-dddl-gate-qknorm': its attention and size, and the keys it sets away from an all-global
+    MHA model without options (changes, in OPTIONS' order)."""
 
-    kind: str  # 'mha', 'gqa', 'mqa' or 'mla': GPTConfig.attention_kind in lower case
-    n_kv_head: int | None = None  # gqa's K/V heads (mha's and mqa's follow from n_head)
-    kv_lora_rank: int | None = None  # mla's latent width
-    window: int | None = None  # the local layers' window; None: no layer local
-    window_pattern: str | None = None  # train.py's --window_pattern ('SSSL'), with window
-    layer_pattern: str | None = None  # train.py's --layer_pattern where it has D ('DDDL')
-    attn_gate: str = "none"  # train.py's --attn_gate
-    qk_norm: bool = False
-    rope_fraction: float = 1.0
+    attention: str  # 'mha', 'gqa', 'mqa' or 'mla': GPTConfig.attention_type in lower case
+    size: int | None = None  # gqa's n_kv_head, mla's kv_lora_rank (mha's and mqa's: None)
+    changes: tuple[tuple[str, object], ...] = ()
+
+    @classmethod
+    def of(cls, attention: str, size: int | None, keys: dict[str, object]) -> "Variant":
+        """The variant of this attention and size that sets these keys (their defaults left out)."""
+        fields = GPTConfig.__dataclass_fields__
+        changes = tuple(
+            (key, keys[key])
+            for key in OPTIONS
+            if keys.get(key, fields[key].default) != fields[key].default
+        )
+        return cls(attention, size, changes)
 
     @classmethod
     def parse(cls, name: str) -> "Variant":
         """The variant name names; a ValueError for a name of none (names are lower case)."""
-        parts = NAME.fullmatch(name)
-        pattern = parts and parts["pattern"]
+        parts = name_grammar().fullmatch(name)
+        pattern = parts and parts["pattern"] and parts["pattern"].upper()
+        window = int(parts["window"]) if parts and parts["window"] else None
+        keys = pattern_keys(pattern, window)
         # a pattern of S and L only names local layers: their window follows it
-        if parts is None or (pattern and "d" not in pattern and not parts["window"]):
+        if parts is None or ("window_pattern" in keys and window is None):
             raise ValueError(f"{name!r} is not a variant name")
-        window = int(parts["window"]) if parts["window"] else None
-        window_pattern = None
-        layer_pattern = None
-        if pattern and "d" in pattern:
-            layer_pattern = pattern.upper()  # train.py's patterns are upper case
-        elif pattern:
-            window_pattern = pattern.upper()
-        kind = parts["kind"][:3]
-        n_kv_head = int(parts["n_kv_head"]) if kind == "gqa" else None
-        kv_lora_rank = int(parts["kv_lora_rank"]) if kind == "mla" else None
-        rope_fraction = int(parts["rope"]) / 100 if parts["rope"] else 1.0
-        return cls(
-            kind,
-            n_kv_head,
-            kv_lora_rank,
-            window,
-            window_pattern,
-            layer_pattern,
-            GATES[parts["gate"]],
-            bool(parts["qk_norm"]),
-            rope_fraction,
-        )
+        keys["attn_gate"] = GATES[parts["gate"]]
+        keys["qk_norm"] = bool(parts["qk_norm"])
+        keys["rope_fraction"] = int(parts["rope"]) / 100 if parts["rope"] else 1.0
+        attention = parts["attention"][:3]
+        size = parts["n_kv_head"] or parts["kv_lora_rank"]
+        return cls.of(attention, int(size) if size else None, keys)
 
     @classmethod
     def from_config(cls, config: GPTConfig) -> "Variant":
-        """The variant a model is (its attention_kind, then its layers' pattern and options)."""
-        kind = config.attention_kind.lower()
-        n_kv_head = config.n_kv_head if kind == "gqa" else None
-        kv_lora_rank = config.kv_lora_rank if kind == "mla" else None
-        window_pattern = None
-        layer_pattern = None
-        if config.recurrent_layers:
-            layer_pattern = config.layer_pattern
-        elif config.window is not None:
-            window_pattern = config.layer_pattern or config.window_pattern
-        return cls(
-            kind,
-            n_kv_head,
-            kv_lora_rank,
-            config.window,
-            window_pattern,
-            layer_pattern,
-            config.attn_gate,
-            config.qk_norm,
-            config.rope_fraction,
-        )
+        """The variant a model is (its attention_type, then its layers' pattern and options)."""
+        attention = config.attention_type.lower()
+        size = {"gqa": config.n_kv_head, "mla": config.kv_lora_rank}.get(attention)
+        pattern = config.layer_pattern
+        if pattern is None and config.window is not None:
+            pattern = config.window_pattern
+        keys = pattern_keys(pattern, config.window)
+        for key in ("attn_gate", "qk_norm", "rope_fraction"):
+            keys[key] = getattr(config, key)
+        return cls.of(attention, size, keys)
 
     def config(self, mha: GPTConfig) -> GPTConfig:
         """This variant of an all-global MHA model (a ValueError where it cannot be one at that
-        shape)."""
-        mha = dataclasses.replace(
-            mha,
-            attn_gate=self.attn_gate,
-            qk_norm=self.qk_norm,
-            rope_fraction=self.rope_fraction,
-            window=self.window,
-            window_pattern=self.window_pattern or "L",
-            layer_pattern=self.layer_pattern,
-        )
-        if self.kind == "mla":
-            return dataclasses.replace(mha, kv_lora_rank=self.kv_lora_rank)
-        n_kv_head = {"mha": mha.n_head, "mqa": 1}.get(self.kind, self.n_kv_head)
-        return dataclasses.replace(mha, n_kv_head=n_kv_head)
+        shape): the model's options as this variant's, its K/V as its attention's."""
+        fields = GPTConfig.__dataclass_fields__
+        keys = {key: fields[key].default for key in OPTIONS} | dict(self.changes)
+        model = dataclasses.replace(mha, **keys)
+        if self.attention == "mla":
+            return dataclasses.replace(model, kv_lora_rank=self.size)
+        n_kv_head = {"mha": model.n_head, "mqa": 1}.get(self.attention, self.size)
+        return dataclasses.replace(model, n_kv_head=n_kv_head)
 
     @property
     def suffix(self) -> str:
-        """'-<pattern>[<window>]' where some layer is local or recurrent ('-sssl64', '-dddl'), then
-        the attention options ('-gate-qknorm'); '' for all-global attention without options."""
+        """'-<pattern>[<window>]' where some layer is local or of another kind ('-sssl64',
+        '-dddl'), then the attention options ('-gate-qknorm'); '' for all-global attention
+        without options."""
+        keys = dict(self.changes)
         suffix = ""
-        pattern = self.layer_pattern or self.window_pattern
+        pattern = keys.get("layer_pattern") or keys.get("window_pattern")
         if pattern:
-            suffix = f"-{pattern.lower()}{self.window or ''}"
-        gate = {"element": "-gate", "head": "-headgate"}.get(self.attn_gate, "")
-        suffix += gate + ("-qknorm" if self.qk_norm else "")
-        if self.rope_fraction != 1:
-            suffix += f"-rope{round(self.rope_fraction * 100)}"
+            suffix = f"-{pattern.lower()}{keys.get('window') or ''}"
+        gate = {"element": "-gate", "head": "-headgate"}.get(keys.get("attn_gate"), "")
+        suffix += gate + ("-qknorm" if keys.get("qk_norm") else "")
+        if keys.get("rope_fraction", 1) != 1:
+            suffix += f"-rope{round(keys['rope_fraction'] * 100)}"
         return suffix
 
-    @property
-    def recurrent(self) -> bool:
-        """Whether some layer is a Gated DeltaNet one."""
-        return self.layer_pattern is not None
-
     def __str__(self) -> str:
-        size = self.n_kv_head if self.kind == "gqa" else self.kv_lora_rank
-        return f"{self.kind}{size or ''}{self.suffix}"
+        return f"{self.attention}{self.size or ''}{self.suffix}"
 
 
 MHA = Variant("mha")  # the all-global MHA model, what a comparison measures the others against

@@ -816,7 +816,7 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
     )
     runs = {run.name: run for run in sweep.plan(cfg, base, 96, out)}
     mla = runs["mla16-params"]
-    assert "--kv_lora_rank=16" in mla.args and mla.model.attention_kind == "MLA"
+    assert "--kv_lora_rank=16" in mla.args and mla.model.attention_type == "MLA"
     with torch.device("meta"):
         mha_params = GPT(runs["mha"].model).num_params()
         assert abs(GPT(mla.model).num_params() - mha_params) <= 0.01 * mha_params
@@ -927,14 +927,14 @@ def test_variants_name_local_layers_by_pattern_and_window(
 )
 def test_a_variant_name_round_trips_through_variant_and_its_model(name: str) -> None:
     """The names' one grammar: Variant.parse reads what str(Variant) writes, and the model a name
-    makes of an all-global MHA model is named back as the same variant (from its attention_kind)."""
+    makes of an all-global MHA model is named back as the same variant (from its attention_type)."""
     variant = Variant.parse(name)
     assert str(variant) == format(variant) == f"{variant}" == name
     assert Variant.parse(format(variant)) == variant
     mha = GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=128, vocab_size=50)
     model = variant.config(mha)
     assert Variant.from_config(model) == variant
-    assert model.attention_kind == variant.kind.upper()
+    assert model.attention_type == variant.attention.upper()
     assert (model.window, model.window_pattern) == ((64, "SSSL") if "-" in name else (None, "L"))
 
 

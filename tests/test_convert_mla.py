@@ -64,7 +64,7 @@ def test_learned_positions_at_full_rank_keep_the_logits(bias: bool) -> None:
     m = trained_like(tiny_model(None, "learned", bias=bias))
     c = to_latent(m, C).eval()
     assert (c.config.kv_lora_rank, c.config.qk_rope_head_dim, c.config.latent_norm) == (C, 0, False)
-    assert c.config.attention_kind == "MLA"
+    assert c.config.attention_type == "MLA"
     torch.testing.assert_close(logits(c), logits(m), rtol=0, atol=ATOL)
     old, new = m.state_dict(), c.state_dict()
     for name, t in old.items():

@@ -275,30 +275,30 @@ def test_the_bugs_a_recurrent_layer_can_have_fail_these_tests(
     state, or the write strength dropped (b = 1): one of them fails."""
     m = hybrid()
     assert planted_runs(m) == (True, True)
-    import attention
+    import gated_deltanet
 
     forward = GatedDeltaNet.forward
-    real_tokens = attention.real_tokens
+    real_tokens = gated_deltanet.real_tokens
 
     def off_by_one(self, x, rope, mask, kv_cache):  # noqa: ANN001, ANN202
         if kv_cache is not None:
-            remember = kv_cache.remember
+            write_state = kv_cache.write_state
 
             def shifted(layer, conv, state):  # noqa: ANN001, ANN202
-                remember(
+                write_state(
                     layer, torch.cat((torch.zeros_like(conv[..., :1]), conv[..., :-1]), -1), state
                 )
 
             kv_cache = copy.copy(kv_cache)
-            kv_cache.remember = shifted
+            kv_cache.write_state = shifted
         return forward(self, x, rope, mask, kv_cache)
 
     monkeypatch.setattr(GatedDeltaNet, "forward", off_by_one)
     assert planted_runs(m)[0] is False
     monkeypatch.setattr(GatedDeltaNet, "forward", forward)
-    monkeypatch.setattr(attention, "real_tokens", lambda *args: None)
+    monkeypatch.setattr(gated_deltanet, "real_tokens", lambda *args: None)
     assert planted_runs(m)[1] is False
-    monkeypatch.setattr(attention, "real_tokens", real_tokens)
+    monkeypatch.setattr(gated_deltanet, "real_tokens", real_tokens)
     # b dropped: the layer is no longer transformers'
     from smallgpt import delta_rule
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from attention import KVCache
 from conftest import VARIANTS, tiny_model
+from kv_cache import KVCache
 from model import GPT
 from smallgpt.generation import generate, left_pad
 
@@ -67,14 +67,14 @@ def test_padded_batch_matches_each_prompt_alone(variant: str, pos_encoding: str)
 def test_cache_stores_kv_heads_unrepeated_and_is_written_in_place() -> None:
     m = tiny_model(1)
     cache = m.make_kv_cache(2, 16)
-    k_ptr = cache.kinds[0].k.data_ptr()
-    assert cache.kinds[0].k.shape == (2, 2, 1, 16, 8)  # (n_layer, B, n_kv_head, max_len, head_dim)
+    k_ptr = cache.stores[0].k.data_ptr()
+    assert cache.stores[0].k.shape == (2, 2, 1, 16, 8)  # (n_layer, B, n_kv_head, max_len, head_dim)
     m(torch.randint(0, 61, (2, 5)), kv_cache=cache)
     m(torch.randint(0, 61, (2, 1)), kv_cache=cache)
-    assert cache.pos == 6 and cache.kinds[0].k.data_ptr() == k_ptr
+    assert cache.pos == 6 and cache.stores[0].k.data_ptr() == k_ptr
     assert (
-        cache.kinds[0].k[:, :, :, :6].abs().sum() > 0
-        and cache.kinds[0].k[:, :, :, 6:].abs().sum() == 0
+        cache.stores[0].k[:, :, :, :6].abs().sum() > 0
+        and cache.stores[0].k[:, :, :, 6:].abs().sum() == 0
     )
 
 

@@ -83,13 +83,14 @@ def test_the_absorbed_step_equals_the_unabsorbed_one(case: str) -> None:
     torch.testing.assert_close(absorbed, unabsorbed, rtol=0, atol=ATOL)
     c = m.config
     assert (
-        cache.kinds[0].k.shape == (2, 2, 1, 12, c.kv_lora_rank + c.qk_rope_head_dim)
-        and cache.kinds[0].v.numel() == 0
+        cache.stores[0].k.shape == (2, 2, 1, 12, c.kv_lora_rank + c.qk_rope_head_dim)
+        and cache.stores[0].v.numel() == 0
     )
     latent, k_rope = attn.kv_a(x).split((c.kv_lora_rank, c.qk_rope_head_dim), dim=-1)
-    torch.testing.assert_close(cache.kinds[0].k[1, :, 0, :, : c.kv_lora_rank], attn.kv_norm(latent))
+    latents = cache.stores[0].k[1, :, 0, :, : c.kv_lora_rank]
+    torch.testing.assert_close(latents, attn.kv_norm(latent))
     if rope is not None:  # the rotary key is stored rotated; the latent carries no position
-        assert not torch.allclose(cache.kinds[0].k[1, :, 0, :, c.kv_lora_rank :], k_rope)
+        assert not torch.allclose(cache.stores[0].k[1, :, 0, :, c.kv_lora_rank :], k_rope)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -137,7 +138,7 @@ def test_the_static_step_equals_the_cached_forward(case: str) -> None:
     cache in place."""
     ref, static, filled = static_steps_match(mla(case), range(5, 8), 20)
     for cache in (static, filled):
-        torch.testing.assert_close(cache.kinds[0].k[..., :8, :], ref.kinds[0].k[..., :8, :])
+        torch.testing.assert_close(cache.stores[0].k[..., :8, :], ref.stores[0].k[..., :8, :])
 
 
 def test_mla_trains_and_compiles_without_graph_breaks() -> None:

@@ -58,13 +58,15 @@ def test_the_import_graph_has_no_cycle() -> None:
 
     for m in MODULES:
         visit(m, [])
-    # the model is a leaf: model.py, attention.py and gated_deltanet.py import only the fast paths
-    # (gated_deltanet.py the delta rule, its arithmetic, which imports nothing of ours; model.py
-    # the mixing kinds), so the engine imports the model, never the reverse
-    mixers = {"attention", "gated_deltanet"}
-    assert "model" in done and graph["model"] <= {"smallgpt.fast_paths", *mixers}
-    assert graph["attention"] <= {"smallgpt.fast_paths"}
-    assert graph["gated_deltanet"] <= {"smallgpt.fast_paths", "smallgpt.delta_rule", "attention"}
+    # the model is a leaf: the cache (kv_cache.py) needs nothing of ours, what a kind declares
+    # (layer_kind.py) only the cache, the kinds' files those and the fast paths (gated_deltanet.py
+    # also the delta rule, its arithmetic, which imports nothing of ours, and attention's norm);
+    # model.py the kinds' files; so the engine imports the model, never the reverse
+    below = {"smallgpt.fast_paths", "kv_cache", "layer_kind"}
+    assert "model" in done and graph["model"] <= {*below, "attention", "gated_deltanet"}
+    assert graph["kv_cache"] == set() and graph["layer_kind"] == {"kv_cache"}
+    assert graph["attention"] <= below
+    assert graph["gated_deltanet"] <= {*below, "smallgpt.delta_rule", "attention"}
     assert graph["smallgpt.delta_rule"] == set()
 
 
@@ -200,13 +202,77 @@ def test_pip_install_declares_the_requirements_and_installs_only_imported_module
     assert names(config["project"]["dependencies"]) == names(listed) and "torch" in names(listed)
     root_modules = {p.stem for p in ROOT.glob("*.py")}
     importers = [*(ROOT / "smallgpt").glob("*.py"), *ROOT.glob("data/*/*.py")]
-    imported = set()
-    for path in [*importers, *ROOT.glob("scripts/*.py")]:
+
+    def imports(path: Path) -> set[str]:
+        found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
+                found |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                imported.add(node.module)
+                found.add(node.module)
+        return found
+
+    imported = set()
+    for path in [*importers, *ROOT.glob("scripts/*.py")]:
+        imported |= imports(path)
+    # and what those root modules import in turn (model.py imports the kinds' files)
+    while new := {
+        name
+        for module in imported & root_modules
+        for name in imports(ROOT / f"{module}.py")
+        if name not in imported
+    }:
+        imported |= new
     installed = set(config["tool"]["setuptools"]["py-modules"])
     assert installed == imported & root_modules
     assert not installed & SCRIPTS
+
+
+def code_lines(path: Path) -> list[str]:
+    """path's lines of code, its comments and docstrings left out."""
+    import io
+    import tokenize
+
+    text = path.read_text()
+    # the docstrings: strings standing alone as statements
+    docstrings = {
+        node.value.lineno
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    lines: dict[int, list[str]] = {}
+    skipped = (tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE, tokenize.NL)
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        docstring = token.type == tokenize.STRING and token.start[0] in docstrings
+        if token.type in skipped or docstring:
+            continue
+        for n in range(token.start[0], token.end[0] + 1):
+            lines.setdefault(n, []).append(token.string)
+    return [" ".join(parts) for _, parts in sorted(lines.items())]
+
+
+def test_no_code_outside_a_kinds_file_names_it() -> None:
+    """One layer kind, one place (issue 67): a kind's class, and its letter where it is no letter of
+    window_pattern (whose S and L are nanochat's config letters), appear in no code but its own
+    file's and its row in model.LAYER_KINDS (its import and the row)."""
+    import inspect
+    import re
+
+    from model import LAYER_KINDS
+
+    files = [*ROOT.glob("*.py"), *ROOT.glob("smallgpt/*.py"), *ROOT.glob("scripts/*.py")]
+    for letter, kind in LAYER_KINDS.items():
+        own = Path(inspect.getfile(kind)).name
+        names = [rf"\b{kind.__name__}\b"]
+        if letter not in "SL":
+            names.append(rf"[\"']{letter}[\"']")
+        pattern = re.compile("|".join(names))
+        found = [
+            f"{path.name}: {line}"
+            for path in sorted(files)
+            if path.name != own
+            for line in code_lines(path)
+            if pattern.search(line)
+        ]
+        table = [f"model.py: from {own[:-3]} import", f'model.py: "{letter}" : {kind.__name__} ,']
+        assert [line for line in found if not line.startswith(tuple(table))] == [], kind.name

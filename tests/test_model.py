@@ -37,7 +37,7 @@ def test_param_counts_and_kv_bytes_follow_the_formulas(D: int, H: int, G: int) -
             assert m.config.kv_cache_bytes(batch, seq, dtype) == expected
             cache = m.make_kv_cache(batch, seq, dtype=dtype)
             assert cache.nbytes == expected
-            assert cache.kinds[0].k.shape == (L, batch, G, seq, hd)
+            assert cache.stores[0].k.shape == (L, batch, G, seq, hd)
 
 
 def test_mqa_cache_is_n_head_times_smaller_than_mha() -> None:
@@ -50,7 +50,7 @@ def test_mqa_cache_is_n_head_times_smaller_than_mha() -> None:
 def test_attention_kind(n_kv_head: int | None, kind: str) -> None:
     cfg = GPTConfig(n_head=4, n_kv_head=n_kv_head, n_embd=32)
     assert cfg.n_kv_head == (n_kv_head or 4)
-    assert cfg.attention_kind == kind
+    assert cfg.attention_type == kind
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def test_gqa_equals_mha_with_kv_heads_copied_within_groups(
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("mask", [False, True])
 def test_gqa_attention_equals_explicit_repeat_reference(mask: bool, T: int) -> None:
-    """fast_paths.attention with 2 K/V heads for 8 query heads (enable_gqa, or one query per head
+    """fast_paths.sdpa with 2 K/V heads for 8 query heads (enable_gqa, or one query per head
     under a mask)."""
     q, k, v = torch.randn(2, 8, T, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
     m = torch.rand(2, 1, T, 9) > 0.3 if mask else None
@@ -140,7 +140,7 @@ def test_gqa_attention_equals_explicit_repeat_reference(mask: bool, T: int) -> N
         @ v_rep
     )
     torch.testing.assert_close(
-        fast_paths.attention(q, k, v, m, dropout_p=0.0, cached=False), ref, rtol=1e-5, atol=1e-5
+        fast_paths.sdpa(q, k, v, m, dropout_p=0.0, cached=False), ref, rtol=1e-5, atol=1e-5
     )
 
 
@@ -165,8 +165,8 @@ def test_matmul_attention_equals_sdpa(case: str, n_kv_head: int) -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     with torch.autocast(
         "cpu", dtype=torch.bfloat16
-    ):  # the path attention() takes in bf16 training on CPU
-        low = fast_paths.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), m, 0.0, cached=False)
+    ):  # the path sdpa() takes in bf16 training on CPU
+        low = fast_paths.sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16(), m, 0.0, cached=False)
     torch.testing.assert_close(low.float(), ref, rtol=0, atol=0.05)
 
 
@@ -180,7 +180,8 @@ def test_training_attention_equals_each_projection_rotated_by_hand(
     values and the weights' gradients."""
     torch.manual_seed(0)
     B, T, H, hd = 2, 7, 4, 8
-    attn = CausalSelfAttention(0, H * hd, H, n_kv_head, bias, 0.0)
+    config = GPTConfig(n_layer=1, n_head=H, n_kv_head=n_kv_head, n_embd=H * hd, bias=bias)
+    attn = CausalSelfAttention(config, 0)
     x = torch.randn(B, T, H * hd)
     cos, sin = rope_tables(hd, T, 10000.0)
     out = attn(x, (cos[None, None], sin[None, None]), None, None)
@@ -226,16 +227,16 @@ def bf16_cache_cases() -> list[tuple[torch.Tensor, ...]]:
 
 
 def test_one_query_attention_over_a_bf16_cache_equals_sdpa() -> None:
-    """Decoding in bf16 on CPU, attention() takes one_query_attention: SDPA's function of the fp32
+    """Decoding in bf16 on CPU, sdpa() takes one_query_attention: SDPA's function of the fp32
     values to bf16 rounding (fp32 products), each K/V head serving its queries."""
     for q, k, v, ref in bf16_cache_cases():
         low = [t.bfloat16() for t in (q, k, v)]
         with torch.inference_mode():
-            out = fast_paths.attention(*low, None, 0.0, cached=True)
+            out = fast_paths.sdpa(*low, None, 0.0, cached=True)
             direct = fast_paths.one_query_attention(*low)
         assert out.dtype == torch.bfloat16 and out.shape == ref.shape
         torch.testing.assert_close(out.float(), ref, rtol=0, atol=0.05)
-        assert torch.equal(out, direct)  # the path attention() takes, not SDPA's
+        assert torch.equal(out, direct)  # the path sdpa() takes, not SDPA's
 
 
 def test_compiled_one_query_attention_over_a_bf16_cache_equals_sdpa() -> None:
@@ -246,7 +247,7 @@ def test_compiled_one_query_attention_over_a_bf16_cache_equals_sdpa() -> None:
 
     def each(*lows: torch.Tensor) -> list[torch.Tensor]:
         return [
-            fast_paths.attention(*lows[i : i + 3], None, 0.0, cached=True)
+            fast_paths.sdpa(*lows[i : i + 3], None, 0.0, cached=True)
             for i in range(0, len(lows), 3)
         ]
 
@@ -414,9 +415,9 @@ def test_static_decode_step_equals_the_cached_forward(variant: str, pos_encoding
         tiny_model(VARIANTS[variant], pos_encoding), range(5, 7), 20
     )
     for cache in (static, filled):
-        torch.testing.assert_close(cache.kinds[0].k[..., :7, :], ref.kinds[0].k[..., :7, :])
-        torch.testing.assert_close(cache.kinds[0].v[..., :7, :], ref.kinds[0].v[..., :7, :])
-        assert not cache.kinds[0].k[..., 7:, :].any()
+        torch.testing.assert_close(cache.stores[0].k[..., :7, :], ref.stores[0].k[..., :7, :])
+        torch.testing.assert_close(cache.stores[0].v[..., :7, :], ref.stores[0].v[..., :7, :])
+        assert not cache.stores[0].k[..., 7:, :].any()
 
 
 def test_generate_slides_its_window_reusing_the_cache() -> None:

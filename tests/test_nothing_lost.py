@@ -333,7 +333,7 @@ def test_a_key_no_layer_reads_is_one_problem_of_its_own_and_what_layers_read_is_
     assert "kv_lora_rank=16" in str(err.value) and "qk_rope_head_dim" not in str(err.value)
     with pytest.raises(ValueError, match="rope_theta=500.0 applies to rotary positions"):
         GPTConfig(**(base | dict(layer_pattern="DL")), rope_theta=500.0)
-    assert GPTConfig(**base, n_kv_head=4).attention_kind == "MHA"
+    assert GPTConfig(**base, n_kv_head=4).attention_type == "MHA"
     assert GPTConfig(**(base | dict(n_layer=6, layer_pattern="DL"))).layer_letters == "DLDLDL"
     mha = GPTConfig(n_layer=4, n_head=4, n_embd=32, block_size=32)
     assert str(Variant.from_config(Variant.parse("mha-d").config(mha))) == "mha-d"

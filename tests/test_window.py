@@ -135,8 +135,8 @@ def test_a_local_layers_cache_holds_its_window_and_the_bytes_follow_the_per_laye
         want = B * kept * heads * (k_width + v_width) * 4
         cache = m.make_kv_cache(B, max_len)
         assert cache.nbytes == m.config.kv_cache_bytes(B, max_len) == want, case
-        assert cache.kinds[1].k.shape == (2, B, heads, min(window, max_len), k_width)
-        assert cache.kinds[0].k.shape == (1, B, heads, max_len, k_width)
+        assert cache.stores[0].k.shape == (2, B, heads, min(window, max_len), k_width)
+        assert cache.stores[1].k.shape == (1, B, heads, max_len, k_width)
     full = GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=4096)
     pattern = GPTConfig(
         n_layer=3, n_head=4, n_kv_head=2, n_embd=32, block_size=4096, window=256, window_pattern="S"

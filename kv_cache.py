@@ -1,0 +1,483 @@
+"""The cache a model decodes with: each layer's keys and values (or its recurrent state) kept
+between calls, so that a new token is computed from what the earlier ones left instead of from
+the whole context again.
+
+A kind of layer says what it keeps by a spec (LayerKind.cache_spec): every position's K/V rows
+(RowsSpec), a ring of the newest ones (RingSpec: a local layer sees no further back), or a fixed
+state (StateSpec: a recurrent layer). Layers of equal specs share one stacked store (KVRows,
+KVRing, States), and KVCache routes each layer to its store. Only this module reads or writes
+the stores' tensors: the layers and the decoding engine call the methods below."""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+Device = torch.device | str
+
+
+class Cache(Protocol):
+    """What a layer asks of a cache (KVCache, or its fixed-shape view StaticKVCache): an
+    attention layer writes its keys and values and reads those it attends over (update); a
+    recurrent one reads its state before the tokens at hand and writes it after them."""
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def read_state(self, layer: int) -> tuple[torch.Tensor, ...]: ...
+
+    def write_state(self, layer: int, *state: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class RowsSpec:
+    """K/V rows of every position: heads a token, the widths of a key and of a value (MLA keeps
+    one head of [latent | rotary key] and values of no width)."""
+
+    heads: int
+    k_width: int
+    v_width: int
+
+    def slots(self, max_len: int) -> int:
+        """The positions a layer keeps in a cache of max_len."""
+        return max_len
+
+    def nbytes(self, seq_len: int, dtype: torch.dtype) -> int:
+        """One layer's bytes for one sequence of seq_len positions."""
+        features = self.heads * (self.k_width + self.v_width)
+        return self.slots(seq_len) * features * dtype.itemsize
+
+    tensor_count = 2  # K and V
+
+    def wrap(self, tensors: list[torch.Tensor]) -> "KVRows":
+        """The store over these tensors (a compiled step's inputs)."""
+        return KVRows(*tensors)
+
+    def zeros(
+        self, layers: int, batch_size: int, max_len: int, device: Device, dtype: torch.dtype
+    ) -> "KVRows":
+        """An empty store for `layers` such layers."""
+        slots = self.slots(max_len)
+        k, v = (
+            torch.zeros(layers, batch_size, self.heads, slots, width, device=device, dtype=dtype)
+            for width in (self.k_width, self.v_width)
+        )
+        return KVRows(k, v)
+
+
+@dataclass(frozen=True)
+class RingSpec(RowsSpec):
+    """K/V rows of the newest `window` positions: all that a layer seeing no further back needs."""
+
+    window: int
+
+    def slots(self, max_len: int) -> int:
+        return min(self.window, max_len)
+
+    def wrap(self, tensors: list[torch.Tensor]) -> "KVRing":
+        return KVRing(*tensors)
+
+    def zeros(
+        self, layers: int, batch_size: int, max_len: int, device: Device, dtype: torch.dtype
+    ) -> "KVRing":
+        rows = super().zeros(layers, batch_size, max_len, device, dtype)
+        return KVRing(rows.k, rows.v)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A fixed state, whatever the context's length: one tensor of each shape a sequence, in the
+    cache's dtype, or in float32 where `fp32` says so (a running sum over every token)."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    fp32: tuple[bool, ...]
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.shapes)
+
+    def wrap(self, tensors: list[torch.Tensor]) -> "States":
+        return States(tensors)
+
+    def nbytes(self, seq_len: int, dtype: torch.dtype) -> int:
+        total = 0
+        for shape, fp32 in zip(self.shapes, self.fp32, strict=True):
+            itemsize = 4 if fp32 else dtype.itemsize
+            total += itemsize * torch.Size(shape).numel()
+        return total
+
+    def zeros(
+        self, layers: int, batch_size: int, max_len: int, device: Device, dtype: torch.dtype
+    ) -> "States":
+        tensors = [
+            torch.zeros(
+                layers, batch_size, *shape, device=device, dtype=torch.float32 if fp32 else dtype
+            )
+            for shape, fp32 in zip(self.shapes, self.fp32, strict=True)
+        ]
+        return States(tensors)
+
+
+Spec = RowsSpec | StateSpec
+
+
+class KVRows:
+    """The K and V of some layers at every position: (layers, B, heads, slots, width), position p
+    at slot p."""
+
+    grows = True  # its slots are the cache's length (a compiled step's dynamic size)
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = k
+        self.v = v
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+    @property
+    def layers(self) -> int:
+        return self.k.size(0)
+
+    @property
+    def slots(self) -> int:
+        return self.k.size(3)
+
+    def update(
+        self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer i's k, v (B, heads, T, width) at start; return its keys and values so far."""
+        end = start + k.size(2)
+        self.k[i, :, :, start:end] = k
+        self.v[i, :, :, start:end] = v
+        return self.k[i, :, :, :end], self.v[i, :, :, :end]  # (B, heads, end, width)
+
+    def slot(self, pos: torch.Tensor) -> torch.Tensor:
+        """The slot of the position held in pos (a 1-element tensor), for the static step."""
+        return pos
+
+    def put(self, i: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write layer i's k, v of one token (B, heads, 1, width) at the position held in pos,
+        in place with index_put_ (a compiled step's inputs, not copies of them)."""
+        batch = torch.arange(k.size(0), device=k.device)[:, None]
+        heads = torch.arange(k.size(1), device=k.device)[None, :]
+        at = (torch.full((), i, device=k.device), batch, heads, self.slot(pos))
+        self.k.index_put_(at, k[:, :, 0])
+        if v.size(-1):  # MLA's cache has no V (its values are the latent, in K)
+            self.v.index_put_(at, v[:, :, 0])
+
+    def view(self, i: int, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's keys and values for the static step: its first length slots, or all."""
+        k = self.k[i]
+        v = self.v[i]
+        if length is None:
+            return k, v
+        return k.narrow(2, 0, length), v.narrow(2, 0, length)
+
+    def splice(self, rows: torch.Tensor, start: int, own: "KVRows", count: int) -> None:
+        """Write own's first count positions (a cache of the rows alone, filled from position 0)
+        at start.. in those rows of this one."""
+        end = start + count
+        self.k[:, rows, :, start:end] = own.k[..., :count, :]
+        self.v[:, rows, :, start:end] = own.v[..., :count, :]
+
+    def shift(self, by: int, end: int) -> None:
+        """Move the positions by..end to 0..end - by (the slots no row sees are dropped)."""
+        for t in (self.k, self.v):
+            t[..., : end - by, :] = t[..., by:end, :].clone()
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Forget what these rows held: nothing to do, the mask hides slots before a row's pad."""
+
+
+class KVRing(KVRows):
+    """The K and V of some layers at their newest positions: a ring of `size` slots a layer,
+    (layers, B, heads, size, width), position p at slot p % size."""
+
+    grows = False  # its slots are the window's, whatever the cache's length
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__(k, v)
+        self.size = k.size(3)
+
+    def update(
+        self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer i's k, v (B, heads, T, width) at start; return the keys and values it
+        attends over, in slot order (their positions: attention.attention_mask's `ring`): after
+        the write for one token; before it, then the chunk's own, for a chunk (whose writes would
+        overwrite keys its first queries see); only the chunk's from an empty cache."""
+        T = k.size(2)
+        ring_k = self.k[i]  # (B, heads, size, width)
+        ring_v = self.v[i]
+        # one token: written at its slot, then the whole ring read
+        if T == 1:
+            ring_k[:, :, start % self.size] = k[:, :, 0]
+            ring_v[:, :, start % self.size] = v[:, :, 0]
+            if start == 0:
+                return k, v
+            return ring_k, ring_v
+        # a chunk: its queries see the ring as it was, then the chunk itself
+        if start == 0:
+            seen = (k, v)
+        else:
+            seen = (torch.cat((ring_k, k), dim=2), torch.cat((ring_v, v), dim=2))
+        # only the chunk's newest `size` tokens stay
+        n = min(T, self.size)
+        slots = torch.arange(start + T - n, start + T, device=k.device) % self.size
+        ring_k.index_copy_(2, slots, k[:, :, T - n :])
+        ring_v.index_copy_(2, slots, v[:, :, T - n :])
+        return seen
+
+    def slot(self, pos: torch.Tensor) -> torch.Tensor:
+        return pos % self.size
+
+    def view(self, i: int, length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]  # the whole ring: every slot written is in the window
+
+    def splice(self, rows: torch.Tensor, start: int, own: "KVRing", count: int) -> None:
+        """Write the positions own's ring holds (the newest of count, filled from position 0 for
+        the rows alone) at their slots in those rows of this one, where they are start.. ."""
+        held = torch.arange(count - own.size, count, device=rows.device)  # own's positions
+        for mine, theirs in ((self.k, own.k), (self.v, own.v)):
+            rings = mine[:, rows]  # (layers, rows, heads, size, width)
+            rings[:, :, :, (start + held) % self.size] = theirs[:, :, :, held % own.size]
+            mine[:, rows] = rings
+
+    def shift(self, by: int, end: int) -> None:
+        """Turn the ring so that each position sits at its slot once positions move left by by."""
+        for t in (self.k, self.v):
+            t.copy_(t.roll(-by, dims=3))
+
+
+class States:
+    """The fixed states of some recurrent layers: each of its tensors (layers, B, *shape). It
+    holds no positions: a prefill from an empty cache starts from zeros, a refill takes the rows'
+    own state (recomputed from the tokens they keep) and a shift leaves it as it is."""
+
+    grows = False
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.parts = tensors
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.parts)
+
+    @property
+    def layers(self) -> int:
+        return self.parts[0].size(0)
+
+    def read(self, i: int, start: int) -> tuple[torch.Tensor, ...]:
+        """Layer i's state before position start: zeros at 0 (whatever an earlier sequence
+        left)."""
+        if start == 0:
+            return tuple(torch.zeros_like(t[i]) for t in self.parts)
+        return tuple(t[i] for t in self.parts)
+
+    def write(self, i: int, state: tuple[torch.Tensor, ...]) -> None:
+        for t, new in zip(self.parts, state, strict=True):
+            t[i] = new
+
+    def view(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Layer i's state for the static step: the store's own tensors, whole."""
+        return tuple(t[i] for t in self.parts)
+
+    def put(self, i: int, state: tuple[torch.Tensor, ...]) -> None:
+        """Write layer i's state in place with index_put_ (a compiled step's inputs)."""
+        at = (torch.full((), i, device=self.parts[0].device),)
+        for t, new in zip(self.parts, state, strict=True):
+            t.index_put_(at, new.to(t.dtype))
+
+    def splice(self, rows: torch.Tensor, start: int, own: "States", count: int) -> None:
+        """These rows take own's state: what the rows' own tokens left (the positions mean
+        nothing to a state)."""
+        for mine, theirs in zip(self.parts, own.parts, strict=True):
+            mine[:, rows] = theirs
+
+    def shift(self, by: int, end: int) -> None:
+        """Nothing moves: the positions dropped are slots no row sees, never in a state."""
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """These rows start again from nothing (a row whose context slid to a single token)."""
+        for t in self.parts:
+            t[:, rows] = 0
+
+
+Store = KVRows | States
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What a cache is made from: each layer's spec (its kind's cache_spec) and the positions."""
+
+    specs: tuple[Spec, ...]
+    max_len: int
+
+    @property
+    def stores(self) -> list[Spec]:
+        """The distinct specs in the order of their first layer: one store each."""
+        return list(dict.fromkeys(self.specs))
+
+
+class KVCache:
+    """Preallocated K/V rows and states of every layer, one store for each distinct spec (the
+    global layers', the local layers', the recurrent layers'). `pos` counts positions written;
+    GPT.forward advances it once per call, after the last layer. zeros() makes an empty one."""
+
+    def __init__(self, stores: list[Store], shape: CacheShape, pos: int = 0) -> None:
+        self.stores = stores  # one for each of shape.stores
+        self.shape = shape
+        self.max_len = shape.max_len
+        # each layer's store, and its index among that store's layers
+        self.where: list[tuple[int, int]] = []
+        seen = [0] * len(stores)
+        specs = shape.stores
+        for spec in shape.specs:
+            store = specs.index(spec)
+            self.where.append((store, seen[store]))
+            seen[store] += 1
+        self.pos = pos
+
+    @classmethod
+    def zeros(
+        cls, shape: CacheShape, batch_size: int, device: Device, dtype: torch.dtype
+    ) -> "KVCache":
+        """An empty cache of these sizes."""
+        stores = [
+            spec.zeros(shape.specs.count(spec), batch_size, shape.max_len, device, dtype)
+            for spec in shape.stores
+        ]
+        return cls(stores, shape)
+
+    @classmethod
+    def of_tensors(cls, tensors: list[torch.Tensor], shape: CacheShape) -> "KVCache":
+        """A cache over tensors (those of tensors(), e.g. a compiled step's inputs)."""
+        stores = []
+        at = 0
+        for spec in shape.stores:
+            count = spec.tensor_count
+            stores.append(spec.wrap(tensors[at : at + count]))
+            at += count
+        return cls(stores, shape)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache: the inputs of a compiled step (of_tensors builds it back)."""
+        return [t for store in self.stores for t in store.tensors()]
+
+    def growing(self) -> list[bool]:
+        """For each of tensors(): whether its slots are the cache's length."""
+        return [store.grows for store in self.stores for _ in store.tensors()]
+
+    def example(self, length: int) -> list[torch.Tensor]:
+        """Tensors shaped as tensors() for a cache of `length` positions (to export a step on)."""
+        tensors = self.tensors()
+        for i, grows in enumerate(self.growing()):
+            if grows:
+                t = tensors[i]
+                tensors[i] = t.new_zeros(*t.shape[:3], length, t.size(4))
+        return tensors
+
+    def fixed_shapes(self) -> tuple[torch.Size, ...]:
+        """The shapes of the tensors that do not grow: what a compiled step is specialised to."""
+        return tuple(t.shape for t, g in zip(self.tensors(), self.growing(), strict=True) if not g)
+
+    def store_of(self, layer: int) -> tuple[Store, int]:
+        """The layer's store, and the layer's index in it."""
+        store, i = self.where[layer]
+        return self.stores[store], i
+
+    def slots(self, layer: int) -> int:
+        """The positions a K/V layer keeps: the cache's length, or its ring's size."""
+        store, _ = self.store_of(layer)
+        return store.slots
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors()[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors()[0].dtype
+
+    @property
+    def batch_size(self) -> int:
+        return self.tensors()[0].size(1)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, heads, T, width) at pos; return the keys and values the layer attends
+        over: from 0 to pos + T, or a ring's (KVRing.update)."""
+        store, i = self.store_of(layer)
+        return store.update(i, self.pos, k, v)
+
+    def read_state(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """A recurrent layer's state before pos (States.read)."""
+        store, i = self.store_of(layer)
+        return store.read(i, self.pos)
+
+    def write_state(self, layer: int, *state: torch.Tensor) -> None:
+        """A recurrent layer's state after the tokens at hand."""
+        store, i = self.store_of(layer)
+        store.write(i, state)
+
+    def refill(self, rows: list[int], own: "KVCache | None") -> None:
+        """Write own (a cache of these rows alone, its positions from 0) into these rows,
+        right-aligned at pos: own's last position goes at pos - 1. None: the rows start again
+        from nothing (their slots before pos are hidden by their pad)."""
+        at = torch.tensor(rows, device=self.device)
+        if own is None:
+            for store in self.stores:
+                store.reset(at)
+            return
+        for mine, theirs in zip(self.stores, own.stores, strict=True):
+            mine.splice(at, self.pos - own.pos, theirs, own.pos)
+
+    def shift(self, by: int) -> None:
+        """Move every layer's positions left by `by` (slots no row sees), making room at the end."""
+        for store in self.stores:
+            store.shift(by, self.pos)
+        self.pos -= by
+
+    def static(self, pos: torch.Tensor, length: int | None) -> "StaticKVCache":
+        """This cache as the fixed-shape one-token step reads it (StaticKVCache)."""
+        return StaticKVCache(self, pos, length)
+
+
+class StaticKVCache:
+    """A KVCache as the fixed-shape one-token step (static_step.decode_static) uses it: K/V written
+    at a position held in a 1-element tensor (a ring's at its slot), in place into the cache's
+    tensors (not a view of them, which a compiled step would copy whole), and read whole: a
+    K/V layer's first `length` positions, or all max_len when length is None (the step masks the
+    unwritten ones); a recurrent layer's state read and written whole."""
+
+    def __init__(self, cache: KVCache, pos: torch.Tensor, length: int | None) -> None:
+        self.cache = cache
+        self.length = length
+        self.pos = pos
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        store, i = self.cache.store_of(layer)
+        store.put(i, self.pos, k, v)
+        return store.view(i, self.length)
+
+    def read_state(self, layer: int) -> tuple[torch.Tensor, ...]:
+        store, i = self.cache.store_of(layer)
+        return store.view(i)
+
+    def write_state(self, layer: int, *state: torch.Tensor) -> None:
+        store, i = self.cache.store_of(layer)
+        store.put(i, state)
+
+    def slots(self, layer: int) -> int:
+        return self.cache.slots(layer)
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len

@@ -1,0 +1,120 @@
+"""What a kind of layer is: the row of model.LAYER_KINDS that a letter of layer_pattern names, and
+the mixer it builds for each such layer (the module that mixes tokens, in a block between the
+norm and the MLP). A kind declares everything the rest of the code asks of it, so that a new
+kind is a new file and a row: docs/architecture.md "Adding a kind of layer"."""
+
+from collections.abc import Hashable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from kv_cache import Cache, KVCache, Spec, StaticKVCache
+
+# model.GPTConfig, which the kinds read (model.py imports them, so they cannot import it)
+Config = Any
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the positions at hand
+Mask = torch.Tensor | None  # what a layer's queries see: attention's (B or 1, 1, T, Tk), or its own
+
+
+class Mixer(nn.Module):
+    """A layer's mixer: forward(x, rope, mask, kv_cache) -> (B, T, n_embd), reading and writing
+    its own part of the cache through the Cache methods. GPT.forward computes each mask once for
+    the layers of one mask_key, by the first such layer's mask()."""
+
+    # its Linears whose weights AdamW takes under optimizer='muon' (smallgpt/optim.py), as for
+    # the embeddings: none but where a kind says otherwise
+    adamw_matrices: tuple[str, ...] = ()
+
+    def __init__(self, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def mask_key(self) -> Hashable:
+        """Layers of equal keys share one mask."""
+        return type(self)
+
+    def mask(
+        self,
+        T: int,
+        start: int,
+        pad: torch.Tensor | None,
+        device: torch.device,
+        kv_cache: KVCache | None,
+    ) -> Mask:
+        """What the queries at start..start+T-1 see; pad (B,) counts each row's left padding."""
+        raise NotImplementedError
+
+    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
+        """What the one token at the position held in pos sees in the static step's cache."""
+        raise NotImplementedError
+
+    def initial(self, name: str, generator: torch.Generator | None) -> torch.Tensor | None:
+        """The initial values of its own parameter `name` where GPT-2's rule (N(0, 0.02), zero
+        biases) does not suit it; None: that rule."""
+        return None
+
+    def mixing_flops(self, seq_len: int) -> int:
+        """Training FLOPs a token beyond the 6 a weight of its Linears: attention's scores and
+        weighted sums, a recurrence's products."""
+        return 0
+
+
+class LayerKind:
+    """A kind of layer: what its letter builds and what the model, the cache, the config's checks,
+    describe(), the decoding engine and export need to know of it. Every method reads the model's
+    GPTConfig; none of them builds anything but what it says."""
+
+    letter: ClassVar[str]  # its letter in layer_pattern (upper case)
+    name: ClassVar[str]  # as messages name it: 'global attention', 'Gated DeltaNet'
+    attends: ClassVar[bool] = False  # whether it attends (n_kv_head and MLA size its K/V)
+    # the GPTConfig keys it reads beyond the model's own (sizes, norm, MLP, dropout, positions):
+    # a key that no layer of a model's pattern reads would change nothing, so GPTConfig refuses it
+    reads: ClassVar[frozenset[str]] = frozenset()
+    # the letter it takes on the last layer, where it is not allowed there (None: it is)
+    on_last_layer: ClassVar[str | None] = None
+    # why the fixed-shape one-token step (CUDA graph, compiled CPU step) cannot run it; "": it can
+    static_step: ClassVar[str] = ""
+    # tokens a step of its chunked form over a sequence, where it has one (bench.py --chunks)
+    chunk: ClassVar[int | None] = None
+    # transformers' name of it in a config's layer_types; None: no transformers class holds it
+    hf_layer_type: ClassVar[str | None] = None
+    # its mixer's parameters, ours (under the block's 'attn.') -> transformers' (under a layer's)
+    hf_names: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def build(cls, config: Config, layer: int) -> Mixer:
+        """The mixer of layer `layer` of a model of this config."""
+        return cls(config, layer)  # type: ignore[call-arg]
+
+    @classmethod
+    def problems(cls, config: Config) -> list[str]:
+        """What is wrong with the keys it reads, each as one line (GPTConfig raises them all)."""
+        return []
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> Spec:
+        """What a layer of this kind keeps in the cache (kv_cache.py)."""
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls, config: Config, layers: list[int]) -> str | None:
+        """Its part of GPTConfig.describe(): the layers of this kind; None: nothing to add."""
+        return f"{cls.name} layers {layers} of {config.n_layer}"
+
+    @classmethod
+    def hf_config(cls, config: Config) -> dict[str, Any]:
+        """Its keys of the transformers config that holds it (beyond the model's sizes)."""
+        return {}
+
+    @classmethod
+    def hf_problems(cls, hf_config: Any) -> list[str]:
+        """What such layers of a transformers config hold that this kind cannot, each as the
+        setting that says it."""
+        return []
