@@ -147,6 +147,7 @@ class KVRows:
         self, i: int, start: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer i's k, v (B, heads, T, width) at start; return its keys and values so far."""
+        # the new positions go at their slots, then the layer attends over all written so far
         end = start + k.size(2)
         self.k[i, :, :, start:end] = k
         self.v[i, :, :, start:end] = v
@@ -159,6 +160,7 @@ class KVRows:
     def put(self, i: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write layer i's k, v of one token (B, heads, 1, width) at the position held in pos,
         in place with index_put_ (a compiled step's inputs, not copies of them)."""
+        # every (row, head) at the slot of pos, indexed by tensors: no host sync, one shape
         batch = torch.arange(k.size(0), device=k.device)[:, None]
         heads = torch.arange(k.size(1), device=k.device)[None, :]
         at = (torch.full((), i, device=k.device), batch, heads, self.slot(pos))
@@ -177,12 +179,14 @@ class KVRows:
     def splice(self, rows: torch.Tensor, start: int, own: "KVRows", count: int) -> None:
         """Write own's first count positions (a cache of the rows alone, filled from position 0)
         at start.. in those rows of this one."""
+        # right-aligned: own's position 0 lands at start in these rows
         end = start + count
         self.k[:, rows, :, start:end] = own.k[..., :count, :]
         self.v[:, rows, :, start:end] = own.v[..., :count, :]
 
     def shift(self, by: int, end: int) -> None:
         """Move the positions by..end to 0..end - by (the slots no row sees are dropped)."""
+        # a copy first: the source and destination slots overlap
         for t in (self.k, self.v):
             t[..., : end - by, :] = t[..., by:end, :].clone()
 
@@ -239,6 +243,8 @@ class KVRing(KVRows):
         """Write the positions own's ring holds (the newest of count, filled from position 0 for
         the rows alone) at their slots in those rows of this one, where they are start.. ."""
         held = torch.arange(count - own.size, count, device=rows.device)  # own's positions
+        # each position moves from its slot in own's ring to its slot in this one, where it
+        # sits start later
         for mine, theirs in ((self.k, own.k), (self.v, own.v)):
             rings = mine[:, rows]  # (layers, rows, heads, size, width)
             rings[:, :, :, (start + held) % self.size] = theirs[:, :, :, held % own.size]
@@ -270,6 +276,7 @@ class States:
     def read(self, i: int, start: int) -> tuple[torch.Tensor, ...]:
         """Layer i's state before position start: zeros at 0 (whatever an earlier sequence
         left)."""
+        # a new sequence starts from nothing, whatever the store holds from the last one
         if start == 0:
             return tuple(torch.zeros_like(t[i]) for t in self.parts)
         return tuple(t[i] for t in self.parts)
@@ -328,7 +335,8 @@ class KVCache:
         self.stores = stores  # one for each of shape.stores
         self.shape = shape
         self.max_len = shape.max_len
-        # each layer's store, and its index among that store's layers
+        # each layer's store, and its index among that store's layers: a layer reads and writes
+        # only its own slice
         self.where: list[tuple[int, int]] = []
         seen = [0] * len(stores)
         specs = shape.stores
@@ -352,6 +360,7 @@ class KVCache:
     @classmethod
     def of_tensors(cls, tensors: list[torch.Tensor], shape: CacheShape) -> "KVCache":
         """A cache over tensors (those of tensors(), e.g. a compiled step's inputs)."""
+        # tensors() lists each store's tensors in turn: each spec takes its count
         stores = []
         at = 0
         for spec in shape.stores:
@@ -370,6 +379,7 @@ class KVCache:
 
     def example(self, length: int) -> list[torch.Tensor]:
         """Tensors shaped as tensors() for a cache of `length` positions (to export a step on)."""
+        # the tensors that grow with the length get `length` slots; the others are as they are
         tensors = self.tensors()
         for i, grows in enumerate(self.growing()):
             if grows:
@@ -430,10 +440,12 @@ class KVCache:
         right-aligned at pos: own's last position goes at pos - 1. None: the rows start again
         from nothing (their slots before pos are hidden by their pad)."""
         at = torch.tensor(rows, device=self.device)
+        # nothing kept: the stores that hold state forget it (K/V slots are hidden by the pad)
         if own is None:
             for store in self.stores:
                 store.reset(at)
             return
+        # own's stores are made from the same specs, so they pair up one to one
         for mine, theirs in zip(self.stores, own.stores, strict=True):
             mine.splice(at, self.pos - own.pos, theirs, own.pos)
 

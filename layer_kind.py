@@ -25,6 +25,9 @@ class Mixer(nn.Module):
     # its Linears whose weights AdamW takes under optimizer='muon' (smallgpt/optim.py), as for
     # the embeddings: none but where a kind says otherwise
     adamw_matrices: tuple[str, ...] = ()
+    # its Linears whose weight forward reads as a matrix rather than calling the Linear: int8
+    # decoding (smallgpt/quantize.py) keeps them in the model's dtype (MLA's absorbed kv_b)
+    matrices: tuple[str, ...] = ()
 
     def __init__(self, layer: int) -> None:
         super().__init__()

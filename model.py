@@ -186,8 +186,8 @@ class GPTConfig:
     def unread_keys(self) -> dict[str, str]:
         """Each key set away from its default that no layer of this pattern reads (LAYER_KINDS),
         and its problem line."""
-        kinds = [LAYER_KINDS[letter] for letter in set(self.layer_letters)]
-        read = frozenset().union(*(kind.reads for kind in kinds))
+        # the keys this model's kinds read; a key no kind reads is the model's own (sizes, norm)
+        read = frozenset().union(*(kind.reads for kind in set(self.layer_kinds)))
         unread = {}
         for f in fields(self):
             key = f.name
@@ -528,6 +528,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
+            # the module that holds the parameter, and the parameter's own name in it
             owner, _, leaf = name.rpartition(".")
             module = self.get_submodule(owner)
             generator = None

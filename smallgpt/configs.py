@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from configurator import build, given_values
-from model import GPTConfig
+from model import LAYER_KINDS, GPTConfig
 from smallgpt.checkpoint import Source, parse_source, start_from
 from smallgpt.convert import CONVERT_METHODS
 from smallgpt.errors import UserError
@@ -436,11 +436,15 @@ def variant_problems(names: list[str]) -> list[str]:
         )
     unknown = [name for name in bad if name not in cased and name not in reordered]
     if unknown:
+        # the kinds of layer that do not attend, by their letters in the table
+        others = [kind for kind in LAYER_KINDS.values() if not kind.attends]
+        letters = " or ".join(f"{kind.letter} for {kind.name}" for kind in others)
+        hybrid = f"gqa2-{3 * others[0].letter.lower()}l"
         problems.append(
             f"variants: {', '.join(unknown)} is not mha, gqa<n_kv_head>, mqa or "
             f"mla<kv_lora_rank>, each with -<window_pattern><window> for local layers "
-            f"or without (e.g. mha-sssl64), -<layer_pattern> with D for Gated DeltaNet layers "
-            f"(gqa2-dddl), then -gate or -headgate, -qknorm, -rope<percent> (gqa2-dddl-gate-qknorm)"
+            f"or without (e.g. mha-sssl64), -<layer_pattern> with {letters} layers "
+            f"({hybrid}), then -gate or -headgate, -qknorm, -rope<percent> ({hybrid}-gate-qknorm)"
         )
     return problems
 
