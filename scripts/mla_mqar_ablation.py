@@ -8,11 +8,22 @@ mean final test loss. docs/compare.md "MLA on MQAR, diagnosed" has the figures.
     # where the MHA -> MLA conversion's loss comes from, on a trained MHA run's test split
     python scripts/mla_mqar_ablation.py --conversion=out-mla-ablation/mha-s1337
 
-Three settings change what no key of train.py changes, in this process only (patches, for this
-diagnosis): `mla128-rope-per-head` gives each head its own rotary key (kv_a makes n_head of them
-instead of DeepSeek's one shared), as does `mla128-holds-mha` (with a rotary key as wide as MHA's
-and no latent norm: MHA is one of its functions), and `mla128-latent-adamw` leaves the latent maps
-(kv_a, kv_b) to AdamW while Muon takes the other matrices.
+Six settings change what no key of train.py changes. Each names by --layer_pattern a kind of layer
+this script defines (KINDS, beside attention.LatentAttention) and registers (model.register_kind,
+kinds_registered) in the process that trains it, the script itself run with --one=: kinds, not
+patches of other modules. `mla128-rope-per-head` (P) gives each head its own rotary key (kv_a makes
+n_head of them instead of DeepSeek's one shared), as does `mla128-holds-mha` (with a rotary key as
+wide as MHA's and no latent norm: MHA is one of its functions); `mla128-one-map` (O) makes K's NoPE
+features and V from x by one matrix (kv_x), no latent, `-head-scale` (H) with MHA's softmax scale,
+`-all-rotary` (R) with the NoPE features rotated too; `mla128-latent-adamw` (A) leaves the latent
+maps (kv_a, kv_b) to AdamW while Muon takes the other matrices. `mha-half-rotary` is
+--rope_fraction=0.5, which computes what the patch it once was did (a test checks it).
+
+Those runs' checkpoints record layer_pattern=<its letter>: loading one (sample.py, eval.py, a
+resume) needs the kind registered first (this module's kinds_registered()), else it is refused in
+one line. This script loads none without them: its summary and its reuse check read the runs' logs
+(and a checkpoint's dataset meta, building no model), and --conversion registers them before it
+loads a run.
 
 Every mistake is one line before the first run: each key (a setting it does not have, one listed
 twice), each setting's train.py config, data/mqar (missing, or not of the config's examples), and a
@@ -28,24 +39,202 @@ import os
 import runpy
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
+from attention import READS, LatentAttention, apply_rope, rope_tables, rows_spec
 from configurator import parse_config, run_cli
+from kv_cache import Cache, RowsSpec
+from layer_kind import Config, LayerKind, Mask, Rope
+from model import LAYER_KINDS, register_kind
 from smallgpt import recall
 from smallgpt.atomic import check_claimable, claim_folder
 from smallgpt.checkpoint import load_checkpoint
 from smallgpt.configs import TrainConfig, repeated
 from smallgpt.data import Batches, data_dir
 from smallgpt.errors import UserError
+from smallgpt.fast_paths import Linear, sdpa
 from smallgpt.runlog import read_run
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = "SMALLGPT_ABLATION_ARGS"  # train.py's arguments for a patched setting's process (JSON)
+ARGS = "SMALLGPT_ABLATION_ARGS"  # train.py's arguments for a --one= process (JSON)
 KIND = "an MLA ablation"  # smallgpt/atomic.py's kind: ablation.json marks the out folder
 FIRST_SEED = 1337  # the runs' seeds: FIRST_SEED, FIRST_SEED + 1, ...
+
+
+# ---- the settings no key of train.py makes: kinds of layer, registered where they are used ----
+
+
+class AblationKind(LayerKind):
+    """What the script's kinds declare alike: MLA's keys read (each kind is MLA changed), no
+    export, no fixed-shape step."""
+
+    attends = True
+    reads = READS
+    static_step = "a training ablation's kind: its forward is a full one, with no cached step"
+    hf_layer_type = None  # no transformers class holds it: export refuses it in one line
+
+    @classmethod
+    def problems(cls, config: Config) -> list[str]:
+        # MLA's latent and rotary key are what these kinds change
+        if cls.letter in config.layer_letters and (
+            config.kv_lora_rank is None or config.pos_encoding != "rope"
+        ):
+            return [
+                f"layer_pattern={config.layer_pattern!r}: {cls.name} ({cls.letter}) is MLA with "
+                "rotary positions: set kv_lora_rank and pos_encoding='rope'"
+            ]
+        return []
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> RowsSpec:
+        # what a cache would keep of the K and V its forward builds: each head's (its forward
+        # refuses a cache, but GPTConfig.kv_cache_bytes and make_kv_cache ask)
+        return RowsSpec(config.n_head, config.head_dim + config.rope_dim, config.head_dim)
+
+
+class ChangedLatentAttention(LatentAttention):
+    """LatentAttention changed for a training ablation, its forward a full one (a cache is refused
+    in one line): K's NoPE features and V, and the rotary keys (one shared, or one a head), come
+    from keys_values; head_scale: scores over sqrt(head_dim), MHA's, not sqrt(head_dim +
+    rope_dim); all_rotary: the NoPE features of q and k rotated too (at head_dim's frequencies,
+    as MHA's, for positions 0..T-1: a block from its start, as training reads it)."""
+
+    name: ClassVar[str]  # its kind's
+    head_scale: ClassVar[bool] = False
+    all_rotary: ClassVar[bool] = False
+
+    def __init__(self, config: Config, layer: int) -> None:
+        super().__init__(config, layer)
+        self.rope_theta = config.rope_theta
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's K NoPE features and V, (B, T, 2 n_embd), and the rotary keys (B, T, keys *
+        rope_dim), keys 1 or n_head."""
+        raise NotImplementedError
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
+    ) -> torch.Tensor:
+        if kv_cache is not None:
+            raise UserError(
+                f"{self.name} layers (scripts/mla_mqar_ablation.py) run full forwards only: "
+                "decode without a cache (sample.py --kv_cache=False)"
+            )
+        B, T, C = x.shape
+        H, hd, r = self.n_head, self.head_dim, self.rope_dim
+        # the queries as MLA's: each head's NoPE features, then its rotary ones
+        q = self.c_q(x) if self.q_lora_rank is None else self.q_b(self.q_norm(self.q_a(x)))
+        q, q_rope = q.view(B, T, H, hd + r).transpose(1, 2).split((hd, r), dim=-1)
+        kv, k_rope = self.keys_values(x)
+        k, v = kv.view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, T, hd) each
+        k_rope = k_rope.view(B, T, -1, r).transpose(1, 2)  # (B, 1 or H, T, r)
+        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
+        if self.all_rotary:
+            tables = rope_tables(hd, T, self.rope_theta)
+            cos, sin = (t.to(x.device).view(1, 1, T, hd // 2) for t in tables)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k = torch.cat((k, k_rope.expand(B, H, T, r)), dim=-1)
+        q = torch.cat((q, q_rope), dim=-1)
+        scale = hd**-0.5 if self.head_scale else (hd + r) ** -0.5
+        dropout_p = self.dropout if self.training else 0.0
+        y = sdpa(q, k, v, mask, dropout_p, cached=False, scale=scale).transpose(1, 2)
+        if self.gate is not None:
+            y = self.gate(x, y)
+        return self.resid_dropout(self.c_proj(y.reshape(B, T, C)))
+
+
+class RotaryKeyPerHead(ChangedLatentAttention, AblationKind):
+    """P: MLA whose kv_a makes a rotary key for each head, not DeepSeek's one that the heads
+    share (mla128-rope-per-head, mla128-holds-mha)."""
+
+    letter = "P"
+    name = "per-head rotary key MLA"
+
+    def __init__(self, config: Config, layer: int) -> None:
+        super().__init__(config, layer)
+        # kv_a remade in its place: [latent | n_head rotary keys]
+        width = self.kv_lora_rank + self.n_head * self.rope_dim
+        self.kv_a = Linear(config.n_embd, width, bias=config.bias)
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        latent, k_rope = self.kv_a(x).split(
+            (self.kv_lora_rank, self.n_head * self.rope_dim), dim=-1
+        )
+        return self.kv_b(self.kv_norm(latent)), k_rope
+
+
+class OneMap(ChangedLatentAttention, AblationKind):
+    """O: K's NoPE features and V made from x by one matrix (kv_x), not through a latent; kv_a
+    makes the one shared rotary key alone; no kv_b, no latent or its norm (mla128-one-map)."""
+
+    letter = "O"
+    name = "one-map MLA"
+    matrices = ()  # no kv_b: smallgpt/quantize.py keeps none in the model's dtype
+
+    def __init__(self, config: Config, layer: int) -> None:
+        super().__init__(config, layer)
+        # kv_a remade in its place, kv_x last: the names and order the patched class had
+        self.kv_a = Linear(config.n_embd, self.rope_dim, bias=config.bias)
+        del self.kv_b, self.kv_norm
+        self.kv_x = Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_x(x), self.kv_a(x)
+
+
+class OneMapHeadScale(OneMap):
+    """H: one map (O), its scores over sqrt(head_dim) as MHA's (mla128-one-map-head-scale)."""
+
+    letter = "H"
+    name = "one-map MLA at MHA's scale"
+    head_scale = True
+
+
+class OneMapAllRotary(OneMap):
+    """R: one map (O), its NoPE features rotated too (mla128-one-map-all-rotary)."""
+
+    letter = "R"
+    name = "all-rotary one-map MLA"
+    all_rotary = True
+
+
+class LatentMapsInAdamW(LatentAttention, AblationKind):
+    """A: MLA as it is, its latent maps (kv_a, kv_b) left to AdamW under optimizer='muon', which
+    takes the blocks' other matrices (mla128-latent-adamw)."""
+
+    letter = "A"
+    name = "AdamW-latent MLA"
+    adamw_matrices = ("kv_a", "kv_b")
+    static_step = "a training ablation's kind: its fixed-shape step is not checked"
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> RowsSpec:
+        return rows_spec(config)  # MLA's: its forward is LatentAttention's, its cache too
+
+
+KINDS = (RotaryKeyPerHead, OneMap, OneMapHeadScale, OneMapAllRotary, LatentMapsInAdamW)
+
+
+@contextmanager
+def kinds_registered() -> Iterator[None]:
+    """KINDS in model.LAYER_KINDS while the block runs (train.py's runs of them, and the checks
+    that parse their configs), then taken out: a process that runs this script twice (a test)
+    registers them afresh."""
+    for kind in KINDS:
+        register_kind(kind)
+    try:
+        yield
+    finally:
+        for kind in KINDS:
+            if LAYER_KINDS.get(kind.letter) is kind:
+                del LAYER_KINDS[kind.letter]
+
 
 MLA = ["--kv_lora_rank=128"]  # DeepSeek-V2's proportions at n_embd=128: 4 head dims, rotary 16
 SETTINGS = {
@@ -53,27 +242,41 @@ SETTINGS = {
     "mla128": MLA,
     "mha-adamw": ["--optimizer=adamw"],
     "mla128-adamw": [*MLA, "--optimizer=adamw"],
-    "mla128-latent-adamw": MLA,  # patched: the latent maps in AdamW
+    # the latent maps in AdamW (a kind: LatentMapsInAdamW)
+    "mla128-latent-adamw": [*MLA, f"--layer_pattern={LatentMapsInAdamW.letter}"],
     "mla128-no-latent-norm": [*MLA, "--latent_norm=False"],
     "mla128-rope32": [*MLA, "--qk_rope_head_dim=32"],
-    "mla128-rope-per-head": MLA,  # patched: a rotary key per head
+    # a rotary key per head (a kind: RotaryKeyPerHead)
+    "mla128-rope-per-head": [*MLA, f"--layer_pattern={RotaryKeyPerHead.letter}"],
     "mla128-muon-lr-half": [*MLA, "--muon_lr=0.01", "--learning_rate=1.5e-3", "--min_lr=1.5e-4"],
     "mla128-muon-lr-double": [*MLA, "--muon_lr=0.04", "--learning_rate=6e-3", "--min_lr=6e-4"],
     "mla128-lr-quarter": [*MLA, "--muon_lr=0.005", "--learning_rate=7.5e-4", "--min_lr=7.5e-5"],
     "mla128-lr-eighth": [*MLA, "--muon_lr=0.0025", "--learning_rate=3.75e-4", "--min_lr=3.75e-5"],
     # twice the iterations: slower to learn, or unable?
     "mla128-long": [*MLA, "--max_iters=3000", "--lr_decay_iters=3000"],
-    # patched too: a rotary key per head, as wide as MHA's, no latent norm: MHA is one of its
-    # functions (zero NoPE queries, MHA's keys rotary, the values through the full-rank latent)
-    "mla128-holds-mha": [*MLA, "--qk_rope_head_dim=32", "--latent_norm=False"],
-    # patched: K's NoPE features and V straight from x (no latent), the shared rotary key kept;
-    # then with MHA's softmax scale, or with the NoPE features rotated too
-    "mla128-one-map": MLA,
-    "mla128-one-map-head-scale": MLA,
-    "mla128-one-map-all-rotary": MLA,
-    # patched: MHA with half of each head's features NoPE
-    "mha-half-rotary": [],
+    # a rotary key per head too, as wide as MHA's, no latent norm: MHA is one of its functions
+    # (zero NoPE queries, MHA's keys rotary, the values through the full-rank latent)
+    "mla128-holds-mha": [
+        *MLA,
+        "--qk_rope_head_dim=32",
+        "--latent_norm=False",
+        f"--layer_pattern={RotaryKeyPerHead.letter}",
+    ],
+    # K's NoPE features and V straight from x (no latent), the shared rotary key kept; then with
+    # MHA's softmax scale, or with the NoPE features rotated too (kinds: OneMap and its two)
+    "mla128-one-map": [*MLA, f"--layer_pattern={OneMap.letter}"],
+    "mla128-one-map-head-scale": [*MLA, f"--layer_pattern={OneMapHeadScale.letter}"],
+    "mla128-one-map-all-rotary": [*MLA, f"--layer_pattern={OneMapAllRotary.letter}"],
+    # MHA with half of each head's features NoPE: the first half rotated, at the frequencies of a
+    # head_dim / 2 rotation (what the script's patch of apply_rope did, tested to be this key)
+    "mha-half-rotary": ["--rope_fraction=0.5"],
 }
+
+
+def needs_kinds(setting: str) -> bool:
+    """Whether setting's layers are of one of KINDS: its runs are this script's own process
+    (--one=), which registers them before train.py."""
+    return any(f"--layer_pattern={kind.letter}" in SETTINGS[setting] for kind in KINDS)
 
 
 @dataclass(slots=True)
@@ -81,7 +284,7 @@ class AblationConfig:
     seeds: int = 3
     settings: list[str] | None = None  # of SETTINGS; None: all
     out: str = "out-mla-ablation"
-    one: str = ""  # internal: run this setting in this process (its patch applied; ARGS: how)
+    one: str = ""  # internal: run this setting in this process (its kind registered; ARGS: how)
     conversion: str = ""  # a trained rotary MHA run: its loss through each step of to_latent
 
     def __post_init__(self) -> None:
@@ -90,8 +293,8 @@ class AblationConfig:
             problems.append(f"seeds={self.seeds} must be positive")
         if self.settings is not None:
             problems += setting_problems(self.settings)
-        if self.one and self.one not in PATCHED:
-            problems.append(f"one={self.one!r} is internal (a patched setting's run): leave it out")
+        if self.one and not (self.one in SETTINGS and needs_kinds(self.one)):
+            problems.append(f"one={self.one!r} is internal (a kind's setting's run): leave it out")
         if self.conversion and self.settings is not None:
             problems.append(
                 f"conversion={self.conversion} measures a trained run, settings={self.settings} "
@@ -116,101 +319,6 @@ def setting_problems(settings: list[str]) -> list[str]:
     if again is not None:
         problems.append(f"settings={settings} lists {again} twice: list it once")
     return problems
-
-
-def patched_latent_attention(
-    rope_per_head: bool, one_map: bool, head_scale: bool = False, all_rotary: bool = False
-) -> None:
-    """LatentAttention changed for a training ablation (full forwards only: the absorbed decoding
-    step is left as it is): rope_per_head, a rotary key per head (kv_a makes n_head of them, not
-    DeepSeek's one shared); one_map, K's NoPE features and V made from x by one matrix (kv_x), not
-    through the latent (kv_a then makes the rotary keys alone, and there is no kv_b or latent);
-    head_scale, scores divided by sqrt(head_dim), MHA's, not sqrt(head_dim + rope_dim);
-    all_rotary, the NoPE features of q and k rotated too (at head_dim's frequencies, as MHA's)."""
-    import attention
-    from attention import Linear, apply_rope, rope_tables
-
-    original_init = attention.LatentAttention.__init__
-
-    def init(self, layer, n_embd, n_head, kv_lora_rank, rope_dim, *rest):  # noqa: ANN001, ANN202
-        original_init(self, layer, n_embd, n_head, kv_lora_rank, rope_dim, *rest)
-        bias = self.kv_a.bias is not None
-        keys = n_head * rope_dim if rope_per_head else rope_dim
-        self.kv_a = Linear(n_embd, keys if one_map else kv_lora_rank + keys, bias=bias)
-        if one_map:
-            del self.kv_b
-            self.kv_x = Linear(n_embd, 2 * n_embd, bias=bias)
-
-    def forward(self, x, rope, mask, kv_cache):  # noqa: ANN001, ANN202
-        assert kv_cache is None, "a training ablation"
-        B, T, C = x.shape
-        H, hd, r = self.n_head, self.head_dim, self.rope_dim
-        q = self.c_q(x).view(B, T, H, hd + r).transpose(1, 2)
-        q, q_rope = q.split((hd, r), dim=-1)
-        if one_map:
-            kv, k_rope = self.kv_x(x), self.kv_a(x)
-        else:
-            latent, k_rope = self.kv_a(x).split(
-                (self.kv_lora_rank, self.kv_a.out_features - self.kv_lora_rank), dim=-1
-            )
-            kv = self.kv_b(self.kv_norm(latent))
-        k_rope = k_rope.view(B, T, -1, r).transpose(1, 2)  # (B, H or 1, T, r)
-        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
-        k, v = kv.view(B, T, H, 2, hd).permute(3, 0, 2, 1, 4).unbind(0)
-        if all_rotary:
-            cos, sin = (t.to(x.device).view(1, 1, T, hd // 2) for t in rope_tables(hd, T, 1e4))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k = torch.cat((k, k_rope.expand(B, H, T, r)), dim=-1)
-        q = torch.cat((q, q_rope), dim=-1)
-        scale = hd**-0.5 if head_scale else (hd + r) ** -0.5
-        y = attention.attention(q, k, v, mask, 0.0, cached=False, scale=scale)
-        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
-
-    attention.LatentAttention.__init__ = init
-    attention.LatentAttention.forward = forward
-
-
-def half_rotary_mha() -> None:
-    """MHA (CausalSelfAttention) with half of each head's q and k features rotary (at the
-    frequencies of a head_dim / 2 rotation), the other half NoPE: MLA's decoupled features without
-    the latent, in MHA."""
-    import attention
-
-    def apply_rope(x, cos, sin):  # noqa: ANN001, ANN202
-        T, r = x.shape[-2], x.shape[-1] // 2
-        half_cos, half_sin = (
-            t.to(x.device).view(1, 1, T, r // 2) for t in attention.rope_tables(r, T, 1e4)
-        )
-        rotated = original(x[..., :r], half_cos, half_sin)
-        return torch.cat((rotated, x[..., r:]), dim=-1)
-
-    original = attention.apply_rope
-    attention.apply_rope = apply_rope
-
-
-def latent_maps_in_adamw() -> None:
-    """Muon for the blocks' matrices but the latent maps (kv_a, kv_b), which AdamW takes with the
-    embeddings, norms and biases."""
-    from smallgpt import optim
-
-    original = optim.make_optimizer
-
-    def make_optimizer(model, kind, *args, **kwargs):  # noqa: ANN001, ANN202
-        named = model.named_parameters
-
-        def without_latent_maps(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            for name, p in named(*a, **k):
-                latent = ".attn.kv_a." in name or ".attn.kv_b." in name
-                # AdamW's: a name outside the blocks, as optim.make_optimizer sorts them
-                yield (f"latent.{name}" if latent else name), p
-
-        model.named_parameters = without_latent_maps
-        try:
-            return original(model, kind, *args, **kwargs)
-        finally:
-            del model.named_parameters
-
-    optim.make_optimizer = make_optimizer
 
 
 def run_args(setting: str, seed: int, folder: Path) -> list[str]:
@@ -279,11 +387,11 @@ def check_finished(settings: list[str], seeds: int, out: Path, meta: dict) -> No
                 )
 
 
-def run_one(setting: str, args: list[str]) -> None:
-    """train.py with args, in this process, after setting's patch."""
-    PATCHED[setting]()
-    sys.argv = ["train.py", *args]
-    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+def run_one(args: list[str]) -> None:
+    """train.py with args, in this process, the script's kinds registered (its args name one)."""
+    with kinds_registered():
+        sys.argv = ["train.py", *args]
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
 
 
 def summary(out: Path, settings: list[str], seeds: int) -> str:
@@ -364,26 +472,23 @@ def conversion_steps(run_dir: str) -> str:
     return "\n".join(lines)
 
 
-PATCHED = {
-    "mla128-latent-adamw": latent_maps_in_adamw,
-    "mla128-rope-per-head": lambda: patched_latent_attention(rope_per_head=True, one_map=False),
-    "mla128-holds-mha": lambda: patched_latent_attention(rope_per_head=True, one_map=False),
-    "mla128-one-map": lambda: patched_latent_attention(rope_per_head=False, one_map=True),
-    "mla128-one-map-head-scale": lambda: patched_latent_attention(False, True, head_scale=True),
-    "mla128-one-map-all-rotary": lambda: patched_latent_attention(False, True, all_rotary=True),
-    "mha-half-rotary": half_rotary_mha,
-}
-
-
 def main(cfg: AblationConfig) -> None:
     if cfg.conversion:
-        print(conversion_steps(cfg.conversion))
+        with kinds_registered():  # the run may be one of a kind's setting: its checkpoint names it
+            print(conversion_steps(cfg.conversion))
         return
     if cfg.one:
         if ARGS not in os.environ:
-            raise UserError(f"one={cfg.one} is internal (a patched setting's run): leave it out")
-        run_one(cfg.one, json.loads(os.environ[ARGS]))
+            raise UserError(f"one={cfg.one} is internal (a kind's setting's run): leave it out")
+        run_one(json.loads(os.environ[ARGS]))
         return
+    with kinds_registered():  # the checks parse each setting's config, its kind's letter too
+        train_settings(cfg)
+
+
+def train_settings(cfg: AblationConfig) -> None:
+    """Every refusal before the first run, then each setting's runs not finished before, then the
+    summary."""
     settings = cfg.settings or list(SETTINGS)
     out = Path(cfg.out).resolve()  # its runs start in the repository root; this may be elsewhere
     # every refusal before the first run: the folder, the runs' configs, the dataset
@@ -398,7 +503,7 @@ def main(cfg: AblationConfig) -> None:
                 continue  # finished before, as this call would train it (check_finished)
             args = run_args(setting, seed, folder)
             command = [sys.executable, str(ROOT / "train.py"), *args]
-            if setting in PATCHED:
+            if needs_kinds(setting):  # train.py in a process that registers its kind first
                 command = [sys.executable, __file__, f"--one={setting}"]
             print(f"$ {setting} seed {seed}", flush=True)
             env = os.environ | {ARGS: json.dumps(args)}

@@ -1,19 +1,30 @@
 """The scripts the docs point users to on MQAR, scripts/zoology_mqar.py and
 scripts/mla_mqar_ablation.py: the figure they draw, the folders they take (only their own), the
 datasets they reuse (only those of their settings), and every mistake one line before any work,
-with nothing written (issue 66)."""
+with nothing written (issue 66). The ablation's settings that no key of train.py makes are kinds of
+layer the script registers, not patches of other modules: each builds the layers it names and
+trains a step, and mha-half-rotary is rope_fraction=0.5, the patch it was."""
 
+import ast
 import csv
 import json
+import runpy
 import subprocess
+from collections.abc import Generator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+import attention
+from configurator import parse_config
 from conftest import ROOT, Result, cli, run
-from model import GPT, GPTConfig
+from model import GPT, LAYER_KINDS, GPTConfig, register_kind
 from smallgpt.checkpoint import save_checkpoint
+from smallgpt.configs import TrainConfig
 from smallgpt.data import load_meta
+from smallgpt.errors import UserError
 
 ZOOLOGY = "scripts/zoology_mqar.py"
 ABLATION = "scripts/mla_mqar_ablation.py"
@@ -292,3 +303,267 @@ def test_a_finished_ablation_run_is_reused_only_as_this_call_would_train_it(
     refused(cli(command), f"{folder} holds a finished run trained with max_iters=3000, not as")
     finished_run(config, meta | {"settings": meta["settings"] | {"key_vocab": 32}})
     refused(cli(command), "a dataset mqar prepared otherwise than today's")
+
+
+# ---- the ablation's kinds of layer: its settings that no key of train.py makes ----
+
+# each setting that was a patch of another module, and the letter of the kind it now names
+KIND_SETTINGS = {
+    "mla128-rope-per-head": "P",
+    "mla128-holds-mha": "P",
+    "mla128-one-map": "O",
+    "mla128-one-map-head-scale": "H",
+    "mla128-one-map-all-rotary": "R",
+    "mla128-latent-adamw": "A",
+}
+MQAR_VOCAB = 128  # data/mqar's vocabulary at prepare.py's defaults: 64 keys, 64 values
+
+
+@pytest.fixture(scope="module")
+def ablation() -> dict[str, Any]:
+    """The ablation script's names (run, not as __main__: its kinds defined, none registered)."""
+    return runpy.run_path(str(ROOT / ABLATION))
+
+
+@pytest.fixture
+def kinds(ablation: dict[str, Any]) -> Generator[None, None, None]:
+    """The script's kinds in model.LAYER_KINDS for the test, then taken out."""
+    for kind in ablation["KINDS"]:
+        register_kind(kind)
+    yield
+    for kind in ablation["KINDS"]:
+        del LAYER_KINDS[kind.letter]
+
+
+def setting_model(ablation: dict[str, Any], setting: str, folder: Path) -> tuple[GPT, TrainConfig]:
+    """The model of setting's run as run_one's train.py builds it (its config from the setting's
+    train.py arguments, its vocabulary MQAR's), and that config."""
+    cfg = parse_config(TrainConfig, ablation["run_args"](setting, 1337, folder))
+    return GPT(cfg.model_config(MQAR_VOCAB)), cfg
+
+
+def loss_and_grads(model: GPT) -> float:
+    """A training forward and backward on one random batch of 2 examples: every parameter gets a
+    gradient (none is left unused); the loss."""
+    idx = torch.randint(0, MQAR_VOCAB, (2, 31))
+    _, loss = model(idx, torch.randint(0, MQAR_VOCAB, (2, 31)))
+    loss.backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
+    return loss.item()
+
+
+def test_each_kind_setting_builds_the_layers_it_names_and_trains_a_step(
+    ablation: dict[str, Any], kinds: None, tmp_path: Path
+) -> None:
+    """Each formerly patched MLA setting, parsed as its run parses it: every layer of its kind,
+    kv_a as wide as its rotary keys (a key per head: n_head * qk_rope_head_dim), kv_x without kv_b
+    or a latent with one map; a forward and backward run with a gradient for every parameter."""
+    for setting, letter in KIND_SETTINGS.items():
+        model, _ = setting_model(ablation, setting, tmp_path / setting)
+        c = model.config
+        H, r, R, C = c.n_head, c.qk_rope_head_dim, c.kv_lora_rank, c.n_embd
+        assert c.layer_letters == letter * c.n_layer, setting
+        attn = model.transformer.h[0].attn
+        assert type(attn) is LAYER_KINDS[letter] and attn.rope_dim == r
+        names = {name.split(".")[0] for name, _ in attn.named_parameters()}
+        if letter == "P":  # [latent | a rotary key per head], K and V from the latent
+            assert attn.kv_a.out_features == R + H * r and attn.kv_b.in_features == R
+            assert names == {"c_q", "kv_a", "kv_b", "c_proj"} | (
+                {"kv_norm"} if c.latent_norm else set()
+            )
+        elif letter == "A":  # MLA's own layers
+            assert attn.kv_a.out_features == R + r and "kv_b" in names
+        else:  # one map: the rotary key alone from kv_a, K's NoPE features and V from kv_x
+            assert attn.kv_a.out_features == r
+            assert attn.kv_x.weight.shape == (2 * C, C)
+            assert names == {"c_q", "kv_a", "kv_x", "c_proj"}
+        assert loss_and_grads(model) > 0
+    # holds-mha: a rotary key per head as wide as MHA's, and no latent norm
+    model, _ = setting_model(ablation, "mla128-holds-mha", tmp_path / "holds")
+    assert model.transformer.h[0].attn.kv_a.out_features == 128 + 4 * 32
+
+
+def test_the_latent_adamw_kind_leaves_its_latent_maps_to_adamw(
+    ablation: dict[str, Any], kinds: None, tmp_path: Path
+) -> None:
+    """mla128-latent-adamw under its run's optimizer (Muon): AdamW takes kv_a and kv_b, Muon the
+    blocks' other matrices, as mla128's Muon takes them all."""
+    from smallgpt.optim import make_optimizer
+
+    def muon_names(setting: str) -> list[str]:
+        model, cfg = setting_model(ablation, setting, tmp_path / setting)
+        betas = (cfg.beta1, cfg.beta2)
+        opt = make_optimizer(model, cfg.optimizer, 0.1, 1e-3, betas, "cpu", cfg.muon_lr)
+        muon = {id(p) for group in opt.optimizers[0].param_groups for p in group["params"]}
+        return [name for name, p in model.named_parameters() if id(p) in muon]
+
+    latent = [f"transformer.h.{i}.attn.{m}.weight" for i in (0, 1) for m in ("kv_a", "kv_b")]
+    mla = muon_names("mla128")
+    assert set(latent) <= set(mla)
+    assert muon_names("mla128-latent-adamw") == [n for n in mla if n not in latent]
+
+
+def test_the_one_map_kinds_differ_only_by_their_scale_and_rotation(
+    ablation: dict[str, Any], kinds: None, tmp_path: Path
+) -> None:
+    """The three one-map settings' models hold the same parameters; on the same weights MHA's
+    softmax scale (H) and the NoPE features rotated (R) each give other logits than O's."""
+    models = [
+        setting_model(ablation, s, tmp_path / s)[0].eval() for s in KIND_SETTINGS if "one-map" in s
+    ]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    idx = torch.randint(0, MQAR_VOCAB, (2, 31))
+    with torch.no_grad():
+        one_map, head_scale, all_rotary = (m(idx, idx)[0] for m in models)
+    assert not torch.allclose(one_map, head_scale, atol=1e-4)
+    assert not torch.allclose(one_map, all_rotary, atol=1e-4)
+
+
+def test_the_kinds_refuse_a_cache_and_export_in_one_line(
+    ablation: dict[str, Any], kinds: None
+) -> None:
+    """What each kind declares: an unused upper-case letter, attends, a reason the fixed-shape step
+    cannot run it, no transformers layer type (export refuses it); a full-forward kind's layers
+    refuse a cache in one line (a training ablation: train.py builds none)."""
+    from smallgpt.hf import target_class
+
+    for kind in ablation["KINDS"]:
+        assert kind.letter.isupper() and kind.letter not in "LSD" and kind.attends
+        assert kind.static_step and kind.hf_layer_type is None
+    config = GPTConfig(
+        n_layer=1,
+        n_head=4,
+        n_embd=32,
+        block_size=16,
+        vocab_size=61,
+        pos_encoding="rope",
+        kv_lora_rank=16,
+        layer_pattern="O",
+    )
+    with pytest.raises(UserError, match="no transformers class holds one-map MLA layers"):
+        target_class(config)
+    model = GPT(config)
+    with pytest.raises(UserError, match=r"one-map MLA layers .* run full forwards only") as e:
+        model(torch.randint(0, 61, (1, 4)), kv_cache=model.make_kv_cache(1))
+    assert "\n" not in str(e.value)
+
+
+def test_a_kind_setting_needs_its_kind_registered(ablation: dict[str, Any], tmp_path: Path) -> None:
+    """Outside a process that registers the script's kinds, a kind's setting (as its checkpoint's
+    layer_pattern) is refused in one line naming the letter."""
+    args = ablation["run_args"]("mla128-one-map", 1337, tmp_path)
+    with pytest.raises(UserError, match="layer_pattern='O' must be letters L"):
+        parse_config(TrainConfig, args)
+
+
+def test_a_kind_setting_runs_in_the_process_that_registers_its_kind(
+    tmp_path: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kind's setting: its config checked before the first run (its kind registered for the
+    check), its run the script itself with --one= and train.py's arguments naming the letter; the
+    kinds are out of model.LAYER_KINDS once the script returns."""
+    monkeypatch.setattr("smallgpt.data.DATA_ROOT", data_root)
+    calls = []
+
+    def failing(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        calls.append((command, json.loads(kwargs["env"]["SMALLGPT_ABLATION_ARGS"])))
+        return subprocess.CompletedProcess(command, 3)
+
+    monkeypatch.setattr(subprocess, "run", failing)
+    r = cli([ABLATION, "--settings=[mla128-one-map]", "--seeds=1", f"--out={tmp_path / 'abl'}"])
+    assert r.returncode == 3 and r.stderr == "", r.stderr
+    [(command, args)] = calls
+    assert command[1:] == [str(ROOT / ABLATION), "--one=mla128-one-map"]
+    assert args[-2:] == ["--kv_lora_rank=128", "--layer_pattern=O"]
+    assert set(LAYER_KINDS) == {"L", "S", "D"}
+
+
+def half_rotary_patch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The ablation script's patch of attention.apply_rope for mha-half-rotary, as it was: the first
+    half of each head's features rotated at the frequencies of a head_dim / 2 rotation, at positions
+    0..T-1 (the tables it was given unused), the other half as it is."""
+    T, r = x.shape[-2], x.shape[-1] // 2
+    tables = attention.rope_tables(r, T, 1e4)
+    half_cos, half_sin = (t.to(x.device).view(1, 1, T, r // 2) for t in tables)
+    rotated = APPLY_ROPE(x[..., :r], half_cos, half_sin)
+    return torch.cat((rotated, x[..., r:]), dim=-1)
+
+
+APPLY_ROPE = attention.apply_rope  # the function the patch wrapped
+
+
+def test_mha_half_rotary_is_rope_fraction_one_half(
+    ablation: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The setting's model (rope_fraction=0.5: tables for int(head_dim * 0.5) features at
+    rope_theta 10000) gives the logits and gradients, fp32 and under bf16 autocast, that the
+    patched MHA (rope_fraction=1, apply_rope patched) gives on the same weights."""
+    assert ablation["SETTINGS"]["mha-half-rotary"] == ["--rope_fraction=0.5"]
+    half, _ = setting_model(ablation, "mha-half-rotary", tmp_path / "half")
+    patched, _ = setting_model(ablation, "mha", tmp_path / "mha")
+    assert (half.config.rope_dim, patched.config.rope_dim) == (16, 32)
+    patched.load_state_dict(half.state_dict())
+    idx, targets = (torch.randint(0, MQAR_VOCAB, (4, 31)) for _ in range(2))
+
+    def outputs(model: GPT) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Its fp32 logits, bf16 autocast logits and gradients on the batch."""
+        logits, loss = model(idx, targets)
+        loss.backward()
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            bf16 = model(idx, targets)[0]
+        return logits, bf16, [p.grad for p in model.parameters()]
+
+    logits, bf16, grads = outputs(half)
+    with torch.no_grad():  # the patch changes MHA: without it, other logits
+        assert not torch.allclose(patched(idx, targets)[0], logits, atol=1e-4)
+    monkeypatch.setattr(attention, "apply_rope", half_rotary_patch)
+    patched_logits, patched_bf16, patched_grads = outputs(patched)
+    assert torch.equal(logits, patched_logits) and torch.equal(bf16, patched_bf16)
+    assert all(torch.equal(a, b) for a, b in zip(grads, patched_grads, strict=True))
+
+
+def module_patches(source: str) -> list[str]:
+    """The targets in source of an assignment, deletion or setattr that changes an attribute of a
+    project module (attention, model, smallgpt.optim, ...) or of a name imported from one."""
+    tree = ast.parse(source)
+    project = {p.stem for p in ROOT.glob("*.py")} | {"smallgpt"}
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [(a.name, a.asname or a.name.split(".")[0]) for a in node.names]
+            imported |= {bound for name, bound in names if name.split(".")[0] in project}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in project:
+            imported |= {a.asname or a.name for a in node.names}
+
+    def root(target: ast.expr) -> str | None:
+        while isinstance(target, ast.Attribute | ast.Subscript):
+            target = target.value
+        return target.id if isinstance(target, ast.Name) else None
+
+    targets = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets += node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets.append(node.target)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("setattr", "delattr"):
+            targets += [ast.Attribute(value=node.args[0], attr="?")]
+    while any(isinstance(t, ast.Tuple | ast.List) for t in targets):
+        targets = [
+            e for t in targets for e in (t.elts if isinstance(t, ast.Tuple | ast.List) else [t])
+        ]
+    return [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and root(t) in imported]
+
+
+def test_the_ablation_script_patches_no_other_module() -> None:
+    """The script changes no attribute of the project's modules (its settings are kinds it
+    registers, not patches); the check finds the patches the script once made."""
+    assert module_patches((ROOT / ABLATION).read_text()) == []
+    once = (
+        "def f():\n    import attention\n    attention.LatentAttention.forward = g\n"
+        "from smallgpt import optim\noptim.make_optimizer, x = h, 1\n"
+        "from attention import apply_rope as a\nsetattr(a, 'b', 1)\n"
+    )
+    found = ["a.?", "attention.LatentAttention.forward", "optim.make_optimizer"]
+    assert sorted(module_patches(once)) == found
