@@ -106,9 +106,11 @@ class GatedDeltaNet(Mixer, LayerKind):
         self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv_cache: Cache | None
     ) -> torch.Tensor:
         B, T, C = x.shape
-        H, hd = self.n_head, self.head_dim
+        H = self.n_head
+        hd = self.head_dim
+        # q, k and v of every head from one product; a pad token enters as zeros
         if mask is not None:
-            x = x * mask[..., None]  # a pad token: zeros in
+            x = x * mask[..., None]
         qkv = self.c_qkv(x).transpose(1, 2)  # (B, 3 C, T)
         # the convolution's last kernel - 1 inputs and the state before these tokens: none
         # from an empty context
@@ -124,6 +126,7 @@ class GatedDeltaNet(Mixer, LayerKind):
         q, k, v = qkv.float().view(B, 3, H, hd, T).transpose(-1, -2).unbind(1)
         q = l2_normalised(q) * hd**-0.5
         k = l2_normalised(k)
+        # per head and token: how strongly it writes (b), and how much of the state it keeps (g)
         b = torch.sigmoid(self.c_b(x).float()).transpose(1, 2)  # (B, H, T)
         g = -self.A_log.float().exp() * F.softplus(self.c_a(x).float() + self.dt_bias.float())
         g = g.transpose(1, 2)  # (B, H, T)

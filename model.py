@@ -486,6 +486,8 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
+        # GPT-2's module names (wte, h, ln_f), so that its weights load as they are; each block's
+        # mixer of its layer's kind
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -494,9 +496,11 @@ class GPT(nn.Module):
                 ln_f=norm_for(config, config.n_embd),
             )
         )
+        # positions: a learned embedding each, or the rotary tables (derived from the config, so
+        # kept out of the state_dict)
         if config.pos_encoding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
-        else:  # derived from the config, so kept out of the state_dict
+        else:
             table_shape = (config.block_size, config.rope_dim // 2)
             self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
             self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
@@ -619,6 +623,7 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx)
         if self.config.pos_encoding == "learned":
             return x + self.transformer.wpe(pos), None
+        # rotary: the tables' rows at these positions, applied to q and k in each layer
         T = idx.size(1)
         half_dim = self.config.rope_dim // 2
         cos = self.rope_cos[pos].view(-1, 1, T, half_dim)  # (B or 1, 1, T, head_dim // 2)
