@@ -111,19 +111,25 @@ class GatedDeltaNet(Mixer, LayerKind):
         # q, k and v of every head from one product; a pad token enters as zeros
         if mask is not None:
             x = x * mask[..., None]
-        qkv = self.c_qkv(x).transpose(1, 2)  # (B, 3 C, T)
+        qkv = self.c_qkv(x)  # (B, T, 3 C)
         # the convolution's last kernel - 1 inputs and the state before these tokens: none
         # from an empty context
         if kv_cache is None:
-            conv_in = qkv.new_zeros(B, 3 * C, self.kernel - 1)
+            conv_in = qkv.new_zeros(B, self.kernel - 1, 3 * C)
             state = None
         else:
             conv_in, state = kv_cache.read_state(self.layer)
-        # the causal convolution over the last kernel - 1 inputs then these
-        inputs = torch.cat((conv_in.to(qkv.dtype), qkv), dim=-1)  # (B, 3 C, kernel - 1 + T)
-        qkv = F.silu(F.conv1d(inputs, self.conv.to(qkv.dtype), groups=3 * C))  # (B, 3 C, T)
+            conv_in = conv_in.transpose(1, 2)  # the cache keeps (B, 3 C, kernel - 1)
+        # the causal depthwise convolution over the last kernel - 1 inputs then these, as a sum
+        # of shifted products: elementwise, so its backward is too (docs/performance-cpu.md)
+        inputs = torch.cat((conv_in.to(qkv.dtype), qkv), dim=1)  # (B, kernel - 1 + T, 3 C)
+        taps = self.conv.to(qkv.dtype).view(3 * C, self.kernel).t()  # (kernel, 3 C)
+        qkv = inputs[:, :T] * taps[0]
+        for j in range(1, self.kernel):
+            qkv = qkv + inputs[:, j : j + T] * taps[j]
+        qkv = F.silu(qkv)  # (B, T, 3 C)
         # q, k, v: (B, H, T, head_dim) in fp32, as the recurrence runs
-        q, k, v = qkv.float().view(B, 3, H, hd, T).transpose(-1, -2).unbind(1)
+        q, k, v = qkv.float().view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
         q = l2_normalised(q) * hd**-0.5
         k = l2_normalised(k)
         # per head and token: how strongly it writes (b), and how much of the state it keeps (g)
@@ -134,13 +140,16 @@ class GatedDeltaNet(Mixer, LayerKind):
             b = b * mask[:, None]
             g = g * mask[:, None]
         # the gated delta rule: one step while decoding, chunk by chunk over a sequence
-        if T == 1 and state is not None:
-            o, state = delta_rule.recurrent(q, k, v, g, b, state)
-        else:
-            o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
+        # in fp32 whatever the autocast: its many small products would each be cast
+        with torch.autocast(x.device.type, enabled=False):
+            if T == 1 and state is not None:
+                o, state = delta_rule.recurrent(q, k, v, g, b, state)
+            else:
+                o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
         # what the next tokens start from
         if kv_cache is not None:
-            kv_cache.write_state(self.layer, inputs[..., -(self.kernel - 1) :], state)
+            conv_out = inputs[:, -(self.kernel - 1) :].transpose(1, 2)
+            kv_cache.write_state(self.layer, conv_out, state)
         # each head's output normed and gated by SiLU(c_z x), then projected
         z = self.c_z(x).view(B, T, H, hd)
         o = self.norm(o.transpose(1, 2)) * F.silu(z.float())  # (B, T, H, head_dim)

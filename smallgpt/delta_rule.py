@@ -80,16 +80,29 @@ def chunked(
     strict = decay.tril(-1)
     A = b[..., None] * (k @ k.mT) * strict
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    # the corrections' two parts: from v, and per unit of S_0 (solved once for every chunk)
-    u_v = torch.linalg.solve_triangular(eye + A, b[..., None] * v, upper=False, unitriangular=True)
+    # the corrections' two parts, from v and per unit of S_0, in one solve for every chunk
     k_decayed = b[..., None] * G.exp()[..., None] * k
-    u_s = torch.linalg.solve_triangular(eye + A, k_decayed, upper=False, unitriangular=True)
+    rhs = torch.cat((b[..., None] * v, k_decayed), dim=-1)
+    u_v, u_s = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True).split(
+        (d_v, d_k), dim=-1
+    )
     scores = (q @ k.mT) * decay  # (k_s . q_t) exp(G_t - G_s), s <= t
     q_decayed = G.exp()[..., None] * q
     k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
+    # chunk by chunk, the state carried from one to the next; each input unbound once (a
+    # chunk's slice taken in the loop would cost a full-size gradient per slice in backward)
+    chunks = zip(
+        u_v.unbind(2),
+        u_s.unbind(2),
+        q_decayed.unbind(2),
+        scores.unbind(2),
+        k_to_end.unbind(2),
+        G[..., -1].exp()[..., None, None].unbind(2),
+        strict=True,
+    )
     out = []
-    for i in range(n):
-        u = u_v[:, :, i] - u_s[:, :, i] @ state
-        out.append(q_decayed[:, :, i] @ state + scores[:, :, i] @ u)
-        state = G[:, :, i, -1, None, None].exp() * state + k_to_end[:, :, i].mT @ u
+    for u_v_i, u_s_i, q_i, scores_i, k_i, kept in chunks:
+        u = u_v_i - u_s_i @ state
+        out.append(q_i @ state + scores_i @ u)
+        state = kept * state + k_i.mT @ u
     return torch.cat(out, dim=2)[:, :, :T], state
