@@ -77,16 +77,18 @@ def chunked(
     # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    strict = decay.tril(-1)
-    A = b[..., None] * (k @ k.mT) * strict
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    # q . k and k . k of the chunk's tokens in one product
+    qk, kk = (torch.cat((q, k), dim=-2) @ k.mT).split(chunk, dim=-2)
+    # I + A with A's strictly lower part: the solve reads only that (its diagonal is taken as
+    # ones, its upper part as zeros), so neither the identity nor a tril is built
+    A = b[..., None] * kk * decay
     # the corrections' two parts, from v and per unit of S_0, in one solve for every chunk
     k_decayed = b[..., None] * G.exp()[..., None] * k
     rhs = torch.cat((b[..., None] * v, k_decayed), dim=-1)
-    u_v, u_s = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True).split(
+    u_v, u_s = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
         (d_v, d_k), dim=-1
     )
-    scores = (q @ k.mT) * decay  # (k_s . q_t) exp(G_t - G_s), s <= t
+    scores = qk * decay  # (k_s . q_t) exp(G_t - G_s), s <= t
     q_decayed = G.exp()[..., None] * q
     k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
     # chunk by chunk, the state carried from one to the next; each input unbound once (a

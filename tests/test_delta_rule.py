@@ -112,3 +112,20 @@ def test_a_planted_bug_fails_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None
     assert not torch.allclose(decay_after(q, k, v, g, b, state)[0], want, atol=1e-3)
     no_b, _ = delta_rule.recurrent(q, k, v, g, torch.ones_like(b), state)
     assert not torch.allclose(no_b, want, atol=1e-3)
+
+
+def test_the_chunked_forms_gradients_are_the_recurrences() -> None:
+    """Training differentiates the chunked form: every input's gradient (the state's too) is the
+    recurrence's, in float64, for a loss on the outputs and the final state (T past two chunks,
+    not a multiple of the chunk)."""
+    grads = []
+    for rule in (delta_rule.recurrent, delta_rule.chunked):
+        leaves = [x.clone().requires_grad_() for x in inputs(21, seed=3)]
+        out, final = rule(
+            *leaves[:5], leaves[5], **({"chunk": 8} if rule is delta_rule.chunked else {})
+        )
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view(out.shape)
+        ((out * weights).sum() + final.square().sum()).backward()
+        grads.append([x.grad for x in leaves])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
