@@ -78,6 +78,9 @@ class BenchConfig:
     new_tokens: list[int] = field(default_factory=lambda: [256, 1000])
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     recompute_max_batch: int = 1  # recomputation only up to this batch size (it is slow)
+    # decode: the one-token steps compiled (smallgpt/compiled_step.py: CPU only), as sample.py's
+    # --compile runs them
+    compile_step: bool = False
     repeats: int = 3  # cached runs per setting, the median is reported
     nanogpt_dir: str = ""  # nanogpt: a karpathy/nanoGPT checkout, outside this repository
     # hf, gguf: a llama.cpp source folder with build/bin/llama-bench (hf), llama-simple (gguf)
@@ -290,8 +293,9 @@ def bench_decode(cfg: BenchConfig, base: GPTConfig, device: str, dtype: torch.dt
         weight_bytes = sum(
             m.weight.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear)
         )
-        timed_decode(model, 1, 16, True, gen)  # warm-up
         for batch in cfg.batch_sizes:
+            # warm-up (with compile_step, its compilation for this batch size)
+            timed_decode(model, batch, 16, True, gen, cfg.compile_step)
             for n in cfg.new_tokens:
                 row = decode_row(cfg, model, batch, n, weight_bytes, dtype, gen)
                 print(json.dumps(row), flush=True)
@@ -319,12 +323,13 @@ def decode_row(
         "n_kv_head": mcfg.n_kv_head,
         "kv_lora_rank": mcfg.kv_lora_rank,
         "batch": batch,
+        "compile_step": cfg.compile_step,
         "new_tokens": n,
         "kv_cache_bytes": mcfg.kv_cache_bytes(batch, ctx, dtype),
         "weight_bytes": weight_bytes,
     }
     # the cached run that ended in the median time
-    runs = [timed_decode(model, batch, n, True, gen) for _ in range(cfg.repeats)]
+    runs = [timed_decode(model, batch, n, True, gen, cfg.compile_step) for _ in range(cfg.repeats)]
     stamps = sorted(runs, key=lambda s: s[-1])[len(runs) // 2]
     row |= {
         "cache_tok_s": batch * n / stamps[-1],
@@ -509,6 +514,7 @@ def run_decode(
         "n_kv_head": "n_kv_head",
         "kv_lora_rank": "kv_lora_rank",
         "batch": "batch",
+        **({"compile_step": "compiled step"} if cfg.compile_step else {}),
         "new_tokens": "new tokens",
         "kv_cache_bytes": "KV cache bytes",
         "cache_tok_s": "cache tok/s",
@@ -650,6 +656,7 @@ PAIRS = {
 INSTEAD = PAIRS | {many: one for one, many in PAIRS.items()}
 # decode's own keys, and train.py's dtype: the models it times are in the one dtype
 DECODE_KEYS = {
+    "compile_step",
     "kv_heads",
     "kv_lora_ranks",
     "new_tokens",

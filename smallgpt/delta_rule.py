@@ -60,7 +60,8 @@ def chunked(
     S_C = exp(G_C) S_0 + sum_s exp(G_C - G_s) k_s u_s^T."""
     B, H, T, d_k = k.shape
     d_v = v.shape[-1]
-    if state is None:
+    empty = state is None
+    if empty:
         state = q.new_zeros(B, H, d_k, d_v)
     if T == 0:
         return v.new_zeros(B, H, 0, d_v), state
@@ -82,15 +83,20 @@ def chunked(
     # I + A with A's strictly lower part: the solve reads only that (its diagonal is taken as
     # ones, its upper part as zeros), so neither the identity nor a tril is built
     A = b[..., None] * kk * decay
+    scores = qk * decay  # (k_s . q_t) exp(G_t - G_s), s <= t
+    k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
+    # one chunk from an empty state (training on short blocks, a prompt): S_0 adds nothing
+    if empty and n == 1:
+        u = torch.linalg.solve_triangular(A, b[..., None] * v, upper=False, unitriangular=True)
+        out = (scores @ u).squeeze(2)  # (B, H, C, d_v)
+        return out[:, :, :T], (k_to_end.mT @ u).squeeze(2)
     # the corrections' two parts, from v and per unit of S_0, in one solve for every chunk
     k_decayed = b[..., None] * G.exp()[..., None] * k
     rhs = torch.cat((b[..., None] * v, k_decayed), dim=-1)
     u_v, u_s = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
         (d_v, d_k), dim=-1
     )
-    scores = qk * decay  # (k_s . q_t) exp(G_t - G_s), s <= t
     q_decayed = G.exp()[..., None] * q
-    k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
     # chunk by chunk, the state carried from one to the next; each input unbound once (a
     # chunk's slice taken in the loop would cost a full-size gradient per slice in backward)
     chunks = zip(

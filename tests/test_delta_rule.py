@@ -129,3 +129,18 @@ def test_the_chunked_forms_gradients_are_the_recurrences() -> None:
         grads.append([x.grad for x in leaves])
     for got, want in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 6, 8])
+def test_one_chunk_from_an_empty_state_is_the_recurrence(T: int) -> None:
+    """Training on blocks no longer than the chunk starts each from no state, the chunked form's
+    shortcut (no part from S_0): outputs, final state and every input's gradient are the
+    recurrence's."""
+    results = []
+    for rule in (delta_rule.recurrent, delta_rule.chunked):
+        leaves = [x.clone().requires_grad_() for x in inputs(T, seed=5)[:5]]
+        out, final = rule(*leaves, **({"chunk": 8} if rule is delta_rule.chunked else {}))
+        ((out * out.detach().sign()).sum() + final.square().sum()).backward()
+        results.append([out, final, *(x.grad for x in leaves)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
