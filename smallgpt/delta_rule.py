@@ -41,6 +41,48 @@ def recurrent(
     return torch.stack(out, dim=2), state
 
 
+def in_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, ...]:
+    """The inputs as n chunks of `chunk` tokens: q, k, v (B, H, n, C, d), g, b (B, H, n, C), the
+    last chunk padded with tokens that neither decay nor write (g = 0, b = 0)."""
+    T = q.size(2)
+    pad = -T % chunk
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, b = (F.pad(x, (0, pad)) for x in (g, b))
+    n = (T + pad) // chunk
+    q, k, v = (x.unflatten(2, (n, chunk)) for x in (q, k, v))
+    g, b = (x.unflatten(2, (n, chunk)) for x in (g, b))
+    return q, k, v, g, b
+
+
+def within_chunks(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """What each chunk computes of its own tokens, all chunks at once: G (the decay's log summed
+    up to each token), A (the corrections' system), the scores exp(G_t - G_s) (k_s . q_t) for
+    s <= t, and each key decayed to the chunk's end."""
+    chunk = q.size(-2)
+    G = g.cumsum(-1)
+    # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    # q . k and k . k of the chunk's tokens in one product
+    qk, kk = (torch.cat((q, k), dim=-2) @ k.mT).split(chunk, dim=-2)
+    # I + A with A's strictly lower part: the solve reads only that (its diagonal is taken as
+    # ones, its upper part as zeros), so neither the identity nor a tril is built
+    A = b[..., None] * kk * decay
+    scores = qk * decay
+    k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
+    return G, A, scores, k_to_end
+
+
 def chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,25 +108,9 @@ def chunked(
     if T == 0:
         return v.new_zeros(B, H, 0, d_v), state
     chunk = min(chunk, T)  # a short sequence (a prompt) is one chunk of its own length
-    pad = -T % chunk
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, b = (F.pad(x, (0, pad)) for x in (g, b))
-    n = (T + pad) // chunk
-    # (B, H, n, C, d) and (B, H, n, C)
-    q, k, v = (x.unflatten(2, (n, chunk)) for x in (q, k, v))
-    g, b = (x.unflatten(2, (n, chunk)) for x in (g, b))
-    G = g.cumsum(-1)
-    # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    # q . k and k . k of the chunk's tokens in one product
-    qk, kk = (torch.cat((q, k), dim=-2) @ k.mT).split(chunk, dim=-2)
-    # I + A with A's strictly lower part: the solve reads only that (its diagonal is taken as
-    # ones, its upper part as zeros), so neither the identity nor a tril is built
-    A = b[..., None] * kk * decay
-    scores = qk * decay  # (k_s . q_t) exp(G_t - G_s), s <= t
-    k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
+    q, k, v, g, b = in_chunks(q, k, v, g, b, chunk)
+    n = q.size(2)
+    G, A, scores, k_to_end = within_chunks(q, k, g, b)
     # one chunk from an empty state (training on short blocks, a prompt): S_0 adds nothing
     if empty and n == 1:
         u = torch.linalg.solve_triangular(A, b[..., None] * v, upper=False, unitriangular=True)
