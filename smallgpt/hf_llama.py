@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from attention import NORM_EPS
-from model import GPTConfig
+from model import LAYER_KINDS, GPTConfig
 from smallgpt.errors import UserError
 
 # a block's modules: ours -> Llama's (SwiGLU's gate, up and down are c_gate, c_fc and c_proj)
@@ -309,10 +309,12 @@ def granite_windows(c: Any) -> dict[str, Any]:
     model."""
     if c.model_type != "granite_swa":
         return {}
-    letters = "".join("S" if t == "sliding_attention" else "L" for t in c.layer_types)
-    if "S" not in letters:
+    if "sliding_attention" not in c.layer_types:
         return {}
-    return dict(window=c.sliding_window, window_pattern=shortest_pattern(letters))
+    # each layer's letter by its transformers layer type, as the kinds declare it
+    letters = {kind.hf_layer_type: letter for letter, kind in LAYER_KINDS.items()}
+    pattern = "".join(letters[t] for t in c.layer_types)
+    return dict(window=c.sliding_window, window_pattern=shortest_pattern(pattern))
 
 
 def llama_block_problems(c: Any, sd: dict[str, torch.Tensor]) -> list[str]:
