@@ -261,6 +261,7 @@ def test_no_code_outside_a_kinds_file_names_it() -> None:
     from model import LAYER_KINDS
 
     files = [*ROOT.glob("*.py"), *ROOT.glob("smallgpt/*.py"), *ROOT.glob("scripts/*.py")]
+    code = {path: code_lines(path) for path in sorted(files)}  # each file read once
     for letter, kind in LAYER_KINDS.items():
         own = Path(inspect.getfile(kind)).name
         names = [rf"\b{kind.__name__}\b"]
@@ -269,9 +270,9 @@ def test_no_code_outside_a_kinds_file_names_it() -> None:
         pattern = re.compile("|".join(names))
         found = [
             f"{path.name}: {line}"
-            for path in sorted(files)
+            for path, lines in code.items()
             if path.name != own
-            for line in code_lines(path)
+            for line in lines
             if pattern.search(line)
         ]
         table = [f"model.py: from {own[:-3]} import", f'model.py: "{letter}" : {kind.__name__} ,']
