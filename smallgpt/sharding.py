@@ -247,7 +247,15 @@ def load_optimizer(
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, state, options=options)
     else:
-        optimizer.load_state_dict(ckpt["optimizer"])
+        try:
+            optimizer.load_state_dict(ckpt["optimizer"])
+        except ValueError as e:  # torch's: a group holds another number of parameters
+            raise UserError(
+                f"the checkpoint's optimizer state does not fit this run's optimizer ({e}): it was "
+                "saved by a version that split the parameters otherwise between its optimizers; "
+                "--init_from=convert:<this out_dir> with a new --out_dir trains on from its "
+                "weights with a new optimizer state"
+            ) from None
 
 
 def prune_sharded(out_dir: Path, iter_num: int) -> None:

@@ -1,10 +1,14 @@
 """smallgpt/optim.py: Muon against torch.optim.Muon, the chained optimizer, the learning-rate
 schedule."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import tiny_model
+from smallgpt import sharding
+from smallgpt.errors import UserError
 from smallgpt.optim import Muon, lr_at, make_optimizer, orthogonalised
 
 
@@ -47,8 +51,13 @@ def test_orthogonalised_pushes_singular_values_towards_one(shape: tuple[int, int
     torch.testing.assert_close(orthogonalised(g, torch.bfloat16), out, rtol=0, atol=0.05)
 
 
-def test_muon_chain_covers_every_parameter_once_and_trains() -> None:
-    model = tiny_model(n_kv_head=2).train()
+@pytest.mark.parametrize("pattern", ["L", "DL"])
+def test_muon_chain_covers_every_parameter_once_and_trains(pattern: str) -> None:
+    """Muon takes the blocks' matrices (a recurrent layer's per-head gate projections too), AdamW
+    the rest (the recurrent layer's depthwise convolution filters and its per-head A_log and
+    dt_bias vectors: docs/performance-cpu.md "Which parameters Muon takes"); the chain trains and
+    its state round-trips."""
+    model = tiny_model(n_kv_head=2, layer_pattern=pattern).train()
     opt = make_optimizer(model, "muon", 0.1, 1e-2, (0.9, 0.95), "cpu", muon_lr=0.05)
     muon, adamw = opt.optimizers
     inner = {id(p) for g in muon.param_groups for p in g["params"]}
@@ -58,6 +67,7 @@ def test_muon_chain_covers_every_parameter_once_and_trains() -> None:
     assert names == {
         n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("transformer.h.")
     }
+    assert ("transformer.h.0.attn.c_b.weight" in names) == (pattern == "DL")
     assert [g["lr_scale"] for g in opt.param_groups] == pytest.approx([5.0, 1.0, 1.0])
     x = torch.randint(0, 61, (4, 32))
     y = torch.roll(x, -1, dims=1)
@@ -114,3 +124,18 @@ def test_muon_orthogonalises_same_shaped_matrices_as_one_stack_as_it_would_one_a
     for p, w in zip(params, ref, strict=True):
         torch.testing.assert_close(p.detach(), w, rtol=1e-5, atol=1e-6)
     assert len(opt.shapes) == 1  # the grouping by shape made once, on the first step
+
+
+def test_an_optimizer_state_split_otherwise_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Resuming from a state whose groups hold other parameters (saved by a version that split
+    them otherwise between Muon and AdamW) is a one-line UserError naming the way on, not torch's
+    ValueError; the optimizer is left as it was."""
+    model = tiny_model(layer_pattern="DL")
+    opt = make_optimizer(model, "muon", 0.1, 1e-2, (0.9, 0.95), "cpu", muon_lr=0.05)
+    saved = opt.state_dict()
+    saved["chain"][0]["param_groups"][0]["params"].pop()  # one matrix fewer in Muon's group
+    with pytest.raises(UserError, match=r"optimizer state does not fit.*--init_from=convert:"):
+        sharding.load_optimizer({"optimizer": saved}, tmp_path, model, opt)
+    assert opt.state_dict() == make_optimizer(
+        model, "muon", 0.1, 1e-2, (0.9, 0.95), "cpu", muon_lr=0.05
+    ).state_dict()
