@@ -123,10 +123,7 @@ class GatedDeltaNet(Mixer, LayerKind):
         # the causal depthwise convolution over the last kernel - 1 inputs then these, as a sum
         # of shifted products: elementwise, so its backward is too (docs/performance-cpu.md)
         inputs = torch.cat((conv_in.to(qkv.dtype), qkv), dim=1)  # (B, kernel - 1 + T, 3 C)
-        # the taps (kernel, 3 C) made contiguous by a product: inductor would read the weight's
-        # (3 C, kernel) layout with a stride and not vectorise the sum (docs/performance-cpu.md)
-        eye = torch.eye(self.kernel, dtype=qkv.dtype, device=qkv.device)
-        taps = eye @ self.conv.to(qkv.dtype).view(3 * C, self.kernel).t()
+        taps = self.conv.to(qkv.dtype).view(3 * C, self.kernel).t()  # (kernel, 3 C)
         qkv = inputs[:, :T] * taps[0]
         for j in range(1, self.kernel):
             qkv = qkv + inputs[:, j : j + T] * taps[j]
