@@ -3,12 +3,15 @@
 
 Tasks (smallgpt/recall.py): induction (a random segment copied at several distances: loss and top-1
 accuracy on the copy), position (the val loss at each context position), mqar (exact-match recall
-on an MQAR dataset, data/mqar). Seeded: the same model gives the same numbers. A key left out is
-the run's, as its train.py --final_evals used it (tasks, batch_size, eval_iters, seed, dtype, the
-induction segment), so `python eval.py --out_dir=RUN` prints the numbers in the run's log.jsonl
-(on the device it trained on): position and mqar read the dataset's test split where it has one, as
-train.py's final evaluation does (--split=val for the other). --dataset must be in the model's own
-tokens. One JSON line per
+on an MQAR dataset, data/mqar); and past the trained length, in an MQAR dataset's tokens
+(smallgpt/long_recall.py): needle (a key and --needle_tokens value tokens at each of --depths in
+filler, asked for at the end) and mqar_long (MQAR with more filler), at each of --lengths (1x to 8x
+block_size by default), solved k/n per cell with its Clopper-Pearson interval. Seeded: the same
+model gives the same numbers. A key left out is the run's, as its train.py --final_evals used it
+(tasks, batch_size, eval_iters, seed, dtype, the induction segment), so `python eval.py
+--out_dir=RUN` prints the numbers in the run's log.jsonl (on the device it trained on): position
+and mqar read the dataset's test split where it has one, as train.py's final evaluation does
+(--split=val for the other). --dataset must be in the model's own tokens. One JSON line per
 measure at the end, as bench.py prints.
 """
 
@@ -19,7 +22,10 @@ from smallgpt.errors import UserError
 # isort: split
 import dataclasses
 import json
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+
+import torch
 
 from smallgpt import checkpoint, recall, runtime
 from smallgpt.checkpoint import Run, Source, load_run, parse_source
@@ -33,6 +39,8 @@ TASK_KEYS = {
     "induction": ("distances", "induction_length", "examples", "batch_size", "seed"),
     "position": ("dataset", "split", "eval_iters", "batch_size"),
     "mqar": ("dataset", "split", "eval_iters", "batch_size"),
+    "needle": ("dataset", "lengths", "depths", "needle_tokens", "examples", "batch_size", "seed"),
+    "mqar_long": ("dataset", "lengths", "examples", "batch_size", "seed"),
 }
 
 
@@ -50,13 +58,19 @@ class EvalConfig:
     eval_iters: int | None = None  # position, mqar: val batches of batch_size, train.py's; else 50
     batch_size: int | None = None  # else 32
     seed: int | None = None  # induction's sequences (the val batches are the run's seed's); else 0
+    # needle's and mqar_long's: context lengths (empty: 1x, 2x, 4x, 8x block_size), the needle's
+    # depths (empty: 0, 0.25, 0.5, 0.75, 1; 0 the first token, 1 just before the question), and
+    # the value tokens after its key (more than 1: a passkey)
+    lengths: list[int] = field(default_factory=list)
+    depths: list[float] = field(default_factory=list)
+    needle_tokens: int = 1
     device: str = "auto"
     dtype: str | None = None  # float32, bfloat16, float16 or auto (train.py's choice); else float32
     progress: bool = True  # progress bars on stderr
 
     def __post_init__(self) -> None:
         problems = []
-        for key in ("induction_length", "examples", "eval_iters", "batch_size"):
+        for key in ("induction_length", "examples", "eval_iters", "batch_size", "needle_tokens"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 problems.append(f"{key}={value} must be positive")
@@ -66,6 +80,10 @@ class EvalConfig:
         # a task or a distance named twice is measured once
         problems += repeat_problems("tasks", self.tasks or [])
         problems += repeat_problems("distances", self.distances)
+        problems += repeat_problems("lengths", self.lengths)
+        problems += repeat_problems("depths", self.depths)
+        problems += [f"lengths: {n} must be positive" for n in self.lengths if n < 1]
+        problems += [f"depths: {d} must be between 0 and 1" for d in self.depths if not 0 <= d <= 1]
         if self.seed is not None and self.seed < 0:
             problems.append(f"seed={self.seed} must not be negative")
         if self.split not in ("val", "test", "held_out"):
@@ -130,7 +148,7 @@ def main(cfg: EvalConfig) -> None:
     block_size = model.config.block_size
     name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)
     dataset = cfg.dataset or run.config.get("dataset", "")
-    reads_data = [t for t in cfg.tasks if t in ("position", "mqar")]
+    reads_data = [t for t in cfg.tasks if t in ("position", *recall.MQAR_TASKS)]
     if reads_data and not dataset:
         raise UserError(
             f"tasks {', '.join(reads_data)} read a dataset's {cfg.split} split and "
@@ -157,7 +175,21 @@ def main(cfg: EvalConfig) -> None:
         batches = Batches(data, block_size, cfg.batch_size, seed, place.device)
     # GPT-2's embedding rows past its 50257 tokens are padding
     vocab = min(run.tokenizer.n_vocab, model.config.vocab_size)
-    results = recall.run_tasks(
+    results = run_tasks(cfg, model, batches, vocab, place.autocast(), split)
+    for row in measures(results):
+        print(json.dumps(row))
+
+
+def run_tasks(
+    cfg: EvalConfig,
+    model: torch.nn.Module,
+    batches: Batches | None,
+    vocab: int,
+    amp: AbstractContextManager,
+    split: str,
+) -> dict:
+    """recall.run_tasks with cfg's settings (an empty list: the task's default)."""
+    return recall.run_tasks(
         cfg.tasks,
         model,
         batches,
@@ -168,12 +200,13 @@ def main(cfg: EvalConfig) -> None:
         cfg.examples,
         cfg.batch_size,
         cfg.seed,
-        place.autocast(),
+        amp,
         cfg.progress,
         split,
+        cfg.lengths or None,
+        cfg.depths or None,
+        cfg.needle_tokens,
     )
-    for row in measures(results):
-        print(json.dumps(row))
 
 
 def measures(results: dict) -> list[dict]:
@@ -183,6 +216,8 @@ def measures(results: dict) -> list[dict]:
         rows.append({"task": "position", "loss": results["position"]})
     if "mqar" in results:
         rows.append({"task": "mqar", **results["mqar"]})
+    for task in recall.LONG_TASKS:
+        rows += [{"task": task, **r} for r in results.get(task, [])]
     return rows
 
 

@@ -15,7 +15,7 @@ from smallgpt.fieldtypes import checked_values, with_fields_of
 from smallgpt.generation import check_sampling
 from smallgpt.hf import GPT2_NAMES
 from smallgpt.quantize import QUANTIZE
-from smallgpt.recall import task_problems
+from smallgpt.recall import LONG_TASKS, task_problems
 from smallgpt.variant import Variant
 
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
@@ -87,6 +87,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         problems = self.count_problems()
         problems += task_problems("final_evals", self.final_evals)
+        past = [task for task in self.final_evals if task in LONG_TASKS]
+        if past and self.pos_encoding == "learned":
+            problems.append(
+                f"final_evals: {', '.join(past)} read past block_size, where learned positions "
+                "have no embedding: train with pos_encoding='rope', or leave them out"
+            )
         problems += repeat_problems("final_evals", self.final_evals)
         try:
             source = parse_source(self.init_from)

@@ -1,8 +1,9 @@
 """What attention is for, measured on any model this project loads: induction (copying a random
 segment seen earlier, Olsson et al. 2022, arXiv 2209.11895), the loss at each position of the
-context, and multi-query associative recall on an MQAR dataset (data/mqar, Zoology: Arora et al.
-2023, arXiv 2312.04927). eval.py is the command; train.py runs the tasks of --final_evals at its
-final evaluation. Figures: docs/compare.md."""
+context, multi-query associative recall on an MQAR dataset (data/mqar, Zoology: Arora et al.
+2023, arXiv 2312.04927), and in that dataset's tokens a needle at each depth and MQAR at up to 8x
+the trained context (smallgpt/long_recall.py). eval.py is the command; train.py runs the tasks of
+--final_evals at its final evaluation. Figures: docs/compare.md."""
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -12,10 +13,15 @@ import torch
 from torch.nn import functional as F
 from tqdm import tqdm
 
+from smallgpt import long_recall
 from smallgpt.data import Batches
 from smallgpt.errors import UserError
 
-TASKS = ("induction", "position", "mqar")
+TASKS = ("induction", "position", "mqar", "needle", "mqar_long")
+# the tasks that read an MQAR dataset: its examples, or its tokens and shape
+MQAR_TASKS = ("mqar", "needle", "mqar_long")
+# the tasks that read past block_size (long_recall.stretched)
+LONG_TASKS = ("needle", "mqar_long")
 
 
 def task_problems(key: str, tasks: list[str]) -> list[str]:
@@ -30,7 +36,7 @@ def check_dataset(tasks: list[str], meta: dict, block_size: int, where: str) -> 
     """A UserError, before any training, for a task that a model of block_size on the dataset of
     meta (at where) cannot run: mqar on a dataset that is not MQAR, induction with too few tokens or
     too short a context."""
-    if "mqar" in tasks:
+    if any(task in MQAR_TASKS for task in tasks):
         check_mqar(meta, where)
     if "induction" in tasks:
         length = default_length(block_size)
@@ -236,11 +242,16 @@ def run_tasks(
     amp: AbstractContextManager | None = None,
     progress: bool = False,
     split: str = "val",
+    lengths: list[int] | None = None,
+    depths: list[float] | None = None,
+    span: int = 1,
 ) -> dict:
     """{task: its result} for each of tasks (TASKS) on the model's device. batches: the dataset's
-    (position and mqar read its split); vocab: the token ids induction draws from (default: the
-    dataset's vocab_size); length: induction's segment, by default 16 tokens or a quarter of the
-    context. The model is put in eval mode and back."""
+    (position and mqar read its split; needle and mqar_long its tokens); vocab: the token ids
+    induction draws from (default: the dataset's vocab_size); length: induction's segment, by
+    default 16 tokens or a quarter of the context; lengths, depths and span: needle's and
+    mqar_long's (long_recall's defaults: 1x to 8x block_size, depths 0 to 1, one token). The model
+    is put in eval mode and back."""
     problems = task_problems("tasks", tasks)
     if problems:
         raise UserError(problems[0])
@@ -261,15 +272,48 @@ def run_tasks(
             out["position"] = loss_by_position(model, batches, eval_iters, amp, progress, split)
         if "mqar" in tasks:
             out["mqar"] = mqar(model, batches, eval_iters, amp, progress, split)
+        if any(task in LONG_TASKS for task in tasks):
+            out |= long_tasks(
+                tasks, model, batches, lengths, depths, span, examples, batch_size, seed, amp
+            )
     finally:
         model.train(training)
+    return out
+
+
+def long_tasks(
+    tasks: list[str],
+    model: torch.nn.Module,
+    batches: Batches,
+    lengths: list[int] | None,
+    depths: list[float] | None,
+    span: int,
+    examples: int,
+    batch_size: int,
+    seed: int,
+    amp: AbstractContextManager | None,
+) -> dict:
+    """needle's and mqar_long's results (long_recall), in the MQAR dataset's tokens."""
+    check_mqar(batches.meta, str(batches.path))
+    vocab = long_recall.Vocab.of(batches.meta)
+    lengths = lengths or long_recall.default_lengths(model.config.block_size)
+    out = {}
+    if "needle" in tasks:
+        depths = list(long_recall.DEPTHS) if depths is None else depths
+        out["needle"] = long_recall.needle(
+            model, vocab, lengths, depths, span, examples, batch_size, seed, amp
+        )
+    if "mqar_long" in tasks:
+        out["mqar_long"] = long_recall.mqar_long(
+            model, vocab, lengths, examples, batch_size, seed, amp
+        )
     return out
 
 
 def flat(results: dict) -> dict[str, float]:
     """run_tasks's results as named numbers (a wandb summary): induction_acc@16, induction_loss@16,
     ..., mqar_acc; position_loss_first and position_loss_last (the first and last positions with a
-    target)."""
+    target); needle_solved@<length>@<depth> and mqar_long_solved@<length> (the solved share)."""
     out = {}
     for r in results.get("induction", []):
         out[f"induction_acc@{r['distance']}"] = r["accuracy"]
@@ -279,6 +323,10 @@ def flat(results: dict) -> dict[str, float]:
         out |= {"position_loss_first": known[0], "position_loss_last": known[-1]}
     if "mqar" in results:
         out["mqar_acc"] = results["mqar"]["accuracy"]
+    for r in results.get("needle", []):
+        out[f"needle_solved@{r['length']}@{r['depth']:g}"] = r["rate"]
+    for r in results.get("mqar_long", []):
+        out[f"mqar_long_solved@{r['length']}"] = r["rate"]
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 
 from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
 from smallgpt import recall
+from smallgpt.configs import TrainConfig
 from smallgpt.data import Batches
 from smallgpt.errors import UserError
 from smallgpt.measure import evaluate
@@ -274,6 +275,19 @@ def test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged(tmp_pa
     assert logged["split"] == "test"
     rows = eval_rows([f"--out_dir={out}", "--split=val"])
     assert next(x for x in rows if x["task"] == "position")["loss"] != logged["position"]
+    # recall past the trained length, in the dataset's tokens: a cell a length and depth
+    long = ["--tasks=[needle,mqar_long]", "--depths=[0,1]", "--examples=8"]
+    rows = eval_rows([f"--out_dir={out}", *long, "--lengths=[31]"])
+    assert [(x["task"], x["length"], x.get("depth")) for x in rows] == [
+        ("needle", 31, 0),
+        ("needle", 31, 1),
+        ("mqar_long", 31, None),
+    ]
+    assert all(x["n"] == 8 and x["low"] <= x["rate"] <= x["high"] for x in rows)
+    # past its block_size a model of learned positions has none: one line
+    r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", *long])
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "has none past them" in r.stderr, r.stderr
 
 
 def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
@@ -324,3 +338,10 @@ def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
         r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", "--progress=False", *flags])
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
         assert message in r.stderr, r.stderr
+
+
+def test_final_evals_past_block_size_need_positions_that_go_on() -> None:
+    """needle and mqar_long read past block_size: refused before training for learned positions."""
+    with pytest.raises(ValueError, match="needle, mqar_long read past block_size, where learned"):
+        TrainConfig(final_evals=["needle", "mqar_long"])
+    assert TrainConfig(final_evals=["needle"], pos_encoding="rope").final_evals == ["needle"]
