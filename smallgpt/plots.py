@@ -44,6 +44,10 @@ def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
         panels.append(lambda ax: position_panel(ax, scratch_runs))
     if any(recall.get("induction") or recall.get("mqar") for recall in recalls):
         panels.append(lambda ax: induction_panel(ax, scratch_runs, scratch_rows))
+    if len({(r["size"], r["attention_share"]) for r in scratch_rows}) > len(
+        {r["size"] for r in scratch_rows}
+    ):  # some size holds variants of different shares of attention layers
+        panels.append(lambda ax: ratio_panel(ax, scratch_rows))
     # three to a line, the axes left over removed
     ncols = min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
@@ -228,3 +232,44 @@ def induction_panel(ax: Any, runs: list[dict], rows: list[dict]) -> None:
         ylabel="top-1 accuracy (seeds: mean; MQAR: pooled)",
         ylim=(-0.02, 1.02),
     )
+
+
+def ratio_panel(ax: Any, rows: list[dict]) -> None:
+    """The ratio sweep: final loss (mean, 95% interval) against the share of attention layers, a
+    line per size; on a second axis the share of runs that solved MQAR (95% Clopper-Pearson
+    interval), dashed, where the runs measured it."""
+    split = rows[0]["split"]
+    recall = ax.twinx() if any(r.get("mqar_solved") is not None for r in rows) else None
+    for size in dict.fromkeys(r["size"] for r in rows):
+        mine = sorted((r for r in rows if r["size"] == size), key=lambda r: r["attention_share"])
+        shares = [r["attention_share"] for r in mine]
+        (line,) = ax.plot([], [])  # the size's color
+        ax.errorbar(
+            shares,
+            [r[f"{split}_loss"] for r in mine],
+            yerr=[r.get(f"{split}_loss_ci95") or 0 for r in mine],
+            marker="o",
+            capsize=3,
+            color=line.get_color(),
+            label=f"{size} loss",
+        )
+        solved = [r for r in mine if r.get("mqar_solved") is not None]
+        if recall is not None and solved:
+            rate = [r["mqar_solved"] / r["mqar_runs"] for r in solved]
+            recall.errorbar(
+                [r["attention_share"] for r in solved],
+                rate,
+                yerr=[
+                    [k - r["mqar_solved_low"] for k, r in zip(rate, solved, strict=True)],
+                    [r["mqar_solved_high"] - k for k, r in zip(rate, solved, strict=True)],
+                ],
+                marker="s",
+                ls="--",
+                capsize=3,
+                color=line.get_color(),
+                label=f"{size} MQAR solved",
+            )
+    ax.set(xlabel="share of attention layers", ylabel=f"final {split} loss (mean over seeds)")
+    if recall is not None:
+        recall.set(ylabel="share of runs that solved MQAR", ylim=(-0.02, 1.02))
+        recall.legend(fontsize=7, loc="lower right")

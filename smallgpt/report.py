@@ -295,6 +295,8 @@ def model_columns(size: str, name: str, first: dict, cfg: CompareConfig) -> dict
         "n_kv_head": m.n_kv_head,
         "kv_lora_rank": m.kv_lora_rank,
         "recurrent_layers": len(m.recurrent_layers),  # the layers that do not attend
+        "layers": m.layer_letters,  # each layer's kind by its letter (model.LAYER_KINDS)
+        "attention_share": 1 - len(m.recurrent_layers) / m.n_layer,
         "match": first["match"],
         "method": first["method"],
         "uptrain_fraction": first["fraction"],

@@ -61,6 +61,7 @@ def markdown(
             "",
             *variants_table(scratch, cfg),
             *cache_note(scratch),
+            *ratio_table(scratch, cfg),
             "",
             *rates_table(scratch),
             *other_budgets_note(mine),
@@ -154,6 +155,48 @@ def cache_note(scratch: list[dict]) -> list[str]:
         "KV bytes of a variant with recurrent layers (Gated DeltaNet's): its attention layers' "
         "K/V, and each recurrent layer's state (fp32, head_dim x head_dim a head) and last "
         "convolution inputs, the same at any context.",
+    ]
+
+
+def ratio_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
+    """Where a size's variants hold different shares of attention layers (a ratio sweep: LLLL,
+    DLDL, DDDL, DDDD...): each by that share, most attention first, with its loss, recall, cache
+    and speed (an empty line, then the table); none otherwise."""
+    if len({r["attention_share"] for r in scratch}) < 2:
+        return []
+    split = scratch[0]["split"]
+    ordered = sorted(scratch, key=lambda r: -r["attention_share"])
+    shown = [
+        {
+            "layers": r["layers"],
+            "share": f"{round(r['attention_share'] * len(r['layers']))}/{len(r['layers'])}",
+            "variant": r["variant"],
+            "loss": f"{interval_text(r, f'{split}_loss')} (n={r['seeds']})",
+            "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True),
+            "kv": f"{r[kv_column(cfg)]:,}",
+            "speed": speed_text(r),
+            **recall_cells(r, None),
+        }
+        for r in ordered
+    ]
+    columns = {
+        "layers": "layers",
+        "share": "attention layers",
+        "variant": "variant",
+        "loss": f"final {split} loss",
+        "diff": "vs MHA (paired)",
+    }
+    if any(r.get("mqar_solved") is not None for r in scratch):
+        columns["mqar_solved"] = f"MQAR solved (>= {cfg.solved_threshold:g})"
+        columns["mqar_acc"] = "MQAR acc"
+    columns["kv"] = f"KV bytes @{cfg.decode_context} ({cfg.kv_dtype})"
+    columns["speed"] = f"decode tok/s @{cfg.decode_context}x{cfg.decode_batch}"
+    return [
+        "",
+        "By the share of attention layers (the ratio sweep; report.png plots loss and recall "
+        "against it):",
+        "",
+        table(shown, columns),
     ]
 
 

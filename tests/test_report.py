@@ -545,3 +545,59 @@ def test_a_hybrids_cache_bytes_are_its_attention_kv_and_its_state(tmp_path: Path
     for seed in (1337, 1338):
         write_log(other, "mha", 4, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100})
     assert "recurrent layer's state" not in report_of(other, "--variants=[mha]", "--seeds=2")[0]
+
+
+def test_a_ratio_sweep_reports_each_share_of_attention_at_its_best_rate_with_solved_runs(
+    tmp_path: Path,
+) -> None:
+    """LL, DL and DD (2 layers: all attention, half, none), each at two rates and three seeds
+    with MQAR measured: each row at its own rate (by mean val loss), its attention share, and the
+    runs that solved MQAR (accuracy >= 0.9) with their Clopper-Pearson interval, worked by hand;
+    report.md lists them by share, most attention first, and report.png has the ratio panel."""
+    patterns = {"mha": None, "mha-dl": "DL", "mha-d": "DD"}
+    best = {"mha": "0.001", "mha-dl": "0.01", "mha-d": "0.001"}
+    # MQAR correct of 1000 at the best rate, by seed: 3, 2 and 0 runs reach 0.9
+    correct = {"mha": (950, 960, 970), "mha-dl": (950, 920, 500), "mha-d": (300, 310, 320)}
+    for name, pattern in patterns.items():
+        for rate in ("0.001", "0.01"):
+            for i, seed in enumerate((1337, 1338, 1339)):
+                chosen = rate == best[name]
+                write_log(
+                    tmp_path,
+                    name,
+                    4,
+                    seed,
+                    {10: 2.0, 20: (1.50 if chosen else 1.60) + i / 100},
+                    recall={"mqar": mqar(correct[name][i] if chosen else 100, 1000)},
+                    rate=rate,
+                    test=(1.55 if chosen else 1.40) + i / 100,
+                    model=dict(layer_pattern=pattern) if pattern else None,
+                )
+    out, _, rows = report_of(
+        tmp_path, "--variants=[mha,mha-dl,mha-d]", "--seeds=3", "--lrs=[0.001,0.01]"
+    )
+    for name, row in rows.items():
+        assert row["lr"] == best[name] and float(row["test_loss"]) == pytest.approx(1.56)
+    assert [(rows[n]["layers"], float(rows[n]["attention_share"])) for n in patterns] == [
+        ("LL", 1.0),
+        ("DL", 0.5),
+        ("DD", 0.0),
+    ]
+    assert [rows[n]["mqar_solved"] for n in patterns] == ["3", "2", "0"]
+    # 3 of 3: from 0.025^(1/3) to 1; 0 of 3: from 0 to 1 - 0.025^(1/3)
+    assert float(rows["mha"]["mqar_solved_low"]) == pytest.approx(0.025 ** (1 / 3))
+    assert float(rows["mha-d"]["mqar_solved_high"]) == pytest.approx(1 - 0.025 ** (1 / 3))
+    low, high = stats.exact_interval(2, 3)
+    assert float(rows["mha-dl"]["mqar_solved_low"]) == pytest.approx(low)
+    table = out[out.index("By the share of attention layers") :]
+    assert table.index("| LL | 2/2 | mha |") < table.index("| DL | 1/2 | mha-dl |")
+    assert table.index("| DL | 1/2 | mha-dl |") < table.index("| DD | 0/2 | mha-d |")
+    assert f"| 2/3 ({low:.3f}-{high:.3f}), acc 0.935 |" in table
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+    # variants of one share: no ratio table
+    other = tmp_path / "plain"
+    for seed in (1337, 1338):
+        write_log(other, "mha", 4, seed, {10: 2.0, 20: 1.5})
+        write_log(other, "gqa2", 2, seed, {10: 2.0, 20: 1.6})
+    text = report_of(other, "--variants=[mha,gqa2]", "--seeds=2")[0]
+    assert "By the share of attention layers" not in text
