@@ -5,11 +5,11 @@ to 8x its block_size. In an MQAR dataset's tokens (data/mqar: keys 0..K-1, value
 K..K+V-1), so a model trained on MQAR is asked what it learnt, only further away. Each example is
 solved when every answer token is the model's top token; a cell reports solved k/n with its
 Clopper-Pearson interval. Positions a model learnt one embedding each for (pos_encoding='learned')
-do not exist past its block_size: such a model is refused in one line. eval.py's tasks 'needle'
-and 'mqar_long' (smallgpt/recall.py runs them)."""
+do not exist past its block_size: such a model is refused in one line. Here: the tasks' inputs,
+the stretched model and a cell's record; smallgpt/recall.py runs them as eval.py's tasks 'needle'
+and 'mqar_long'."""
 
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 import torch
@@ -131,82 +131,7 @@ def stretched(model: GPT, length: int) -> GPT:
     return longer.train(model.training)
 
 
-def solved_rows(
-    model: torch.nn.Module,
-    idx: torch.Tensor,
-    targets: torch.Tensor,
-    amp: AbstractContextManager | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per example, whether every answer (a target not -1) is the model's top token, and per answer
-    whether it is; on CPU."""
-    with amp or nullcontext():
-        logits, _ = model(idx, targets)  # with targets: every position's logits
-    asked = targets >= 0
-    correct = logits.argmax(-1) == targets
-    return (correct | ~asked).all(1).cpu(), correct[asked].cpu()
-
-
 def cell(solved: int, n: int, **where: float) -> dict:
     """One cell's record: where it is, solved k/n and the Clopper-Pearson interval."""
     low, high = exact_interval(solved, n)
     return {**where, "solved": solved, "n": n, "rate": solved / n, "low": low, "high": high}
-
-
-@torch.no_grad()
-def needle(
-    model: GPT,
-    vocab: Vocab,
-    lengths: list[int],
-    depths: list[float],
-    span: int = 1,
-    examples: int = 256,
-    batch_size: int = 32,
-    seed: int = 0,
-    amp: AbstractContextManager | None = None,
-) -> list[dict]:
-    """Solved k/n of `examples` needles (needle_batch) at each length and depth."""
-    check_lengths(model.config, lengths)  # before any work
-    device = next(model.parameters()).device
-    out = []
-    for length in lengths:
-        longer = stretched(model, length)
-        for depth in depths:
-            rng = np.random.default_rng([seed, length, round(depth * 1000), span])
-            k = 0
-            for start in range(0, examples, batch_size):
-                b = min(batch_size, examples - start)
-                idx, targets = needle_batch(rng, b, length, depth, vocab, span)
-                rows, _ = solved_rows(longer, idx.to(device), targets.to(device), amp)
-                k += int(rows.sum())
-            out.append(cell(k, examples, length=length, depth=depth, span=span))
-    return out
-
-
-@torch.no_grad()
-def mqar_long(
-    model: GPT,
-    vocab: Vocab,
-    lengths: list[int],
-    examples: int = 256,
-    batch_size: int = 32,
-    seed: int = 0,
-    amp: AbstractContextManager | None = None,
-) -> list[dict]:
-    """Solved k/n of `examples` MQAR examples (mqar_batch: every query answered) at each length,
-    with the accuracy over single answers."""
-    check_lengths(model.config, lengths)  # before any work
-    device = next(model.parameters()).device
-    out = []
-    for length in lengths:
-        longer = stretched(model, length)
-        rng = np.random.default_rng([seed, length])
-        k = hits = answers = 0
-        for start in range(0, examples, batch_size):
-            b = min(batch_size, examples - start)
-            idx, targets = mqar_batch(rng, b, length, vocab)
-            rows, each = solved_rows(longer, idx.to(device), targets.to(device), amp)
-            k += int(rows.sum())
-            hits += int(each.sum())
-            answers += each.numel()
-        out.append(cell(k, examples, length=length) | {"accuracy": hits / answers})
-    return out

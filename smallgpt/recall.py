@@ -222,6 +222,77 @@ def mqar(
     return {"accuracy": correct / n, "correct": correct, "n": n}
 
 
+def solved_rows(
+    model: torch.nn.Module,
+    idx: torch.Tensor,
+    targets: torch.Tensor,
+    amp: AbstractContextManager | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per example, whether every answer (a target not -1) is the model's top token, and per
+    answer whether it is; on CPU."""
+    _, correct = token_losses(model, idx, targets, amp)
+    asked = targets.cpu() >= 0
+    return (correct | ~asked).all(1), correct[asked]
+
+
+@torch.no_grad()
+def needle(
+    model: torch.nn.Module,
+    vocab: long_recall.Vocab,
+    lengths: list[int],
+    depths: list[float],
+    span: int = 1,
+    examples: int = 256,
+    batch_size: int = 32,
+    seed: int = 0,
+    amp: AbstractContextManager | None = None,
+) -> list[dict]:
+    """Solved k/n of `examples` needles (long_recall.needle_batch) at each length and depth."""
+    long_recall.check_lengths(model.config, lengths)  # before any work
+    device = next(model.parameters()).device
+    out = []
+    for length in lengths:
+        longer = long_recall.stretched(model, length)
+        for depth in depths:
+            rng = np.random.default_rng([seed, length, round(depth * 1000), span])
+            k = 0
+            for b in batches_of(examples, batch_size, f"needle at {length}, {depth:g}", False):
+                idx, targets = long_recall.needle_batch(rng, b, length, depth, vocab, span)
+                rows, _ = solved_rows(longer, idx.to(device), targets.to(device), amp)
+                k += int(rows.sum())
+            out.append(long_recall.cell(k, examples, length=length, depth=depth, span=span))
+    return out
+
+
+@torch.no_grad()
+def mqar_long(
+    model: torch.nn.Module,
+    vocab: long_recall.Vocab,
+    lengths: list[int],
+    examples: int = 256,
+    batch_size: int = 32,
+    seed: int = 0,
+    amp: AbstractContextManager | None = None,
+) -> list[dict]:
+    """Solved k/n of `examples` MQAR examples (long_recall.mqar_batch: every query answered) at
+    each length, with the accuracy over single answers."""
+    long_recall.check_lengths(model.config, lengths)  # before any work
+    device = next(model.parameters()).device
+    out = []
+    for length in lengths:
+        longer = long_recall.stretched(model, length)
+        rng = np.random.default_rng([seed, length])
+        k = hits = answers = 0
+        for b in batches_of(examples, batch_size, f"mqar at {length}", False):
+            idx, targets = long_recall.mqar_batch(rng, b, length, vocab)
+            rows, each = solved_rows(longer, idx.to(device), targets.to(device), amp)
+            k += int(rows.sum())
+            hits += int(each.sum())
+            answers += each.numel()
+        out.append(long_recall.cell(k, examples, length=length) | {"accuracy": hits / answers})
+    return out
+
+
 def batches_of(total: int, size: int, what: str, progress: bool) -> Iterator[int]:
     """The batch sizes that make up total, with a progress bar if asked."""
     sizes = [min(size, total - start) for start in range(0, total, size)]
@@ -300,13 +371,9 @@ def long_tasks(
     out = {}
     if "needle" in tasks:
         depths = list(long_recall.DEPTHS) if depths is None else depths
-        out["needle"] = long_recall.needle(
-            model, vocab, lengths, depths, span, examples, batch_size, seed, amp
-        )
+        out["needle"] = needle(model, vocab, lengths, depths, span, examples, batch_size, seed, amp)
     if "mqar_long" in tasks:
-        out["mqar_long"] = long_recall.mqar_long(
-            model, vocab, lengths, examples, batch_size, seed, amp
-        )
+        out["mqar_long"] = mqar_long(model, vocab, lengths, examples, batch_size, seed, amp)
     return out
 
 

@@ -1,14 +1,14 @@
-"""smallgpt/long_recall.py: the needle and long-MQAR generators place what they say where they say,
-a scripted lookup model solves every example and a uniform guesser scores chance, a model with
-learned positions is refused past its block_size, and a rotary model stretched to a longer context
-keeps its weights."""
+"""smallgpt/long_recall.py and the tasks smallgpt/recall.py runs with it: the needle and
+long-MQAR generators place what they say where they say, a scripted lookup model solves every
+example and a uniform guesser scores chance, a model with learned positions is refused past its
+block_size, and a rotary model stretched to a longer context keeps its weights."""
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import tiny_model
-from smallgpt import long_recall
+from smallgpt import long_recall, recall
 from smallgpt.errors import UserError
 from smallgpt.long_recall import Vocab
 
@@ -90,19 +90,19 @@ def test_long_mqar_examples_have_distinct_keys_and_the_values_they_ask_for() -> 
 
 def test_a_lookup_model_solves_every_cell_and_a_uniform_one_scores_chance() -> None:
     lookup = Lookup(VOCAB, block_size=64)
-    cells = long_recall.needle(lookup, VOCAB, [24, 64], [0.0, 0.5, 1.0], span=2, examples=12)
+    cells = recall.needle(lookup, VOCAB, [24, 64], [0.0, 0.5, 1.0], span=2, examples=12)
     assert [(c["length"], c["depth"]) for c in cells] == [
         (n, d) for n in (24, 64) for d in (0.0, 0.5, 1.0)
     ]
     assert all(c["solved"] == c["n"] == 12 and c["high"] == 1.0 for c in cells)
     assert all(c["low"] == pytest.approx(0.025 ** (1 / 12)) for c in cells)  # exact at k = n
-    [cell] = long_recall.mqar_long(lookup, VOCAB, [48], examples=12)
+    [cell] = recall.mqar_long(lookup, VOCAB, [48], examples=12)
     assert cell["solved"] == 12 and cell["accuracy"] == 1.0
     uniform = Uniform(VOCAB, block_size=64)
-    [cell] = long_recall.needle(uniform, VOCAB, [24], [0.5], span=1, examples=1200, batch_size=400)
+    [cell] = recall.needle(uniform, VOCAB, [24], [0.5], span=1, examples=1200, batch_size=400)
     chance = 1 / (VOCAB.keys + VOCAB.values)
     assert cell["low"] < chance < cell["high"] and cell["high"] < 3 * chance
-    [cell] = long_recall.mqar_long(uniform, VOCAB, [24], examples=1200, batch_size=400)
+    [cell] = recall.mqar_long(uniform, VOCAB, [24], examples=1200, batch_size=400)
     assert cell["solved"] <= 3 and cell["accuracy"] == pytest.approx(chance, abs=0.02)
 
 
@@ -110,7 +110,7 @@ def test_learned_positions_are_refused_past_block_size_and_rotary_ones_stretched
     learned = tiny_model(block_size=32)
     assert long_recall.stretched(learned, 32) is learned
     with pytest.raises(UserError, match=r"block_size=32 positions and has none past them"):
-        long_recall.needle(learned, VOCAB, [64], [0.5])
+        recall.needle(learned, VOCAB, [64], [0.5])
     rotary = tiny_model(pos_encoding="rope", block_size=32, layer_pattern="DL")
     with torch.no_grad():  # sharpened: a random model at initialisation mostly repeats itself
         for p in rotary.parameters():
