@@ -32,9 +32,18 @@ class Vocab:
     queries: int  # of them asked at its end
 
     @classmethod
-    def of(cls, meta: dict) -> "Vocab":
-        s = meta["settings"]
-        return cls(s["key_vocab"], s["value_vocab"], s["num_pairs"], s["num_queries"])
+    def of(cls, meta: dict, where: str) -> "Vocab":
+        """The vocabulary of the MQAR dataset at where, from its meta.json; a UserError for one
+        prepared before meta.json recorded its settings."""
+        s = meta.get("settings", {})
+        keys = ("key_vocab", "value_vocab", "num_pairs", "num_queries")
+        if not all(k in s for k in keys):
+            raise UserError(
+                f"needle and mqar_long read the key and value ranges from {where}/meta.json's "
+                "settings, which it does not record (prepared by an older data/mqar/prepare.py): "
+                "prepare it again"
+            )
+        return cls(*(s[k] for k in keys))
 
 
 def default_lengths(block_size: int) -> list[int]:

@@ -366,7 +366,7 @@ def long_tasks(
 ) -> dict:
     """needle's and mqar_long's results (long_recall), in the MQAR dataset's tokens."""
     check_mqar(batches.meta, str(batches.path))
-    vocab = long_recall.Vocab.of(batches.meta)
+    vocab = long_recall.Vocab.of(batches.meta, str(batches.path))
     lengths = lengths or long_recall.default_lengths(model.config.block_size)
     out = {}
     if "needle" in tasks:

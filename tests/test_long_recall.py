@@ -123,3 +123,10 @@ def test_learned_positions_are_refused_past_block_size_and_rotary_ones_stretched
         long, _ = longer(idx, idx)
     torch.testing.assert_close(long[:, :32], short, rtol=1e-5, atol=1e-5)
     assert long.shape == (2, 96, 61)
+
+
+def test_an_mqar_dataset_without_its_settings_is_one_line() -> None:
+    meta = {"settings": {"key_vocab": 16, "value_vocab": 16, "num_pairs": 4, "num_queries": 3}}
+    assert Vocab.of(meta, "D") == VOCAB
+    with pytest.raises(UserError, match="D/meta.json's settings, which it does not record"):
+        Vocab.of({"example_tokens": 64}, "D")
