@@ -60,7 +60,7 @@ def pattern_problems(c: "GPTConfig") -> list[str]:
     pattern = getattr(c, key)
     if key == "window_pattern":
         problems = attention.window_pattern_problems(pattern)
-    elif c.window_pattern != "L":
+    elif c.window_pattern != type(c).__dataclass_fields__["window_pattern"].default:  # both given
         return [
             f"layer_pattern={pattern!r} and window_pattern={c.window_pattern!r}: give one "
             "(layer_pattern spells window_pattern's S and L too)"
