@@ -128,7 +128,9 @@ class GatedDeltaNet(Mixer, LayerKind):
         for j in range(1, self.kernel):
             qkv = qkv + inputs[:, j : j + T] * taps[j]
         qkv = F.silu(qkv)  # (B, T, 3 C)
-        # q, k, v: (B, H, T, head_dim) in fp32, as the recurrence runs
+        # q, k, v: (B, H, T, head_dim) in fp32, as the recurrence runs (fla's kernels take
+        # them in the products' dtype, the autocast's)
+        products = qkv.dtype
         q, k, v = qkv.float().view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
         q = l2_normalised(q) * hd**-0.5
         k = l2_normalised(k)
@@ -144,6 +146,8 @@ class GatedDeltaNet(Mixer, LayerKind):
         with torch.autocast(x.device.type, enabled=False):
             if T == 1 and state is not None:
                 o, state = delta_rule.recurrent(q, k, v, g, b, state)
+            elif kernel := delta_rule.kernels_for(q):
+                o, state = delta_rule.on_kernels(kernel, q, k, v, g, b, state, products)
             else:
                 o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
         # what the next tokens start from

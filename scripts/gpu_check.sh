@@ -9,6 +9,10 @@
 #   bash scripts/gpu_check.sh steps      the CUDA-graph step of local layers (rings) and MLA against the eager one
 #                                        (scripts/cuda_steps.py); bf16 decoding to 4,096 tokens, all layers global
 #                                        and 3 of 4 local (window 512), batch 1 and 16
+#   bash scripts/gpu_check.sh hybrids    flash-linear-attention's gated delta rule against the torch one (fla_check.py);
+#                                        the 3:1 hybrid's GPT-2-sized training step (fla, torch) beside MHA's; bf16
+#                                        decoding to 4,096 tokens: the hybrid beside MHA, GQA 4, MLA 256 and SSSL
+#                                        (needs fla importable: pip install flash-linear-attention)
 # KV_HEADS='2' limits paths to those n_kv_head. Logs go to $OUT (or gpu-logs/). Each step prints "== rc=N"; a failed step does not stop the next.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +84,21 @@ steps() {
       --block_size=8192 --vocab_size=50257 --batch_sizes='[1,16]' --new_tokens='[4096]' --repeats=1 \
       --recompute_max_batch=0 --kv_heads='[12]' --window_pattern=$pattern $window
   done
+}
+
+hybrids() {
+  step $PY scripts/fla_check.py
+  local gpt2="config/train_gpt2.py --device=cuda --dtypes=[\"bfloat16\"] --batch_size=16
+    --gradient_accumulation_steps=1 --warmup=5 --iters=20"
+  step $PY bench.py --mode=train $gpt2 --compiles='[True]'
+  step $PY bench.py --mode=train $gpt2 --compiles='[False,True]' --layer_pattern=DDDL
+  SMALLGPT_FLA=0 step $PY bench.py --mode=train $gpt2 --compiles='[True]' --layer_pattern=DDDL
+  local decode="--mode=decode --device=cuda --dtype=bfloat16 --n_layer=12 --n_head=12 --n_embd=768
+    --block_size=8192 --vocab_size=50257 --batch_sizes=[1,16] --new_tokens=[4096] --repeats=1
+    --recompute_max_batch=0"
+  step $PY bench.py $decode --kv_heads='[12,4]' --kv_lora_ranks='[256]'
+  step $PY bench.py $decode --kv_heads='[12]' --layer_pattern=DDDL
+  step $PY bench.py $decode --kv_heads='[12]' --window_pattern=SSSL --window=512
 }
 
 for what in "${@:-paths}"; do

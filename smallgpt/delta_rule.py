@@ -10,7 +10,14 @@ trains and prefills in chunks of C tokens, a few matrix products and one triangu
 can stop anywhere and decoding go on from it. q and k come normalised and q scaled by the caller.
 
 Shapes: q, k (B, H, T, d_k); v (B, H, T, d_v); g, b (B, H, T); state (B, H, d_k, d_v).
+
+On CUDA with flash-linear-attention installed (`pip install flash-linear-attention`, its package
+`fla`), `on_kernels` runs the chunked form on its Triton kernels instead; `chunked` stays the
+reference it is checked against (scripts/fla_check.py, docs/gpu.md) and the path everywhere else.
 """
+
+import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -140,3 +147,53 @@ def chunked(
         out.append(q_i @ state + scores_i @ u)
         state = kept * state + k_i.mT @ u
     return torch.cat(out, dim=2)[:, :, :T], state
+
+
+def find_fla() -> Callable | None:
+    """flash-linear-attention's chunked gated delta rule, or None: without CUDA, where fla is not
+    installed (or its Triton cannot load), or where SMALLGPT_FLA=0 turns it off."""
+    if os.environ.get("SMALLGPT_FLA") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # not installed, or installed without a working Triton: the torch path
+        return None
+    return chunk_gated_delta_rule
+
+
+# looked up once, at import: torch.compile would otherwise trace the lookup into every graph
+FLA = find_fla()
+
+
+def kernels_for(q: torch.Tensor) -> Callable | None:
+    """The kernel `on_kernels` would run for these inputs: fla's on CUDA where installed, else
+    None (then `chunked` runs)."""
+    return FLA if q.is_cuda else None
+
+
+def on_kernels(
+    kernel: Callable,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    state: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunked's outputs (fp32) and final state through `kernel`, which takes fla's layout
+    (B, T, H, d) with q, k and v in `dtype` (the autocast's: bf16 products, as transformers'
+    Qwen3.5 runs them), g and b in fp32, the state in fp32, and q already scaled (scale=1)."""
+    # fla's kernels read (B, T, H, d) with its own strides: contiguous copies, not views
+    q, k, v = (x.transpose(1, 2).to(dtype).contiguous() for x in (q, k, v))
+    o, state = kernel(
+        q,
+        k,
+        v,
+        g.transpose(1, 2).float().contiguous(),
+        b.transpose(1, 2).float().contiguous(),
+        scale=1.0,
+        initial_state=None if state is None else state.float(),
+        output_final_state=True,
+    )
+    return o.transpose(1, 2).float(), state.float()

@@ -250,6 +250,44 @@ def test_prefill_then_steps_is_one_forward_and_cut_anywhere() -> None:
     assert full.std() > 0.1
 
 
+def test_the_kernel_path_takes_fla_s_layout_and_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA with flash-linear-attention installed the layer runs fla's chunk_gated_delta_rule
+    through delta_rule.on_kernels. Here transformers' pure-torch function of the same contract
+    ((B, T, H, d) in and out, a state in and out) stands in for it: a prefill of 70 tokens then 30
+    more from the cache give the torch path's logits, so the transposes, the scale and the state
+    handed over are right. (The kernels themselves are checked on a GPU: scripts/fla_check.py.)"""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    from smallgpt import delta_rule
+
+    calls = []
+
+    def fla_like(q, k, v, g, beta, scale, initial_state, output_final_state):  # noqa: ANN001, ANN202
+        calls.append(initial_state is None)
+        q = q * scale * q.size(-1) ** 0.5  # transformers' function scales q by d**-0.5 itself
+        return qwen.torch_chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state
+        )
+
+    m = hybrid(block_size=128)
+    idx = torch.randint(0, 61, (2, 100), generator=torch.Generator().manual_seed(4))
+
+    def without_then_with_cache() -> torch.Tensor:
+        cache = m.make_kv_cache(2, 100)
+        with torch.no_grad():
+            whole = m(idx, idx)[0]
+            first = m(idx[:, :70], kv_cache=cache, targets=idx[:, :70])[0]
+            second = m(idx[:, 70:], kv_cache=cache, targets=idx[:, 70:])[0]
+        return torch.cat((whole, first, second), 1)
+
+    assert delta_rule.kernels_for(idx.float()) is None  # never on CPU
+    expected = without_then_with_cache()
+    monkeypatch.setattr(delta_rule, "kernels_for", lambda q: fla_like)
+    torch.testing.assert_close(without_then_with_cache(), expected, atol=2e-5, rtol=1e-4)
+    assert calls == [True, False, False]  # one recurrent layer: no state, then the cache's
+    assert expected.std() > 0.1
+
+
 def planted_runs(m: GPT) -> tuple[bool, bool]:
     """Whether m's cached steps equal its full forward, and whether a padded batch decodes what
     each prompt does alone."""
