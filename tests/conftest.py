@@ -135,6 +135,18 @@ def sharpened(m: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
+# Qwen3.5's block (transformers' Qwen3_5ForCausalLM holds a model of these keys)
+QWEN = dict(norm="rmsnorm", mlp="swiglu", bias=False, pos_encoding="rope")
+
+
+def exported_logits(m: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """m's logits and its Qwen3_5ForCausalLM's (smallgpt/hf.py) on idx."""
+    from smallgpt.hf import to_hf
+
+    with torch.no_grad():
+        return m(idx, idx)[0], to_hf(m)(idx).logits
+
+
 def lively(m: torch.nn.Module) -> torch.nn.Module:
     """The model with sharp attention (queries and keys scaled 20x) and the blocks' other matrices
     5x, embeddings as they are: its greedy tokens depend on the context, so that a window off by

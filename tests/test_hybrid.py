@@ -13,13 +13,11 @@ import pytest
 import torch
 
 from attention import rotate
-from conftest import lively, tiny_model
+from conftest import QWEN, exported_logits, lively, tiny_model
 from gated_deltanet import GatedDeltaNet
 from model import GPT, GPTConfig
 from smallgpt.checkpoint import load_run, parse_source
 from smallgpt.generation import generate, left_pad
-
-QWEN = dict(norm="rmsnorm", mlp="swiglu", bias=False, pos_encoding="rope")
 
 
 def qwen_layer(ours: GatedDeltaNet) -> torch.nn.Module:
@@ -389,14 +387,6 @@ def test_a_hybrid_trains_and_qwen3_5_holds_it_trained(tmp_path: Path) -> None:
         hf.save_pretrained(tmp_path)
         back = load_run(parse_source(f"hf:{tmp_path}"), tokenizer=False).model.eval()
         assert torch.equal(back(x, y)[0], m(x, y)[0])
-
-
-def exported_logits(m: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """m's logits and its Qwen3_5ForCausalLM's (smallgpt/hf.py) on idx."""
-    from smallgpt.hf import to_hf
-
-    with torch.no_grad():
-        return m(idx, idx)[0], to_hf(m)(idx).logits
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,341 @@
+"""A trained attention model converted into a Gated DeltaNet hybrid, as the 2024-26 distillation
+papers do (Mamba in the Llama, LoLCATs, RADLADS, KL-guided layer selection, Taylor-Calibrate):
+
+- `to_hybrid`: the layers the new layer_pattern makes D take their attention's projections, W_q
+  to q, W_k and W_v (each query head h from K/V head h // group) to k and v, W_o to the output;
+  the embeddings, norms, MLPs and the layers kept as attention are copied as they are.
+- `decays`: each head's decay calibrated from the teacher's attention maps, the decay whose
+  exponential look-back has the mean look-back distance the head shows.
+- `ranked_layers`: which layers to keep as attention, by what converting each alone costs in loss
+  or by the KL to the teacher with each one restored in an all-converted model ("GA-S2").
+- `layer_matching_loss` (stage 1) and `kl_to_teacher` (stage 2): the distillation losses.
+
+What the copy cannot hold, so what uptraining must learn: softmax's normalisation and its
+positions (the recurrent layer has neither), the SiLU after the short convolution (the convolution
+itself starts as the identity: its last tap 1, the others 0), and the gated RMSNorm of each
+head's output (c_z at its initial values, or the attention's elementwise output gate where it has
+one). A q/k RMSNorm folds into W_q and W_k exactly: the layer L2-normalises q and k anyway.
+"""
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+import attention
+from attention import CausalSelfAttention
+from gated_deltanet import GatedDeltaNet
+from model import GPT
+from smallgpt.errors import UserError
+
+RANKINGS = ("loss", "kl")
+
+
+def to_hybrid(model: GPT, layer_pattern: str, decays: dict[int, torch.Tensor] | None = None) -> GPT:
+    """A copy of an attention model with layer_pattern's D layers converted from its global
+    attention layers (see the module's text); each converted layer's decay per head from
+    `decays` (layer: (n_head,) in (0, 1), its input dependence zeroed) or at its initial values."""
+    try:
+        config = replace(model.config, layer_pattern=layer_pattern, window_pattern="L")
+    except ValueError as e:
+        raise UserError(f"cannot convert the model to layer_pattern={layer_pattern!r}: {e}") from e
+    sources = model.transformer.h
+    converted = [
+        i
+        for i, kind in enumerate(config.layer_kinds)
+        if kind is GatedDeltaNet and not isinstance(sources[i].attn, GatedDeltaNet)
+    ]
+    for i in converted:
+        attn = sources[i].attn
+        if not isinstance(attn, CausalSelfAttention) or attn.window is not None:
+            raise UserError(
+                f"layer {i} is {model.config.layer_kinds[i].name}: a Gated DeltaNet layer is made "
+                "from global attention (MHA, GQA or MQA) only"
+            )
+    hybrid = GPT(config).to(next(model.parameters()).device)
+    state = hybrid.state_dict()
+    # everything but the converted layers' mixers, as it is (a kept layer's kind must match)
+    mixers = tuple(f"transformer.h.{i}.attn." for i in converted)
+    for name, t in model.state_dict().items():
+        if not name.startswith(mixers):
+            if name not in state or state[name].shape != t.shape:
+                raise UserError(
+                    f"cannot convert: {name} has no place in layer_pattern={layer_pattern!r}"
+                )
+            state[name] = t
+    hybrid.load_state_dict(state)
+    with torch.no_grad():
+        for i in converted:
+            copy_attention(sources[i].attn, hybrid.transformer.h[i].attn)
+            if decays is not None and i in decays:
+                set_decay(hybrid.transformer.h[i].attn, decays[i])
+    return hybrid
+
+
+def copy_attention(source: CausalSelfAttention, target: GatedDeltaNet) -> None:
+    """W_q, W_k and W_v (K/V heads repeated over their groups) into target's c_qkv, a q/k norm's
+    weights folded in, W_o into c_proj, the convolution made the identity, and an elementwise
+    output gate into c_z."""
+    group = source.n_head // source.n_kv_head
+    hd = source.head_dim
+
+    def per_query_head(linear: torch.nn.Module, attr: str) -> torch.Tensor | None:
+        t = getattr(linear, attr)
+        if t is None:
+            return None
+        heads = t.view(source.n_kv_head, hd, *t.shape[1:])
+        return heads.repeat_interleave(group, dim=0).reshape(source.n_head * hd, *t.shape[1:])
+
+    q_scale = source.q_norm.weight.repeat(source.n_head) if source.qk_norm else None
+    k_scale = source.k_norm.weight.repeat(source.n_head) if source.qk_norm else None
+    for attr in ("weight", "bias"):
+        parts = [
+            getattr(source.c_q, attr),
+            per_query_head(source.c_k, attr),
+            per_query_head(source.c_v, attr),
+        ]
+        if parts[0] is None:
+            continue
+        if q_scale is not None:  # l2norm(rmsnorm(x) * w) = l2norm(x * w): w folds into the rows
+            parts[0] = parts[0] * (q_scale[:, None] if attr == "weight" else q_scale)
+            parts[1] = parts[1] * (k_scale[:, None] if attr == "weight" else k_scale)
+        getattr(target.c_qkv, attr).copy_(torch.cat(parts))
+        getattr(target.c_proj, attr).copy_(getattr(source.c_proj, attr))
+    target.conv.zero_()
+    target.conv[:, 0, -1] = 1.0  # the last tap reads the token itself: the identity
+    gate = source.gate
+    if gate is not None and gate.c_gate.weight.shape == target.c_z.weight.shape:
+        target.c_z.load_state_dict(gate.c_gate.state_dict())
+
+
+def set_decay(layer: GatedDeltaNet, decay: torch.Tensor) -> None:
+    """Each head's decay a (its state kept a^1 a token) the same for every token: c_a zeroed, A_log
+    0 and dt_bias the inverse softplus of -log a, so g = -softplus(dt_bias) = log a."""
+    layer.c_a.weight.zero_()
+    if layer.c_a.bias is not None:
+        layer.c_a.bias.zero_()
+    layer.A_log.zero_()
+    step = -decay.double().log()  # softplus(dt_bias) = -log a
+    layer.dt_bias.copy_(torch.log(torch.expm1(step)))
+
+
+@contextmanager
+def recorded_queries_and_keys(model: GPT) -> Iterator[dict[int, list[tuple]]]:
+    """Inside: every call of attention's SDPA in model's global and local attention layers appends
+    (q, k, mask) to its layer's list, as the scores see them: after rotation and any q/k norm."""
+    records: dict[int, list[tuple]] = {}
+    running = []
+    original = attention.sdpa
+
+    def recording(q, k, v, mask, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if running:
+            records.setdefault(running[-1], []).append((q.detach(), k.detach(), mask))
+        return original(q, k, v, mask, *args, **kwargs)
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        running.append(module.layer)
+
+    def leave(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        running.pop()
+
+    hooks = []
+    attention.sdpa = recording
+    try:
+        for block in model.transformer.h:
+            if isinstance(block.attn, CausalSelfAttention):
+                hooks.append(block.attn.register_forward_pre_hook(enter))
+                hooks.append(block.attn.register_forward_hook(leave))
+        yield records
+    finally:
+        attention.sdpa = original
+        for hook in hooks:
+            hook.remove()
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) over what each query sees (mask None: causal): (B, H, T, Tk)."""
+    group = q.size(1) // k.size(1)
+    k = k.repeat_interleave(group, dim=1)
+    scores = (q.float() @ k.float().mT) * q.size(-1) ** -0.5
+    if mask is None:
+        T, Tk = scores.shape[-2:]
+        mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+
+def look_back(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's mean look-back distance sum_s p(t, s) (t - s) over every query (H,), and how far
+    back each query could look (T,): its visible keys less one."""
+    T, Tk = probs.shape[-2:]
+    t = torch.arange(T, device=probs.device)[:, None] + (Tk - T)
+    distance = (t - torch.arange(Tk, device=probs.device)).clamp(min=0).float()
+    mean = (probs * distance).sum(-1).mean(dim=(0, 2))
+    reach = ((probs > 0).sum(-1).amax(dim=(0, 1)) - 1).clamp(min=0)
+    return mean, reach
+
+
+def geometric_look_back(decay: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
+    """The mean look-back distance of attention weights a^d over d = 0..reach_t for each query t,
+    averaged over the queries: (heads,) for decays (heads,)."""
+    d = torch.arange(int(reach.max()) + 1, dtype=torch.float64, device=decay.device)
+    weights = decay.double()[:, None, None] ** d  # (heads, 1, D)
+    weights = weights * (d <= reach.double()[:, None])  # (heads, T, D)
+    return ((weights * d).sum(-1) / weights.sum(-1)).mean(-1)
+
+
+def decay_for(mean: torch.Tensor, reach: torch.Tensor, steps: int = 60) -> torch.Tensor:
+    """The decay per head whose exponential look-back (geometric_look_back) has the observed mean,
+    by bisection; clamped to half-lives from about a tenth of a token to 100 times the reach."""
+    low = torch.full_like(mean, 1e-3, dtype=torch.float64)
+    high = torch.full_like(mean, 0.5 ** (1 / (100 * max(int(reach.max()), 1))), dtype=torch.float64)
+    for _ in range(steps):
+        mid = (low + high) / 2
+        below = geometric_look_back(mid, reach) < mean.double()
+        low = torch.where(below, mid, low)
+        high = torch.where(below, high, mid)
+    return ((low + high) / 2).float()
+
+
+def half_life(decay: torch.Tensor) -> torch.Tensor:
+    """Tokens until a^n = 1/2."""
+    return math.log(0.5) / decay.double().log()
+
+
+@torch.no_grad()
+def decays(model: GPT, batches: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Each global attention layer's decay per head, from its attention maps over the batches of
+    tokens (Taylor-Calibrate's half-life from the head's mean look-back distance)."""
+    sums: dict[int, list] = {}
+    with recorded_queries_and_keys(model) as records:
+        for idx in batches:
+            model(idx)
+    for layer, calls in records.items():
+        for q, k, mask in calls:
+            mean, reach = look_back(attention_probs(q, k, mask))
+            sums.setdefault(layer, []).append((mean, reach))
+    return {
+        layer: decay_for(torch.stack([m for m, _ in got]).mean(0), got[0][1])
+        for layer, got in sums.items()
+        if model.config.layer_windows[layer] is None
+    }
+
+
+def global_attention_layers(model: GPT) -> list[int]:
+    """The layers to_hybrid can convert: global MHA, GQA or MQA."""
+    return [
+        i
+        for i, block in enumerate(model.transformer.h)
+        if isinstance(block.attn, CausalSelfAttention) and block.attn.window is None
+    ]
+
+
+def with_converted(model: GPT, layers: list[int]) -> str:
+    """model's layer letters with these layers made D."""
+    letters = model.config.layer_letters
+    return "".join("D" if i in layers else letter for i, letter in enumerate(letters))
+
+
+@torch.no_grad()
+def mean_loss(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """The cross-entropy over the batches of (inputs, targets)."""
+    return sum(model(x, y)[1].item() for x, y in batches) / len(batches)
+
+
+@torch.no_grad()
+def mean_kl(student: GPT, teacher: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """kl_to_teacher over every position of the batches."""
+    kls = [kl_to_teacher(student(x, y)[0], teacher(x, y)[0]).item() for x, y in batches]
+    return sum(kls) / len(kls)
+
+
+def ranked_layers(
+    teacher: GPT,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    by: str,
+    decays: dict[int, torch.Tensor] | None = None,
+) -> list[int]:
+    """The global attention layers, the one most worth keeping as attention first: by 'loss', what
+    converting it alone adds to the loss; by 'kl', how close to the teacher (KL) a model with every
+    other one converted comes with it restored (GA-S2 of arXiv 2512.20569)."""
+    layers = global_attention_layers(teacher)
+    if by == "loss":
+        base = mean_loss(teacher, batches)
+        cost = {
+            i: mean_loss(to_hybrid(teacher, with_converted(teacher, [i]), decays), batches) - base
+            for i in layers
+        }
+        return sorted(layers, key=lambda i: -cost[i])
+    if by == "kl":
+        teacher.eval()
+        kl = {}
+        for i in layers:
+            others = [j for j in layers if j != i]
+            student = to_hybrid(teacher, with_converted(teacher, others), decays).eval()
+            kl[i] = mean_kl(student, teacher, batches)
+        return sorted(layers, key=lambda i: kl[i])
+    raise UserError(f"a ranking of layers is by {' or '.join(map(repr, RANKINGS))}, not {by!r}")
+
+
+def mixer_io(
+    teacher: GPT, idx: torch.Tensor, layers: list[int]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each of these layers' mixer input (its block's normed stream) and output, in the teacher's
+    forward over idx."""
+    io: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    hooks = []
+    for i in layers:
+
+        def keep(module: torch.nn.Module, args: tuple, out: torch.Tensor, i: int = i) -> None:
+            io[i] = (args[0].detach(), out.detach())
+
+        hooks.append(teacher.transformer.h[i].attn.register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            teacher(idx)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return io
+
+
+def layer_matching_loss(
+    student: GPT, io: dict[int, tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """Stage 1: the mean over the converted layers of the MSE between each one's output on the
+    teacher's input to that layer and the teacher's attention output there."""
+    losses = [
+        F.mse_loss(student.transformer.h[i].attn(x, None, None, None), y)
+        for i, (x, y) in io.items()
+    ]
+    return torch.stack(losses).mean()
+
+
+def train_only(student: GPT, layers: list[int]) -> None:
+    """Stage 1's parameters: these layers' mixers train, every other parameter is frozen."""
+    mixers = tuple(f"transformer.h.{i}.attn." for i in layers)
+    for name, p in student.named_parameters():
+        p.requires_grad_(name.startswith(mixers))
+
+
+def kl_to_teacher(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Stage 2: KL(teacher || student) of the next-token distributions, the mean over positions."""
+    s = F.log_softmax(student_logits.float().flatten(0, -2), dim=-1)
+    t = F.log_softmax(teacher_logits.float().flatten(0, -2), dim=-1)
+    return (t.exp() * (t - s)).sum(-1).mean()
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    targets: torch.Tensor,
+    ce_weight: float,
+) -> torch.Tensor:
+    """Stage 2's loss: the KL to the teacher plus ce_weight times the data's cross-entropy."""
+    kl = kl_to_teacher(student_logits, teacher_logits)
+    if not ce_weight:
+        return kl
+    flat = student_logits.float().flatten(0, -2)
+    return kl + ce_weight * F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1)
