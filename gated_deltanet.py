@@ -66,6 +66,7 @@ class GatedDeltaNet(Mixer, LayerKind):
         "norm.weight": "linear_attn.norm.weight",
         "c_proj.weight": "linear_attn.out_proj.weight",
     }
+    converts_attention = True  # smallgpt/hybridize.py: take_attention, keep_decay
     kernel = KERNEL
     chunk = 64  # tokens a step of delta_rule.chunked (docs/compare.md "the chunk")
 
@@ -158,6 +159,52 @@ class GatedDeltaNet(Mixer, LayerKind):
         z = self.c_z(x).view(B, T, H, hd)
         o = self.norm(o.transpose(1, 2)) * F.silu(z.float())  # (B, T, H, head_dim)
         return self.resid_dropout(self.c_proj(o.to(x.dtype).reshape(B, T, C)))
+
+    @torch.no_grad()
+    def take_attention(self, source: Mixer) -> None:
+        """A global attention layer's weights, as the conversion papers copy them (the W_q, W_k,
+        W_v, W_o of smallgpt/hybridize.py's text): its q rows, its K/V heads repeated over their
+        groups (query head h from K/V head h // group), a q/k RMSNorm's weights folded into the
+        rows (the L2 norm here drops its scale), W_o as c_proj; the convolution the identity (its
+        last tap 1), and an elementwise output gate's weights as c_z."""
+        group = source.n_head // source.n_kv_head
+        hd = self.head_dim
+
+        def per_query_head(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            heads = t.view(source.n_kv_head, hd, *t.shape[1:])
+            return heads.repeat_interleave(group, dim=0).reshape(self.n_head * hd, *t.shape[1:])
+
+        for attr in ("weight", "bias"):
+            q = getattr(source.c_q, attr)
+            if q is None:
+                continue
+            k = per_query_head(getattr(source.c_k, attr))
+            v = per_query_head(getattr(source.c_v, attr))
+            if source.qk_norm:  # l2norm(rmsnorm(x) w) = l2norm(x w): w scales the rows
+                q_scale = source.q_norm.weight.repeat(self.n_head)
+                k_scale = source.k_norm.weight.repeat(self.n_head)
+                q = q * (q_scale[:, None] if attr == "weight" else q_scale)
+                k = k * (k_scale[:, None] if attr == "weight" else k_scale)
+            getattr(self.c_qkv, attr).copy_(torch.cat((q, k, v)))
+            getattr(self.c_proj, attr).copy_(getattr(source.c_proj, attr))
+        self.conv.zero_()
+        self.conv[:, 0, -1] = 1.0  # the last tap reads the token itself
+        gate = source.gate
+        if gate is not None and gate.c_gate.weight.shape == self.c_z.weight.shape:
+            self.c_z.load_state_dict(gate.c_gate.state_dict())
+
+    @torch.no_grad()
+    def keep_decay(self, decay: torch.Tensor) -> None:
+        # the same for every token: c_a zeroed, A_log 0 and dt_bias the inverse softplus of
+        # -log a, so g = -softplus(dt_bias) = log a
+        self.c_a.weight.zero_()
+        if self.c_a.bias is not None:
+            self.c_a.bias.zero_()
+        self.A_log.zero_()
+        step = -decay.double().log()
+        self.dt_bias.copy_(torch.log(torch.expm1(step)))
 
     @property
     def mask_key(self) -> Hashable:

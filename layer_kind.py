@@ -33,6 +33,15 @@ class Mixer(nn.Module):
         super().__init__()
         self.layer = layer
 
+    def take_attention(self, source: "Mixer") -> None:
+        """A kind that converts_attention: its weights from a global attention layer's."""
+        raise NotImplementedError
+
+    def keep_decay(self, decay: torch.Tensor) -> None:
+        """A kind that converts_attention: each head's state kept decay (n_head,) a token, for
+        every token."""
+        raise NotImplementedError
+
     def forward(
         self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
     ) -> torch.Tensor:
@@ -90,6 +99,9 @@ class LayerKind:
     hf_layer_type: ClassVar[str | None] = None
     # its mixer's parameters, ours (under the block's 'attn.') -> transformers' (under a layer's)
     hf_names: ClassVar[dict[str, str]] = {}
+    # whether a global attention layer converts into it (smallgpt/hybridize.py): its mixer's
+    # take_attention and keep_decay
+    converts_attention: ClassVar[bool] = False
 
     @classmethod
     def build(cls, config: Config, layer: int) -> Mixer:

@@ -16,6 +16,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, fields, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from model import GPT, GPTConfig
-from smallgpt import checkpoint, convert, recall, runtime, sharding
+from smallgpt import checkpoint, convert, distillation, recall, runtime, sharding
 from smallgpt.atomic import check_writes_into, folder_lock, remove_stale_temps
 from smallgpt.configs import TrainConfig, parse_train
 from smallgpt.data import Batches, data_dir
@@ -39,11 +40,17 @@ RUN_TEMPS = r"ckpt\.pt|config\.json|ckpt-\d{7,}\.pt"
 
 @torch.no_grad()
 def init_model(
-    cfg: TrainConfig, vocab_size: int, device: str, dtype: torch.dtype, ckpt: dict | None = None
+    cfg: TrainConfig,
+    vocab_size: int,
+    device: str,
+    dtype: torch.dtype,
+    ckpt: dict | None = None,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[GPT, dict | None]:
-    """The model to train on device (sharded under FSDP), and the checkpoint it resumes, if any."""
+    """The model to train on device (sharded under FSDP), and the checkpoint it resumes, if any;
+    batches: what a conversion into a hybrid ranks and calibrates on."""
     fsdp = cfg.parallel == "fsdp"
-    model, ckpt = load_model(cfg, vocab_size, ckpt)
+    model, ckpt = load_model(cfg, vocab_size, ckpt, batches)
     if model is None and ckpt is None:  # a new model
         config = cfg.model_config(vocab_size)
         return sharding.build(config, device, dtype, cfg.seed, fsdp), None
@@ -57,7 +64,10 @@ def init_model(
 
 
 def load_model(
-    cfg: TrainConfig, vocab_size: int, ckpt: dict | None = None
+    cfg: TrainConfig,
+    vocab_size: int,
+    ckpt: dict | None = None,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[GPT | None, dict | None]:
     """init_model's model from weights and the checkpoint it resumes; no model if new or sharded."""
     source = checkpoint.parse_source(cfg.init_from).resolved(cfg.out_dir)
@@ -107,7 +117,8 @@ def load_model(
     model = checkpoint.load_run(source, cfg.out_dir, tokenizer=False, ckpt=ckpt).model
     if resume:
         return model, ckpt
-    return convert.for_uptraining(model, wanted, cfg.convert_method, cfg.seed), None
+    steer = convert.HybridSteer(cfg.convert_layers, cfg.convert_calibrate, batches or [])
+    return convert.for_uptraining(model, wanted, cfg.convert_method, cfg.seed, steer), None
 
 
 def train_step(
@@ -122,8 +133,10 @@ def train_step(
     amp: AbstractContextManager,
     grad_clip: float,
     skip_nonfinite: bool = False,
+    loss_of: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, bool]:
-    """One step over this rank's accum micro-batches: their mean loss (no sync), and if taken."""
+    """One step over this rank's accum micro-batches: their mean loss (no sync), and if taken.
+    loss_of(model, x, y): the loss to train on (None: the model's cross-entropy)."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro in range(accum):
         # this rank's micro-batch of the step
@@ -131,7 +144,7 @@ def train_step(
         # forward; gradients sync only on the last micro-step
         last = micro == accum - 1
         with sharding.gradient_sync(model, raw_model, last), amp:
-            _, loss = model(x, y)
+            loss = model(x, y)[1] if loss_of is None else loss_of(model, x, y)
         # backward, scaled for fp16 and averaged over the micro-steps
         scaler.scale(loss / accum).backward()
         loss_sum += loss.detach() / accum
@@ -174,11 +187,22 @@ class Trainer:
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
         # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards in place)
-        self.raw_model, ckpt = init_model(cfg, meta["vocab_size"], proc.device, dtype, ckpt)
-        if source.pretrained:  # the run records the shape it trains
+        # a conversion into a hybrid ranks and calibrates on 4 training batches, on the CPU
+        calibration = None
+        if source.kind == "convert":
+            calibration = [
+                tuple(t.cpu() for t in self.batches.train(0, micro)) for micro in range(4)
+            ]
+        self.raw_model, ckpt = init_model(
+            cfg, meta["vocab_size"], proc.device, dtype, ckpt, calibration
+        )
+        # the run records the shape it trains (a conversion into a hybrid may choose its layers)
+        if source.pretrained or calibration is not None:
             self.cfg = cfg = replace(cfg, **asdict(self.raw_model.config))
         ckpt_meta = ckpt.get("data_meta") if ckpt is not None else None
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, meta, ckpt_meta, cfg.dataset)
+        self.cfg = cfg = replace(cfg, teacher=distillation.teacher_of(cfg, source, ckpt))
+        self.loss_of = distillation.loss(cfg, self.raw_model, proc) if cfg.distill else None
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(
             self.raw_model,
@@ -342,6 +366,7 @@ class Trainer:
             self.amp,
             self.cfg.grad_clip,
             skip_nonfinite,
+            self.loss_of,
         )
         self.iter_num += 1
         if taken:

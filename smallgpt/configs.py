@@ -14,10 +14,13 @@ from smallgpt.errors import UserError
 from smallgpt.fieldtypes import checked_values, with_fields_of
 from smallgpt.generation import check_sampling
 from smallgpt.hf import GPT2_NAMES
+from smallgpt.hybridize import RANKINGS
 from smallgpt.quantize import QUANTIZE
 from smallgpt.recall import LONG_TASKS, task_problems
 from smallgpt.variant import Variant
 
+CONVERT_LAYERS = ("given", *RANKINGS)  # convert_layers
+DISTILL = ("", "layers", "logits")  # distill
 PRETRAINED_KEYS = ("dropout", "block_size", "n_kv_head")  # model keys pretrained weights take
 
 
@@ -45,6 +48,20 @@ class TrainConfig:
     init_from: str = "scratch"
     # a K/V group's head: its heads' 'mean', 'first' or 'random' (MLA: SVD)
     convert_method: str = "mean"
+    # converting attention into a hybrid (layer_pattern with D, smallgpt/hybridize.py): which
+    # layers stay attention, 'given' (as layer_pattern places them), or as many as it keeps,
+    # ranked on 4 training batches by the 'loss' converting each alone costs or the 'kl' to the
+    # teacher with each restored; and each converted head's decay calibrated from the teacher's
+    # attention maps on those batches (False: the layer's initial decays)
+    convert_layers: str = "given"
+    convert_calibrate: bool = True
+    # distillation from a teacher (its run folder or checkpoint; empty: the convert: source):
+    # 'layers' (stage 1: only the converted layers train, on the MSE to the teacher's attention
+    # output), 'logits' (stage 2: the KL to its next-token distributions, plus distill_ce times
+    # the data's cross-entropy), or '' (the data's cross-entropy alone)
+    distill: str = ""
+    distill_ce: float = 0.0
+    teacher: str = ""
     # logging: wandb honours WANDB_MODE (online, offline, disabled); log.jsonl is always written
     wandb_log: bool = False
     wandb_project: str = "smallgpt"
@@ -146,6 +163,13 @@ class TrainConfig:
         if self.convert_method not in CONVERT_METHODS:
             methods = ", ".join(CONVERT_METHODS)
             problems.append(f"convert_method={self.convert_method!r} must be one of {methods}")
+        if self.convert_layers not in CONVERT_LAYERS:
+            choices = ", ".join(CONVERT_LAYERS)
+            problems.append(f"convert_layers={self.convert_layers!r} must be one of {choices}")
+        if self.distill not in DISTILL:
+            problems.append(f"distill={self.distill!r} must be 'layers', 'logits' or ''")
+        if self.distill_ce < 0:
+            problems.append(f"distill_ce={self.distill_ce} must not be negative")
         if self.parallel not in ("ddp", "fsdp"):
             problems.append(f"parallel={self.parallel!r} must be 'ddp' or 'fsdp'")
         if self.optimizer not in ("adamw", "muon"):

@@ -4,12 +4,23 @@ weights fitted to the run that fine-tunes them.
 """
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from model import GPT, GPTConfig
+from smallgpt import hybridize
 from smallgpt.errors import UserError
+
+
+@dataclass
+class HybridSteer:
+    """How attention becomes a hybrid (TrainConfig's convert_layers and convert_calibrate), and
+    the (inputs, targets) batches ranking and calibration read."""
+
+    layers: str = "given"
+    calibrate: bool = False
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def for_finetuning(
@@ -81,13 +92,32 @@ def convert_kv_heads(model: GPT, n_kv_head: int, method: str = "mean", seed: int
 
 
 # the model keys a conversion may change (train.py's --init_from=convert: takes the source's others)
-CONVERTED_KEYS = ("n_kv_head", "kv_lora_rank", "qk_rope_head_dim", "latent_norm")
+CONVERTED_KEYS = (
+    "n_kv_head",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "latent_norm",
+    "layer_pattern",
+    "window_pattern",
+)
 
 
-def for_uptraining(model: GPT, target: GPTConfig, method: str, seed: int) -> GPT:
-    """The MHA model converted to the target's attention, for train.py's --init_from=convert: MLA
-    where the target sets kv_lora_rank (to_latent), else target.n_kv_head K/V heads pooled by method
-    (convert_kv_heads)."""
+def for_uptraining(
+    model: GPT, target: GPTConfig, method: str, seed: int, hybrid: HybridSteer | None = None
+) -> GPT:
+    """The MHA model converted to the target's attention, for train.py's --init_from=convert: a
+    hybrid where the target's layer_pattern has D (its attention layers pooled to n_kv_head first;
+    smallgpt/hybridize.py), MLA where it sets kv_lora_rank (to_latent), else target.n_kv_head K/V
+    heads pooled by method (convert_kv_heads)."""
+    if target.recurrent_layers != model.config.recurrent_layers:
+        if target.kv_lora_rank is not None:
+            raise UserError("a hybrid is converted from MHA, GQA or MQA: leave kv_lora_rank out")
+        if target.n_kv_head != model.config.n_kv_head:
+            model = convert_kv_heads(model, target.n_kv_head, method, seed)
+        steer = hybrid or HybridSteer()
+        return hybridize.for_uptraining(
+            model, target.layer_letters, steer.layers, steer.calibrate, steer.batches
+        )
     if target.kv_lora_rank is None:
         return convert_kv_heads(model, target.n_kv_head, method, seed)
     # an RMSNorm on the latent has no MHA counterpart: the converted model has none

@@ -27,8 +27,7 @@ import torch.nn.functional as F
 
 import attention
 from attention import CausalSelfAttention
-from gated_deltanet import GatedDeltaNet
-from model import GPT
+from model import GPT, LAYER_KINDS
 from smallgpt.errors import UserError
 
 RANKINGS = ("loss", "kl")
@@ -46,14 +45,14 @@ def to_hybrid(model: GPT, layer_pattern: str, decays: dict[int, torch.Tensor] | 
     converted = [
         i
         for i, kind in enumerate(config.layer_kinds)
-        if kind is GatedDeltaNet and not isinstance(sources[i].attn, GatedDeltaNet)
+        if kind.converts_attention and kind is not model.config.layer_kinds[i]
     ]
     for i in converted:
         attn = sources[i].attn
         if not isinstance(attn, CausalSelfAttention) or attn.window is not None:
             raise UserError(
-                f"layer {i} is {model.config.layer_kinds[i].name}: a Gated DeltaNet layer is made "
-                "from global attention (MHA, GQA or MQA) only"
+                f"layer {i} is {model.config.layer_kinds[i].name}: a {config.layer_kinds[i].name} "
+                "layer is made from global attention (MHA, GQA or MQA) only"
             )
     hybrid = GPT(config).to(next(model.parameters()).device)
     state = hybrid.state_dict()
@@ -69,57 +68,10 @@ def to_hybrid(model: GPT, layer_pattern: str, decays: dict[int, torch.Tensor] | 
     hybrid.load_state_dict(state)
     with torch.no_grad():
         for i in converted:
-            copy_attention(sources[i].attn, hybrid.transformer.h[i].attn)
+            hybrid.transformer.h[i].attn.take_attention(sources[i].attn)
             if decays is not None and i in decays:
-                set_decay(hybrid.transformer.h[i].attn, decays[i])
+                hybrid.transformer.h[i].attn.keep_decay(decays[i])
     return hybrid
-
-
-def copy_attention(source: CausalSelfAttention, target: GatedDeltaNet) -> None:
-    """W_q, W_k and W_v (K/V heads repeated over their groups) into target's c_qkv, a q/k norm's
-    weights folded in, W_o into c_proj, the convolution made the identity, and an elementwise
-    output gate into c_z."""
-    group = source.n_head // source.n_kv_head
-    hd = source.head_dim
-
-    def per_query_head(linear: torch.nn.Module, attr: str) -> torch.Tensor | None:
-        t = getattr(linear, attr)
-        if t is None:
-            return None
-        heads = t.view(source.n_kv_head, hd, *t.shape[1:])
-        return heads.repeat_interleave(group, dim=0).reshape(source.n_head * hd, *t.shape[1:])
-
-    q_scale = source.q_norm.weight.repeat(source.n_head) if source.qk_norm else None
-    k_scale = source.k_norm.weight.repeat(source.n_head) if source.qk_norm else None
-    for attr in ("weight", "bias"):
-        parts = [
-            getattr(source.c_q, attr),
-            per_query_head(source.c_k, attr),
-            per_query_head(source.c_v, attr),
-        ]
-        if parts[0] is None:
-            continue
-        if q_scale is not None:  # l2norm(rmsnorm(x) * w) = l2norm(x * w): w folds into the rows
-            parts[0] = parts[0] * (q_scale[:, None] if attr == "weight" else q_scale)
-            parts[1] = parts[1] * (k_scale[:, None] if attr == "weight" else k_scale)
-        getattr(target.c_qkv, attr).copy_(torch.cat(parts))
-        getattr(target.c_proj, attr).copy_(getattr(source.c_proj, attr))
-    target.conv.zero_()
-    target.conv[:, 0, -1] = 1.0  # the last tap reads the token itself: the identity
-    gate = source.gate
-    if gate is not None and gate.c_gate.weight.shape == target.c_z.weight.shape:
-        target.c_z.load_state_dict(gate.c_gate.state_dict())
-
-
-def set_decay(layer: GatedDeltaNet, decay: torch.Tensor) -> None:
-    """Each head's decay a (its state kept a^1 a token) the same for every token: c_a zeroed, A_log
-    0 and dt_bias the inverse softplus of -log a, so g = -softplus(dt_bias) = log a."""
-    layer.c_a.weight.zero_()
-    if layer.c_a.bias is not None:
-        layer.c_a.bias.zero_()
-    layer.A_log.zero_()
-    step = -decay.double().log()  # softplus(dt_bias) = -log a
-    layer.dt_bias.copy_(torch.log(torch.expm1(step)))
 
 
 @contextmanager
@@ -232,10 +184,15 @@ def global_attention_layers(model: GPT) -> list[int]:
     ]
 
 
+def recurrent_letter() -> str:
+    """The letter of the kind attention converts into (LayerKind.converts_attention)."""
+    return next(kind.letter for kind in LAYER_KINDS.values() if kind.converts_attention)
+
+
 def with_converted(model: GPT, layers: list[int]) -> str:
-    """model's layer letters with these layers made D."""
+    """model's layer letters with these layers made the recurrent kind's."""
     letters = model.config.layer_letters
-    return "".join("D" if i in layers else letter for i, letter in enumerate(letters))
+    return "".join(recurrent_letter() if i in layers else x for i, x in enumerate(letters))
 
 
 @torch.no_grad()
@@ -339,3 +296,24 @@ def distillation_loss(
         return kl
     flat = student_logits.float().flatten(0, -2)
     return kl + ce_weight * F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1)
+
+
+def for_uptraining(
+    teacher: GPT,
+    letters: str,
+    layers: str,
+    calibrate: bool,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> GPT:
+    """train.py's conversion into the hybrid whose layer letters are `letters`: its D layers where
+    given, or (layers 'loss' or 'kl') as many attention layers kept as it keeps, the best ranked
+    on the batches; calibrated on the batches' inputs if asked."""
+    if (layers != "given" or calibrate) and not batches:
+        raise UserError(f"convert_layers={layers!r} and convert_calibrate read batches: none given")
+    decays_ = decays(teacher, [x for x, _ in batches]) if calibrate else None
+    if layers != "given":
+        kept = len(letters) - letters.count(recurrent_letter())
+        keep = ranked_layers(teacher, batches, layers, decays_)[:kept]
+        candidates = global_attention_layers(teacher)
+        letters = with_converted(teacher, [i for i in candidates if i not in keep])
+    return to_hybrid(teacher, letters, decays_)

@@ -173,6 +173,8 @@ def make_optimizer(
         inner = []  # the blocks' matrices: Muon's
         rest = []  # AdamW's
         for name, p in model.named_parameters():
+            if not p.requires_grad:  # frozen (train.py --distill=layers): no optimizer's
+                continue
             # matrices only: a depthwise convolution's filters (3-D) are per-channel, not one map,
             # and trained worse under Muon (docs/performance-cpu.md "Which parameters Muon takes")
             if p.dim() == 2 and name.startswith("transformer.h.") and muon_takes(model, name):

@@ -89,6 +89,9 @@ BUDGETS: dict[str, dict[str, float]] = {
         "test_no_weights_offline_is_one_clear_line": 20,
         "test_finetune_gpt2_into_gqa_then_sample": 8,
     },
+    "test_hybridize.py": {
+        "test_train_py_converts_ranks_calibrates_distills_and_resumes": 12,
+    },
     "test_latent.py": {
         "test_mla_trains_and_compiles_without_graph_breaks": 6,
     },

@@ -3,16 +3,21 @@ that converts nothing, the decay calibrated from attention maps, the layer ranki
 distillation losses, and the converted model against the cache and export oracles."""
 
 import math
+from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import QWEN, exported_logits, lively, tiny_model
+from conftest import QWEN, TINY_TRAIN, cli, exported_logits, lively, read_log, run, tiny_model
 from gated_deltanet import GatedDeltaNet, l2_normalised
 from model import GPT
 from smallgpt import hybridize
+from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint
+from smallgpt.data import Batches
 from smallgpt.errors import UserError
+from smallgpt.measure import evaluate
 
 
 def teacher(**overrides: object) -> GPT:
@@ -202,3 +207,75 @@ def test_a_converted_hybrid_passes_the_cache_and_export_oracles() -> None:
     ours, theirs = exported_logits(h, idx)
     assert (ours - theirs).abs().max() < 1e-4
     assert full.std() > 0.1
+
+
+@pytest.fixture(scope="module")
+def rope_run(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny rotary MHA run of 2 layers, 20 iterations: the teacher."""
+    out = tmp_path_factory.mktemp("teacher")
+    train(pycode_small, out, "--pos_encoding=rope", "--max_iters=20", "--eval_interval=20")
+    return out
+
+
+def train(data: Path, out: Path, *flags: str) -> None:
+    run(["train.py", f"--dataset={data}", f"--out_dir={out}", *TINY_TRAIN, *flags])
+
+
+def test_train_py_converts_ranks_calibrates_distills_and_resumes(
+    pycode_small: Path, rope_run: Path, tmp_path: Path
+) -> None:
+    """--init_from=convert: into one D layer of two, the attention layer kept chosen by the KL
+    ranking on 4 training batches, calibrated: iteration 0 is that model; stage 2 trains on the
+    KL plus half the cross-entropy and resumes from the teacher it recorded. Stage 1 changes only
+    the converted layer."""
+    convert = [
+        f"--init_from=convert:{rope_run}",
+        "--layer_pattern=DL",
+        "--always_save_checkpoint=True",
+    ]
+    stage2 = tmp_path / "stage2"
+    train(
+        pycode_small,
+        stage2,
+        *convert,
+        "--convert_layers=kl",
+        "--distill=logits",
+        "--distill_ce=0.5",
+        "--max_iters=10",
+        "--eval_interval=10",
+    )
+    teacher_model = model_from_checkpoint(load_checkpoint(rope_run / "ckpt.pt"))
+    batches = Batches(pycode_small, 32, 8, 1337, "cpu")
+    calibration = [batches.train(0, micro) for micro in range(4)]
+    start = hybridize.for_uptraining(teacher_model, "DL", "kl", True, calibration)
+    expected = evaluate(start, batches, 4, nullcontext())
+    evals = [r for r in read_log(stage2) if r["event"] == "eval"]
+    assert abs(evals[0]["val_loss"] - expected["val"]) < 1e-5
+    ckpt = load_checkpoint(stage2 / "ckpt.pt")
+    assert ckpt["config"]["teacher"] == str(rope_run)
+    assert ckpt["model_config"]["layer_pattern"] == start.config.layer_pattern
+    assert ckpt["config"]["layer_pattern"] == start.config.layer_pattern
+    train(pycode_small, stage2, "--init_from=resume", "--max_iters=20", "--eval_interval=10")
+    assert load_checkpoint(stage2 / "ckpt.pt")["iter_num"] == 20
+    # stage 1: only the converted layer 0 trains
+    stage1 = tmp_path / "stage1"
+    train(pycode_small, stage1, *convert, "--distill=layers", "--max_iters=5", "--eval_interval=5")
+    trained = load_checkpoint(stage1 / "ckpt.pt")["model"]
+    begun = hybridize.for_uptraining(teacher_model, "DL", "given", True, calibration).state_dict()
+    changed = [name for name, t in trained.items() if not torch.equal(t, begun[name])]
+    assert changed and all(name.startswith("transformer.h.0.attn.") for name in changed)
+
+
+def test_distilling_without_a_teacher_is_one_line(pycode_small: Path, tmp_path: Path) -> None:
+    r = cli(
+        [
+            "train.py",
+            f"--dataset={pycode_small}",
+            f"--out_dir={tmp_path}",
+            *TINY_TRAIN,
+            "--distill=logits",
+        ]
+    )
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "needs a teacher: --teacher=" in r.stderr
+    assert not (tmp_path / "ckpt.pt").exists()
