@@ -335,7 +335,8 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         raise UserError(f"{listed}: {e}") from e
     # the keys that steer conversions, given without any
     given = given_values(CompareConfig, ours)
-    steer = [k for k in ("convert_methods", "uptrain_fractions", "uptrain_lr_scale") if k in given]
+    uptraining = ("convert_methods", "uptrain_fractions", "uptrain_lr_scale", "uptrain_distill")
+    steer = [k for k in uptraining if k in given]
     if steer and not cfg.convert:
         raise UserError(
             f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them"
@@ -374,20 +375,21 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
 
 
 def check_conversions(variants: list[Variant], listed: str, methods_given: bool) -> None:
-    """What --convert=True would convert (sweep.conversion_runs: MHA into each all-global variant
-    but MHA) is something, and --convert_methods (given: methods_given) reaches one of them: a
-    UserError where either would do nothing."""
-    targets = [v for v in variants if v != MHA and not v.suffix]
+    """What --convert=True would convert (sweep.conversion_runs: MHA into each variant
+    sweep.converted_from_mha) is something, and --convert_methods (given: methods_given) reaches
+    one of them: a UserError where either would do nothing."""
+    targets = [v for v in variants if sweep.converted_from_mha(v)]
     if not targets:
         raise UserError(
             f"convert=True converts MHA into the variants of all-global attention (gqa<n_kv_head>, "
-            f"mqa, mla<kv_lora_rank>) and {listed} has none besides mha (local, recurrent and "
-            f"gated variants train from scratch only): add one, e.g. gqa2, or leave convert out"
+            f"mqa, mla<kv_lora_rank>) and hybrids of it (mha-dddl, gqa2-dl), and {listed} has none "
+            f"besides mha (local and gated variants train from scratch only): add one, e.g. gqa2, "
+            f"or leave convert out"
         )
-    if methods_given and all(v.attention == "mla" for v in targets):
+    if methods_given and all(v.attention in ("mla", "mha") for v in targets):
         raise UserError(
             f"convert_methods pool K/V heads for gqa and mqa targets, and {listed} converts only "
-            f"to MLA (by SVD: convert.to_latent): leave convert_methods out"
+            f"to MLA (by SVD: convert.to_latent) or MHA hybrids (copied): leave convert_methods out"
         )
 
 
@@ -567,11 +569,12 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
             flush=True,
         )
     if cfg.convert:
-        scratch_only = [str(v) for v in sweep.compared_variants(cfg, mha) if v.suffix]
+        compared = sweep.compared_variants(cfg, mha)
+        scratch_only = [str(v) for v in compared if v != MHA and not sweep.converted_from_mha(v)]
         if scratch_only:
             print(
                 f"convert=True: {', '.join(scratch_only)} train from scratch only (a conversion "
-                f"makes all-global attention of MHA's)",
+                f"makes all-global attention of MHA's, and hybrids of it)",
                 flush=True,
             )
     with sweep.Stop() as stop:

@@ -327,7 +327,8 @@ class CompareConfig:
     match: list[str] = field(default_factory=lambda: ["width"])
     # (n_layer, n_embd), 'LxD' or a preset name
     sizes: list[tuple[int, int] | str] = field(default_factory=list)
-    # also convert each seed's MHA model to each GQA/MQA/MLA variant (all global), uptrain it
+    # also convert each seed's MHA model to each GQA/MQA/MLA variant (all global) and each hybrid
+    # of global attention and Gated DeltaNet (mha-dddl, gqa2-dl: smallgpt/hybridize.py), uptrain it
     convert: bool = False
     # K/V heads: mean, first or random
     convert_methods: list[str] = field(default_factory=lambda: ["mean"])
@@ -335,6 +336,9 @@ class CompareConfig:
     uptrain_fractions: list[float] = field(default_factory=lambda: [0.1])
     # uptraining's peak learning rates (after its own warm-up), over the base run's
     uptrain_lr_scale: float = 1.0
+    # uptraining's loss: '' the data's cross-entropy, 'logits' the KL to the MHA model converted
+    # (train.py --distill=logits)
+    uptrain_distill: str = ""
     # True: train the runs trained at another budget (max_iters, warmup_iters, lr_decay_iters,
     # decay_lr) on to this one, from their checkpoints; False: refuse to, before any training
     extend: bool = False
@@ -399,6 +403,8 @@ class CompareConfig:
             )
         if not self.uptrain_fractions or any(not 0 <= f <= 1 for f in self.uptrain_fractions):
             problems.append(f"uptrain_fractions={self.uptrain_fractions}: each must be in [0, 1]")
+        if self.uptrain_distill not in ("", "logits"):
+            problems.append(f"uptrain_distill={self.uptrain_distill!r} must be 'logits' or ''")
         if not self.uptrain_lr_scale > 0:
             problems.append(f"uptrain_lr_scale={self.uptrain_lr_scale} must be positive")
         problems += self.repeats()

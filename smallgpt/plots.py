@@ -19,8 +19,10 @@ def losses_by_rate(row: dict) -> dict[str, str]:
 
 
 def conversion_target(row: dict) -> str:
-    """The variant a conversion makes: 'mha-to-mqa-first-u0.1' -> 'mqa'."""
-    return row["variant"].split("-")[2]
+    """The variant a conversion makes: 'mha-to-mqa-first-u0.1' -> 'mqa', and a hybrid's
+    'mha-to-mha-dddl-copy-u0.05-kl' -> 'mha-dddl'."""
+    name = row["variant"].removeprefix("mha-to-")
+    return name[: name.rindex(f"-{row['method']}-u")]
 
 
 def plot(runs: list[dict], rows: list[dict], path: Path) -> None:

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, LAYER_KINDS, GPTConfig
 from smallgpt.checkpoint import Source, load_checkpoint, run_config
 from smallgpt.configs import CompareConfig, TrainConfig, rate_label, size_of
+from smallgpt.convert import CONVERT_METHODS
 from smallgpt.errors import UserError
 from smallgpt.measure import default_kv_heads
 from smallgpt.runlog import read_run, unfinished
@@ -276,22 +277,30 @@ def conversion_runs(
     variants: list[Variant],
     scratch: list[Run],
 ) -> list[Run]:
-    """The seed's MHA model (of scratch) converted to each all-global variant but MHA, by each
-    method, uptrained for each fraction (a variant with local or recurrent layers, or Qwen3.5's
-    attention options, is trained from scratch only)."""
+    """The seed's MHA model (of scratch) converted to each variant converted_from_mha, by each
+    method, uptrained for each fraction (a variant with local layers, or Qwen3.5's attention
+    options, is trained from scratch only)."""
     runs = []
-    for variant in [v for v in variants if v != MHA and not v.suffix]:
+    for variant in [v for v in variants if converted_from_mha(v)]:
         source = next(r for r in scratch if r.name == "mha")
         # MLA's K/V come from one SVD of MHA's, with no latent norm (convert.to_latent); the
-        # methods pool K/V heads
+        # methods pool K/V heads (a hybrid's attention layers too; an MHA hybrid's are copied)
         latent = variant.attention == "mla"
         target = dataclasses.replace(variant.config(mha), latent_norm=not latent)
         methods = ["svd"] if latent else cfg.convert_methods
+        if variant.attention == "mha":
+            methods = ["copy"]
         for method in methods:
-            how = ["--latent_norm=False"] if latent else [f"--convert_method={method}"]
+            how = [f"--convert_method={method}"] if method in CONVERT_METHODS else []
+            if latent:
+                how = ["--latent_norm=False"]
+            if cfg.uptrain_distill:
+                how.append(f"--distill={cfg.uptrain_distill}")
             for fraction in cfg.uptrain_fractions:
                 iters = round(fraction * base.max_iters)
                 name = f"mha-to-{Variant.from_config(target)}-{method}-u{fraction:g}"
+                if cfg.uptrain_distill:
+                    name += "-kl"  # uptrained on the KL to the MHA model
                 args = [
                     f"--init_from={Source('convert', str(source.dir))}",
                     *how,
@@ -301,6 +310,21 @@ def conversion_runs(
                 evals = 1 if iters == 0 else 2
                 runs.append(at_seed.run(name, target, args, tags, iters, evals))
     return runs
+
+
+def converted_from_mha(variant: Variant) -> bool:
+    """Whether --convert makes this variant of the MHA model: all-global attention (K/V heads
+    pooled, or MLA by SVD), or a hybrid of global attention and a kind that converts attention
+    (layer_pattern its only change; smallgpt/hybridize.py)."""
+    if variant == MHA:
+        return False
+    if not variant.suffix:
+        return True
+    keys = dict(variant.changes)
+    if set(keys) != {"layer_pattern"} or variant.attention == "mla":
+        return False
+    letters = keys["layer_pattern"]
+    return all(x == "L" or LAYER_KINDS[x].converts_attention for x in letters)
 
 
 def uptraining(base: TrainConfig, iters: int, lr_scale: float) -> list[str]:

@@ -852,6 +852,53 @@ def test_variants_name_mla_beside_the_others_with_their_flags_conversions_and_co
     )  # 2 layers, d_c + d_R
 
 
+def test_convert_makes_hybrids_of_the_mha_model_and_distills_them_on_request(
+    tmp_path: Path,
+) -> None:
+    """--convert reaches hybrids of global attention and Gated DeltaNet: mha-dl copied, gqa2-dl
+    pooled by each method, both with --layer_pattern and, with --uptrain_distill=logits, the KL
+    to the MHA run (a '-kl' name); a windowed hybrid trains from scratch only. The report finds
+    each conversion's variant from scratch by its name."""
+    from smallgpt.plots import conversion_target
+
+    out = tmp_path / "cmp"
+    base = parse_config(TrainConfig, [f"--out_dir={out}", *TINY_TRAIN, "--max_iters=30"])
+    cfg = parse_config(
+        CompareConfig,
+        [
+            "--variants=[mha,mha-dl,gqa2-dl,mha-sl8]",
+            "--convert=True",
+            "--convert_methods=[mean,first]",
+            "--uptrain_fractions=[0,0.1]",
+            "--uptrain_distill=logits",
+        ],
+    )
+    runs = {run.name: run for run in sweep.plan(cfg, base, 96, out)}
+    converted = sorted(name for name in runs if name.startswith("mha-to-"))
+    assert converted == [
+        "mha-to-gqa2-dl-first-u0-kl",
+        "mha-to-gqa2-dl-first-u0.1-kl",
+        "mha-to-gqa2-dl-mean-u0-kl",
+        "mha-to-gqa2-dl-mean-u0.1-kl",
+        "mha-to-mha-dl-copy-u0-kl",
+        "mha-to-mha-dl-copy-u0.1-kl",
+    ]
+    copied = runs["mha-to-mha-dl-copy-u0.1-kl"]
+    assert {
+        "--layer_pattern=DL",
+        "--distill=logits",
+        f"--init_from=convert:{out / 'mha-s1337'}",
+    } <= set(copied.args)
+    assert not any(a.startswith("--convert_method") for a in copied.args)
+    pooled = runs["mha-to-gqa2-dl-first-u0.1-kl"]
+    assert {"--convert_method=first", "--n_kv_head=2", "--layer_pattern=DL"} <= set(pooled.args)
+    for name, method in (
+        ("mha-to-mha-dl-copy-u0.1-kl", "copy"),
+        ("mha-to-gqa2-dl-first-u0-kl", "first"),
+    ):
+        assert conversion_target({"variant": name, "method": method}) == name.split("-")[2] + "-dl"
+
+
 def test_variants_name_local_layers_by_pattern_and_window(
     pycode_small: Path, tmp_path: Path
 ) -> None:
