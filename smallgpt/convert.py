@@ -116,7 +116,7 @@ def for_uptraining(
             model = convert_kv_heads(model, target.n_kv_head, method, seed)
         steer = hybrid or HybridSteer()
         return hybridize.for_uptraining(
-            model, target.layer_letters, steer.layers, steer.calibrate, steer.batches
+            model, target.layer_letters, steer.layers, steer.calibrate, steer.batches, seed
         )
     if target.kv_lora_rank is None:
         return convert_kv_heads(model, target.n_kv_head, method, seed)

@@ -33,10 +33,17 @@ from smallgpt.errors import UserError
 RANKINGS = ("loss", "kl")
 
 
-def to_hybrid(model: GPT, layer_pattern: str, decays: dict[int, torch.Tensor] | None = None) -> GPT:
+def to_hybrid(
+    model: GPT,
+    layer_pattern: str,
+    decays: dict[int, torch.Tensor] | None = None,
+    seed: int = 0,
+) -> GPT:
     """A copy of an attention model with layer_pattern's D layers converted from its global
     attention layers (see the module's text); each converted layer's decay per head from
-    `decays` (layer: (n_head,) in (0, 1), its input dependence zeroed) or at its initial values."""
+    `decays` (layer: (n_head,) in (0, 1), its input dependence zeroed) or at its initial values.
+    What the copy does not set starts as a new model made with `seed` would (GPT.init_weights):
+    the same conversion, the same model."""
     try:
         config = replace(model.config, layer_pattern=layer_pattern, window_pattern="L")
     except ValueError as e:
@@ -55,6 +62,7 @@ def to_hybrid(model: GPT, layer_pattern: str, decays: dict[int, torch.Tensor] | 
                 "layer is made from global attention (MHA, GQA or MQA) only"
             )
     hybrid = GPT(config).to(next(model.parameters()).device)
+    hybrid.init_weights(seed)
     state = hybrid.state_dict()
     # everything but the converted layers' mixers, as it is (a kept layer's kind must match)
     mixers = tuple(f"transformer.h.{i}.attn." for i in converted)
@@ -213,15 +221,18 @@ def ranked_layers(
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     by: str,
     decays: dict[int, torch.Tensor] | None = None,
+    seed: int = 0,
 ) -> list[int]:
     """The global attention layers, the one most worth keeping as attention first: by 'loss', what
     converting it alone adds to the loss; by 'kl', how close to the teacher (KL) a model with every
-    other one converted comes with it restored (GA-S2 of arXiv 2512.20569)."""
+    other one converted comes with it restored (GA-S2 of arXiv 2512.20569); each conversion
+    to_hybrid's with seed."""
     layers = global_attention_layers(teacher)
     if by == "loss":
         base = mean_loss(teacher, batches)
         cost = {
-            i: mean_loss(to_hybrid(teacher, with_converted(teacher, [i]), decays), batches) - base
+            i: mean_loss(to_hybrid(teacher, with_converted(teacher, [i]), decays, seed), batches)
+            - base
             for i in layers
         }
         return sorted(layers, key=lambda i: -cost[i])
@@ -230,7 +241,7 @@ def ranked_layers(
         kl = {}
         for i in layers:
             others = [j for j in layers if j != i]
-            student = to_hybrid(teacher, with_converted(teacher, others), decays).eval()
+            student = to_hybrid(teacher, with_converted(teacher, others), decays, seed).eval()
             kl[i] = mean_kl(student, teacher, batches)
         return sorted(layers, key=lambda i: kl[i])
     raise UserError(f"a ranking of layers is by {' or '.join(map(repr, RANKINGS))}, not {by!r}")
@@ -304,16 +315,17 @@ def for_uptraining(
     layers: str,
     calibrate: bool,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
+    seed: int = 0,
 ) -> GPT:
     """train.py's conversion into the hybrid whose layer letters are `letters`: its D layers where
     given, or (layers 'loss' or 'kl') as many attention layers kept as it keeps, the best ranked
-    on the batches; calibrated on the batches' inputs if asked."""
+    on the batches; calibrated on the batches' inputs if asked; seed: to_hybrid's."""
     if (layers != "given" or calibrate) and not batches:
         raise UserError(f"convert_layers={layers!r} and convert_calibrate read batches: none given")
     decays_ = decays(teacher, [x for x, _ in batches]) if calibrate else None
     if layers != "given":
         kept = len(letters) - letters.count(recurrent_letter())
-        keep = ranked_layers(teacher, batches, layers, decays_)[:kept]
+        keep = ranked_layers(teacher, batches, layers, decays_, seed)[:kept]
         candidates = global_attention_layers(teacher)
         letters = with_converted(teacher, [i for i in candidates if i not in keep])
-    return to_hybrid(teacher, letters, decays_)
+    return to_hybrid(teacher, letters, decays_, seed)

@@ -509,21 +509,23 @@ def test_a_comparison_adopts_only_an_empty_folder_or_its_own(
 
 
 def test_a_conversion_that_would_convert_nothing_is_refused(tmp_path: Path) -> None:
-    """--convert=True converts MHA into the all-global variants: with only hybrids, local or
-    gated variants beside MHA there is nothing to convert; convert_methods with only MLA targets
-    (converted by SVD) would pool nothing."""
+    """--convert=True converts MHA into the all-global variants and hybrids of them: with only
+    local or gated variants (a hybrid with a local layer too) beside MHA there is nothing to
+    convert; convert_methods with only MLA targets (converted by SVD) or MHA hybrids (copied)
+    would pool nothing."""
     compare = ["compare.py", *TINY_TRAIN, f"--out_dir={tmp_path / 'c'}", "--convert=True"]
-    for variants in ("[mha,mha-dl]", "[mha,mha-sl8,mha-gate]"):
+    for variants in ("[mha,mha-dsl8]", "[mha,mha-sl8,mha-gate]"):
         one_line(
             cli([*compare, f"--variants={variants}", "--mode=plan"]),
             "convert=True converts MHA into the variants of all-global attention",
-            "'mha-dl']" if "dl" in variants else "'mha-gate']",
+            "'mha-dsl8']" if "dsl" in variants else "'mha-gate']",
             "has none besides mha",
         )
-    one_line(
-        cli([*compare, "--variants=[mha,mla32]", "--convert_methods=[first]", "--mode=plan"]),
-        "convert_methods pool K/V heads for gqa and mqa targets",
-    )
+    for variants in ("[mha,mla32]", "[mha,mha-dl]"):
+        one_line(
+            cli([*compare, f"--variants={variants}", "--convert_methods=[first]", "--mode=plan"]),
+            "convert_methods pool K/V heads for gqa and mqa targets",
+        )
     assert not (tmp_path / "c").exists()
 
 
