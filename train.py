@@ -186,19 +186,8 @@ class Trainer:
         recall.check_dataset(cfg.final_evals, meta, cfg.block_size, str(data))
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
-        # raw_model: plain state_dict names, uncompiled, not wrapped by DDP (FSDP shards in place)
-        # a conversion into a hybrid ranks and calibrates on 4 training batches, on the CPU
-        calibration = None
-        if source.kind == "convert":
-            calibration = [
-                tuple(t.cpu() for t in self.batches.train(0, micro)) for micro in range(4)
-            ]
-        self.raw_model, ckpt = init_model(
-            cfg, meta["vocab_size"], proc.device, dtype, ckpt, calibration
-        )
-        # the run records the shape it trains (a conversion into a hybrid may choose its layers)
-        if source.pretrained or calibration is not None:
-            self.cfg = cfg = replace(cfg, **asdict(self.raw_model.config))
+        ckpt = self.set_up_model(source, meta, ckpt)
+        cfg = self.cfg
         ckpt_meta = ckpt.get("data_meta") if ckpt is not None else None
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, meta, ckpt_meta, cfg.dataset)
         self.cfg = cfg = replace(cfg, teacher=distillation.teacher_of(cfg, source, ckpt))
@@ -238,6 +227,25 @@ class Trainer:
         self.skipped = 0
         self.t_start = self.t_last = time.perf_counter()
         self.last_log = self.iter_num
+
+    def set_up_model(self, source: checkpoint.Source, meta: dict, ckpt: dict | None) -> dict | None:
+        """self.raw_model (plain state_dict names, uncompiled, not wrapped by DDP; FSDP shards in
+        place), and the checkpoint it resumes; self.cfg then records the shape it trains
+        (pretrained weights', or the layers a conversion into a hybrid chose)."""
+        cfg = self.cfg
+        # a conversion into a hybrid ranks and calibrates on 4 training batches, on the CPU
+        calibration = None
+        if source.kind == "convert":
+            calibration = [
+                tuple(t.cpu() for t in self.batches.train(0, micro)) for micro in range(4)
+            ]
+        vocab_size = meta["vocab_size"]
+        device = self.proc.device
+        dtype = self.place.dtype
+        self.raw_model, ckpt = init_model(cfg, vocab_size, device, dtype, ckpt, calibration)
+        if source.pretrained or calibration is not None:
+            self.cfg = replace(cfg, **asdict(self.raw_model.config))
+        return ckpt
 
     def diverged(self, what: str, value: float) -> UserError:
         """The error that stops a run whose loss or weights went non-finite, logged first (a
