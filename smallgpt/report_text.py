@@ -374,7 +374,7 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
         for m in methods
         if any((t, m, f) in cell for f in fractions)
     ]
-    return [
+    lines = [
         f"Conversion from MHA by method, uptrained for {fractions[-1]:g} of the base run's "
         f"iterations (GQA paper, fig. 5):",
         "",
@@ -384,4 +384,37 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
         "paper, fig. 6):",
         "",
         table(by_fraction),
+    ]
+    if any(r.get("mqar_solved") is not None for r in conv):
+        lines += ["", *recall_by_fraction(scratch, conv, fractions)]
+    return lines
+
+
+def recall_by_fraction(scratch: list[dict], conv: list[dict], fractions: list[float]) -> list[str]:
+    """What conversion does to recall: each conversion's MQAR solved and accuracy cells
+    (recall_cells) by uptraining fraction, beside its target's from scratch."""
+    solved = {}
+    for r in conv:
+        cells = recall_cells(r, None)
+        solved[(conversion_target(r), r["method"], r["uptrain_fraction"])] = (
+            f"{cells['mqar_solved']}; {cells['mqar_acc']}"
+        )
+    own = {}
+    for r in scratch:
+        cells = recall_cells(r, None)
+        own[r["variant"]] = f"{cells['mqar_solved']}; {cells['mqar_acc']}"
+    rows = [
+        {
+            "target": t,
+            "method": m,
+            **{f"{f:g}": solved.get((t, m, f), "-") for f in fractions},
+            "scratch": own.get(t, "-"),
+        }
+        for t, m in dict.fromkeys((t, m) for t, m, _ in solved)
+    ]
+    return [
+        "MQAR after conversion by uptraining fraction: the runs that solved it, then the pooled "
+        "accuracy:",
+        "",
+        table(rows),
     ]

@@ -601,3 +601,47 @@ def test_a_ratio_sweep_reports_each_share_of_attention_at_its_best_rate_with_sol
         write_log(other, "gqa2", 2, seed, {10: 2.0, 20: 1.6})
     text = report_of(other, "--variants=[mha,gqa2]", "--seeds=2")[0]
     assert "By the share of attention layers" not in text
+
+
+def test_the_conversion_tables_add_mqar_by_uptraining_fraction_where_it_was_measured() -> None:
+    """Each conversion's MQAR cells sit under its fraction, its target's from scratch beside them;
+    without MQAR records the table is left out."""
+    from smallgpt.report_text import conversion_tables
+
+    def row(
+        variant: str, method: str | None, fraction: float | None, solved: int, acc: float
+    ) -> dict:
+        return {
+            "variant": variant,
+            "method": method,
+            "uptrain_fraction": fraction,
+            "split": "test",
+            "test_loss": 1.0,
+            "test_loss_ci95": 0.1,
+            "seeds": 3,
+            "other_iters": None,
+            "mqar_solved": solved,
+            "mqar_runs": 3,
+            "mqar_solved_low": 0.0,
+            "mqar_solved_high": 1.0,
+            "mqar_acc_of_solved": acc if solved else None,
+            "mqar_acc": acc,
+            "mqar_acc_low": acc - 0.01,
+            "mqar_acc_high": acc + 0.01,
+            "mqar_acc_diff_vs_mha": None,
+        }
+
+    scratch = [row("mha-dl", None, None, 3, 0.995)]
+    conv = [
+        row("mha-to-mha-dl-copy-u0-kl", "copy", 0.0, 0, 0.018),
+        row("mha-to-mha-dl-copy-u0.1-kl", "copy", 0.1, 0, 0.167),
+    ]
+    text = "\n".join(conversion_tables(scratch, conv))
+    line = next(x for x in text.splitlines() if x.startswith("| mha-dl | copy |") and "0/3" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2].startswith("0/3") and "0.018 (0.008-0.028)" in cells[2]
+    assert "0.167 (0.157-0.177)" in cells[3]
+    assert cells[4].startswith("3/3") and "0.995" in cells[4]
+    for r in scratch + conv:
+        r["mqar_solved"] = None
+    assert "MQAR after conversion" not in "\n".join(conversion_tables(scratch, conv))
