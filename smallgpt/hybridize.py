@@ -228,16 +228,18 @@ def ranked_layers(
     other one converted comes with it restored (GA-S2 of arXiv 2512.20569); each conversion
     to_hybrid's with seed."""
     layers = global_attention_layers(teacher)
+    teacher.eval()  # no dropout in what is measured
     if by == "loss":
         base = mean_loss(teacher, batches)
         cost = {
-            i: mean_loss(to_hybrid(teacher, with_converted(teacher, [i]), decays, seed), batches)
+            i: mean_loss(
+                to_hybrid(teacher, with_converted(teacher, [i]), decays, seed).eval(), batches
+            )
             - base
             for i in layers
         }
         return sorted(layers, key=lambda i: -cost[i])
     if by == "kl":
-        teacher.eval()
         kl = {}
         for i in layers:
             others = [j for j in layers if j != i]
@@ -322,6 +324,7 @@ def for_uptraining(
     on the batches; calibrated on the batches' inputs if asked; seed: to_hybrid's."""
     if (layers != "given" or calibrate) and not batches:
         raise UserError(f"convert_layers={layers!r} and convert_calibrate read batches: none given")
+    teacher.eval()  # its attention maps and losses without dropout
     decays_ = decays(teacher, [x for x, _ in batches]) if calibrate else None
     if layers != "given":
         kept = len(letters) - letters.count(recurrent_letter())
