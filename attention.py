@@ -521,6 +521,7 @@ class GlobalAttention(LayerKind):
     name = "global attention"
     attends = True
     reads = READS
+    conversion_source = True  # where kv_lora_rank is not set (smallgpt/hybridize.py)
     hf_layer_type = "full_attention"
     hf_names = HF_NAMES
 

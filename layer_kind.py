@@ -102,6 +102,8 @@ class LayerKind:
     # whether a global attention layer converts into it (smallgpt/hybridize.py): its mixer's
     # take_attention and keep_decay
     converts_attention: ClassVar[bool] = False
+    # whether its layers (MHA, GQA or MQA: not MLA) are what such a kind converts from
+    conversion_source: ClassVar[bool] = False
 
     @classmethod
     def build(cls, config: Config, layer: int) -> Mixer:

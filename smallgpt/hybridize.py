@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 import attention
-from attention import CausalSelfAttention
 from model import GPT, LAYER_KINDS
 from smallgpt.errors import UserError
 
@@ -54,12 +53,14 @@ def to_hybrid(
         for i, kind in enumerate(config.layer_kinds)
         if kind.converts_attention and kind is not model.config.layer_kinds[i]
     ]
+    sources_ok = global_attention_layers(model)
     for i in converted:
-        attn = sources[i].attn
-        if not isinstance(attn, CausalSelfAttention) or attn.window is not None:
+        if i not in sources_ok:
+            latent = model.config.kv_lora_rank is not None
+            source = "MLA" if latent else model.config.layer_kinds[i].name
             raise UserError(
-                f"layer {i} is {model.config.layer_kinds[i].name}: a {config.layer_kinds[i].name} "
-                "layer is made from global attention (MHA, GQA or MQA) only"
+                f"layer {i} is {source}: a {config.layer_kinds[i].name} layer is made from global "
+                "attention (MHA, GQA or MQA) only"
             )
     hybrid = GPT(config).to(next(model.parameters()).device)
     hybrid.init_weights(seed)
@@ -84,8 +85,8 @@ def to_hybrid(
 
 @contextmanager
 def recorded_queries_and_keys(model: GPT) -> Iterator[dict[int, list[tuple]]]:
-    """Inside: every call of attention's SDPA in model's global and local attention layers appends
-    (q, k, mask) to its layer's list, as the scores see them: after rotation and any q/k norm."""
+    """Inside: every call of attention's SDPA in model's global_attention_layers appends (q, k,
+    mask) to its layer's list, as the scores see them: after rotation and any q/k norm."""
     records: dict[int, list[tuple]] = {}
     running = []
     original = attention.sdpa
@@ -104,10 +105,9 @@ def recorded_queries_and_keys(model: GPT) -> Iterator[dict[int, list[tuple]]]:
     hooks = []
     attention.sdpa = recording
     try:
-        for block in model.transformer.h:
-            if isinstance(block.attn, CausalSelfAttention):
-                hooks.append(block.attn.register_forward_pre_hook(enter))
-                hooks.append(block.attn.register_forward_hook(leave))
+        for i in global_attention_layers(model):
+            hooks.append(model.transformer.h[i].attn.register_forward_pre_hook(enter))
+            hooks.append(model.transformer.h[i].attn.register_forward_hook(leave))
         yield records
     finally:
         attention.sdpa = original
@@ -179,17 +179,16 @@ def decays(model: GPT, batches: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     return {
         layer: decay_for(torch.stack([m for m, _ in got]).mean(0), got[0][1])
         for layer, got in sums.items()
-        if model.config.layer_windows[layer] is None
     }
 
 
 def global_attention_layers(model: GPT) -> list[int]:
-    """The layers to_hybrid can convert: global MHA, GQA or MQA."""
-    return [
-        i
-        for i, block in enumerate(model.transformer.h)
-        if isinstance(block.attn, CausalSelfAttention) and block.attn.window is None
-    ]
+    """The layers to_hybrid can convert: global MHA, GQA or MQA (a kind's conversion_source, in
+    a model without MLA's latent)."""
+    config = model.config
+    if config.kv_lora_rank is not None:
+        return []
+    return [i for i, kind in enumerate(config.layer_kinds) if kind.conversion_source]
 
 
 def recurrent_letter() -> str:

@@ -324,7 +324,8 @@ def converted_from_mha(variant: Variant) -> bool:
     if set(keys) != {"layer_pattern"} or variant.attention == "mla":
         return False
     letters = keys["layer_pattern"]
-    return all(x == "L" or LAYER_KINDS[x].converts_attention for x in letters)
+    kinds = [LAYER_KINDS[x] for x in letters]
+    return all(kind.conversion_source or kind.converts_attention for kind in kinds)
 
 
 def uptraining(base: TrainConfig, iters: int, lr_scale: float) -> list[str]:
