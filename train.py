@@ -190,8 +190,10 @@ class Trainer:
         cfg = self.cfg
         ckpt_meta = ckpt.get("data_meta") if ckpt is not None else None
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, meta, ckpt_meta, cfg.dataset)
-        self.cfg = cfg = replace(cfg, teacher=distillation.teacher_of(cfg, source, ckpt))
-        self.loss_of = distillation.loss(cfg, self.raw_model, proc) if cfg.distill else None
+        self.loss_of = None  # the model's cross-entropy, unless distilling from a teacher
+        if cfg.distill:
+            self.cfg = cfg = replace(cfg, teacher=distillation.teacher_of(cfg, source, ckpt))
+            self.loss_of = distillation.loss(cfg, self.raw_model, proc)
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(
             self.raw_model,

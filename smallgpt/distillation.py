@@ -19,9 +19,9 @@ Loss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def teacher_of(cfg: TrainConfig, source: Source, ckpt: dict | None) -> str:
-    """The teacher's run folder or checkpoint: --teacher, else the convert: source, else the one
-    the resumed run recorded; as given without distill."""
-    if not cfg.distill or cfg.teacher:
+    """The teacher's run folder or checkpoint (cfg.distill set): --teacher, else the convert:
+    source, else the one the resumed run recorded."""
+    if cfg.teacher:
         return cfg.teacher
     if source.kind == "convert":
         return source.where
