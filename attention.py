@@ -12,6 +12,7 @@ from collections.abc import Hashable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from kv_cache import Cache, KVCache, RingSpec, RowsSpec, StaticKVCache
 from layer_kind import Config, LayerKind, Mask, Mixer, Rope
@@ -125,6 +126,25 @@ def window_pattern_problems(pattern: str) -> list[str]:
             "e.g. 'SSSL'"
         ]
     return []
+
+
+def sink_problems(c: Config) -> list[str]:
+    """What is wrong with the attention sinks' key and the layers without positions (NoPE)."""
+    problems = []
+    if type(c.attn_sinks) is not bool:
+        problems.append(f"attn_sinks={c.attn_sinks!r} must be True or False")
+    pattern = c.rope_pattern
+    if not (isinstance(pattern, str) and pattern and set(pattern) <= {"R", "N"}):
+        problems.append(
+            f"rope_pattern={pattern!r} must be letters R (rotary positions) and N (none, NoPE), "
+            "one a layer, repeated over the layers, e.g. 'RRRN'"
+        )
+    elif "N" in pattern and c.pos_encoding != "rope":
+        problems.append(
+            f"rope_pattern={pattern!r} takes the rotary positions off some layers: it needs "
+            f"pos_encoding='rope', not {c.pos_encoding!r}"
+        )
+    return problems
 
 
 def gate_problems(c: Config) -> list[str]:
@@ -273,16 +293,81 @@ READS = frozenset(
         "qk_norm",
         "rope_theta",
         "rope_fraction",
+        "attn_sinks",
+        "rope_pattern",
     }
 )
 
 
-class Attention(Mixer):
-    """What the two forms of attention share: their window (None: global) and masks."""
+def rotary(config: Config, layer: int) -> bool:
+    """Whether layer `layer` rotates its queries and keys where the model has rotary positions:
+    R at its place in rope_pattern (repeated over the layers); N: no positions at all (NoPE)."""
+    return (config.rope_pattern * config.n_layer)[layer] == "R"
 
-    def __init__(self, layer: int, window: int | None) -> None:
+
+def sink_parameter(config: Config) -> nn.Parameter | None:
+    """Each head's sink logit where attn_sinks is set (its initial value 0: Mixer.initial)."""
+    return nn.Parameter(torch.zeros(config.n_head)) if config.attn_sinks else None
+
+
+def with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    sinks: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Mask]:
+    """q, k, v and mask for sdpa() with one more key that every query sees, whose score is its
+    head's sink logit and whose value is zero (gpt-oss's sinks): the softmax may give a share of
+    each query's attention to nothing, so the output is softmax(scores) V times sigmoid(LSE -
+    sink). The sink's score rides on one more feature: the queries' is sink / scale, the real
+    keys' 0, the sink key's 1 (query head h meets the sink as its own, whatever its K/V group).
+    q (B, H, T, d), k (B, G, Tk, d), v (B, G, Tk, d_v), mask None or (B or 1, 1, T, Tk)."""
+    B, H, T, _ = q.shape
+    G, Tk = k.size(1), k.size(2)
+    logit = (sinks.to(q.dtype) / scale).view(1, H, 1, 1).expand(B, H, T, 1)
+    q = torch.cat((q, logit), dim=-1)
+    sink_key = F.pad(k.new_ones(B, G, 1, 1), (k.size(-1), 0))  # (B, G, 1, d + 1): [0 ... 0 1]
+    k = torch.cat((F.pad(k, (0, 1)), sink_key), dim=2)
+    v = torch.cat((v, v.new_zeros(B, G, 1, v.size(-1))), dim=2)
+    if mask is None and T > 1:  # the causal block, now with the sink's column after it
+        mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)[None, None]
+    if mask is not None:
+        mask = torch.cat((mask, mask.new_ones(*mask.shape[:-1], 1)), dim=-1)
+    return q, k, v, mask
+
+
+class Attention(Mixer):
+    """What the two forms of attention share: their window (None: global), masks, whether the
+    layer has positions (rotary, or none: rope_pattern's N) and its sinks (attn_sinks)."""
+
+    def __init__(self, config: Config, layer: int, window: int | None) -> None:
         super().__init__(layer)
         self.window = window
+        self.rotary = rotary(config, layer)
+        self.sinks = sink_parameter(config)
+
+    def initial(self, name: str, generator: torch.Generator | None) -> torch.Tensor | None:
+        """The sinks start at 0 (as transformers' GraniteSWA and gpt-oss): a sink as strong as
+        one key of score 0."""
+        return torch.zeros(self.sinks.shape) if name == "sinks" else None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Mask,
+        cached: bool,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """sdpa() of q over k and v, with the sinks' column where the layer has sinks."""
+        dropout_p = self.dropout if self.training else 0.0
+        if self.sinks is not None:
+            scale = scale or q.size(-1) ** -0.5
+            q, k, v, mask = with_sinks(q, k, v, mask, self.sinks, scale)
+        return sdpa(q, k, v, mask, dropout_p, cached=cached, scale=scale)
 
     @property
     def mask_key(self) -> Hashable:
@@ -319,7 +404,7 @@ class CausalSelfAttention(Attention):
     the output gated (OutputGate). window: a local layer's (None: global)."""
 
     def __init__(self, config: Config, layer: int, window: int | None = None) -> None:
-        super().__init__(layer, window)
+        super().__init__(config, layer, window)
         n_embd = config.n_embd
         bias = config.bias
         self.n_head = config.n_head
@@ -351,6 +436,7 @@ class CausalSelfAttention(Attention):
         H = self.n_head
         G = self.n_kv_head
         hd = self.head_dim
+        rope = rope if self.rotary else None  # a NoPE layer's queries and keys are not rotated
         # q, k and v of every head, q and k rotated; with a cache, k and v joined to the earlier
         if kv_cache is None and rope is not None and not self.qk_norm:
             # q, k and v as one product, q and k rotated as one
@@ -374,8 +460,7 @@ class CausalSelfAttention(Attention):
                 k, v = kv_cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
         # each query head over its group's K/V head: q (B, n_head, T, head_dim), k and v
         # (B, n_kv_head, Tk, head_dim)
-        dropout_p = self.dropout if self.training else 0.0
-        y = sdpa(q, k, v, mask, dropout_p, cached=kv_cache is not None)
+        y = self.attend(q, k, v, mask, cached=kv_cache is not None)
         # the heads side by side, gated, projected back into the residual stream
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         if self.gate is not None:
@@ -403,7 +488,7 @@ class LatentAttention(Attention):
     matrices: tuple[str, ...] = ("kv_b",)
 
     def __init__(self, config: Config, layer: int, window: int | None = None) -> None:
-        super().__init__(layer, window)
+        super().__init__(config, layer, window)
         n_embd = config.n_embd
         n_head = config.n_head
         bias = config.bias
@@ -450,10 +535,10 @@ class LatentAttention(Attention):
         latent, k_rope = self.kv_a(x).split((R, self.rope_dim), dim=-1)
         latent = self.kv_norm(latent)
         k_rope = k_rope[:, None]
-        # positions ride on the rotary features alone
-        if rope is not None:
+        # positions ride on the rotary features alone; a NoPE layer's (Kimi Linear's MLA) keep
+        # them unrotated
+        if rope is not None and self.rotary:
             q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)
-        dropout_p = self.dropout if self.training else 0.0
         scale = (hd + self.rope_dim) ** -0.5  # as if K held head_dim + rope_dim features a head
         if kv_cache is None:
             # K and V of every head from the latent, each (B, H, T, head_dim)
@@ -461,7 +546,7 @@ class LatentAttention(Attention):
             k, v = kv.permute(3, 0, 2, 1, 4).unbind(0)
             k = torch.cat((k, k_rope.expand(B, H, T, self.rope_dim)), dim=-1)
             q = torch.cat((q, q_rope), dim=-1)
-            y = sdpa(q, k, v, mask, dropout_p, cached=False, scale=scale)
+            y = self.attend(q, k, v, mask, cached=False, scale=scale)
         else:
             # absorbed: q . (W_uk latent) = (q W_uk) . latent, then the softmax-weighted latents
             # times W_uv. The cache holds [latent | rotary key], one head, and no V.
@@ -470,7 +555,7 @@ class LatentAttention(Attention):
             # each head's key and value maps, (H, hd, R)
             w_uk, w_uv = self.kv_b.weight.view(H, 2, hd, R).unbind(1)
             q = torch.cat((q @ w_uk, q_rope), dim=-1)  # (B, H, T, R + rope_dim)
-            latents = sdpa(q, key, key[..., :R], mask, dropout_p, cached=True, scale=scale)
+            latents = self.attend(q, key, key[..., :R], mask, cached=True, scale=scale)
             y = latents @ w_uv.mT  # (B, H, T, head_dim)
         # the heads side by side, gated, projected back into the residual stream
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
@@ -499,7 +584,7 @@ def attention_problems(c: Config) -> list[str]:
     """The attention keys' problems where some layer attends (else they are unread keys)."""
     if not c.attends:
         return []
-    return latent_problems(c) + gate_problems(c)
+    return latent_problems(c) + gate_problems(c) + sink_problems(c)
 
 
 # Qwen3.5's names of an attention layer's parameters (transformers' Qwen3_5ForCausalLM), ours under

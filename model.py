@@ -124,6 +124,12 @@ class GPTConfig:
     attn_gate: str = "none"
     qk_norm: bool = False
     rope_fraction: float = 1.0
+    # ---- gpt-oss's sinks, and layers without positions ----
+    # a learned logit a head beside the scores, whose share of the softmax reads nothing (each
+    # head may attend to nothing); which attention layers rotate (R) and which have no positions
+    # (N, NoPE: Kimi Linear's MLA, Llama 4's global layers), letters repeated over the layers
+    attn_sinks: bool = False
+    rope_pattern: str = "R"
 
     def __post_init__(self) -> None:
         # the keys left out that follow from others
@@ -389,11 +395,15 @@ class GPTConfig:
             extras.append(f"gated by {self.attn_gate}")
         if self.qk_norm:
             extras.append("q/k normed")
+        if self.attn_sinks:
+            extras.append("with sinks")
         if extras:
             line += " " + ", ".join(extras)
         line += f", {self.pos_encoding} positions"
         if self.rope_fraction != 1:
             line += f" on {self.rope_dim} of {self.head_dim} features"
+        if "N" in self.rope_pattern:
+            line += f" (none on the N layers of rope_pattern={self.rope_pattern!r}: NoPE)"
         if self.attends:  # else mixing named them
             for fragment in self.kind_fragments():
                 line += f", {fragment}"

@@ -97,8 +97,9 @@ def one_query_attention(
     on CUDA in the query's dtype."""
     B, H, _, hd = q.shape
     G = k.size(1)
-    dtype = q.dtype if torch.compiler.is_compiling() or q.is_cuda else torch.float32
-    scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).float() * (
+    wide = torch.promote_types(q.dtype, torch.float32)  # fp32, or a float64 model's own
+    dtype = q.dtype if torch.compiler.is_compiling() or q.is_cuda else wide
+    scores = (q.view(B, G, H // G, hd).to(dtype) @ k.to(dtype).transpose(-1, -2)).to(wide) * (
         scale or hd**-0.5
     )
     if mask is not None:

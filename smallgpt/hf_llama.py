@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from attention import NORM_EPS
+from attention import NORM_EPS, rotary
 from model import LAYER_KINDS, GPTConfig
 from smallgpt.errors import UserError
 
@@ -51,6 +51,7 @@ def llama_class(c: GPTConfig) -> str | None:
     class holds exactly is refused in one line naming the keys that would make it one."""
     llama_block = (c.norm, c.mlp) == ("rmsnorm", "swiglu")
     windowed = c.window is not None
+    granite = granite_keys(c)
     if c.kv_lora_rank is not None:
         needs = {
             "norm='rmsnorm' and mlp='swiglu'": not llama_block,
@@ -58,6 +59,8 @@ def llama_class(c: GPTConfig) -> str | None:
             "bias=False": c.bias,
             "latent_norm=True": not c.latent_norm,
             "no window": windowed,
+            "no sinks (attn_sinks)": c.attn_sinks,
+            "rotary positions on every layer (rope_pattern='R')": "N" in c.rope_pattern,
         }
         if missing := [key for key, needed in needs.items() if needed]:
             raise UserError(
@@ -65,12 +68,12 @@ def llama_class(c: GPTConfig) -> str | None:
                 f"rotary positions, no biases, an RMSNorm on the latent)"
             )
         return "DeepseekV3ForCausalLM"
-    if windowed and not (llama_block and c.pos_encoding == "rope"):
+    if granite and not (llama_block and c.pos_encoding == "rope"):
         raise UserError(
-            "exporting local layers (window) needs norm='rmsnorm', mlp='swiglu' and "
+            f"exporting {' and '.join(granite)} needs norm='rmsnorm', mlp='swiglu' and "
             "pos_encoding='rope' (GraniteSWAForCausalLM: Llama's block with per-layer sliding "
-            f"windows); no stock class holds norm={c.norm!r}, mlp={c.mlp!r}, "
-            f"pos_encoding={c.pos_encoding!r} with a window"
+            "windows, sinks and rotary bases); no stock class holds them with "
+            f"norm={c.norm!r}, mlp={c.mlp!r}, pos_encoding={c.pos_encoding!r}"
         )
     if (c.norm, c.mlp) == ("layernorm", "gelu"):
         return None
@@ -86,7 +89,18 @@ def llama_class(c: GPTConfig) -> str | None:
             "positions export with norm='layernorm' and mlp='gelu' (GPT2LMHeadModel, "
             "GPTBigCodeForCausalLM)"
         )
-    return "GraniteSWAForCausalLM" if windowed else "LlamaForCausalLM"
+    return "GraniteSWAForCausalLM" if granite else "LlamaForCausalLM"
+
+
+def granite_keys(c: GPTConfig) -> list[str]:
+    """What of c only GraniteSWA holds among the Llama-block classes, as the keys that set it:
+    local layers, sinks, layers without positions."""
+    keys = {
+        "local layers (window)": c.window is not None,
+        "sinks (attn_sinks)": c.attn_sinks,
+        f"layers without positions (rope_pattern={c.rope_pattern!r})": "N" in c.rope_pattern,
+    }
+    return [key for key, given in keys.items() if given]
 
 
 def renamed(
@@ -166,10 +180,11 @@ def llama(c: GPTConfig, sd: dict[str, torch.Tensor]) -> tuple[str, Any, dict[str
 def granite_swa(
     c: GPTConfig, sd: dict[str, torch.Tensor]
 ) -> tuple[str, Any, dict[str, torch.Tensor]]:
-    """Local layers: IBM's GraniteSWA, Llama's layers with a sliding window in those layer_types
-    names (a query sees itself and window - 1 before it, as ours), its multipliers at Llama's
-    (scores scaled by head_dim ** -0.5, the others 1) and its attention sinks at NO_SINK.
-    llama.cpp's granite_swa reads the same pattern."""
+    """Local layers, sinks or layers without positions: IBM's GraniteSWA, Llama's layers with a
+    sliding window in those layer_types names (a query sees itself and window - 1 before it, as
+    ours), its multipliers at Llama's (scores scaled by head_dim ** -0.5, the others 1), each
+    head's sink (ours where attn_sinks is set, else NO_SINK) and a rotary base a layer, 0 where a
+    layer has none (NoPE). llama.cpp's granite_swa reads the same pattern."""
     import transformers
 
     _, llama_config, state = llama(c, sd)
@@ -178,14 +193,15 @@ def granite_swa(
     layer_types = [kind.hf_layer_type for kind in c.layer_kinds]
     keys |= dict(
         attention_multiplier=c.head_dim**-0.5,
-        sliding_window=c.window,
+        # no layer slides without a window, but transformers builds a sliding mask all the same
+        sliding_window=c.window or c.block_size,
         layer_types=layer_types,
+        layer_rope_theta=[c.rope_theta if rotary(c, i) else 0 for i in range(c.n_layer)],
     )
     config = transformers.GraniteSWAConfig(**keys)
-    state |= {
-        f"model.layers.{i}.self_attn.sinks": torch.full((c.n_head,), NO_SINK)
-        for i in range(c.n_layer)
-    }
+    for i in range(c.n_layer):
+        sinks = sd.get(f"transformer.h.{i}.attn.sinks", torch.full((c.n_head,), NO_SINK))
+        state[f"model.layers.{i}.self_attn.sinks"] = sinks
     return "GraniteSWAForCausalLM", config, state
 
 
@@ -278,9 +294,13 @@ def from_llama_block(
     if c.model_type == "deepseek_v3":
         return from_deepseek(c, sd, common)
     n_kv_head = c.num_key_value_heads
-    local = granite_windows(c)
-    config = GPTConfig(n_kv_head=n_kv_head, bias=c.attention_bias, **common, **local)
-    return config, renamed(sd, config.n_layer, LLAMA_LAYER, ("model.", "transformer."))
+    local = granite_windows(c) | granite_sinks(c, sd)
+    config = GPTConfig(n_kv_head=n_kv_head, bias=c.attention_bias, **(common | local))
+    state = renamed(sd, config.n_layer, LLAMA_LAYER, ("model.", "transformer."))
+    if config.attn_sinks:
+        for i in range(config.n_layer):
+            state[f"transformer.h.{i}.attn.sinks"] = sd[f"model.layers.{i}.self_attn.sinks"]
+    return config, state
 
 
 def from_deepseek(
@@ -315,6 +335,24 @@ def granite_windows(c: Any) -> dict[str, Any]:
     letters = {kind.hf_layer_type: letter for letter, kind in LAYER_KINDS.items()}
     pattern = "".join(letters[t] for t in c.layer_types)
     return dict(window=c.sliding_window, window_pattern=shortest_pattern(pattern))
+
+
+def granite_sinks(c: Any, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """GraniteSWA's sinks and rotary bases as our attn_sinks and rope_pattern: sinks where any
+    head's sink is above NO_SINK (a pinned one leaves the softmax as it is), N on a layer of base
+    0; {} for a Llama."""
+    if c.model_type != "granite_swa":
+        return {}
+    sinks = [t for name, t in sd.items() if name.endswith(".sinks")]
+    keys: dict[str, Any] = {}
+    if any(float(t.max()) > NO_SINK for t in sinks):
+        keys["attn_sinks"] = True
+    if thetas := {theta for theta in c.layer_rope_theta if theta}:
+        keys["rope_theta"] = float(thetas.pop())  # one base (llama_block_problems)
+    if 0 in c.layer_rope_theta:
+        letters = "".join("R" if theta else "N" for theta in c.layer_rope_theta)
+        keys["rope_pattern"] = shortest_repeat(letters)
+    return keys
 
 
 def llama_block_problems(c: Any, sd: dict[str, torch.Tensor]) -> list[str]:
@@ -376,7 +414,6 @@ def llama_problems(c: Any, head_dim: int) -> dict[str, bool]:
 def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict[str, bool]:
     """Each thing a GraniteSWA config and its weights may hold that this model cannot (granite_swa's
     inverse), and whether this folder holds it."""
-    sink = max(float(t.max()) for name, t in sd.items() if name.endswith(".sinks"))
     attention = f"attention_multiplier={c.attention_multiplier} (ours: head_dim ** -0.5)"
     scaled = not math.isclose(c.attention_multiplier, head_dim**-0.5, rel_tol=1e-6)
     multipliers = (
@@ -390,10 +427,15 @@ def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict
     return {
         attention: scaled,
         multipliers: others != (1, 1, 1),
-        f"attention sinks (up to {sink:g})": sink > NO_SINK,
         last_layer: last != "full_attention",
-        "a rope base per layer": len(set(c.layer_rope_theta)) > 1,
+        "a rope base per layer": len({theta for theta in c.layer_rope_theta if theta}) > 1,
     }
+
+
+def shortest_repeat(letters: str) -> str:
+    """The shortest pattern whose repeats give every layer's letter."""
+    n = len(letters)
+    return next(letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[:n] == letters)
 
 
 def shortest_pattern(letters: str) -> str:

@@ -40,6 +40,8 @@ def check_qwen(c: GPTConfig) -> None:
         "bias=False": c.bias,
         "no MLA (kv_lora_rank)": c.kv_lora_rank is not None,
         "no local layers (window)": c.window is not None,
+        "no sinks (attn_sinks)": c.attn_sinks,
+        "rotary positions on every layer (rope_pattern='R')": "N" in c.rope_pattern,
         "attn_gate='element'": attending and c.attn_gate != "element",
         "qk_norm=True": attending and not c.qk_norm,
         # transformers' Qwen3.5 cache reads its length from an attention layer

@@ -26,7 +26,9 @@ LLAMA = dict(norm="rmsnorm", mlp="swiglu", bias=False, pos_encoding="rope")  # M
 # features rotated); no stock class holds MLA with local layers. The int8 products take rows of
 # other widths than 16's multiples too: the Llama block's SwiGLU (88 wide), MLA-q's latent (12).
 # MLA-window-GDN has a query latent and a Gated DeltaNet layer too: its compiled int8 step (below)
-# holds MLA's kv_b, the query latent's rows, a ring and a recurrent state in one program.
+# holds MLA's kv_b, the query latent's rows, a ring and a recurrent state in one program; its
+# attention has sinks, its global layer no positions (Kimi Linear's NoPE MLA). sinks-NoPE: GQA
+# with sinks on a local layer and a global one without positions (GraniteSWA).
 KINDS = {
     "MHA": dict(n_kv_head=4, pos_encoding="rope"),
     "GQA": dict(n_kv_head=2, pos_encoding="rope"),
@@ -35,7 +37,17 @@ KINDS = {
     "MLA-q": LLAMA | dict(kv_lora_rank=8, q_lora_rank=12),
     "window": LLAMA | dict(n_kv_head=1, window=8, window_pattern="SL"),
     "MLA-window-GDN": LLAMA
-    | dict(kv_lora_rank=8, q_lora_rank=12, window=8, layer_pattern="DSL", n_layer=3),
+    | dict(
+        kv_lora_rank=8,
+        q_lora_rank=12,
+        window=8,
+        layer_pattern="DSL",
+        n_layer=3,
+        attn_sinks=True,
+        rope_pattern="RRN",
+    ),
+    "sinks-NoPE": LLAMA
+    | dict(n_kv_head=2, window=8, window_pattern="SL", attn_sinks=True, rope_pattern="RN"),
     "hybrid": LLAMA
     | dict(n_kv_head=2, layer_pattern="DL", attn_gate="element", qk_norm=True, rope_fraction=0.5),
 }
@@ -51,6 +63,8 @@ def build(kind: str) -> GPT:
         for name, p in m.named_parameters():
             if name.endswith(("kv_a.weight", "q_b.weight")):
                 p.mul_(4.0)
+            if name.endswith("sinks"):  # sinks that take a share of the softmax
+                p.normal_(2.0, 4.0)
     return m
 
 

@@ -226,8 +226,7 @@ def test_llama_cpp_folder_rotates_pairs_and_comes_back(case: str, tmp_path: Path
         ),
         (
             dict(window=4, window_pattern="S", pos_encoding="learned"),
-            "no stock class holds norm='rmsnorm', "
-            "mlp='swiglu', pos_encoding='learned' with a window",
+            "no stock class holds them with norm='rmsnorm', mlp='swiglu', pos_encoding='learned'",
         ),
         (
             dict(window=4, window_pattern="S", kv_lora_rank=16),
@@ -282,8 +281,13 @@ def test_what_no_stock_class_holds_is_refused_in_one_line_naming_the_keys(
             "GQA-SL",
             {"embedding_multiplier": 2.0},
             "cannot hold embedding_multiplier=2.0, residual_multiplier=1.0, "
-            "logits_scaling=1.0 (ours: 1), attention sinks (up to",
-        ),  # weights drawn anew: sinks that count
+            "logits_scaling=1.0 (ours: 1)",
+        ),
+        (
+            "GQA-SL",
+            {"layer_rope_theta": [10000.0, 0, 500.0]},
+            "cannot hold a rope base per layer",
+        ),
         (
             "GQA-SL",
             {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},

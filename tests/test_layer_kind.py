@@ -16,7 +16,6 @@ from kv_cache import RowsSpec
 from layer_kind import Config, LayerKind
 from model import GPT, LAYER_KINDS, GPTConfig, register_kind
 from smallgpt.errors import UserError
-from smallgpt.fast_paths import sdpa
 from smallgpt.generation import generate, left_pad
 
 
@@ -31,7 +30,8 @@ class ScaledAttention(attention.Attention, LayerKind):
     adamw_matrices = ("c_proj",)  # under optimizer='muon', AdamW takes its output projection
 
     def __init__(self, config: Config, layer: int) -> None:
-        super().__init__(layer, window=None)
+        super().__init__(config, layer, window=None)
+        self.dropout = config.dropout
         self.n_head = config.n_head
         self.n_kv_head = config.n_kv_head
         self.head_dim = config.head_dim
@@ -53,11 +53,12 @@ class ScaledAttention(attention.Attention, LayerKind):
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        rope = rope if self.rotary else None  # rope_pattern's N: no positions
         q = attention.rotate(q, rope) * self.head_scale.exp()[:, None, None]
         k = attention.rotate(k, rope)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer, k, v)
-        y = sdpa(q, k, v, mask, 0.0, cached=kv_cache is not None)
+        y = self.attend(q, k, v, mask, cached=kv_cache is not None)  # with sinks where set
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
     @classmethod
