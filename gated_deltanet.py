@@ -35,6 +35,23 @@ def l2_normalised(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def short_convolution(
+    x: torch.Tensor, conv: torch.Tensor, conv_in: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU of the causal depthwise convolution (conv: nn.Conv1d's (width, 1, kernel)) over x
+    (B, T, width) after conv_in (B, kernel - 1, width), its last inputs before these; and the
+    inputs (B, kernel - 1 + T, width), whose last kernel - 1 the next tokens start from. A sum
+    of shifted products: elementwise, so its backward is too (docs/performance-cpu.md)."""
+    T = x.size(1)
+    kernel = conv.size(-1)
+    inputs = torch.cat((conv_in.to(x.dtype), x), dim=1)
+    taps = conv.to(x.dtype).view(-1, kernel).t()  # (kernel, width)
+    y = inputs[:, :T] * taps[0]
+    for j in range(1, kernel):
+        y = y + inputs[:, j : j + T] * taps[j]
+    return F.silu(y), inputs
+
+
 class GatedDeltaNet(Mixer, LayerKind):
     """A linear-attention layer, Gated DeltaNet (arXiv 2412.06464) as Qwen3.5 builds it: q, k and v
     of n_head heads from one projection through a short causal depthwise convolution and SiLU, q
@@ -54,6 +71,7 @@ class GatedDeltaNet(Mixer, LayerKind):
     # key on a model of these layers alone changes nothing
     reads = frozenset()
     # Qwen3.5's (transformers' Qwen3_5ForCausalLM): its layer type, and its parameters' names
+    hf_model = "qwen3_5_text"
     hf_layer_type = "linear_attention"
     hf_names = {
         "c_qkv.weight": "linear_attn.in_proj_qkv.weight",
@@ -121,23 +139,18 @@ class GatedDeltaNet(Mixer, LayerKind):
         else:
             conv_in, state = kv_cache.read_state(self.layer)
             conv_in = conv_in.transpose(1, 2)  # the cache keeps (B, 3 C, kernel - 1)
-        # the causal depthwise convolution over the last kernel - 1 inputs then these, as a sum
-        # of shifted products: elementwise, so its backward is too (docs/performance-cpu.md)
-        inputs = torch.cat((conv_in.to(qkv.dtype), qkv), dim=1)  # (B, kernel - 1 + T, 3 C)
-        taps = self.conv.to(qkv.dtype).view(3 * C, self.kernel).t()  # (kernel, 3 C)
-        qkv = inputs[:, :T] * taps[0]
-        for j in range(1, self.kernel):
-            qkv = qkv + inputs[:, j : j + T] * taps[j]
-        qkv = F.silu(qkv)  # (B, T, 3 C)
+        qkv, inputs = short_convolution(qkv, self.conv, conv_in)  # (B, T, 3 C)
         # q, k, v: (B, H, T, head_dim) in fp32, as the recurrence runs (fla's kernels take
         # them in the products' dtype, the autocast's)
         products = qkv.dtype
-        q, k, v = qkv.float().view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        wide = torch.promote_types(products, torch.float32)  # fp32, or a float64 model's own
+        q, k, v = qkv.to(wide).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
         q = l2_normalised(q) * hd**-0.5
         k = l2_normalised(k)
         # per head and token: how strongly it writes (b), and how much of the state it keeps (g)
-        b = torch.sigmoid(self.c_b(x).float()).transpose(1, 2)  # (B, H, T)
-        g = -self.A_log.float().exp() * F.softplus(self.c_a(x).float() + self.dt_bias.float())
+        b = torch.sigmoid(self.c_b(x).to(wide)).transpose(1, 2)  # (B, H, T)
+        rate = self.c_a(x).to(wide) + self.dt_bias.to(wide)
+        g = -self.A_log.to(wide).exp() * F.softplus(rate)
         g = g.transpose(1, 2)  # (B, H, T)
         if mask is not None:  # a pad neither decays nor writes
             b = b * mask[:, None]
@@ -157,7 +170,7 @@ class GatedDeltaNet(Mixer, LayerKind):
             kv_cache.write_state(self.layer, conv_out, state)
         # each head's output normed and gated by SiLU(c_z x), then projected
         z = self.c_z(x).view(B, T, H, hd)
-        o = self.norm(o.transpose(1, 2)) * F.silu(z.float())  # (B, T, H, head_dim)
+        o = self.norm(o.transpose(1, 2)) * F.silu(z.to(wide))  # (B, T, H, head_dim)
         return self.resid_dropout(self.c_proj(o.to(x.dtype).reshape(B, T, C)))
 
     @torch.no_grad()

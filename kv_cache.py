@@ -88,7 +88,8 @@ class RingSpec(RowsSpec):
 @dataclass(frozen=True)
 class StateSpec:
     """A fixed state, whatever the context's length: one tensor of each shape a sequence, in the
-    cache's dtype, or in float32 where `fp32` says so (a running sum over every token)."""
+    cache's dtype, or at least float32 where `fp32` says so (a running sum over every token: a
+    float64 cache keeps it in float64)."""
 
     shapes: tuple[tuple[int, ...], ...]
     fp32: tuple[bool, ...]
@@ -103,17 +104,16 @@ class StateSpec:
     def nbytes(self, seq_len: int, dtype: torch.dtype) -> int:
         total = 0
         for shape, fp32 in zip(self.shapes, self.fp32, strict=True):
-            itemsize = 4 if fp32 else dtype.itemsize
+            itemsize = max(4, dtype.itemsize) if fp32 else dtype.itemsize
             total += itemsize * torch.Size(shape).numel()
         return total
 
     def zeros(
         self, layers: int, batch_size: int, max_len: int, device: Device, dtype: torch.dtype
     ) -> "States":
+        wide = torch.promote_types(dtype, torch.float32)
         tensors = [
-            torch.zeros(
-                layers, batch_size, *shape, device=device, dtype=torch.float32 if fp32 else dtype
-            )
+            torch.zeros(layers, batch_size, *shape, device=device, dtype=wide if fp32 else dtype)
             for shape, fp32 in zip(self.shapes, self.fp32, strict=True)
         ]
         return States(tensors)

@@ -97,6 +97,9 @@ class LayerKind:
     chunk: ClassVar[int | None] = None
     # transformers' name of it in a config's layer_types; None: no transformers class holds it
     hf_layer_type: ClassVar[str | None] = None
+    # the model_type of the one transformers class that holds layers of it ('qwen3_5_text' for
+    # Gated DeltaNet, 'kimi_linear' for KDA); None: attention, which several classes hold
+    hf_model: ClassVar[str | None] = None
     # its mixer's parameters, ours (under the block's 'attn.') -> transformers' (under a layer's)
     hf_names: ClassVar[dict[str, str]] = {}
     # whether a global attention layer converts into it (smallgpt/hybridize.py): its mixer's

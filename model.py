@@ -17,6 +17,7 @@ from torch.nn import functional as F
 import attention
 from attention import GlobalAttention, LocalAttention, RMSNorm
 from gated_deltanet import GatedDeltaNet
+from kimi_delta import KimiDeltaAttention
 from kv_cache import Cache, CacheShape, KVCache
 from layer_kind import LayerKind, Mask, Mixer, Rope
 from smallgpt.fast_paths import Linear
@@ -29,6 +30,7 @@ LAYER_KINDS: dict[str, type[LayerKind]] = {
     "L": GlobalAttention,
     "S": LocalAttention,
     "D": GatedDeltaNet,
+    "K": KimiDeltaAttention,
 }
 
 

@@ -11,6 +11,10 @@ can stop anywhere and decoding go on from it. q and k come normalised and q scal
 
 Shapes: q, k (B, H, T, d_k); v (B, H, T, d_v); g, b (B, H, T); state (B, H, d_k, d_v).
 
+Kimi Delta Attention (KDA, arXiv 2510.26692) is the same rule with a decay per channel of the
+key, S_t = (I - b_t k_t k_t^T) Diag(a_t) S_{t-1} + b_t k_t v_t^T: both forms take such a g
+(B, H, T, d_k) too, and one equal in every channel computes what the per-head g computes.
+
 On CUDA with flash-linear-attention installed (`pip install flash-linear-attention`, its package
 `fla`), `on_kernels` runs the chunked form on its Triton kernels instead; `chunked` stays the
 reference it is checked against (scripts/fla_check.py, docs/gpu.md) and the path everywhere else.
@@ -38,8 +42,11 @@ def recurrent(
     if state is None:
         state = q.new_zeros(B, H, d_k, d_v)
     out = []
+    per_channel = g.dim() == 4
     for t in range(T):
-        state = state * g[..., t, None, None].exp()
+        # each row of the state (a channel of the key) decayed by its own g, or all by the head's
+        decay = g[..., t, :, None] if per_channel else g[..., t, None, None]
+        state = state * decay.exp()
         # what the state predicts for k_t, and the correction b_t writes along k_t
         predicted = (k[..., t, :, None] * state).sum(-2)  # S^T k: (B, H, d_v)
         delta = b[..., t, None] * (v[..., t, :] - predicted)
@@ -56,17 +63,19 @@ def in_chunks(
     b: torch.Tensor,
     chunk: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The inputs as n chunks of `chunk` tokens: q, k, v (B, H, n, C, d), g, b (B, H, n, C), the
-    last chunk padded with tokens that neither decay nor write (g = 0, b = 0)."""
+    """The inputs as n chunks of `chunk` tokens: q, k, v (B, H, n, C, d), g (B, H, n, C) or per
+    channel (B, H, n, C, d_k), b (B, H, n, C), the last chunk padded with tokens that neither
+    decay nor write (g = 0, b = 0)."""
     T = q.size(2)
     pad = -T % chunk
+    per_channel = g.dim() == 4
     if pad:
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, b = (F.pad(x, (0, pad)) for x in (g, b))
+        g = F.pad(g, (0, 0, 0, pad) if per_channel else (0, pad))
+        b = F.pad(b, (0, pad))
     n = (T + pad) // chunk
-    q, k, v = (x.unflatten(2, (n, chunk)) for x in (q, k, v))
-    g, b = (x.unflatten(2, (n, chunk)) for x in (g, b))
-    return q, k, v, g, b
+    q, k, v, g = (x.unflatten(2, (n, chunk)) for x in (q, k, v, g))
+    return q, k, v, g, b.unflatten(2, (n, chunk))
 
 
 def within_chunks(
@@ -76,9 +85,11 @@ def within_chunks(
     up to each token), A (the corrections' system), the scores exp(G_t - G_s) (k_s . q_t) for
     s <= t, and each key decayed to the chunk's end."""
     chunk = q.size(-2)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    if g.dim() == q.dim():  # a decay per channel (KDA)
+        return within_chunks_per_channel(q, k, g, b, causal)
     G = g.cumsum(-1)
     # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     # q . k and k . k of the chunk's tokens in one product
     qk, kk = (torch.cat((q, k), dim=-2) @ k.mT).split(chunk, dim=-2)
@@ -88,6 +99,32 @@ def within_chunks(
     scores = qk * decay
     k_to_end = (G[..., -1:] - G).exp()[..., None] * k  # exp(G_C - G_s) k_s
     return G, A, scores, k_to_end
+
+
+def within_chunks_per_channel(
+    q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, b: torch.Tensor, causal: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """within_chunks with a decay per channel, g (B, H, n, C, d_k): the decay between tokens s
+    and t is exp(G_t - G_s) channel by channel, so q . k and k . k are summed over the channels
+    with it inside, (C, C, d_k) a chunk (the channels' decays cannot be factored out of the sum
+    without overflow: exp(-G_s) grows past fp32 over a chunk of strong decays)."""
+    G = g.cumsum(-2)  # (B, H, n, C, d_k)
+    gap = G[..., :, None, :] - G[..., None, :, :]  # G_t - G_s: (B, H, n, C, C, d_k)
+    decay = gap.masked_fill(~causal[..., None], float("-inf")).exp()
+    scores = (q[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)
+    kk = (k[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)
+    A = b[..., None] * kk
+    k_to_end = (G[..., -1:, :] - G).exp() * k  # exp(G_C - G_s) k_s, channel by channel
+    return G, A, scores, k_to_end
+
+
+def decays(G: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """From G (the decay's log summed over each chunk, (B, H, n, C) or per channel (B, H, n, C,
+    d_k)): each token's decay since its chunk's start, broadcast over the key's channels, and each
+    chunk's whole decay, broadcast over the state's rows (B, H, n, d_k or 1, 1)."""
+    if per_channel:
+        return G.exp(), G[..., -1, :, None].exp()
+    return G.exp()[..., None], G[..., -1, None, None].exp()
 
 
 def chunked(
@@ -123,13 +160,13 @@ def chunked(
         u = torch.linalg.solve_triangular(A, b[..., None] * v, upper=False, unitriangular=True)
         out = (scores @ u).squeeze(2)  # (B, H, C, d_v)
         return out[:, :, :T], (k_to_end.mT @ u).squeeze(2)
+    since_start, kept = decays(G, per_channel=g.dim() == q.dim())
     # the corrections' two parts, from v and per unit of S_0, in one solve for every chunk
-    k_decayed = b[..., None] * G.exp()[..., None] * k
-    rhs = torch.cat((b[..., None] * v, k_decayed), dim=-1)
+    rhs = torch.cat((b[..., None] * v, b[..., None] * since_start * k), dim=-1)
     u_v, u_s = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split(
         (d_v, d_k), dim=-1
     )
-    q_decayed = G.exp()[..., None] * q
+    q_decayed = since_start * q
     # chunk by chunk, the state carried from one to the next; each input unbound once (a
     # chunk's slice taken in the loop would cost a full-size gradient per slice in backward)
     chunks = zip(
@@ -138,7 +175,7 @@ def chunked(
         q_decayed.unbind(2),
         scores.unbind(2),
         k_to_end.unbind(2),
-        G[..., -1].exp()[..., None, None].unbind(2),
+        kept.unbind(2),
         strict=True,
     )
     out = []

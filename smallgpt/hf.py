@@ -16,6 +16,8 @@ import torch
 
 from model import GPT, GPTConfig
 from smallgpt.errors import UserError, first_line
+from smallgpt.hf_kimi import MODEL_TYPE as KIMI_TYPE
+from smallgpt.hf_kimi import check_kimi, from_kimi_linear, kimi_linear, wants_kimi
 from smallgpt.hf_llama import (
     MODEL_TYPES,
     deepseek,
@@ -58,6 +60,9 @@ def target_class(config: Any) -> str:
                 f"no transformers class holds {kind.name} layers ({kind.letter} in "
                 f"{config.pattern_key}={pattern!r}): this model cannot be exported"
             )
+    if wants_kimi(config):  # Kimi Delta Attention layers
+        check_kimi(config)
+        return "KimiLinearForCausalLM"
     if wants_qwen(config):  # Gated DeltaNet layers, or Qwen3.5's attention
         check_qwen(config)
         return "Qwen3_5ForCausalLM"
@@ -77,7 +82,9 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
     c = model.config
     class_name = target_class(c)
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    if class_name == "Qwen3_5ForCausalLM":
+    if class_name == "KimiLinearForCausalLM":
+        cls_name, hf_config, state = kimi_linear(c, sd)
+    elif class_name == "Qwen3_5ForCausalLM":
         cls_name, hf_config, state = qwen35(c, sd)
     elif class_name == "DeepseekV3ForCausalLM":
         cls_name, hf_config, state = deepseek(c, sd, llama_cpp)
@@ -244,6 +251,9 @@ def from_transformers(folder: str) -> GPT:
     sd = {k: v.float() for k, v in hf.state_dict().items()}
     if c.model_type == QWEN_TYPE:  # Gated DeltaNet hybrids
         config, state = from_qwen35(folder, c, sd)
+        return with_weights(GPT(config), state)
+    if c.model_type == KIMI_TYPE:  # Kimi Delta Attention hybrids
+        config, state = from_kimi_linear(folder, c, sd)
         return with_weights(GPT(config), state)
     if c.model_type in MODEL_TYPES:  # Llama's block: Llama or DeepSeek-V3
         config, state = from_llama_block(folder, c, sd)
@@ -460,11 +470,12 @@ def folder_model_type(folder: Path) -> str:
         kind = json.loads((folder / "config.json").read_text()).get("model_type")
     except (ValueError, AttributeError):
         kind = None
-    if kind not in ("gpt2", "starcoder2", "gpt_bigcode", QWEN_TYPE, *MODEL_TYPES):
+    if kind not in ("gpt2", "starcoder2", "gpt_bigcode", QWEN_TYPE, KIMI_TYPE, *MODEL_TYPES):
         raise UserError(
             f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by "
-            "save_pretrained, nor a Llama, DeepSeek-V3 or Qwen3.5 one (config.json's model_type is "
-            f"{kind!r}); a checkpoint of this project loads with init_from=resume and out_dir"
+            "save_pretrained, nor a Llama, DeepSeek-V3, Qwen3.5 or Kimi Linear one (config.json's "
+            f"model_type is {kind!r}); a checkpoint of this project loads with init_from=resume "
+            "and out_dir"
         )
     return kind
 

@@ -197,6 +197,8 @@ def granite_swa(
         sliding_window=c.window or c.block_size,
         layer_types=layer_types,
         layer_rope_theta=[c.rope_theta if rotary(c, i) else 0 for i in range(c.n_layer)],
+        # the same as llama.cpp's converter reads it: 1 where a layer rotates, 0 where not
+        no_rope_layers=[int(rotary(c, i)) for i in range(c.n_layer)],
     )
     config = transformers.GraniteSWAConfig(**keys)
     for i in range(c.n_layer):
@@ -351,7 +353,7 @@ def granite_sinks(c: Any, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
         keys["rope_theta"] = float(thetas.pop())  # one base (llama_block_problems)
     if 0 in c.layer_rope_theta:
         letters = "".join("R" if theta else "N" for theta in c.layer_rope_theta)
-        keys["rope_pattern"] = shortest_repeat(letters)
+        keys["rope_pattern"] = shortest_period(letters)
     return keys
 
 
@@ -432,8 +434,9 @@ def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict
     }
 
 
-def shortest_repeat(letters: str) -> str:
-    """The shortest pattern whose repeats give every layer's letter."""
+def shortest_period(letters: str) -> str:
+    """The shortest pattern whose repeats give every layer's letter (e.g. 'DDDL' of 'DDDLDDDL'):
+    layer_pattern and rope_pattern read back from a transformers config's list a layer."""
     n = len(letters)
     return next(letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[:n] == letters)
 

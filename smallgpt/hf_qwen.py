@@ -15,7 +15,7 @@ from attention import NORM_EPS
 from layer_kind import LayerKind
 from model import LAYER_KINDS, GPTConfig
 from smallgpt.errors import UserError
-from smallgpt.hf_llama import LLAMA_LAYER, shape_config, shape_of
+from smallgpt.hf_llama import LLAMA_LAYER, shape_config, shape_of, shortest_period
 
 MODEL_TYPE = "qwen3_5_text"
 # the layer types Qwen3.5's class holds (each kind's hf_layer_type names its own)
@@ -28,7 +28,7 @@ ONE_PLUS_W = ("ln_1.weight", "ln_2.weight", "attn.q_norm.weight", "attn.k_norm.w
 def wants_qwen(c: GPTConfig) -> bool:
     """Whether c has what only Qwen3.5's class holds: Gated DeltaNet layers, or its attention."""
     qwen_attention = c.attn_gate != "none" or c.qk_norm or c.rope_fraction != 1
-    return bool(c.recurrent_layers) or qwen_attention
+    return any(kind.hf_model == MODEL_TYPE for kind in c.layer_kinds) or qwen_attention
 
 
 def check_qwen(c: GPTConfig) -> None:
@@ -102,7 +102,11 @@ def layer_names(kind: type[LayerKind]) -> dict[str, str]:
 
 def kinds_of(layer_types: list[str]) -> list[type[LayerKind]] | None:
     """Each layer's kind by its transformers layer type; None where a type is no kind's."""
-    by_type = {kind.hf_layer_type: kind for kind in LAYER_KINDS.values()}
+    by_type = {
+        kind.hf_layer_type: kind
+        for kind in LAYER_KINDS.values()
+        if kind.hf_model in (None, MODEL_TYPE)
+    }
     if not set(layer_types) <= set(by_type) & set(LAYER_TYPES):
         return None
     return [by_type[t] for t in layer_types]
@@ -175,11 +179,3 @@ def from_qwen35(
         for a, b in layer_names(kind).items():
             state[ours + a] = sd[theirs + b] + (1 if a in ONE_PLUS_W else 0)
     return config, state
-
-
-def shortest_period(letters: str) -> str:
-    """The shortest pattern whose repeats give every layer's letter (e.g. 'DDDL' of 'DDDLDDDL')."""
-    for n in range(1, len(letters) + 1):
-        if (letters[:n] * len(letters))[: len(letters)] == letters:
-            return letters[:n]
-    return letters

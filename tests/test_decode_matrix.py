@@ -25,10 +25,11 @@ LLAMA = dict(norm="rmsnorm", mlp="swiglu", bias=False, pos_encoding="rope")  # M
 # (local layers), Qwen3.5 (a Gated DeltaNet layer, gated attention with q/k norms and half its
 # features rotated); no stock class holds MLA with local layers. The int8 products take rows of
 # other widths than 16's multiples too: the Llama block's SwiGLU (88 wide), MLA-q's latent (12).
-# MLA-window-GDN has a query latent and a Gated DeltaNet layer too: its compiled int8 step (below)
-# holds MLA's kv_b, the query latent's rows, a ring and a recurrent state in one program; its
-# attention has sinks, its global layer no positions (Kimi Linear's NoPE MLA). sinks-NoPE: GQA
-# with sinks on a local layer and a global one without positions (GraniteSWA).
+# MLA-window-GDN has a query latent, a Gated DeltaNet and a KDA layer too: its compiled int8 step
+# (below) holds MLA's kv_b, the query latent's rows, a ring and two recurrent states in one
+# program; its attention has sinks, its global layer no positions (Kimi Linear's NoPE MLA).
+# sinks-NoPE: GQA with sinks on a local layer and a global one without positions (GraniteSWA).
+# KDA: Kimi Linear's hybrid (KimiLinearForCausalLM).
 KINDS = {
     "MHA": dict(n_kv_head=4, pos_encoding="rope"),
     "GQA": dict(n_kv_head=2, pos_encoding="rope"),
@@ -41,11 +42,12 @@ KINDS = {
         kv_lora_rank=8,
         q_lora_rank=12,
         window=8,
-        layer_pattern="DSL",
-        n_layer=3,
+        layer_pattern="DKSL",
+        n_layer=4,
         attn_sinks=True,
-        rope_pattern="RRN",
+        rope_pattern="RRRN",
     ),
+    "KDA": LLAMA | dict(kv_lora_rank=8, layer_pattern="KL", rope_pattern="N"),
     "sinks-NoPE": LLAMA
     | dict(n_kv_head=2, window=8, window_pattern="SL", attn_sinks=True, rope_pattern="RN"),
     "hybrid": LLAMA
@@ -197,7 +199,7 @@ def test_an_hf_folder_decodes_what_its_run_does(
     tokens, past block_size; MLA with local layers, which none holds, is refused in one line."""
     m = models[kind]
     if kind == "MLA-window-GDN":
-        with pytest.raises(UserError, match="export needs .*no MLA .*no local layers") as e:
+        with pytest.raises(UserError, match="export needs .*no local layers .*no sinks") as e:
             exported(m, tmp_path)
         assert "\n" not in str(e.value)
         return

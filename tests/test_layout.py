@@ -60,13 +60,16 @@ def test_the_import_graph_has_no_cycle() -> None:
         visit(m, [])
     # the model is a leaf: the cache (kv_cache.py) needs nothing of ours, what a kind declares
     # (layer_kind.py) only the cache, the kinds' files those and the fast paths (gated_deltanet.py
-    # also the delta rule, its arithmetic, which imports nothing of ours, and attention's norm);
-    # model.py the kinds' files; so the engine imports the model, never the reverse
+    # also the delta rule, its arithmetic, which imports nothing of ours, and attention's norm;
+    # kimi_delta.py those and Gated DeltaNet's convolution); model.py the kinds' files; so the
+    # engine imports the model, never the reverse
     below = {"smallgpt.fast_paths", "kv_cache", "layer_kind"}
-    assert "model" in done and graph["model"] <= {*below, "attention", "gated_deltanet"}
+    kinds = {"attention", "gated_deltanet", "kimi_delta"}
+    assert "model" in done and graph["model"] <= {*below, *kinds}
     assert graph["kv_cache"] == set() and graph["layer_kind"] == {"kv_cache"}
     assert graph["attention"] <= below
     assert graph["gated_deltanet"] <= {*below, "smallgpt.delta_rule", "attention"}
+    assert graph["kimi_delta"] <= {*below, "smallgpt.delta_rule", "attention", "gated_deltanet"}
     assert graph["smallgpt.delta_rule"] == set()
 
 

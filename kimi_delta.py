@@ -1,0 +1,196 @@
+"""Kimi Delta Attention (KDA, arXiv 2510.26692), Kimi Linear's recurrent kind of layer: Gated
+DeltaNet with a decay per channel of the key instead of one per head,
+
+    S_t = (I - b_t k_t k_t^T) Diag(a_t) S_{t-1} + b_t k_t v_t^T,    o_t = S_t^T q_t,
+
+the decay from a low-rank map of the input, the output through an RMSNorm gated by sigmoid of a
+low-rank map. The rule itself is smallgpt/delta_rule.py's (a g per channel). K in layer_pattern:
+model.LAYER_KINDS holds it as a row; Kimi Linear interleaves three with one MLA layer without
+positions ('KKKL' with kv_lora_rank and rope_pattern='N')."""
+
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from attention import RMSNorm
+from gated_deltanet import KERNEL, l2_normalised, real_tokens, short_convolution
+from kv_cache import Cache, KVCache, StateSpec, StaticKVCache
+from layer_kind import Config, LayerKind, Mask, Mixer, Rope
+from smallgpt import delta_rule
+from smallgpt.fast_paths import Linear
+
+
+class KimiDeltaAttention(Mixer, LayerKind):
+    """A KDA layer as transformers' KimiLinearDeltaAttention builds it: q, k and v of n_head heads
+    (head_dim each) from one product through a short causal depthwise convolution and SiLU, q and
+    k L2-normalised; per head and token a write strength b = sigmoid(c_b x), and per channel a
+    decay exp(g), g = -exp(A_log[head]) softplus(f_b(f_a(x)) + dt_bias), f_a to head_dim features
+    and f_b back; the gated delta rule chunked over a sequence and one step at a time while
+    decoding; each head's output RMS-normalised times sigmoid(g_b(g_a(x))), then projected. No
+    positions. Its cache is the state and the convolution's last kernel - 1 inputs, as Gated
+    DeltaNet's. mask (B, T): True at a real token; a left pad neither decays nor writes."""
+
+    letter = "K"
+    name = "Kimi Delta Attention"
+    reads = frozenset()  # its sizes are n_embd, n_head and head_dim: the model's own
+    # transformers' KimiLinearForCausalLM (smallgpt/hf_kimi.py): its layer type, and its
+    # parameters' names; c_qkv is its q_proj, k_proj and v_proj, one above the other
+    hf_model = "kimi_linear"
+    hf_layer_type = "linear_attention"
+    hf_names = {
+        "conv": "self_attn.conv1d.weight",
+        "f_a.weight": "self_attn.forget_gate.f_a_proj.weight",
+        "f_b.weight": "self_attn.forget_gate.f_b_proj.weight",
+        "dt_bias": "self_attn.forget_gate.dt_bias",
+        "A_log": "self_attn.forget_gate.A_log",
+        "c_b.weight": "self_attn.b_proj.weight",
+        "g_a.weight": "self_attn.g_a_proj.weight",
+        "g_b.weight": "self_attn.g_b_proj.weight",
+        "norm.weight": "self_attn.o_norm.weight",
+        "c_proj.weight": "self_attn.o_proj.weight",
+    }
+    kernel = KERNEL
+    # tokens a step of delta_rule.chunked: its per-channel decays make a (chunk, chunk, head_dim)
+    # tensor a chunk and head, so a chunk half Gated DeltaNet's
+    chunk = 32
+
+    def __init__(self, config: Config, layer: int) -> None:
+        super().__init__(layer)
+        n_embd = config.n_embd
+        n_head = config.n_head
+        bias = config.bias
+        self.n_head = n_head
+        self.head_dim = hd = config.head_dim
+        self.c_qkv = Linear(n_embd, 3 * n_embd, bias=bias)  # [q | k | v], head by head
+        self.conv = nn.Parameter(torch.empty(3 * n_embd, 1, self.kernel))  # nn.Conv1d's shape
+        # the decay's low-rank map (head_dim wide, as Kimi Linear's), its bias a channel, and
+        # each head's rate
+        self.f_a = Linear(n_embd, hd, bias=False)
+        self.f_b = Linear(hd, n_embd, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(n_embd))
+        self.A_log = nn.Parameter(torch.empty(n_head))
+        self.c_b = Linear(n_embd, n_head, bias=bias)
+        # the output gate's low-rank map
+        self.g_a = Linear(n_embd, hd, bias=False)
+        self.g_b = Linear(hd, n_embd, bias=False)
+        self.norm = RMSNorm(hd)
+        self.c_proj = Linear(n_embd, n_embd, bias=bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def initial(self, name: str, generator: torch.Generator | None) -> torch.Tensor | None:
+        """As fla and transformers initialise them: the convolution as nn.Conv1d's default
+        bound, A uniform in [1, 16], dt_bias the inverse softplus of a step log-uniform in
+        [0.001, 0.1] (a channel each)."""
+        if name == "conv":
+            bound = self.kernel**-0.5
+            return torch.empty(self.conv.shape).uniform_(-bound, bound, generator=generator)
+        if name == "A_log":
+            return torch.empty(self.n_head).uniform_(1.0, 16.0, generator=generator).log()
+        if name == "dt_bias":
+            low, high = math.log(0.001), math.log(0.1)
+            width = self.dt_bias.numel()
+            dt = (torch.rand(width, generator=generator) * (high - low) + low).exp()
+            return dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+        return None
+
+    def decay(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """g (B, H, T, head_dim): each channel's decay's log, -exp(A_log) softplus(f_b(f_a(x)) +
+        dt_bias), in dtype."""
+        B, T, _ = x.shape
+        rate = self.f_b(self.f_a(x)).to(dtype) + self.dt_bias.to(dtype)
+        rates = F.softplus(rate).view(B, T, self.n_head, -1)
+        return (-self.A_log.to(dtype).exp()[:, None] * rates).transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, kv_cache: Cache | None
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        H = self.n_head
+        hd = self.head_dim
+        if mask is not None:  # a pad token enters as zeros
+            x = x * mask[..., None]
+        if kv_cache is None:
+            conv_in = x.new_zeros(B, self.kernel - 1, 3 * C)
+            state = None
+        else:
+            conv_in, state = kv_cache.read_state(self.layer)
+            conv_in = conv_in.transpose(1, 2)  # the cache keeps (B, 3 C, kernel - 1)
+        qkv, inputs = short_convolution(self.c_qkv(x), self.conv, conv_in)
+        # the recurrence in fp32 whatever the autocast (or a float64 model's own dtype)
+        wide = torch.promote_types(qkv.dtype, torch.float32)
+        q, k, v = qkv.to(wide).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        q = l2_normalised(q) * hd**-0.5
+        k = l2_normalised(k)
+        b = torch.sigmoid(self.c_b(x).to(wide)).transpose(1, 2)  # (B, H, T)
+        g = self.decay(x, wide)  # (B, H, T, head_dim)
+        if mask is not None:  # a pad neither decays nor writes
+            b = b * mask[:, None]
+            g = g * mask[:, None, :, None]
+        with torch.autocast(x.device.type, enabled=False):
+            if T == 1 and state is not None:
+                o, state = delta_rule.recurrent(q, k, v, g, b, state)
+            else:
+                o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
+        if kv_cache is not None:
+            kv_cache.write_state(self.layer, inputs[:, -(self.kernel - 1) :].transpose(1, 2), state)
+        # each head's output normed, gated by sigmoid of the low-rank gate, then projected
+        gate = self.g_b(self.g_a(x)).view(B, T, H, hd)
+        o = self.norm(o.transpose(1, 2)) * torch.sigmoid(gate.to(wide))  # (B, T, H, head_dim)
+        return self.resid_dropout(self.c_proj(o.to(x.dtype).reshape(B, T, C)))
+
+    @property
+    def mask_key(self) -> Hashable:
+        return KimiDeltaAttention
+
+    def mask(
+        self,
+        T: int,
+        start: int,
+        pad: torch.Tensor | None,
+        device: torch.device,
+        kv_cache: KVCache | None,
+    ) -> Mask:
+        return real_tokens(T, start, pad, device)  # the recurrence orders the tokens
+
+    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
+        return None  # one token a row, every row real
+
+    def mixing_flops(self, seq_len: int) -> int:
+        # as Gated DeltaNet's (delta_rule.chunked), its chunk's products summed channel by channel
+        chunk = min(self.chunk, seq_len)
+        return 6 * self.n_head * self.head_dim * (4 * chunk + 4 * self.head_dim)
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> StateSpec:
+        """q, k and v through the convolution (its last kernel - 1 inputs), and a head_dim x
+        head_dim state a head in fp32."""
+        hd = config.head_dim
+        return StateSpec(((3 * config.n_embd, KERNEL - 1), (config.n_head, hd, hd)), (False, True))
+
+    @classmethod
+    def hf_config(cls, config: Config) -> dict[str, Any]:
+        """Its keys of transformers' KimiLinearConfig: its heads are ours."""
+        return dict(
+            linear_conv_kernel_dim=KERNEL,
+            linear_head_dim=config.head_dim,
+            linear_num_heads=config.n_head,
+        )
+
+    @classmethod
+    def hf_problems(cls, hf_config: Any) -> list[str]:
+        """What a Kimi Linear config's KDA layers hold that this kind cannot."""
+        c = hf_config
+        hd = c.hidden_size // c.num_attention_heads
+        problems = []
+        if (c.linear_num_heads, c.linear_head_dim) != (c.num_attention_heads, hd):
+            problems.append(
+                f"linear_num_heads={c.linear_num_heads}, linear_head_dim={c.linear_head_dim} "
+                f"(ours: {c.num_attention_heads} heads of {hd})"
+            )
+        if c.linear_conv_kernel_dim != KERNEL:
+            problems.append(f"linear_conv_kernel_dim={c.linear_conv_kernel_dim}")
+        return problems
