@@ -295,6 +295,8 @@ def check_variants(
                 model.attn_gate,
                 model.qk_norm,
                 model.rope_fraction,
+                model.attn_sinks,
+                (model.rope_pattern * model.n_layer)[: model.n_layer],
             )
             other = seen.setdefault(shape, variant)
             if other != variant:

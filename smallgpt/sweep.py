@@ -27,7 +27,7 @@ from smallgpt.convert import CONVERT_METHODS
 from smallgpt.errors import UserError
 from smallgpt.measure import default_kv_heads
 from smallgpt.runlog import read_run, unfinished
-from smallgpt.variant import MHA, Variant
+from smallgpt.variant import MHA, OPTIONS, Variant
 
 STARTUP_S = 6.0  # a train.py process's start (imports, data, model) and end, in the plan's estimate
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -69,22 +69,16 @@ def compared_variants(cfg: CompareConfig, mha: GPTConfig) -> list[Variant]:
 
 
 def variant_flags(model: GPTConfig) -> list[str]:
-    """train.py's flags that make a run's model this variant."""
+    """train.py's flags that make a run's model this variant: its K/V heads, MLA's latent, and
+    every key of variant.OPTIONS away from its default."""
     flags = [f"--n_kv_head={model.n_kv_head}"]
     if model.kv_lora_rank is not None:
         flags.append(f"--kv_lora_rank={model.kv_lora_rank}")
-    if model.window:
-        flags.append(f"--window={model.window}")
-    if model.layer_pattern is not None:
-        flags.append(f"--layer_pattern={model.layer_pattern}")
-    elif model.window:
-        flags.append(f"--window_pattern={model.window_pattern}")
-    if model.attn_gate != "none":
-        flags.append(f"--attn_gate={model.attn_gate}")
-    if model.qk_norm:
-        flags.append("--qk_norm=True")
-    if model.rope_fraction != 1:
-        flags.append(f"--rope_fraction={model.rope_fraction}")
+    defaults = GPTConfig.__dataclass_fields__
+    for key in OPTIONS:
+        value = getattr(model, key)
+        if value != defaults[key].default:
+            flags.append(f"--{key}={value}")
     return flags
 
 

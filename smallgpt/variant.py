@@ -11,8 +11,18 @@ import attention
 from model import LAYER_KINDS, GPTConfig
 
 # the keys a variant may set besides its attention's, in the order its name spells them: the
-# layers' pattern and window, then Qwen3.5's attention options
-OPTIONS = ("layer_pattern", "window_pattern", "window", "attn_gate", "qk_norm", "rope_fraction")
+# layers' pattern and window, then Qwen3.5's attention options, then sinks and the layers without
+# positions
+OPTIONS = (
+    "layer_pattern",
+    "window_pattern",
+    "window",
+    "attn_gate",
+    "qk_norm",
+    "rope_fraction",
+    "attn_sinks",
+    "rope_pattern",
+)
 GATES = {None: "none", "-gate": "element", "-headgate": "head"}
 
 
@@ -21,13 +31,16 @@ def name_grammar() -> re.Pattern:
     mla<kv_lora_rank>), then its layers' pattern if not all global attention, letters of
     LAYER_KINDS with the window after it where some layer is local (mha-sssl64:
     window_pattern='SSSL', window=64; gqa2-dddl: layer_pattern='DDDL'), then Qwen3.5's attention
-    options: -gate (per feature) or -headgate, -qknorm, -rope<percent>. Read from the table at
-    each call, so that a kind registered at run time has its letter."""
+    options: -gate (per feature) or -headgate, -qknorm, -rope<percent>; then -sink (attn_sinks),
+    and -nope (no layer has positions, rope_pattern='N') or -rp<letters> (rope_pattern: -rprrrn is
+    'RRRN'). Read from the table at each call, so that a kind registered at run time has its
+    letter."""
     letters = "".join(LAYER_KINDS).lower()
     return re.compile(
         r"(?P<attention>mha|mqa|gqa(?P<n_kv_head>[1-9][0-9]*)|mla(?P<kv_lora_rank>[1-9][0-9]*))"
         rf"(?:-(?P<pattern>[{letters}]+)(?P<window>[1-9][0-9]*)?)?"
         r"(?P<gate>-gate|-headgate)?(?P<qk_norm>-qknorm)?(?:-rope(?P<rope>[1-9][0-9]?))?"
+        r"(?P<sink>-sink)?(?:(?P<nope>-nope)|-rp(?P<rope_pattern>[rn]+))?"
     )
 
 
@@ -50,7 +63,7 @@ def pattern_keys(pattern: str | None, window: int | None) -> dict[str, object]:
 @dataclass(frozen=True, slots=True)
 class Variant:
     """A model variant as its name says: 'mha', 'gqa2', 'mqa', 'mla16', 'mha-sssl64',
-    'gqa2-dddl-gate-qknorm': its attention and size, and the keys it sets away from an all-global
+    'gqa2-dddl-gate-qknorm', 'mha-gate-sink', 'mla16-kkkl-nope': its attention and size, and the keys it sets away from an all-global
     MHA model without options (changes, in OPTIONS' order)."""
 
     attention: str  # 'mha', 'gqa', 'mqa' or 'mla': GPTConfig.attention_type in lower case
@@ -81,6 +94,8 @@ class Variant:
         keys["attn_gate"] = GATES[parts["gate"]]
         keys["qk_norm"] = bool(parts["qk_norm"])
         keys["rope_fraction"] = int(parts["rope"]) / 100 if parts["rope"] else 1.0
+        keys["attn_sinks"] = bool(parts["sink"])
+        keys["rope_pattern"] = "N" if parts["nope"] else (parts["rope_pattern"] or "r").upper()
         attention = parts["attention"][:3]
         size = parts["n_kv_head"] or parts["kv_lora_rank"]
         return cls.of(attention, int(size) if size else None, keys)
@@ -94,7 +109,7 @@ class Variant:
         if pattern is None and config.window is not None:
             pattern = config.window_pattern
         keys = pattern_keys(pattern, config.window)
-        for key in ("attn_gate", "qk_norm", "rope_fraction"):
+        for key in ("attn_gate", "qk_norm", "rope_fraction", "attn_sinks", "rope_pattern"):
             keys[key] = getattr(config, key)
         return cls.of(attention, size, keys)
 
@@ -123,6 +138,10 @@ class Variant:
         suffix += gate + ("-qknorm" if keys.get("qk_norm") else "")
         if keys.get("rope_fraction", 1) != 1:
             suffix += f"-rope{round(keys['rope_fraction'] * 100)}"
+        suffix += "-sink" if keys.get("attn_sinks") else ""
+        rope_pattern = keys.get("rope_pattern", "R")
+        if rope_pattern != "R":
+            suffix += "-nope" if set(rope_pattern) == {"N"} else f"-rp{rope_pattern.lower()}"
         return suffix
 
     def __str__(self) -> str:

@@ -443,11 +443,23 @@ def test_what_qwen3_5_cannot_hold_is_refused_before_anything_is_written(
 
 @pytest.mark.parametrize(
     "name",
-    ["gqa2-dddl", "mha-dsl8", "mqa-ddl-gate-qknorm", "mha-gate", "mha-headgate-rope25", "mla8-dl"],
+    [
+        "gqa2-dddl",
+        "mha-dsl8",
+        "mqa-ddl-gate-qknorm",
+        "mha-gate",
+        "mha-headgate-rope25",
+        "mla8-dl",
+        "mha-sssl8-gate-sink",
+        "mla8-kkkl-nope",
+        "gqa2-sl8-rprn",
+    ],
 )
 def test_a_hybrid_variant_name_is_its_model_and_back(name: str) -> None:
-    """compare.py's names for hybrids and Qwen3.5's attention options: parsed, made of an MHA
-    model, named again from that model, and the train.py flags that make it."""
+    """compare.py's names for hybrids, Qwen3.5's attention options, sinks and layers without
+    positions: parsed, made of an MHA model, named again from that model, and the train.py flags
+    that make it: read back as train.py reads them, they give that model."""
+    from configurator import given_values
     from smallgpt.sweep import variant_flags
     from smallgpt.variant import Variant
 
@@ -456,13 +468,16 @@ def test_a_hybrid_variant_name_is_its_model_and_back(name: str) -> None:
     model = variant.config(mha)
     assert str(variant) == name and Variant.from_config(model) == variant
     flags = dict(flag[2:].split("=", 1) for flag in variant_flags(model))
+    # as train.py reads its command line
+    assert dataclasses.replace(mha, **given_values(GPTConfig, variant_flags(model))) == model
     pattern = name.split("-")[1].rstrip("0123456789")
-    if set(pattern) <= set("sld") and "d" in pattern:
+    if set(pattern) <= set("sldk") and set(pattern) & set("dk"):
         assert flags["layer_pattern"] == pattern.upper() and model.recurrent_layers
     else:
         assert "layer_pattern" not in flags and not model.recurrent_layers
     assert ("attn_gate" in flags) == ("gate" in name)
     assert ("qk_norm" in flags) == ("qknorm" in name)
+    assert ("attn_sinks" in flags) == ("sink" in name)
     if "rope25" in name:
         assert flags["rope_fraction"] == "0.25" and model.rope_dim == 2
 
