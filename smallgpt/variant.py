@@ -63,8 +63,8 @@ def pattern_keys(pattern: str | None, window: int | None) -> dict[str, object]:
 @dataclass(frozen=True, slots=True)
 class Variant:
     """A model variant as its name says: 'mha', 'gqa2', 'mqa', 'mla16', 'mha-sssl64',
-    'gqa2-dddl-gate-qknorm', 'mha-gate-sink', 'mla16-kkkl-nope': its attention and size, and the keys it sets away from an all-global
-    MHA model without options (changes, in OPTIONS' order)."""
+    'gqa2-dddl-gate-qknorm', 'mha-gate-sink', 'mla16-kkkl-nope': its attention and size, and the
+    keys it sets away from an all-global MHA model without options (changes, in OPTIONS' order)."""
 
     attention: str  # 'mha', 'gqa', 'mqa' or 'mla': GPTConfig.attention_type in lower case
     size: int | None = None  # gqa's n_kv_head, mla's kv_lora_rank (mha's and mqa's: None)
