@@ -14,6 +14,7 @@ from model import GPT
 from smallgpt.atomic import cannot_write, temp_path
 from smallgpt.errors import UserError
 from smallgpt.hf import save, to_hf, update_json
+from smallgpt.hf_kimi import llama_cpp_keys, wants_kimi
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Runs llama.cpp's converter (argv: converter, its arguments). The converter names a BPE
@@ -78,12 +79,15 @@ def llama_cpp_folder(model: GPT, tok: Any, folder: Path) -> None:
     """The transformers folder llama.cpp's converter turns into what model computes
     (hf.to_hf(llama_cpp=True)): Starcoder2 with every bias (llama.cpp's has no bias-free variant);
     DeepSeek-V3 with its rotary rows in pairs, and without q_lora_rank as q_lora_rank=0, which
-    llama.cpp's deepseek2 requires (it reads 0 as no query latent) but transformers cannot build: a
-    folder for the converter only (docs/export.md)."""
+    llama.cpp's deepseek2 requires (it reads 0 as no query latent) but transformers cannot build;
+    Kimi Linear with the original checkpoint's keys (hf_kimi.llama_cpp_keys): a folder for the
+    converter only (docs/export.md)."""
     save(to_hf(model, llama_cpp=True), tok, folder)
     c = model.config
     if c.kv_lora_rank is not None and c.q_lora_rank is None:
         update_json(folder / "config.json", {"q_lora_rank": 0})
+    if wants_kimi(c):  # the original checkpoint's keys
+        update_json(folder / "config.json", llama_cpp_keys(c))
 
 
 def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:

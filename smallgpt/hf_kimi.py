@@ -205,3 +205,28 @@ def from_kimi_linear(
             if theirs + b in sd:
                 state[ours + a] = sd[theirs + b]
     return config, state
+
+
+def llama_cpp_keys(c: GPTConfig) -> dict[str, Any]:
+    """What llama.cpp's kimi_linear converter reads of a KimiLinearForCausalLM folder's config.json
+    beyond what transformers writes (transformers saves the weights under the original
+    checkpoint's names, which the converter reads): the original's linear_attn_config (layers
+    1-indexed), and the mixture-of-experts keys it reads whatever the MLPs, given values of no
+    effect (every layer dense: first_k_dense_replace = n_layer)."""
+    kinds = c.layer_kinds
+    layer_keys = {key: value for kind in set(kinds) for key, value in kind.hf_config(c).items()}
+    linear = {
+        "full_attn_layers": [i + 1 for i, kind in enumerate(kinds) if kind.attends],
+        "kda_layers": [i + 1 for i, kind in enumerate(kinds) if not kind.attends],
+        "head_dim": layer_keys["linear_head_dim"],
+        "num_heads": layer_keys["linear_num_heads"],
+        "short_conv_kernel_size": layer_keys["linear_conv_kernel_dim"],
+    }
+    return dict(
+        linear_attn_config=linear,
+        first_k_dense_replace=c.n_layer,
+        moe_intermediate_size=c.mlp_hidden,
+        num_shared_experts=0,
+        routed_scaling_factor=1.0,
+        moe_router_activation_func="sigmoid",
+    )

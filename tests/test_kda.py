@@ -127,3 +127,32 @@ def test_what_kimi_linear_cannot_hold_is_refused_in_one_line(keys: dict, message
     with pytest.raises(UserError, match=message) as e:
         to_hf(tiny_model(**(KIMI | keys)))
     assert "\n" not in str(e.value)
+
+
+def test_the_llama_cpp_folder_has_the_checkpoints_names_and_keys(tmp_path: Path) -> None:
+    """The folder llama.cpp's kimi_linear converter reads: transformers saves the original
+    checkpoint's names (one convolution a projection, q, k, v as ours one above the other; the
+    forget gate's tensors under self_attn), and the config gets its keys: the layers 1-indexed in
+    linear_attn_config, every MLP dense. The converter itself runs in bench.py --mode=gguf
+    (docs/export.md)."""
+    import json
+
+    import safetensors.torch
+
+    from smallgpt.hf import update_json
+    from smallgpt.hf_kimi import llama_cpp_keys
+
+    torch.manual_seed(0)
+    m = tiny_model(**KIMI)
+    to_hf(m, llama_cpp=True).save_pretrained(tmp_path)
+    update_json(tmp_path / "config.json", llama_cpp_keys(m.config))
+    config = json.loads((tmp_path / "config.json").read_text())
+    linear = config["linear_attn_config"]
+    assert (linear["full_attn_layers"], linear["kda_layers"]) == ([4], [1, 2, 3])
+    assert config["first_k_dense_replace"] == 4 and linear["head_dim"] == 8
+    state = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    p = "model.layers.0.self_attn."
+    convs = [state[p + f"{x}_conv1d.weight"] for x in "qkv"]
+    ours = m.transformer.h[0].attn
+    assert torch.equal(torch.cat(convs).view(ours.conv.shape), ours.conv.detach())
+    assert torch.equal(state[p + "A_log"].flatten(), ours.A_log.detach())
