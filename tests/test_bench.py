@@ -231,7 +231,7 @@ def test_nanogpt_bench_without_a_checkout_is_one_line(tmp_path: Path) -> None:
         (["--batch_sizes=[0]"], "batch_sizes=[0] must all be positive"),
         (["--kv_heads=[3]"], "n_head=4 is not divisible by n_kv_head=3"),
         (["--mode=hf", "--new_tokens=[16]"], "each must be below it"),
-        (["--mode=train", "--chunks=[8]"], "chunks=[8] sizes Gated DeltaNet layers' chunks"),
+        (["--mode=train", "--chunks=[8]"], "chunks=[8] sizes Gated DeltaNet or Kimi Delta"),
         (["--mode=train", "--layer_pattern=D", "--chunks=[0]"], "chunks=[0] must all be"),
     ],
 )
