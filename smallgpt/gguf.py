@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from model import GPT
 from smallgpt.atomic import cannot_write, temp_path
 from smallgpt.errors import UserError
 from smallgpt.hf import save, to_hf, update_json
-from smallgpt.hf_kimi import llama_cpp_keys, wants_kimi
+from smallgpt.hf_kimi import llama_cpp_keys, llama_cpp_names, wants_kimi
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 # Runs llama.cpp's converter (argv: converter, its arguments). The converter names a BPE
@@ -80,14 +81,27 @@ def llama_cpp_folder(model: GPT, tok: Any, folder: Path) -> None:
     (hf.to_hf(llama_cpp=True)): Starcoder2 with every bias (llama.cpp's has no bias-free variant);
     DeepSeek-V3 with its rotary rows in pairs, and without q_lora_rank as q_lora_rank=0, which
     llama.cpp's deepseek2 requires (it reads 0 as no query latent) but transformers cannot build;
-    Kimi Linear with the original checkpoint's keys (hf_kimi.llama_cpp_keys): a folder for the
-    converter only (docs/export.md)."""
+    Kimi Linear with the original checkpoint's keys and dense MLP names (hf_kimi): a folder for
+    the converter only (docs/export.md)."""
     save(to_hf(model, llama_cpp=True), tok, folder)
     c = model.config
     if c.kv_lora_rank is not None and c.q_lora_rank is None:
         update_json(folder / "config.json", {"q_lora_rank": 0})
-    if wants_kimi(c):  # the original checkpoint's keys
+    if wants_kimi(c):  # the original checkpoint's keys and dense MLPs' names
         update_json(folder / "config.json", llama_cpp_keys(c))
+        renamed_weights(folder, llama_cpp_names)
+
+
+def renamed_weights(folder: Path, rename: Callable[[dict], dict]) -> None:
+    """A saved folder's weights under rename's names, as one file (any shards joined)."""
+    import safetensors.torch
+
+    files = sorted(folder.glob("*.safetensors"))
+    state = {k: v for f in files for k, v in safetensors.torch.load_file(f).items()}
+    for f in [*files, folder / "model.safetensors.index.json"]:
+        f.unlink(missing_ok=True)
+    weights = rename(state)
+    safetensors.torch.save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def convert_folder(folder: Path, file: Path, llama_cpp: str, outtype: str, name: str = "") -> None:

@@ -207,12 +207,18 @@ def from_kimi_linear(
     return config, state
 
 
+def llama_cpp_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights of a saved KimiLinearForCausalLM folder (transformers saves them under the
+    original checkpoint's names, which llama.cpp's converter reads, but a dense MLP under the
+    experts' block_sparse_moe) with each dense MLP under mlp, as the original's dense layers."""
+    return {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in state.items()}
+
+
 def llama_cpp_keys(c: GPTConfig) -> dict[str, Any]:
     """What llama.cpp's kimi_linear converter reads of a KimiLinearForCausalLM folder's config.json
-    beyond what transformers writes (transformers saves the weights under the original
-    checkpoint's names, which the converter reads): the original's linear_attn_config (layers
-    1-indexed), and the mixture-of-experts keys it reads whatever the MLPs, given values of no
-    effect (every layer dense: first_k_dense_replace = n_layer)."""
+    beyond what transformers writes: the original's linear_attn_config (layers 1-indexed), and the
+    mixture-of-experts keys it reads whatever the MLPs, given values of no effect (every layer
+    dense: first_k_dense_replace = n_layer)."""
     kinds = c.layer_kinds
     layer_keys = {key: value for kind in set(kinds) for key, value in kind.hf_config(c).items()}
     linear = {
