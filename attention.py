@@ -338,6 +338,29 @@ def with_sinks(
     return q, k, v, mask
 
 
+def one_query_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """with_sinks' attention for one query a head (decoding), q (B, H, 1, d), over k and v as they
+    are: the sink's logit joins the scores as one more column, so the cache is not copied to add
+    its key (each K/V head's queries as its rows: no copies for GQA/MQA either). In fp32, or a
+    float64 model's own dtype."""
+    B, H, _, d = q.shape
+    G = k.size(1)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = (q.view(B, G, H // G, d).to(wide) @ k.to(wide).mT) * scale  # (B, G, H // G, Tk)
+    if mask is not None:  # (B or 1, 1, 1, Tk)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(wide).view(1, G, H // G, 1).expand(B, G, H // G, 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ v.to(wide)).to(q.dtype).view(B, H, 1, v.size(-1))
+
+
 class Attention(Mixer):
     """What the two forms of attention share: their window (None: global), masks, whether the
     layer has positions (rotary, or none: rope_pattern's N) and its sinks (attn_sinks)."""
@@ -366,6 +389,8 @@ class Attention(Mixer):
         dropout_p = self.dropout if self.training else 0.0
         if self.sinks is not None:
             scale = scale or q.size(-1) ** -0.5
+            if q.size(2) == 1 and not dropout_p:  # decoding: the cache as it is
+                return one_query_with_sinks(q, k, v, mask, self.sinks, scale)
             q, k, v, mask = with_sinks(q, k, v, mask, self.sinks, scale)
         return sdpa(q, k, v, mask, dropout_p, cached=cached, scale=scale)
 
