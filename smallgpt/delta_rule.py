@@ -101,18 +101,45 @@ def within_chunks(
     return G, A, scores, k_to_end
 
 
+# tokens a block of a chunk whose decays a per-channel decay computes channel by channel (below)
+BLOCK = 8
+
+
 def within_chunks_per_channel(
     q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, b: torch.Tensor, causal: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    """within_chunks with a decay per channel, g (B, H, n, C, d_k): the decay between tokens s
-    and t is exp(G_t - G_s) channel by channel, so q . k and k . k are summed over the channels
-    with it inside, (C, C, d_k) a chunk (the channels' decays cannot be factored out of the sum
-    without overflow: exp(-G_s) grows past fp32 over a chunk of strong decays)."""
+    """within_chunks with a decay per channel, g (B, H, n, C, d_k): the decay between tokens s and
+    t is exp(G_t - G_s) channel by channel, inside the q . k and k . k sums. It cannot be split
+    as exp(G_t) exp(-G_s) over a whole chunk (exp(-G_s) overflows fp32 over a chunk of strong
+    decays), so the chunk is cut into blocks of BLOCK tokens: within a block (the diagonal) each
+    pair's decays are computed channel by channel, (BLOCK, BLOCK, d_k) a block; a key s of block
+    j meets every later query t through the block's last token e, exp(G_t - G_e) exp(G_e - G_s),
+    both factors at most 1, so those scores are one product a block (fla's secondary chunking)."""
     G = g.cumsum(-2)  # (B, H, n, C, d_k)
-    gap = G[..., :, None, :] - G[..., None, :, :]  # G_t - G_s: (B, H, n, C, C, d_k)
-    decay = gap.masked_fill(~causal[..., None], float("-inf")).exp()
-    scores = (q[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)
-    kk = (k[..., :, None, :] * decay * k[..., None, :, :]).sum(-1)
+    C = q.size(-2)
+    block = BLOCK if C % BLOCK == 0 else C  # a short prompt's one chunk: one block
+    m = C // block
+    # the diagonal blocks, each pair's decays channel by channel: (.., m, block, block, d_k)
+    Gb, qb, kb = (x.unflatten(-2, (m, block)) for x in (G, q, k))
+    gap = Gb[..., :, None, :] - Gb[..., None, :, :]  # G_t - G_s
+    decay = gap.masked_fill(~causal[:block, :block, None], float("-inf")).exp()
+    diagonal_scores = (qb[..., :, None, :] * decay * kb[..., None, :, :]).sum(-1)
+    diagonal_kk = (kb[..., :, None, :] * decay * kb[..., None, :, :]).sum(-1)
+    scores = q.new_zeros(*q.shape[:-1], C)
+    kk = q.new_zeros(*q.shape[:-1], C)
+    for i in range(m):
+        rows = slice(i * block, (i + 1) * block)
+        scores[..., rows, rows] = diagonal_scores[..., i, :, :]
+        kk[..., rows, rows] = diagonal_kk[..., i, :, :]
+    # below the diagonal: block j's keys decayed to its last token, the later tokens from it
+    for j in range(m - 1):
+        keys = slice(j * block, (j + 1) * block)
+        later = slice((j + 1) * block, C)
+        end = G[..., (j + 1) * block - 1, None, :]  # (.., 1, d_k)
+        k_to_end_of_block = k[..., keys, :] * (end - G[..., keys, :]).exp()
+        since_block = (G[..., later, :] - end).exp()
+        scores[..., later, keys] = (q[..., later, :] * since_block) @ k_to_end_of_block.mT
+        kk[..., later, keys] = (k[..., later, :] * since_block) @ k_to_end_of_block.mT
     A = b[..., None] * kk
     k_to_end = (G[..., -1:, :] - G).exp() * k  # exp(G_C - G_s) k_s, channel by channel
     return G, A, scores, k_to_end
