@@ -52,7 +52,50 @@ def short_convolution(
     return F.silu(y), inputs
 
 
-class GatedDeltaNet(Mixer, LayerKind):
+class Recurrence(Mixer):
+    """What the recurrent kinds' mixers share beside their forward (Gated DeltaNet's, KDA's): the
+    recurrence orders the tokens, so a mask only says which are real; their FLOPs are the chunked
+    delta rule's; their cache is the state and the convolution's last inputs. A subclass sets
+    n_head, head_dim and chunk."""
+
+    n_head: int
+    head_dim: int
+    chunk: int
+
+    @property
+    def mask_key(self) -> Hashable:
+        return type(self)
+
+    def mask(
+        self,
+        T: int,
+        start: int,
+        pad: torch.Tensor | None,
+        device: torch.device,
+        kv_cache: KVCache | None,
+    ) -> Mask:
+        return real_tokens(T, start, pad, device)
+
+    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
+        return None  # one token a row, every row real
+
+    def mixing_flops(self, seq_len: int) -> int:
+        # its products a token (delta_rule.chunked), about four over its chunk (q.k, k.k, the
+        # solves, the scores' sum) and four with its state
+        chunk = min(self.chunk, seq_len)
+        return 6 * self.n_head * self.head_dim * (4 * chunk + 4 * self.head_dim)
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> StateSpec:
+        """q, k and v of every head through its convolution (its last kernel - 1 inputs), and a
+        head_dim x head_dim state a head in fp32 (a running sum over every token)."""
+        hd = config.head_dim
+        conv = (3 * config.n_embd, KERNEL - 1)
+        state = (config.n_head, hd, hd)
+        return StateSpec((conv, state), (False, True))
+
+
+class GatedDeltaNet(Recurrence, LayerKind):
     """A linear-attention layer, Gated DeltaNet (arXiv 2412.06464) as Qwen3.5 builds it: q, k and v
     of n_head heads from one projection through a short causal depthwise convolution and SiLU, q
     and k L2-normalised; per head and token a write strength b = sigmoid(c_b x) and a decay exp(g),
@@ -218,39 +261,6 @@ class GatedDeltaNet(Mixer, LayerKind):
         self.A_log.zero_()
         step = -decay.double().log()
         self.dt_bias.copy_(torch.log(torch.expm1(step)))
-
-    @property
-    def mask_key(self) -> Hashable:
-        return GatedDeltaNet
-
-    def mask(
-        self,
-        T: int,
-        start: int,
-        pad: torch.Tensor | None,
-        device: torch.device,
-        kv_cache: KVCache | None,
-    ) -> Mask:
-        # the recurrence orders the tokens: its mask only says which are real
-        return real_tokens(T, start, pad, device)
-
-    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
-        return None  # one token a row, every row real
-
-    def mixing_flops(self, seq_len: int) -> int:
-        # its products a token (delta_rule.chunked), about four over its chunk (q.k, k.k, the
-        # solves, the scores' sum) and four with its state
-        chunk = min(self.chunk, seq_len)
-        return 6 * self.n_head * self.head_dim * (4 * chunk + 4 * self.head_dim)
-
-    @classmethod
-    def cache_spec(cls, config: Config) -> StateSpec:
-        """q, k and v of every head through its convolution (its last kernel - 1 inputs), and a
-        head_dim x head_dim state a head in fp32 (a running sum over every token)."""
-        hd = config.head_dim
-        conv = (3 * config.n_embd, KERNEL - 1)
-        state = (config.n_head, hd, hd)
-        return StateSpec((conv, state), (False, True))
 
     @classmethod
     def hf_config(cls, config: Config) -> dict[str, Any]:

@@ -9,7 +9,6 @@ model.LAYER_KINDS holds it as a row; Kimi Linear interleaves three with one MLA 
 positions ('KKKL' with kv_lora_rank and rope_pattern='N')."""
 
 import math
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -17,22 +16,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import RMSNorm
-from gated_deltanet import KERNEL, l2_normalised, real_tokens, short_convolution
-from kv_cache import Cache, KVCache, StateSpec, StaticKVCache
-from layer_kind import Config, LayerKind, Mask, Mixer, Rope
+from gated_deltanet import KERNEL, Recurrence, l2_normalised, short_convolution
+from kv_cache import Cache
+from layer_kind import Config, LayerKind, Rope
 from smallgpt import delta_rule
 from smallgpt.fast_paths import Linear
 
 
-class KimiDeltaAttention(Mixer, LayerKind):
+class KimiDeltaAttention(Recurrence, LayerKind):
     """A KDA layer as transformers' KimiLinearDeltaAttention builds it: q, k and v of n_head heads
     (head_dim each) from one product through a short causal depthwise convolution and SiLU, q and
     k L2-normalised; per head and token a write strength b = sigmoid(c_b x), and per channel a
     decay exp(g), g = -exp(A_log[head]) softplus(f_b(f_a(x)) + dt_bias), f_a to head_dim features
     and f_b back; the gated delta rule chunked over a sequence and one step at a time while
     decoding; each head's output RMS-normalised times sigmoid(g_b(g_a(x))), then projected. No
-    positions. Its cache is the state and the convolution's last kernel - 1 inputs, as Gated
-    DeltaNet's. mask (B, T): True at a real token; a left pad neither decays nor writes."""
+    positions. Its mask, FLOPs and cache are Gated DeltaNet's (Recurrence): the state and the
+    convolution's last kernel - 1 inputs. mask (B, T): True at a real token; a left pad neither
+    decays nor writes."""
 
     letter = "K"
     name = "Kimi Delta Attention"
@@ -141,35 +141,6 @@ class KimiDeltaAttention(Mixer, LayerKind):
         gate = self.g_b(self.g_a(x)).view(B, T, H, hd)
         o = self.norm(o.transpose(1, 2)) * torch.sigmoid(gate.to(wide))  # (B, T, H, head_dim)
         return self.resid_dropout(self.c_proj(o.to(x.dtype).reshape(B, T, C)))
-
-    @property
-    def mask_key(self) -> Hashable:
-        return KimiDeltaAttention
-
-    def mask(
-        self,
-        T: int,
-        start: int,
-        pad: torch.Tensor | None,
-        device: torch.device,
-        kv_cache: KVCache | None,
-    ) -> Mask:
-        return real_tokens(T, start, pad, device)  # the recurrence orders the tokens
-
-    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
-        return None  # one token a row, every row real
-
-    def mixing_flops(self, seq_len: int) -> int:
-        # as Gated DeltaNet's (delta_rule.chunked), its chunk's products summed channel by channel
-        chunk = min(self.chunk, seq_len)
-        return 6 * self.n_head * self.head_dim * (4 * chunk + 4 * self.head_dim)
-
-    @classmethod
-    def cache_spec(cls, config: Config) -> StateSpec:
-        """q, k and v through the convolution (its last kernel - 1 inputs), and a head_dim x
-        head_dim state a head in fp32."""
-        hd = config.head_dim
-        return StateSpec(((3 * config.n_embd, KERNEL - 1), (config.n_head, hd, hd)), (False, True))
 
     @classmethod
     def hf_config(cls, config: Config) -> dict[str, Any]:

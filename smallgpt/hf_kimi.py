@@ -19,6 +19,7 @@ from smallgpt.errors import UserError
 from smallgpt.hf_llama import (
     DEEPSEEK_LAYER,
     LATENT_SCALE,
+    kinds_config,
     latent_rows,
     shape_config,
     shape_of,
@@ -70,8 +71,7 @@ def kimi_config(c: GPTConfig) -> Any:
     """KimiLinearConfig of c, dense: its KDA heads are c's heads."""
     from transformers import KimiLinearConfig
 
-    kinds = set(c.layer_kinds)
-    layer_keys = {key: value for kind in kinds for key, value in kind.hf_config(c).items()}
+    layer_keys = kinds_config(c)
     shape = shape_config(c) | dict(tie_word_embeddings=False)  # the class ties nothing
     return KimiLinearConfig(
         **shape,
@@ -220,7 +220,7 @@ def llama_cpp_keys(c: GPTConfig) -> dict[str, Any]:
     mixture-of-experts keys it reads whatever the MLPs, given values of no effect (every layer
     dense: first_k_dense_replace = n_layer)."""
     kinds = c.layer_kinds
-    layer_keys = {key: value for kind in set(kinds) for key, value in kind.hf_config(c).items()}
+    layer_keys = kinds_config(c)
     linear = {
         "full_attn_layers": [i + 1 for i, kind in enumerate(kinds) if kind.attends],
         "kda_layers": [i + 1 for i, kind in enumerate(kinds) if not kind.attends],

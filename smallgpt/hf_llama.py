@@ -135,6 +135,12 @@ def shape_config(c: GPTConfig) -> dict[str, Any]:
     )
 
 
+def kinds_config(c: GPTConfig) -> dict[str, Any]:
+    """The keys of a transformers config that c's kinds of layer give (LayerKind.hf_config)."""
+    kinds = dict.fromkeys(c.layer_kinds)
+    return {key: value for kind in kinds for key, value in kind.hf_config(c).items()}
+
+
 def shape_of(c: Any) -> dict[str, Any]:
     """shape_config's inverse: our sizes and context from such a transformers config."""
     return dict(

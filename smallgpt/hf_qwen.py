@@ -15,7 +15,7 @@ from attention import NORM_EPS
 from layer_kind import LayerKind
 from model import LAYER_KINDS, GPTConfig
 from smallgpt.errors import UserError
-from smallgpt.hf_llama import LLAMA_LAYER, shape_config, shape_of, shortest_period
+from smallgpt.hf_llama import LLAMA_LAYER, kinds_config, shape_config, shape_of, shortest_period
 
 MODEL_TYPE = "qwen3_5_text"
 # the layer types Qwen3.5's class holds (each kind's hf_layer_type names its own)
@@ -59,8 +59,7 @@ def qwen_config(c: GPTConfig) -> Any:
     """Qwen3_5TextConfig of c: its Gated DeltaNet heads are c's heads, keys as wide as values."""
     from transformers import Qwen3_5TextConfig
 
-    kinds = set(c.layer_kinds)
-    layer_keys = {key: value for kind in kinds for key, value in kind.hf_config(c).items()}
+    layer_keys = kinds_config(c)
     return Qwen3_5TextConfig(
         **shape_config(c),
         num_key_value_heads=c.n_kv_head,
