@@ -54,8 +54,8 @@ class KimiDeltaAttention(Recurrence, LayerKind):
         "c_proj.weight": "self_attn.o_proj.weight",
     }
     kernel = KERNEL
-    # tokens a step of delta_rule.chunked: its per-channel decays make a (chunk, chunk, head_dim)
-    # tensor a chunk and head, so a chunk half Gated DeltaNet's
+    # tokens a step of delta_rule.chunked: half Gated DeltaNet's, its per-channel decays computed
+    # block by block within it (delta_rule.within_chunks_per_channel)
     chunk = 32
 
     def __init__(self, config: Config, layer: int) -> None:
