@@ -152,9 +152,9 @@ def cache_note(scratch: list[dict]) -> list[str]:
         return []
     return [
         "",
-        "KV bytes of a variant with recurrent layers (Gated DeltaNet's): its attention layers' "
-        "K/V, and each recurrent layer's state (fp32, head_dim x head_dim a head) and last "
-        "convolution inputs, the same at any context.",
+        "KV bytes of a variant with recurrent layers (Gated DeltaNet's, KDA's): its attention "
+        "layers' K/V, and each recurrent layer's state (fp32, head_dim x head_dim a head) and "
+        "last convolution inputs, the same at any context.",
     ]
 
 
