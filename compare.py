@@ -30,7 +30,9 @@ variant at the rate of lowest mean final val loss over its seeds, and gives ever
 dataset's test split, which that choice never saw.
 
 Variant names (--variants) are lower case: mha, gqa<n_kv_head>, mqa, mla<kv_lora_rank>, each with
--<window_pattern><window> for local layers (mha-sl8 is train.py's --window_pattern=SL --window=8).
+-<window_pattern><window> for local layers (mha-sl8 is train.py's --window_pattern=SL --window=8),
+-<layer_pattern> for recurrent layers (mha-dddl, mha-kkkl), then -gate, -qknorm, -sink, -nope
+(smallgpt/variant.py has the grammar).
 The names decide what the base run leaves out: n_kv_head, kv_lora_rank, window, window_pattern and
 MLA's other keys. Every run is checked before the first trains (its config, the dataset and
 final_evals). A run trained before at another budget (max_iters, warmup_iters, lr_decay_iters,
