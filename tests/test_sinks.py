@@ -136,3 +136,28 @@ def test_a_wrong_sink_or_nope_key_is_one_line(keys: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as e:
         GPTConfig(**(base | keys))
     assert "\n" not in str(e.value)
+
+
+def test_the_exported_granite_swa_computes_our_logits() -> None:
+    """Exported (GraniteSWAForCausalLM: the trained sinks, a rotary base of 0 on the NoPE layer),
+    transformers' eager attention gives our logits within 1e-5 relative, past the window, with
+    sinks that take a share; the same folder without our sinks does not."""
+    from smallgpt.hf import to_hf
+
+    torch.manual_seed(0)
+    keys = LLAMA | dict(n_kv_head=2, window=4, window_pattern="SL", attn_sinks=True)
+    m = lively(tiny_model(**keys, rope_pattern="RN"))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(2.0, 4.0)
+    hf = to_hf(m)
+    assert type(hf).__name__ == "GraniteSWAForCausalLM"
+    assert hf.config.layer_rope_theta == [10000.0, 0]
+    idx = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = m(idx, idx)[0]
+        assert (hf(idx).logits - ours).norm() / ours.norm() < 1e-5
+        for layer in hf.model.layers:
+            layer.self_attn.sinks.fill_(NO_SINK)
+        assert (hf(idx).logits - ours).norm() / ours.norm() > 1e-3
