@@ -55,12 +55,41 @@ def short_convolution(
 class Recurrence(Mixer):
     """What the recurrent kinds' mixers share beside their forward (Gated DeltaNet's, KDA's): the
     recurrence orders the tokens, so a mask only says which are real; their FLOPs are the chunked
-    delta rule's; their cache is the state and the convolution's last inputs. A subclass sets
-    n_head, head_dim and chunk."""
+    delta rule's; their cache is the state and the convolution's last inputs; their q, k and v
+    come from one product through the convolution (`queries_keys_values`). A subclass sets
+    n_head, head_dim, chunk, c_qkv and conv."""
 
     n_head: int
     head_dim: int
     chunk: int
+    c_qkv: nn.Linear
+    conv: nn.Parameter
+
+    def queries_keys_values(
+        self, x: torch.Tensor, kv_cache: Cache | None
+    ) -> tuple[torch.Tensor, ...]:
+        """q, k, v (B, H, T, head_dim) of x (B, T, n_embd; pads already zeros) through the
+        convolution after the cache's last inputs, q and k L2-normalised and q scaled, in fp32
+        (or a float64 model's own dtype); the state before these tokens (None from an empty
+        context); the convolution's inputs (remember's); the products' dtype (the autocast's)."""
+        B, T, C = x.shape
+        qkv = self.c_qkv(x)  # (B, T, 3 C)
+        if kv_cache is None:
+            conv_in = qkv.new_zeros(B, KERNEL - 1, 3 * C)
+            state = None
+        else:
+            conv_in, state = kv_cache.read_state(self.layer)
+            conv_in = conv_in.transpose(1, 2)  # the cache keeps (B, 3 C, kernel - 1)
+        qkv, inputs = short_convolution(qkv, self.conv, conv_in)  # (B, T, 3 C)
+        products = qkv.dtype
+        wide = torch.promote_types(products, torch.float32)
+        q, k, v = qkv.to(wide).view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return l2_normalised(q) * self.head_dim**-0.5, l2_normalised(k), v, state, inputs, products
+
+    def remember(self, kv_cache: Cache | None, inputs: torch.Tensor, state: torch.Tensor) -> None:
+        """What the next tokens start from: the convolution's last inputs and the state."""
+        if kv_cache is not None:
+            kv_cache.write_state(self.layer, inputs[:, -(KERNEL - 1) :].transpose(1, 2), state)
 
     @property
     def mask_key(self) -> Hashable:
@@ -173,23 +202,9 @@ class GatedDeltaNet(Recurrence, LayerKind):
         # q, k and v of every head from one product; a pad token enters as zeros
         if mask is not None:
             x = x * mask[..., None]
-        qkv = self.c_qkv(x)  # (B, T, 3 C)
-        # the convolution's last kernel - 1 inputs and the state before these tokens: none
-        # from an empty context
-        if kv_cache is None:
-            conv_in = qkv.new_zeros(B, self.kernel - 1, 3 * C)
-            state = None
-        else:
-            conv_in, state = kv_cache.read_state(self.layer)
-            conv_in = conv_in.transpose(1, 2)  # the cache keeps (B, 3 C, kernel - 1)
-        qkv, inputs = short_convolution(qkv, self.conv, conv_in)  # (B, T, 3 C)
-        # q, k, v: (B, H, T, head_dim) in fp32, as the recurrence runs (fla's kernels take
-        # them in the products' dtype, the autocast's)
-        products = qkv.dtype
-        wide = torch.promote_types(products, torch.float32)  # fp32, or a float64 model's own
-        q, k, v = qkv.to(wide).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        q = l2_normalised(q) * hd**-0.5
-        k = l2_normalised(k)
+        # in fp32 as the recurrence runs (fla's kernels take them in the products' dtype)
+        q, k, v, state, inputs, products = self.queries_keys_values(x, kv_cache)
+        wide = q.dtype
         # per head and token: how strongly it writes (b), and how much of the state it keeps (g)
         b = torch.sigmoid(self.c_b(x).to(wide)).transpose(1, 2)  # (B, H, T)
         rate = self.c_a(x).to(wide) + self.dt_bias.to(wide)
@@ -207,10 +222,7 @@ class GatedDeltaNet(Recurrence, LayerKind):
                 o, state = delta_rule.on_kernels(kernel, q, k, v, g, b, state, products)
             else:
                 o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
-        # what the next tokens start from
-        if kv_cache is not None:
-            conv_out = inputs[:, -(self.kernel - 1) :].transpose(1, 2)
-            kv_cache.write_state(self.layer, conv_out, state)
+        self.remember(kv_cache, inputs, state)
         # each head's output normed and gated by SiLU(c_z x), then projected
         z = self.c_z(x).view(B, T, H, hd)
         o = self.norm(o.transpose(1, 2)) * F.silu(z.to(wide))  # (B, T, H, head_dim)

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import RMSNorm
-from gated_deltanet import KERNEL, Recurrence, l2_normalised, short_convolution
+from gated_deltanet import KERNEL, Recurrence
 from kv_cache import Cache
 from layer_kind import Config, LayerKind, Rope
 from smallgpt import delta_rule
@@ -113,18 +113,9 @@ class KimiDeltaAttention(Recurrence, LayerKind):
         hd = self.head_dim
         if mask is not None:  # a pad token enters as zeros
             x = x * mask[..., None]
-        if kv_cache is None:
-            conv_in = x.new_zeros(B, self.kernel - 1, 3 * C)
-            state = None
-        else:
-            conv_in, state = kv_cache.read_state(self.layer)
-            conv_in = conv_in.transpose(1, 2)  # the cache keeps (B, 3 C, kernel - 1)
-        qkv, inputs = short_convolution(self.c_qkv(x), self.conv, conv_in)
         # the recurrence in fp32 whatever the autocast (or a float64 model's own dtype)
-        wide = torch.promote_types(qkv.dtype, torch.float32)
-        q, k, v = qkv.to(wide).view(B, T, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        q = l2_normalised(q) * hd**-0.5
-        k = l2_normalised(k)
+        q, k, v, state, inputs, _ = self.queries_keys_values(x, kv_cache)
+        wide = q.dtype
         b = torch.sigmoid(self.c_b(x).to(wide)).transpose(1, 2)  # (B, H, T)
         g = self.decay(x, wide)  # (B, H, T, head_dim)
         if mask is not None:  # a pad neither decays nor writes
@@ -135,8 +126,7 @@ class KimiDeltaAttention(Recurrence, LayerKind):
                 o, state = delta_rule.recurrent(q, k, v, g, b, state)
             else:
                 o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
-        if kv_cache is not None:
-            kv_cache.write_state(self.layer, inputs[:, -(self.kernel - 1) :].transpose(1, 2), state)
+        self.remember(kv_cache, inputs, state)
         # each head's output normed, gated by sigmoid of the low-rank gate, then projected
         gate = self.g_b(self.g_a(x)).view(B, T, H, hd)
         o = self.norm(o.transpose(1, 2)) * torch.sigmoid(gate.to(wide))  # (B, T, H, head_dim)
