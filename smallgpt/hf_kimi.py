@@ -14,12 +14,13 @@ import torch
 
 from attention import NORM_EPS, rotary
 from layer_kind import LayerKind
-from model import LAYER_KINDS, GPTConfig
+from model import GPTConfig
 from smallgpt.errors import UserError
 from smallgpt.hf_llama import (
     DEEPSEEK_LAYER,
     LATENT_SCALE,
     kinds_config,
+    kinds_of,
     latent_rows,
     shape_config,
     shape_of,
@@ -125,19 +126,6 @@ def kimi_linear(
     return "KimiLinearForCausalLM", kimi_config(c), state
 
 
-def kinds_of(layer_types: list[str]) -> list[type[LayerKind]] | None:
-    """Each layer's kind by its transformers layer type in Kimi Linear's class; None where a type
-    is no kind's there."""
-    by_type = {
-        kind.hf_layer_type: kind
-        for kind in LAYER_KINDS.values()
-        if kind.hf_model in (None, MODEL_TYPE) and kind.hf_layer_type in LAYER_TYPES
-    }
-    if not set(layer_types) <= set(by_type):
-        return None
-    return [by_type[t] for t in layer_types]
-
-
 def kimi_problems(c: Any, sd: dict[str, torch.Tensor]) -> list[str]:
     """What a Kimi Linear config c and its weights sd hold that our model cannot, each as the
     setting that says it."""
@@ -156,7 +144,7 @@ def kimi_problems(c: Any, sd: dict[str, torch.Tensor]) -> list[str]:
         f"num_key_value_heads={c.num_key_value_heads}": c.num_key_value_heads
         != c.num_attention_heads,
     }
-    kinds = kinds_of(c.layer_types)
+    kinds = kinds_of(c.layer_types, MODEL_TYPE, LAYER_TYPES)
     if kinds is None:
         problems[f"layer_types {sorted(set(c.layer_types))}"] = True
     else:
@@ -172,7 +160,7 @@ def from_kimi_linear(
     inverse); what our model cannot hold is refused in one line."""
     if bad := kimi_problems(c, sd):
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
-    kinds = kinds_of(c.layer_types)
+    kinds = kinds_of(c.layer_types, MODEL_TYPE, LAYER_TYPES)
     letters = "".join(kind.letter for kind in kinds)
     attending = any(kind.attends for kind in kinds)
     mla = dict(kv_lora_rank=c.kv_lora_rank, q_lora_rank=c.q_lora_rank)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from attention import NORM_EPS, rotary
+from layer_kind import LayerKind
 from model import LAYER_KINDS, GPTConfig
 from smallgpt.errors import UserError
 
@@ -139,6 +140,22 @@ def kinds_config(c: GPTConfig) -> dict[str, Any]:
     """The keys of a transformers config that c's kinds of layer give (LayerKind.hf_config)."""
     kinds = dict.fromkeys(c.layer_kinds)
     return {key: value for kind in kinds for key, value in kind.hf_config(c).items()}
+
+
+def kinds_of(
+    layer_types: list[str], model_type: str, held: tuple[str, ...]
+) -> list[type[LayerKind]] | None:
+    """Each layer's kind by its transformers layer type in the class of model_type, which holds
+    the layer types `held` (attention's kinds and the kinds whose hf_model it is); None where a
+    type is no kind's there."""
+    by_type = {
+        kind.hf_layer_type: kind
+        for kind in LAYER_KINDS.values()
+        if kind.hf_model in (None, model_type) and kind.hf_layer_type in held
+    }
+    if not set(layer_types) <= set(by_type):
+        return None
+    return [by_type[t] for t in layer_types]
 
 
 def shape_of(c: Any) -> dict[str, Any]:

@@ -13,9 +13,16 @@ import torch
 
 from attention import NORM_EPS
 from layer_kind import LayerKind
-from model import LAYER_KINDS, GPTConfig
+from model import GPTConfig
 from smallgpt.errors import UserError
-from smallgpt.hf_llama import LLAMA_LAYER, kinds_config, shape_config, shape_of, shortest_period
+from smallgpt.hf_llama import (
+    LLAMA_LAYER,
+    kinds_config,
+    kinds_of,
+    shape_config,
+    shape_of,
+    shortest_period,
+)
 
 MODEL_TYPE = "qwen3_5_text"
 # the layer types Qwen3.5's class holds (each kind's hf_layer_type names its own)
@@ -99,18 +106,6 @@ def layer_names(kind: type[LayerKind]) -> dict[str, str]:
     return BLOCK | {f"attn.{a}": b for a, b in kind.hf_names.items()}
 
 
-def kinds_of(layer_types: list[str]) -> list[type[LayerKind]] | None:
-    """Each layer's kind by its transformers layer type; None where a type is no kind's."""
-    by_type = {
-        kind.hf_layer_type: kind
-        for kind in LAYER_KINDS.values()
-        if kind.hf_model in (None, MODEL_TYPE)
-    }
-    if not set(layer_types) <= set(by_type) & set(LAYER_TYPES):
-        return None
-    return [by_type[t] for t in layer_types]
-
-
 def query_and_gate(c: GPTConfig, sd: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
     """q_proj's rows: each head's query rows, then its gate rows."""
     q = sd[layer + "attn.c_q.weight"].view(c.n_head, 1, c.head_dim, c.n_embd)
@@ -130,7 +125,7 @@ def qwen_problems(c: Any) -> list[str]:
         "attention_bias=True": c.attention_bias,
         f"head_dim={c.head_dim} (not hidden_size / num_attention_heads = {hd})": c.head_dim != hd,
     }
-    kinds = kinds_of(c.layer_types)
+    kinds = kinds_of(c.layer_types, MODEL_TYPE, LAYER_TYPES)
     if kinds is None:
         problems[f"layer_types {sorted(set(c.layer_types))}"] = True
     else:
@@ -146,7 +141,7 @@ def from_qwen35(
     what our model cannot hold is refused in one line."""
     if bad := qwen_problems(c):
         raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
-    kinds = kinds_of(c.layer_types)
+    kinds = kinds_of(c.layer_types, MODEL_TYPE, LAYER_TYPES)
     letters = "".join(kind.letter for kind in kinds)
     attending = any(kind.attends for kind in kinds)
     rope = c.rope_parameters
