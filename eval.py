@@ -20,17 +20,22 @@ from configurator import run_cli
 from smallgpt.errors import UserError
 
 # isort: split
+import contextlib
 import dataclasses
+import functools
 import json
+import tempfile
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from smallgpt import checkpoint, recall, runtime
+from smallgpt import checkpoint, choice_task, harness, recall, runlog, runtime
 from smallgpt.checkpoint import Run, Source, load_run, parse_source
 from smallgpt.configs import repeat_problems
 from smallgpt.data import Batches, data_dir, load_meta, splits_of
+from smallgpt.tokenizer import encode_prompt
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The keys each task reads (recall.run_tasks): one given that no task of the command reads would
@@ -42,6 +47,8 @@ TASK_KEYS = {
     "needle": ("dataset", "lengths", "depths", "needle_tokens", "examples", "batch_size", "seed"),
     "mqar_long": ("dataset", "lengths", "examples", "batch_size", "seed"),
 }
+# ... and those the harness's lines task reads (its items: examples of the dataset's, seeded)
+LINES_KEYS = ("dataset", "examples", "batch_size", "seed")
 
 
 @dataclass(slots=True)
@@ -64,24 +71,34 @@ class EvalConfig:
     lengths: list[int] = field(default_factory=list)
     depths: list[float] = field(default_factory=list)
     needle_tokens: int = 1
+    # lm-evaluation-harness (smallgpt/harness.py, an optional dependency): its task, group or tag
+    # names (hellaswag, arc_easy, ...) or lines, the project's own made from the dataset's held-out
+    # text (examples items, seeded); the model goes to a temporary transformers folder to be scored
+    lm_eval: list[str] = field(default_factory=list)
+    lm_eval_limit: int | None = None  # items per harness task (its --limit); None: all
+    lm_eval_check: bool = True  # score each harness request again with this project's scorer
     device: str = "auto"
     dtype: str | None = None  # float32, bfloat16, float16 or auto (train.py's choice); else float32
     progress: bool = True  # progress bars on stderr
 
     def __post_init__(self) -> None:
         problems = []
-        for key in ("induction_length", "examples", "eval_iters", "batch_size", "needle_tokens"):
+        keys = ("induction_length", "examples", "eval_iters", "batch_size", "needle_tokens")
+        for key in (*keys, "lm_eval_limit"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 problems.append(f"{key}={value} must be positive")
-        if self.tasks == []:
-            problems.append("tasks=[] names no task: give some of " + ", ".join(recall.TASKS))
+        if self.tasks == [] and not self.lm_eval:
+            problems.append(
+                "tasks=[] names no task: give some of " + ", ".join(recall.TASKS) + ", or lm_eval"
+            )
         problems += recall.task_problems("tasks", self.tasks or [])
         # a task or a distance named twice is measured once
         problems += repeat_problems("tasks", self.tasks or [])
         problems += repeat_problems("distances", self.distances)
         problems += repeat_problems("lengths", self.lengths)
         problems += repeat_problems("depths", self.depths)
+        problems += repeat_problems("lm_eval", self.lm_eval)
         problems += [f"lengths: {n} must be positive" for n in self.lengths if n < 1]
         problems += [f"depths: {d} must be between 0 and 1" for d in self.depths if not 0 <= d <= 1]
         if self.seed is not None and self.seed < 0:
@@ -102,16 +119,20 @@ def with_run_defaults(cfg: EvalConfig, run_config: dict) -> EvalConfig:
     for key, fallback in fallbacks.items():
         given = getattr(cfg, key)
         values[key] = given if given is not None else run_config.get(key, fallback)
-    if cfg.tasks is None:
+    if cfg.tasks is None and cfg.lm_eval:
+        values["tasks"] = []  # the harness's tasks alone
+    elif cfg.tasks is None:
         values["tasks"] = run_config.get("final_evals") or ["induction", "position"]
     return dataclasses.replace(cfg, **values)
 
 
 def check_read(given: EvalConfig, tasks: list[str]) -> None:
     """A UserError for a key the command gives (given: its config before the run's values fill it)
-    that none of tasks reads (TASK_KEYS)."""
+    that none of tasks reads (TASK_KEYS; the harness's lines task: LINES_KEYS)."""
     defaults = EvalConfig()
     read = {key for task in tasks for key in TASK_KEYS[task]}
+    if choice_task.NAME in given.lm_eval:
+        read |= set(LINES_KEYS)
     for key in dict.fromkeys(k for keys in TASK_KEYS.values() for k in keys):
         value = getattr(given, key)
         if key in read or value == getattr(defaults, key):
@@ -148,13 +169,16 @@ def main(cfg: EvalConfig) -> None:
     block_size = model.config.block_size
     name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)
     dataset = cfg.dataset or run.config.get("dataset", "")
-    reads_data = [t for t in cfg.tasks if t in ("position", *recall.MQAR_TASKS)]
+    recall_data = [t for t in cfg.tasks if t in ("position", *recall.MQAR_TASKS)]
+    lines = [choice_task.NAME] if choice_task.NAME in cfg.lm_eval else []
+    reads_data = recall_data + lines
     if reads_data and not dataset:
         raise UserError(
             f"tasks {', '.join(reads_data)} read a dataset's {cfg.split} split and "
             f"{cfg.init_from} names none: give --dataset=..."
         )
     data = data_dir(dataset) if reads_data else None
+    meta = None
     split = cfg.split
     if data is not None:  # before any work: the model's own tokens, and a dataset the tasks fit
         meta = load_meta(data)
@@ -167,17 +191,100 @@ def main(cfg: EvalConfig) -> None:
                 "prepare it again, or use --split=val"
             )
 
-    place = runtime.place(cfg.device, cfg.dtype, model.config.n_embd, training=False)
-    model = model.to(place.device)
-    batches = None
-    if data is not None:
-        seed = run.config.get("seed", 1337)  # the run's: its evaluation batches
-        batches = Batches(data, block_size, cfg.batch_size, seed, place.device)
-    # GPT-2's embedding rows past its 50257 tokens are padding
-    vocab = min(run.tokenizer.n_vocab, model.config.vocab_size)
-    results = run_tasks(cfg, model, batches, vocab, place.autocast(), split)
-    for row in measures(results):
-        print(json.dumps(row))
+    with contextlib.ExitStack() as stack:
+        folder = None
+        if cfg.lm_eval:  # before any work: lm-eval there, its tasks known, their data at hand
+            tasks = harness_tasks(cfg, run, data, meta, stack)
+            # the model as a transformers folder, in a temporary folder (or the one it came from)
+            where = source.where if source.kind == "hf" else None
+            folder = stack.enter_context(harness.model_folder(model, run.meta, where))
+        place = runtime.place(cfg.device, cfg.dtype, model.config.n_embd, training=False)
+        model = model.to(place.device)
+        batches = None
+        if recall_data:
+            seed = run.config.get("seed", 1337)  # the run's: its evaluation batches
+            batches = Batches(data, block_size, cfg.batch_size, seed, place.device)
+        # GPT-2's embedding rows past its 50257 tokens are padding
+        vocab = min(run.tokenizer.n_vocab, model.config.vocab_size)
+        results = run_tasks(cfg, model, batches, vocab, place.autocast(), split)
+        for row in measures(results):
+            print(json.dumps(row))
+        if folder is not None:
+            scores = harness_scores(cfg, run, model, place, tasks, folder)
+            for task, values in scores.items():
+                print(json.dumps({"task": "lm_eval", "name": task, **values}))
+            if source.kind == "resume":
+                log_scores(cfg, run, scores)
+
+
+def harness_tasks(
+    cfg: EvalConfig, run: Run, data: Path | None, meta: dict | None, stack: contextlib.ExitStack
+) -> harness.Tasks:
+    """cfg.lm_eval checked, before any work: lm-eval installed, each task known, its data on this
+    machine or reachable; lines' items written as the harness's task in a temporary folder."""
+    harness.check_installed()
+    include = None
+    if choice_task.NAME in cfg.lm_eval:
+        include = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="smallgpt-lines-")))
+        block_size = run.model.config.block_size
+        items = choice_task.items_from_dataset(
+            data, meta, run.tokenizer, cfg.examples, cfg.seed, block_size
+        )
+        choice_task.write_task(include, items)
+    tasks = harness.resolve(cfg.lm_eval, include)
+    harness.check_reachable(tasks)
+    return tasks
+
+
+def harness_scores(
+    cfg: EvalConfig,
+    run: Run,
+    model: torch.nn.Module,
+    place: runtime.Placement,
+    tasks: harness.Tasks,
+    folder: Path,
+) -> dict[str, dict]:
+    """{task: its metrics} from the harness on the transformers folder of the model, each
+    log-likelihood task's with check_*: the harness's scores held against this project's scorer
+    on the model itself (harness.check_scores), with lm_eval_check."""
+    prefix = choice_task.prefix_token(run.tokenizer)
+    dtype = str(place.dtype).removeprefix("torch.")
+    block_size = model.config.block_size
+    limit = cfg.lm_eval_limit
+    results = harness.evaluate(
+        folder, tasks, place.device, dtype, cfg.batch_size, limit, block_size, prefix
+    )
+    scores = harness.measures(results, tasks)
+    if cfg.lm_eval_check:
+        encode = functools.partial(encode_prompt, run.tokenizer)
+        amp = place.autocast()
+        checks = harness.check_scores(results, tasks, model, encode, cfg.batch_size, prefix, amp)
+        for task, check in checks.items():
+            scores[task] |= {f"check_{key}": value for key, value in check.items()}
+    return scores
+
+
+def log_scores(cfg: EvalConfig, run: Run, scores: dict[str, dict]) -> None:
+    """The harness's scores of a run into its log.jsonl (a benchmarks record at its checkpoint's
+    iteration, which compare.py's report reads) and, where the run logged to wandb, its summary."""
+    out_dir = Path(cfg.out_dir)
+    settings = {
+        "limit": cfg.lm_eval_limit,
+        "examples": cfg.examples,
+        "seed": cfg.seed,
+        "dtype": cfg.dtype,
+    }
+    iter_num = run.ckpt.get("iter_num", 0)
+    runlog.append_record(
+        out_dir, event="benchmarks", iter=iter_num, lm_eval=scores, settings=settings
+    )
+    summary = {
+        f"{task}_{metric}": value
+        for task, values in scores.items()
+        for metric, value in values.items()
+        if not metric.startswith("check_")
+    }
+    runlog.summarize_logged_run(out_dir, run.config, summary)
 
 
 def run_tasks(

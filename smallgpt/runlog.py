@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 import urllib.parse
-from dataclasses import asdict
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,7 @@ class RunLog:
         out = Path(cfg.out_dir)
         self.path = out / "log.jsonl"
         self.wandb = None
-        # a line cut short by a kill stays a line of its own
-        if self.path.is_file() and self.path.stat().st_size:
-            with open(self.path, "rb+") as f:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    f.write(b"\n")
+        end_line(self.path)
         with atomic_open(out / "config.json", "w") as f:
             json.dump(asdict(cfg), f, indent=1)
         if cfg.wandb_log:  # a resumed run goes on in the wandb run it started
@@ -58,11 +53,7 @@ class RunLog:
 
     def wandb_id(self) -> str | None:
         """The wandb run id of the latest config record that has one in this log."""
-        ids = []
-        for line in self.path.read_text().splitlines() if self.path.is_file() else []:
-            with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill
-                ids.append(json.loads(line).get("wandb_id"))
-        return next((i for i in reversed(ids) if i), None)
+        return logged_wandb_id(self.path)
 
     def write(self, **record: Any) -> None:
         with open(self.path, "a") as f:
@@ -80,6 +71,49 @@ class RunLog:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def end_line(path: Path) -> None:
+    """Where the log at path ends in a line cut short by a kill, end that line, so it stays a line
+    of its own."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+
+
+def logged_wandb_id(path: Path) -> str | None:
+    """The wandb run id of the latest config record that has one in the log at path."""
+    ids = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(json.JSONDecodeError):  # a line cut short by a kill
+            ids.append(json.loads(line).get("wandb_id"))
+    return next((i for i in reversed(ids) if i), None)
+
+
+def append_record(run_dir: Path, **record: Any) -> None:
+    """record (with its time) as a line of the log.jsonl of the finished run in run_dir, for a
+    measure taken after its training (eval.py's benchmarks)."""
+    path = run_dir / "log.jsonl"
+    end_line(path)
+    with open(path, "a") as f:
+        f.write(json.dumps(record | {"time": time.time()}) + "\n")
+
+
+def summarize_logged_run(run_dir: Path, config: dict, values: dict[str, float]) -> None:
+    """values into the summary of the wandb run that the run in run_dir (its config) logged to,
+    resumed for it under its id; nothing where the run did not log to wandb."""
+    run_id = logged_wandb_id(run_dir / "log.jsonl")
+    if not config.get("wandb_log") or run_id is None:
+        return
+    known = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in config.items() if k in known})
+    # the run's folder where it is now, wherever it was trained
+    cfg = replace(cfg, out_dir=str(run_dir))
+    run = start_wandb(cfg, run_dir.name, run_id)
+    run.summary.update(values)
+    run.finish()
 
 
 def start_wandb(cfg: TrainConfig, default_name: str, run_id: str | None = None) -> Any:
