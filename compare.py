@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig, kind_names
-from smallgpt import recall, report, runtime, sweep
+from smallgpt import choice_task, harness, recall, report, runtime, sweep
 from smallgpt.atomic import (
     atomic_open,
     check_claimable,
@@ -72,6 +72,7 @@ from smallgpt.configs import CompareConfig, TrainConfig, repeated
 from smallgpt.convert import check_latent_target
 from smallgpt.data import Batches, data_dir, load_meta, vocab_size_of
 from smallgpt.measure import cached_step_throughput, default_kv_heads, table, training_seconds
+from smallgpt.runlog import read_run
 from smallgpt.runtime import Placement
 from smallgpt.variant import MHA, Variant
 
@@ -561,8 +562,10 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
         load_meta(data_dir(base.dataset))
     # a plan needs no data: GPT-2's padded vocabulary stands in
     runs = sweep.plan(cfg, base, vocab or 50304, root)
-    # before any work: a run that cannot train, or would mix budgets
+    # before any work: a run that cannot train, or would mix budgets; harness tasks out of reach
     check_runs(cfg, base, runs)
+    if cfg.lm_eval and cfg.mode != "plan":
+        check_benchmarks(cfg.lm_eval)
     mha = sweep.mha_config(base, 1)
     if MHA not in sweep.compared_variants(cfg, mha):
         key = "variants" if cfg.variants else "kv_heads"
@@ -600,6 +603,7 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
                 sweep.launch_all(runs, times, base.eval_iters, stop)
                 stop.where = "while measuring the decode speeds"
                 measure_speeds(cfg, runs, root, place.device)
+                score_runs(cfg, base, runs, stop)
         except sweep.Stopped as e:
             finished = sum(map(sweep.finished, runs))
             print(
@@ -609,6 +613,48 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
                 flush=True,
             )
             sys.exit(128 + e.signum)
+
+
+def check_benchmarks(tasks: list[str]) -> None:
+    """A UserError, before any training, where the runs could not be scored on tasks (--lm_eval):
+    lm-eval not installed, a task it does not know, or its data out of reach. The lines task is
+    made from each run's dataset when it is scored."""
+    harness.check_installed()
+    others = [t for t in tasks if t != choice_task.NAME]
+    if others:
+        harness.check_reachable(harness.resolve(others, None))
+
+
+def score_runs(
+    cfg: CompareConfig, base: TrainConfig, runs: list[sweep.Run], stop: sweep.Stop
+) -> None:
+    """eval.py --lm_eval on each finished run not yet scored on every task of cfg.lm_eval at
+    cfg.lm_eval_limit (its log's benchmarks record), one after another; a run that diverged has
+    nothing to score."""
+    if not cfg.lm_eval:
+        return
+    todo = []
+    for run in runs:
+        logged = read_run(run.dir)
+        scored = logged["benchmarks"]
+        done = all(t in scored and scored[t].get("limit") == cfg.lm_eval_limit for t in cfg.lm_eval)
+        if not logged["diverged"] and not done:
+            todo.append(run)
+    eval_py = Path(__file__).resolve().parent / "eval.py"
+    for i, run in enumerate(todo, 1):
+        args = [
+            f"--out_dir={run.dir}",
+            f"--lm_eval=[{','.join(cfg.lm_eval)}]",
+            f"--device={base.device}",
+            "--progress=False",
+        ]
+        if cfg.lm_eval_limit is not None:
+            args.append(f"--lm_eval_limit={cfg.lm_eval_limit}")
+        print(f"$ python eval.py {' '.join(args)}  # [{i}/{len(todo)}]", flush=True)
+        stop.where = f"while scoring {run.dir} (lm_eval)"
+        if stop.wait([sys.executable, str(eval_py), *args]):
+            raise UserError(f"eval.py --lm_eval on {run.dir} failed: see its output above")
+    stop.where = "after scoring"
 
 
 def unmarked_sweep_hint(root: Path) -> str:

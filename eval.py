@@ -252,7 +252,7 @@ def harness_scores(
     block_size = model.config.block_size
     limit = cfg.lm_eval_limit
     results = harness.evaluate(
-        folder, tasks, place.device, dtype, cfg.batch_size, limit, block_size, prefix
+        folder, tasks, place.device, dtype, cfg.batch_size, limit, block_size, prefix, cfg.progress
     )
     scores = harness.measures(results, tasks)
     if cfg.lm_eval_check:
@@ -266,17 +266,14 @@ def harness_scores(
 
 def log_scores(cfg: EvalConfig, run: Run, scores: dict[str, dict]) -> None:
     """The harness's scores of a run into its log.jsonl (a benchmarks record at its checkpoint's
-    iteration, which compare.py's report reads) and, where the run logged to wandb, its summary."""
-    out_dir = Path(cfg.out_dir)
-    settings = {
-        "limit": cfg.lm_eval_limit,
-        "examples": cfg.examples,
-        "seed": cfg.seed,
-        "dtype": cfg.dtype,
-    }
+    iteration, each task's with the limit it was scored at, which compare.py reads) and, where the
+    run logged to wandb, its summary."""
+    settings = {"examples": cfg.examples, "seed": cfg.seed, "dtype": cfg.dtype}
+    logged = {task: values | {"limit": cfg.lm_eval_limit} for task, values in scores.items()}
     iter_num = run.ckpt.get("iter_num", 0)
+    out_dir = Path(cfg.out_dir)
     runlog.append_record(
-        out_dir, event="benchmarks", iter=iter_num, lm_eval=scores, settings=settings
+        out_dir, event="benchmarks", iter=iter_num, lm_eval=logged, settings=settings
     )
     summary = {
         f"{task}_{metric}": value

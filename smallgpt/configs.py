@@ -355,6 +355,11 @@ class CompareConfig:
     speed_repeats: int = 3
     # a run whose accuracy on a recall task reaches this solved it (the report's "solved k/n")
     solved_threshold: float = 0.9
+    # lm-evaluation-harness tasks (eval.py --lm_eval: hellaswag, arc_easy, lines...) scored on each
+    # run once it is trained, each a column of the report (mean over seeds, seed-paired vs MHA);
+    # lm_eval_limit: items per task (None: all)
+    lm_eval: list[str] = field(default_factory=list)
+    lm_eval_limit: int | None = None
     # filled from the command line: files and train.py flags
     train_args: list[str] = field(default_factory=list)
 
@@ -384,6 +389,9 @@ class CompareConfig:
                 f"muon_lrs={self.muon_lrs} pairs with lrs={self.lrs}: give one Muon rate for each "
                 "of lrs"
             )
+        problems += repeat_problems("lm_eval", self.lm_eval)
+        if self.lm_eval_limit is not None and self.lm_eval_limit < 1:
+            problems.append(f"lm_eval_limit={self.lm_eval_limit} must be positive")
         if not 0 < self.solved_threshold <= 1:
             problems.append(f"solved_threshold={self.solved_threshold} must be in (0, 1]")
         if min(self.kv_heads, default=1) < 1:

@@ -158,18 +158,26 @@ def check_reachable(tasks: Tasks) -> None:
 
 
 @contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """The harness's and datasets' log lines at warnings and above only while inside (its info and
-    its truncation warning, a line per long item, would bury the results)."""
+def quiet(progress: bool = True) -> Iterator[None]:
+    """The harness's and datasets' log lines at errors only while inside (its info, and its
+    truncation warning a line per long item, would bury the results); progress=False: no progress
+    bars of datasets' either (tqdm reads TQDM_DISABLE; the harness's own bars always show)."""
     loggers = [logging.getLogger(name) for name in ("lm_eval", "lm-eval", "datasets")]
     levels = [logger.level for logger in loggers]
+    saved = os.environ.get("TQDM_DISABLE")
     for logger in loggers:
         logger.setLevel(logging.ERROR)
+    if not progress:
+        os.environ["TQDM_DISABLE"] = "1"
     try:
         yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+        if saved is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = saved
 
 
 @contextlib.contextmanager
@@ -196,10 +204,11 @@ def evaluate(
     limit: int | None,
     max_length: int,
     prefix: int,
+    progress: bool = True,
 ) -> dict:
     """The harness's results for tasks on the transformers folder (its simple_evaluate: results,
     and each item's requests and log-likelihoods under 'samples'), scored with the model's own
-    context (max_length) and prefix token (choice_task.prefix_token)."""
+    context (max_length) and prefix token (choice_task.prefix_token); progress: its bars."""
     from lm_eval import simple_evaluate
 
     model_args = {
@@ -208,7 +217,7 @@ def evaluate(
         "max_length": max_length,
         "prefix_token_id": prefix,
     }
-    with quiet():
+    with quiet(progress):
         manager = task_manager(tasks.include, tasks.names)
         return simple_evaluate(
             model="hf",

@@ -263,6 +263,7 @@ def summary_rows(
             row |= conversion_columns(group, finals.get((size, conversion_target(row))))
         row |= speed_columns(group, speed_of[(size, name)], mha_speed)
         row |= recall_columns(group, mha_runs, cfg.solved_threshold)
+        row |= benchmark_columns(group, mha_runs, cfg.lm_eval)
         rows.append(row)
     return sorted(rows, key=row_order(rows, cfg))
 
@@ -460,6 +461,48 @@ def recall_columns(group: list[dict], mha: list[dict] | None, threshold: float) 
             threshold,
         )
     return out
+
+
+def benchmark_columns(group: list[dict], mha: list[dict] | None, tasks: list[str]) -> dict:
+    """A group's columns of each harness task of tasks (compare.py --lm_eval, scored by eval.py)
+    that every run of it scored: each metric's mean over the seeds with its 95% Student t interval
+    (<task>_<metric>, _ci95), and its seed-paired difference to MHA's (mha: MHA's runs at this size;
+    None for MHA itself)."""
+    out = {}
+    for task in tasks:
+        scored = [(r.get("benchmarks") or {}).get(task) for r in group]
+        if not all(scored):
+            continue
+        theirs = {r["seed"]: (r.get("benchmarks") or {}).get(task) or {} for r in mha or []}
+        for metric in benchmark_metrics(scored):
+            values = {r["seed"]: s[metric] for r, s in zip(group, scored, strict=True)}
+            est = stats.mean_interval(list(values.values()))
+            mha_values = {seed: s[metric] for seed, s in theirs.items() if metric in s}
+            diff = stats.paired_difference(values, mha_values) if mha is not None else None
+            key = f"{task}_{metric}"
+            out |= {
+                key: est.mean,
+                f"{key}_ci95": est.half_width,
+                f"{key}_diff_vs_mha": diff and diff.mean,
+                f"{key}_diff_vs_mha_ci95": diff and diff.half_width,
+                f"{key}_diff_pairs": diff and diff.n,
+            }
+    return out
+
+
+def benchmark_metrics(scored: list[dict]) -> list[str]:
+    """The metrics every one of scored (a task's results, one per run) has, in the first's order:
+    its scores (acc, acc_norm, perplexity...), not their standard errors, item counts, limit or the
+    scorer's check."""
+    first = scored[0]
+    return [
+        m
+        for m in first
+        if not m.endswith("_stderr")
+        and not m.startswith("check_")
+        and m not in ("n", "limit")
+        and all(isinstance(s.get(m), int | float) for s in scored)
+    ]
 
 
 def accuracy_columns(

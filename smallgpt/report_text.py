@@ -98,6 +98,11 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     kv = kv_column(cfg)
     split = scratch[0]["split"] if scratch else "val"  # a size with conversions alone: none
     distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
+    # each harness task's column: the metric it shows
+    metrics = {}
+    for task in cfg.lm_eval:
+        if metric := shown_metric(scratch, task):
+            metrics[task] = metric
     shown = [
         {
             "variant": r["variant"],
@@ -109,6 +114,7 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
             "diff": interval_text(r, "diff_vs_mha", "diff_pairs", signed=True),
             "speed": speed_text(r),
             **recall_cells(r, min(distances, default=None)),
+            **benchmark_cells(r, metrics),
         }
         for r in scratch
     ]
@@ -131,10 +137,22 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     if any(r.get("mqar_acc") is not None for r in scratch):
         columns["mqar_solved"] = f"MQAR solved ({at})"
         columns["mqar_acc"] = "MQAR acc"
+    benchmarks = {task: f"{task} {metric}" for task, metric in metrics.items()}
+    columns |= benchmarks
+    notes = []
+    if benchmarks:
+        notes += [
+            "",
+            f"{', '.join(benchmarks.values())}: lm-evaluation-harness's score of each run "
+            "(eval.py --lm_eval), its mean over the seeds ± the 95% Student t interval, then vs "
+            "MHA: the seed-paired difference ± its interval; positive is better (a perplexity: "
+            "lower is).",
+        ]
     if "induction_acc" not in columns and "mqar_acc" not in columns:
-        return [table(shown, columns)]
+        return [table(shown, columns), *notes]
     return [
         table(shown, columns),
+        *notes,
         "",
         f"solved: the runs whose accuracy reached {cfg.solved_threshold:g}, of the seeds' runs, "
         "with the 95% Clopper-Pearson interval of that proportion, then the mean accuracy of the "
@@ -282,6 +300,35 @@ def recall_cells(row: dict, distance: int | None) -> dict[str, str]:
             cells[key] += f" @{row['induction_distance']}"
         if row[f"{key}_diff_vs_mha"] is not None:
             cells[key] += f", {interval_text(row, f'{key}_diff_vs_mha', signed=True)} vs MHA"
+    return cells
+
+
+def shown_metric(rows: list[dict], task: str) -> str | None:
+    """The metric a task's column shows: acc_norm where the rows have it (the length-normalised
+    accuracy quoted for HellaSwag and ARC), else acc, else the first the rows have; None if none."""
+    prefix = f"{task}_"
+    metrics = [
+        k.removeprefix(prefix)
+        for r in rows
+        for k in r
+        if k.startswith(prefix) and not k.endswith(("_ci95", "_diff_vs_mha", "_diff_pairs"))
+    ]
+    for metric in ("acc_norm", "acc", *metrics):
+        if metric in metrics:
+            return metric
+    return None
+
+
+def benchmark_cells(row: dict, metrics: dict[str, str]) -> dict[str, str]:
+    """A row's cell of each harness task of metrics ({task: the metric its column shows}):
+    '0.9300 ± 0.0100, +0.0100 ± 0.0200 vs MHA', or '-'."""
+    cells = {}
+    for task, metric in metrics.items():
+        key = f"{task}_{metric}"
+        cells[task] = interval_text(row, key)
+        if row.get(f"{key}_diff_vs_mha") is not None:
+            diff = interval_text(row, f"{key}_diff_vs_mha", f"{key}_diff_pairs", signed=True)
+            cells[task] += f", {diff} vs MHA"
     return cells
 
 

@@ -192,6 +192,8 @@ def read_run(run_dir: Path) -> dict:
     whether the log ends in a line cut short (a process killed while writing it, whatever it held);
     final_iter: the iteration of the run's final evaluation (the latest attempt's max_iters, or
     where an eval_only attempt started); recall: the recall record logged at final_iter, or None;
+    benchmarks: {task: its metrics} of the harness's tasks that eval.py --lm_eval logged for the
+    checkpoint of final_iter (a later record's task over an earlier's);
     diverged: the record of a training that stopped non-finite, where the log ends with one (None
     otherwise)."""
     path = run_dir / "log.jsonl"
@@ -207,6 +209,7 @@ def read_run(run_dir: Path) -> dict:
         "torn": torn,
         "final_iter": run["final_iter"],
         "recall": run["recalls"].get(run["final_iter"]),
+        "benchmarks": run["benchmarks"].get(run["final_iter"], {}),
         "diverged": records[-1] if records[-1]["event"] == "diverged" else None,
     }
 
@@ -248,10 +251,12 @@ def latest_start(records: list[dict], path: Path) -> int:
 def by_iteration(records: list[dict]) -> dict:
     """One run's records, its fresh start's config first, by iteration: {'evals', 'trains',
     'recalls'}, each {iter: record} (a resume's records replace those logged after its checkpoint;
-    evals and trains get wall_s, the wall-clock continued across resumes), and 'final_iter'."""
+    evals and trains get wall_s, the wall-clock continued across resumes), 'benchmarks' ({iter:
+    {task: metrics}}) and 'final_iter'."""
     evals = {}
     trains = {}
     recalls = {}
+    benchmarks = {}
     offset = 0.0  # the wall-clock seconds of the attempts before this one
     last = 0.0  # ... and of this one, so far
     for r in records:
@@ -267,11 +272,20 @@ def by_iteration(records: list[dict]) -> dict:
         elif r["event"] == "recall":
             # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
             recalls[r["iter"]] = r
+        elif r["event"] == "benchmarks":
+            # lm-evaluation-harness's tasks on the checkpoint of that iteration (eval.py --lm_eval)
+            benchmarks[r["iter"]] = benchmarks.get(r["iter"], {}) | r["lm_eval"]
         elif r["event"] in ("eval", "train"):
             last = r["elapsed_s"]
             kept = evals if r["event"] == "eval" else trains
             kept[r["iter"]] = r | {"wall_s": offset + r["elapsed_s"]}
-    return {"evals": evals, "trains": trains, "recalls": recalls, "final_iter": final_iter}
+    return {
+        "evals": evals,
+        "trains": trains,
+        "recalls": recalls,
+        "benchmarks": benchmarks,
+        "final_iter": final_iter,
+    }
 
 
 def unfinished(run: dict, final_iter: int | None = None) -> str | None:
