@@ -400,8 +400,9 @@ def check_conversions(variants: list[Variant], listed: str, methods_given: bool)
 
 def check_runs(cfg: CompareConfig, base: TrainConfig, runs: list[sweep.Run]) -> None:
     """Before any work: each run's train.py config as train.py reads it (its model's own checks
-    too), what the dataset takes (its examples' length, the vocabulary, final_evals) and the
-    budgets of the runs trained already (check_budgets); a UserError naming the run and the key."""
+    too), what the dataset takes (its examples' length, the vocabulary, final_evals), the
+    budgets of the runs trained already (check_budgets) and the harness's tasks of --lm_eval; a
+    UserError naming the run and the key."""
     data = data_dir(base.dataset)
     meta = None
     if (data / "meta.json").is_file():  # a plan needs no data
@@ -422,6 +423,8 @@ def check_runs(cfg: CompareConfig, base: TrainConfig, runs: list[sweep.Run]) -> 
         except UserError as e:
             raise UserError(f"{run.dir.name}: final_evals={final_evals}: {e}") from e
     check_budgets(cfg, runs, planned, meta, base.dataset)
+    if cfg.lm_eval and cfg.mode != "plan":
+        check_benchmarks(cfg.lm_eval)
 
 
 def check_budgets(
@@ -564,8 +567,6 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
     runs = sweep.plan(cfg, base, vocab or 50304, root)
     # before any work: a run that cannot train, or would mix budgets; harness tasks out of reach
     check_runs(cfg, base, runs)
-    if cfg.lm_eval and cfg.mode != "plan":
-        check_benchmarks(cfg.lm_eval)
     mha = sweep.mha_config(base, 1)
     if MHA not in sweep.compared_variants(cfg, mha):
         key = "variants" if cfg.variants else "kv_heads"

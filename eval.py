@@ -184,12 +184,7 @@ def main(cfg: EvalConfig) -> None:
         meta = load_meta(data)
         check_tokens(run, source, meta, dataset, name)
         recall.check_dataset(reads_data, meta, block_size, str(data))
-        split = splits_of(meta)[-1] if split == "held_out" else split
-        if split not in splits_of(meta):
-            raise UserError(
-                f"split=test: {data} has no test split (prepared before there were test splits): "
-                "prepare it again, or use --split=val"
-            )
+        split = split_of(cfg.split, meta, data)
 
     with contextlib.ExitStack() as stack:
         folder = None
@@ -215,6 +210,18 @@ def main(cfg: EvalConfig) -> None:
                 print(json.dumps({"task": "lm_eval", "name": task, **values}))
             if source.kind == "resume":
                 log_scores(cfg, run, scores)
+
+
+def split_of(split: str, meta: dict, data: Path) -> str:
+    """The split that position and mqar read: split, held_out being the dataset's test split where
+    it has one (else val); a UserError for a test split the dataset lacks."""
+    split = splits_of(meta)[-1] if split == "held_out" else split
+    if split not in splits_of(meta):
+        raise UserError(
+            f"split=test: {data} has no test split (prepared before there were test splits): "
+            "prepare it again, or use --split=val"
+        )
+    return split
 
 
 def harness_tasks(

@@ -237,8 +237,8 @@ def swap_two(
 
 def write_task(folder: Path, items: list[dict]) -> Path:
     """items as a task of lm-evaluation-harness in folder: its YAML (a local json dataset, scored by
-    accuracy, the choice right after the context) and its items, one JSON object a line. Returns
-    the YAML's path."""
+    accuracy, the choice right after the context) and its items, one JSON object a line; datasets
+    caches what it reads of them in folder too. Returns the YAML's path."""
     data = folder / f"{HARNESS_NAME}.jsonl"
     with atomic_open(data, "w") as f:
         for item in items:
@@ -251,6 +251,8 @@ def write_task(folder: Path, items: list[dict]) -> Path:
             "dataset_kwargs:",
             "  data_files:",
             f"    test: {json.dumps(str(data.resolve()))}",
+            # datasets' cache of it beside it, not in the user's cache
+            f"  cache_dir: {json.dumps(str((folder / 'cache').resolve()))}",
             "output_type: multiple_choice",
             "test_split: test",
             "doc_to_text: context",

@@ -8,6 +8,7 @@ the commands.
 
 import contextlib
 import difflib
+import functools
 import logging
 import os
 import tempfile
@@ -56,14 +57,19 @@ class Tasks:
 
 
 def task_manager(include: Path | None, names: list[str]) -> Any:
-    """The harness's TaskManager over its own tasks (a scan of ~5 s) where names has one, and the
-    project's task files in include."""
+    """The harness's TaskManager over its own tasks where names has one, and the project's task
+    files in include."""
+    only_local = all(name == choice_task.NAME for name in names)
+    return indexed_tasks(str(include) if include else None, not only_local)
+
+
+@functools.lru_cache(maxsize=4)
+def indexed_tasks(include: str | None, defaults: bool) -> Any:
+    """A TaskManager, made once per process for each folder (its scan of the harness's own ~15,000
+    task files takes ~5 s)."""
     from lm_eval.tasks import TaskManager
 
-    only_local = all(name == choice_task.NAME for name in names)
-    return TaskManager(
-        include_path=str(include) if include else None, include_defaults=not only_local
-    )
+    return TaskManager(include_path=include, include_defaults=defaults)
 
 
 def resolve(names: list[str], include: Path | None) -> Tasks:

@@ -99,10 +99,7 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
     split = scratch[0]["split"] if scratch else "val"  # a size with conversions alone: none
     distances = [r["induction_distance"] for r in scratch if r.get("induction_acc") is not None]
     # each harness task's column: the metric it shows
-    metrics = {}
-    for task in cfg.lm_eval:
-        if metric := shown_metric(scratch, task):
-            metrics[task] = metric
+    metrics = {t: m for t in cfg.lm_eval if (m := shown_metric(scratch, t))}
     shown = [
         {
             "variant": r["variant"],
@@ -139,15 +136,7 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
         columns["mqar_acc"] = "MQAR acc"
     benchmarks = {task: f"{task} {metric}" for task, metric in metrics.items()}
     columns |= benchmarks
-    notes = []
-    if benchmarks:
-        notes += [
-            "",
-            f"{', '.join(benchmarks.values())}: lm-evaluation-harness's score of each run "
-            "(eval.py --lm_eval), its mean over the seeds ± the 95% Student t interval, then vs "
-            "MHA: the seed-paired difference ± its interval; positive is better (a perplexity: "
-            "lower is).",
-        ]
+    notes = benchmark_note(list(benchmarks.values()))
     if "induction_acc" not in columns and "mqar_acc" not in columns:
         return [table(shown, columns), *notes]
     return [
@@ -161,6 +150,18 @@ def variants_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
         "accuracy pooled over seeds (correct answers over answers) with its 95% Wilson interval; "
         "then vs MHA: the seed-paired difference of the per-seed accuracies ± its 95% Student t "
         "interval; positive is better.",
+    ]
+
+
+def benchmark_note(columns: list[str]) -> list[str]:
+    """What the harness's task columns show (an empty line, then the sentence); none without one."""
+    if not columns:
+        return []
+    return [
+        "",
+        f"{', '.join(columns)}: lm-evaluation-harness's score of each run (eval.py --lm_eval), its "
+        "mean over the seeds ± the 95% Student t interval, then vs MHA: the seed-paired "
+        "difference ± its interval; positive is better (a perplexity: lower is).",
     ]
 
 
