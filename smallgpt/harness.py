@@ -167,23 +167,23 @@ def check_reachable(tasks: Tasks) -> None:
 def quiet(progress: bool = True) -> Iterator[None]:
     """The harness's and datasets' log lines at errors only while inside (its info, and its
     truncation warning a line per long item, would bury the results); progress=False: no progress
-    bars of datasets' either (tqdm reads TQDM_DISABLE; the harness's own bars always show)."""
+    bars of datasets' either (the harness's own always show)."""
+    import datasets
+
     loggers = [logging.getLogger(name) for name in ("lm_eval", "lm-eval", "datasets")]
     levels = [logger.level for logger in loggers]
-    saved = os.environ.get("TQDM_DISABLE")
+    bars_were_off = datasets.are_progress_bars_disabled()
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     if not progress:
-        os.environ["TQDM_DISABLE"] = "1"
+        datasets.disable_progress_bars()
     try:
         yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
-        if saved is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = saved
+        if not bars_were_off:
+            datasets.enable_progress_bars()
 
 
 @contextlib.contextmanager
