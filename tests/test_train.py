@@ -329,6 +329,25 @@ def test_wandb_offline_records_the_run(pycode_small: Path, tmp_path: Path) -> No
         sorted(p.name[-len(ids[0]) :] for p in (out / "wandb").glob("offline-run-*"))
         == [ids[0]] * 2
     )
+    # eval.py --lm_eval's scores go to the run's wandb summary too, in the same wandb run
+    run(
+        ["eval.py", f"--out_dir={out}", "--lm_eval=[lines]", "--examples=8", "--progress=False"],
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+        fresh=True,
+    )
+    folders = sorted((out / "wandb").glob("offline-run-*"))
+    assert [p.name[-len(ids[0]) :] for p in folders] == [ids[0]] * 3
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "wandb"), "leet", "inspect", "--summary", "--json"]
+        + [str(folders[-1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    scored = [x for x in read_log(out) if x["event"] == "benchmarks"]
+    assert len(scored) == 1 and scored[0]["iter"] == 30
+    assert json.loads(r.stdout)["summary"]["lines_acc"] == scored[0]["lm_eval"]["lines"]["acc"]
 
 
 def test_float16_off_cuda_and_missing_cuda_are_clear_errors(
