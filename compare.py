@@ -618,10 +618,10 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
 
 def check_benchmarks(tasks: list[str]) -> None:
     """A UserError, before any training, where the runs could not be scored on tasks (--lm_eval):
-    lm-eval not installed, a task it does not know, or its data out of reach. The lines task is
-    made from each run's dataset when it is scored."""
+    lm-eval not installed, a task it does not know, or its data out of reach. The project's own
+    (lines, next_line) are made from each run's dataset when it is scored."""
     harness.check_installed()
-    others = [t for t in tasks if t != choice_task.NAME]
+    others = [t for t in tasks if t not in choice_task.TASKS]
     if others:
         harness.check_reachable(harness.resolve(others, None))
 

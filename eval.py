@@ -47,7 +47,7 @@ TASK_KEYS = {
     "needle": ("dataset", "lengths", "depths", "needle_tokens", "examples", "batch_size", "seed"),
     "mqar_long": ("dataset", "lengths", "examples", "batch_size", "seed"),
 }
-# ... and those the harness's lines task reads (its items: examples of the dataset's, seeded)
+# ... and those the project's own harness tasks read (lines, next_line: examples items, seeded)
 LINES_KEYS = ("dataset", "examples", "batch_size", "seed")
 
 
@@ -72,8 +72,8 @@ class EvalConfig:
     depths: list[float] = field(default_factory=list)
     needle_tokens: int = 1
     # lm-evaluation-harness (smallgpt/harness.py, an optional dependency): its task, group or tag
-    # names (hellaswag, arc_easy, ...) or lines, the project's own made from the dataset's held-out
-    # text (examples items, seeded); the model goes to a temporary transformers folder to be scored
+    # names (hellaswag, arc_easy, ...) or the project's own made from the dataset's held-out text
+    # (lines, next_line: examples items, seeded); the model goes to a temporary transformers folder
     lm_eval: list[str] = field(default_factory=list)
     lm_eval_limit: int | None = None  # items per harness task (its --limit); None: all
     lm_eval_check: bool = True  # score each harness request again with this project's scorer
@@ -131,7 +131,7 @@ def check_read(given: EvalConfig, tasks: list[str]) -> None:
     that none of tasks reads (TASK_KEYS; the harness's lines task: LINES_KEYS)."""
     defaults = EvalConfig()
     read = {key for task in tasks for key in TASK_KEYS[task]}
-    if choice_task.NAME in given.lm_eval:
+    if any(task in choice_task.TASKS for task in given.lm_eval):
         read |= set(LINES_KEYS)
     for key in dict.fromkeys(k for keys in TASK_KEYS.values() for k in keys):
         value = getattr(given, key)
@@ -170,8 +170,8 @@ def main(cfg: EvalConfig) -> None:
     name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)
     dataset = cfg.dataset or run.config.get("dataset", "")
     recall_data = [t for t in cfg.tasks if t in ("position", *recall.MQAR_TASKS)]
-    lines = [choice_task.NAME] if choice_task.NAME in cfg.lm_eval else []
-    reads_data = recall_data + lines
+    own = [task for task in cfg.lm_eval if task in choice_task.TASKS]
+    reads_data = recall_data + own
     if reads_data and not dataset:
         raise UserError(
             f"tasks {', '.join(reads_data)} read a dataset's {cfg.split} split and "
@@ -228,16 +228,19 @@ def harness_tasks(
     cfg: EvalConfig, run: Run, data: Path | None, meta: dict | None, stack: contextlib.ExitStack
 ) -> harness.Tasks:
     """cfg.lm_eval checked, before any work: lm-eval installed, each task known, its data on this
-    machine or reachable; lines' items written as the harness's task in a temporary folder."""
+    machine or reachable; the project's own tasks' items (lines, next_line) written as the
+    harness's tasks in a temporary folder."""
     harness.check_installed()
     include = None
-    if choice_task.NAME in cfg.lm_eval:
+    own = [task for task in cfg.lm_eval if task in choice_task.TASKS]
+    if own:
         include = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="smallgpt-lines-")))
+    for task in own:
         block_size = run.model.config.block_size
         items = choice_task.items_from_dataset(
-            data, meta, run.tokenizer, cfg.examples, cfg.seed, block_size
+            data, meta, run.tokenizer, cfg.examples, cfg.seed, block_size, task
         )
-        choice_task.write_task(include, items)
+        choice_task.write_task(include, items, task)
     tasks = harness.resolve(cfg.lm_eval, include)
     harness.check_reachable(tasks)
     return tasks

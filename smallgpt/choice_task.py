@@ -1,10 +1,13 @@
-"""Multiple choice by log-likelihood, the way lm-evaluation-harness scores it, and "lines": a task
-of that kind made from a dataset's own held-out text, so it runs with no network.
+"""Multiple choice by log-likelihood, the way lm-evaluation-harness scores it, and two tasks of that
+kind made from a dataset's own held-out text, so they run with no network.
 
-A lines item is a few real lines of the dataset's test split (its val split where it has none) as
-the context, then two choices: the next real line, and the same line with two of its tokens
-swapped. Both choices are the same number of tokens, and the true one is first in every other item,
-so a model that cannot tell them apart (a constant one) scores exactly 50% on an even count.
+An item is a few real lines of the dataset's test split (its val split where it has none) as the
+context, then two choices: the next real line, and a wrong one. In "lines" the wrong one is the
+same line with two of its tokens swapped (a check more than a benchmark: a trained model tells them
+apart almost always); in "next_line" it is another real line from the lines that follow, so only
+the context tells them apart. Both choices are the same number of tokens, and the true one is
+first in every other item, so a model that cannot tell them apart (a constant one) scores exactly
+50% on an even count.
 
 The scorer (loglikelihoods) follows the harness's rules for a causal model, so the two can be held
 against each other choice for choice (eval.py does, smallgpt/harness.py): the context's trailing
@@ -26,9 +29,10 @@ from smallgpt.errors import UserError
 from smallgpt.recall import token_losses
 from smallgpt.tokenizer import EOT
 
-# The name eval.py and compare.py take, and the name of its task file in the harness
-NAME = "lines"
-HARNESS_NAME = "smallgpt_lines"
+# The tasks by the names eval.py and compare.py take, each with its name in the harness
+HARNESS_NAMES = {"lines": "smallgpt_lines", "next_line": "smallgpt_next_line"}
+TASKS = tuple(HARNESS_NAMES)
+NEARBY_LINES = 50  # next_line's wrong choice: one of the real lines this far after the true one
 CONTEXT_LINES = 3  # the real lines before each item's choices
 MIN_LINE_TOKENS = 4
 MAX_LINE_TOKENS = 64  # at most, and at most half the model's context
@@ -146,10 +150,11 @@ def accuracy(scores: list[list[float]], labels: list[int]) -> tuple[int, int]:
 
 
 def items_from_dataset(
-    data: Path, meta: dict, tokenizer: object, n: int, seed: int, block_size: int
+    data: Path, meta: dict, tokenizer: object, n: int, seed: int, block_size: int, task: str
 ) -> list[dict]:
-    """Up to n lines items (seeded) from the held-out split of the dataset in data (its meta.json
-    and tokenizer), each line at most MAX_LINE_TOKENS tokens and half of block_size."""
+    """Up to n items of task (one of TASKS; seeded) from the held-out split of the dataset in data
+    (its meta.json and tokenizer), each line at most MAX_LINE_TOKENS tokens and half of
+    block_size."""
     split = splits_of(meta)[-1]
     tokens = open_tokens(data, split, meta)[:TEXT_TOKENS]
     eot = getattr(tokenizer, "eot_token", None)
@@ -158,11 +163,11 @@ def items_from_dataset(
     documents = np.split(np.asarray(tokens, dtype=np.int64), ends)
     texts = [tokenizer.decode(doc[doc != eot].tolist()) for doc in documents]
     longest = min(MAX_LINE_TOKENS, block_size // 2)
-    items = make_items(texts, tokenizer.encode, tokenizer.decode, n, seed, longest)
+    items = make_items(texts, tokenizer.encode, tokenizer.decode, n, seed, longest, task)
     if not items:
         raise UserError(
             f"the {split} split of {data} has no lines of {MIN_LINE_TOKENS} to {longest} tokens "
-            f"after {CONTEXT_LINES} others: the lines task needs line-structured text"
+            f"after {CONTEXT_LINES} others: the {task} task needs line-structured text"
         )
     return items
 
@@ -174,37 +179,63 @@ def make_items(
     n: int,
     seed: int,
     longest: int,
+    task: str,
 ) -> list[dict]:
-    """Up to n items from the lines of texts (documents), drawn in a seeded order: each line of
-    MIN_LINE_TOKENS to longest tokens that has CONTEXT_LINES lines before it, and a swap of two of
-    its tokens that gives another text of as many tokens (swap_two)."""
+    """Up to n items of task from the lines of texts (documents), drawn in a seeded order: each
+    line of MIN_LINE_TOKENS to longest tokens that has CONTEXT_LINES lines before it, against a
+    wrong line of as many tokens: the line with two tokens swapped (lines: swap_two), or a later
+    real line (next_line: nearby_line)."""
     rng = np.random.default_rng(seed)
     candidates = []
     for text in texts:
         lines = text.split("\n")
         for i in range(CONTEXT_LINES, len(lines)):
             if EOT not in lines[i] and lines[i].strip():
-                candidates.append((lines[i - CONTEXT_LINES : i], lines[i]))
+                candidates.append((lines, i))
     items = []
     for k in rng.permutation(len(candidates)):
         if len(items) == n:
             break
-        before, line = candidates[k]
-        context = "\n".join(before)
+        lines, i = candidates[k]
+        context = "\n".join(lines[i - CONTEXT_LINES : i])
         if EOT in context or not context.strip():
             continue
-        true = "\n" + line
-        true_ids = split_pair(encode, context, true)[1]
-        if not MIN_LINE_TOKENS <= len(true_ids) <= longest:
+        true = "\n" + lines[i]
+        count = len(split_pair(encode, context, true)[1])
+        if not MIN_LINE_TOKENS <= count <= longest:
             continue
-        swapped = swap_two(encode, decode, context, line, rng)
-        if swapped is None:
+        if task == "lines":
+            wrong = swap_two(encode, decode, context, lines[i], rng)
+        else:
+            wrong = nearby_line(encode, context, lines, i, count, rng)
+        if wrong is None:
             continue
         # the true line first in every other item
         label = len(items) % 2
-        choices = [true, "\n" + swapped] if label == 0 else ["\n" + swapped, true]
+        choices = [true, "\n" + wrong] if label == 0 else ["\n" + wrong, true]
         items.append({"context": context, "choices": choices, "label": label})
     return items
+
+
+def nearby_line(
+    encode: Encode,
+    context: str,
+    lines: list[str],
+    i: int,
+    count: int,
+    rng: np.random.Generator,
+) -> str | None:
+    """One of the NEARBY_LINES real lines after lines[i] (another text) that is count tokens after
+    context, as lines[i] is, drawn at random; None if none is."""
+    same_length = [
+        line
+        for line in lines[i + 1 : i + 1 + NEARBY_LINES]
+        if line != lines[i]
+        and line.strip()
+        and EOT not in line
+        and len(split_pair(encode, context, "\n" + line)[1]) == count
+    ]
+    return same_length[rng.integers(len(same_length))] if same_length else None
 
 
 def swap_two(
@@ -235,24 +266,25 @@ def swap_two(
     return None
 
 
-def write_task(folder: Path, items: list[dict]) -> Path:
-    """items as a task of lm-evaluation-harness in folder: its YAML (a local json dataset, scored by
-    accuracy, the choice right after the context) and its items, one JSON object a line; datasets
-    caches what it reads of them in folder too. Returns the YAML's path."""
-    data = folder / f"{HARNESS_NAME}.jsonl"
+def write_task(folder: Path, items: list[dict], task: str) -> Path:
+    """items as task (one of TASKS) of lm-evaluation-harness in folder: its YAML (a local json
+    dataset, scored by accuracy, the choice right after the context) and its items, one JSON object
+    a line; datasets caches what it reads of them in folder too. Returns the YAML's path."""
+    name = HARNESS_NAMES[task]
+    data = folder / f"{name}.jsonl"
     with atomic_open(data, "w") as f:
         for item in items:
             f.write(json.dumps(item) + "\n")
     # doc_to_*: field names, which the harness reads as they are (no template)
     yaml = "\n".join(
         [
-            f"task: {HARNESS_NAME}",
+            f"task: {name}",
             "dataset_path: json",
             "dataset_kwargs:",
             "  data_files:",
             f"    test: {json.dumps(str(data.resolve()))}",
             # datasets' cache of it beside it, not in the user's cache
-            f"  cache_dir: {json.dumps(str((folder / 'cache').resolve()))}",
+            f"  cache_dir: {json.dumps(str((folder / 'cache' / task).resolve()))}",
             "output_type: multiple_choice",
             "test_split: test",
             "doc_to_text: context",
@@ -268,7 +300,7 @@ def write_task(folder: Path, items: list[dict]) -> Path:
             "",
         ]
     )
-    path = folder / f"{HARNESS_NAME}.yaml"
+    path = folder / f"{name}.yaml"
     with atomic_open(path, "w") as f:
         f.write(yaml)
     return path

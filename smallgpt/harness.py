@@ -1,9 +1,9 @@
 """Standard benchmarks through lm-evaluation-harness (`lm-eval`, an optional dependency): a model
 this project loads, written as a transformers folder (hf.save, the export's classes), scored by the
 harness's `hf` model on its tasks (HellaSwag, ARC, LAMBADA, PIQA, ...) or on the project's own
-lines task (smallgpt/choice_task.py), and checked: the harness's log-likelihood of every choice held
-against this project's scorer on the model itself. eval.py --lm_eval and compare.py --lm_eval are
-the commands.
+(lines, next_line: smallgpt/choice_task.py), and checked: the harness's log-likelihood of every
+choice held against this project's scorer on the model itself. eval.py --lm_eval and
+compare.py --lm_eval are the commands.
 """
 
 import contextlib
@@ -46,9 +46,9 @@ def check_installed() -> None:
 
 @dataclass(slots=True)
 class Tasks:
-    """The harness tasks of a command: the names as given, each as the harness knows it (lines:
-    choice_task.HARNESS_NAME), the folder of the project's task files (None without lines), and the
-    hub datasets that the others read, {task: (dataset_path, dataset_name)}."""
+    """The harness tasks of a command: the names as given, each as the harness knows it (the
+    project's own: choice_task.HARNESS_NAMES), the folder of the project's task files (None without
+    them), and the hub datasets that the others read, {task: (dataset_path, dataset_name)}."""
 
     names: list[str]
     harness_names: list[str]
@@ -59,7 +59,7 @@ class Tasks:
 def task_manager(include: Path | None, names: list[str]) -> Any:
     """The harness's TaskManager over its own tasks where names has one, and the project's task
     files in include."""
-    only_local = all(name == choice_task.NAME for name in names)
+    only_local = all(name in choice_task.TASKS for name in names)
     return indexed_tasks(str(include) if include else None, not only_local)
 
 
@@ -73,9 +73,9 @@ def indexed_tasks(include: str | None, defaults: bool) -> Any:
 
 
 def resolve(names: list[str], include: Path | None) -> Tasks:
-    """names (the harness's task, group or tag names, or lines) as Tasks, checked: an unknown name
-    is a UserError with the close matches."""
-    harness_names = [choice_task.HARNESS_NAME if n == choice_task.NAME else n for n in names]
+    """names (the harness's task, group or tag names, or the project's: choice_task.TASKS) as Tasks,
+    checked: an unknown name is a UserError with the close matches."""
+    harness_names = [choice_task.HARNESS_NAMES.get(n, n) for n in names]
     manager = task_manager(include, names)
     index = manager.task_index
     hub = {}
@@ -85,7 +85,8 @@ def resolve(names: list[str], include: Path | None) -> Tasks:
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise UserError(
                 f"lm_eval: {name!r} is not a task, group or tag of lm-evaluation-harness{hint}; "
-                f"`lm-eval ls tasks` lists them, and {choice_task.NAME} is the project's own"
+                f"`lm-eval ls tasks` lists them, and {' and '.join(choice_task.TASKS)} are the "
+                "project's own"
             )
         for leaf, cfg in leaf_configs(index, harness_name):
             path = cfg.get("dataset_path")
@@ -159,7 +160,8 @@ def check_reachable(tasks: Tasks) -> None:
         raise UserError(
             f"lm_eval: {listed} read their data from the Hugging Face hub, and {endpoint} cannot "
             f"be reached ({why}): run where the network is, or with the data cached and "
-            f"HF_DATASETS_OFFLINE=1; the {choice_task.NAME} task needs no network"
+            f"HF_DATASETS_OFFLINE=1; the project's own tasks ({', '.join(choice_task.TASKS)}) "
+            "need no network"
         )
 
 

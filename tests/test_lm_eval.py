@@ -1,4 +1,4 @@
-"""eval.py --lm_eval: lm-evaluation-harness on a run, offline, on the project's own lines task; its
+"""eval.py --lm_eval: lm-evaluation-harness on a run, offline, on the project's own tasks; its
 scores held against the project's scorer, and against models whose answer is known by construction;
 the harness's tasks out of reach said in one line before any work; the comparison's task columns."""
 
@@ -41,52 +41,60 @@ def lines_run(pycode_small: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return out
 
 
-def lm_eval_row(args: list[str]) -> dict:
-    """eval.py's lm_eval line of the lines task, for args (which must succeed)."""
-    r = cli(["eval.py", "--device=cpu", "--progress=False", "--lm_eval=[lines]", *args])
+def lm_eval_rows(args: list[str], tasks: str = "lines") -> dict[str, dict]:
+    """eval.py's lm_eval lines by task name, for args and --lm_eval=[tasks] (which must succeed)."""
+    r = cli(["eval.py", "--device=cpu", "--progress=False", f"--lm_eval=[{tasks}]", *args])
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    assert [row["name"] for row in rows] == ["lines"]
-    return rows[0]
+    assert [row["name"] for row in rows] == tasks.split(",")
+    return {row["name"]: row for row in rows}
 
 
-def test_the_harness_scores_the_lines_task_as_the_project_scorer_does_pair_for_pair(
+def test_the_harness_scores_the_projects_tasks_as_the_project_scorer_does_pair_for_pair(
     pycode_small: Path, lines_run: Path, tmp_path: Path
 ) -> None:
-    """The harness on the run exported (its YAML, its hf model, its truncation) gives each choice
-    the log-likelihood that this project's scorer gives it from the items alone, and the same
-    accuracy; eval.py leaves the run's folder as it was, but for the record of its scores."""
+    """The harness on the run exported (its YAML, its hf model, its truncation) gives each choice of
+    lines and next_line the log-likelihood that this project's scorer gives it from the items alone,
+    and the same accuracy; eval.py leaves the run's folder as it was, but for the record of its
+    scores."""
     model = load_run(parse_source("resume"), lines_run).model
     meta = load_meta(pycode_small)
     tok = load_tokenizer(meta)
-    items = choice_task.items_from_dataset(pycode_small, meta, tok, ITEMS, 3, 64)
-    assert len(items) == ITEMS and [i["label"] for i in items] == [0, 1] * (ITEMS // 2)
-    # most items are longer than the model's context, so both cut them
     prefix = choice_task.prefix_token(tok)
+    items = {}
+    ours = {}
+    for task in choice_task.TASKS:
+        items[task] = choice_task.items_from_dataset(pycode_small, meta, tok, ITEMS, 3, 64, task)
+        assert len(items[task]) == ITEMS
+        assert [i["label"] for i in items[task]] == [0, 1] * (ITEMS // 2)
+        ours[task] = choice_task.choice_scores(model, tok.encode, items[task], 8, prefix)
+        choice_task.write_task(tmp_path, items[task], task)
+    # most items are longer than the model's context, so both cut them
     longest = max(
         sum(map(len, choice_task.split_pair(tok.encode, i["context"], i["choices"][0])))
-        for i in items
+        for i in items["lines"]
     )
     assert longest > 65
-    ours = choice_task.choice_scores(model, tok.encode, items, 8, prefix)
-    choice_task.write_task(tmp_path, items)
-    tasks = harness.resolve([choice_task.NAME], tmp_path)
+    tasks = harness.resolve(list(choice_task.TASKS), tmp_path)
     with harness.model_folder(model, meta, None) as folder:
         results = harness.evaluate(folder, tasks, "cpu", "float32", 8, None, 64, prefix, False)
-    samples = sorted(results["samples"][choice_task.HARNESS_NAME], key=lambda s: s["doc_id"])
-    theirs = [[r[0] for r in s["filtered_resps"]] for s in samples]
-    assert len(theirs) == ITEMS
-    for mine, harnessed in zip(ours, theirs, strict=True):
-        assert mine == pytest.approx(harnessed, abs=1e-4)
-    # the two choices differ by more than the scorers do: the test can tell them apart
-    assert min(abs(a - b) for a, b in ours) > 1e-2
-    correct, n = choice_task.accuracy(ours, [i["label"] for i in items])
-    assert results["results"][choice_task.HARNESS_NAME]["acc,none"] == correct / n
-    assert correct / n > 0.6  # trained: better than chance
+    for task in choice_task.TASKS:
+        name = choice_task.HARNESS_NAMES[task]
+        samples = sorted(results["samples"][name], key=lambda s: s["doc_id"])
+        theirs = [[r[0] for r in s["filtered_resps"]] for s in samples]
+        assert len(theirs) == ITEMS
+        for mine, harnessed in zip(ours[task], theirs, strict=True):
+            assert mine == pytest.approx(harnessed, abs=1e-4)
+        # the two choices differ by more than the scorers do: the test can tell them apart
+        assert min(abs(a - b) for a, b in ours[task]) > 1e-2
+        correct, n = choice_task.accuracy(ours[task], [i["label"] for i in items[task]])
+        assert results["results"][name]["acc,none"] == correct / n
+    # trained: better than chance where a corrupted line is the wrong choice
+    assert results["results"][choice_task.HARNESS_NAMES["lines"]]["acc,none"] > 0.6
 
     # eval.py: the same through the command, its check in its line, and the run's folder as it was
     before = {p.name: p.read_bytes() for p in lines_run.iterdir()}
-    row = lm_eval_row([f"--out_dir={lines_run}", f"--examples={ITEMS}"])
+    row = lm_eval_rows([f"--out_dir={lines_run}", f"--examples={ITEMS}"])["lines"]
     assert row["n"] == ITEMS and row["check_items"] == ITEMS and row["check_requests"] == 2 * ITEMS
     assert row["check_same_choice"] == ITEMS and row["check_max_abs_diff"] < 1e-4
     after = {p.name: p.read_bytes() for p in lines_run.iterdir()}
@@ -139,11 +147,12 @@ def test_a_true_line_preferring_model_scores_1_and_a_constant_one_exactly_half(
 ) -> None:
     """Through eval.py and the harness: a bigram model of the true choices' transitions scores
     100% (every corrupted choice makes a transition no true one makes, checked here), and the
-    same model with its final norm's gain zero (all logits 0: every pair a tie) exactly 50%."""
+    same model with its final norm's gain zero (all logits 0: every pair a tie) exactly 50%, on
+    next_line too."""
     meta = load_meta(pycode_small)
     tok = load_tokenizer(meta)
     vocab = meta["vocab_size"]
-    items = choice_task.items_from_dataset(pycode_small, meta, tok, ITEMS, 1337, 64)
+    items = choice_task.items_from_dataset(pycode_small, meta, tok, ITEMS, 1337, 64, "lines")
     scored = []  # each item's (true, corrupted) transitions the scorer reads
     for item in items:
         pair = []
@@ -160,10 +169,10 @@ def test_a_true_line_preferring_model_scores_1_and_a_constant_one_exactly_half(
     # that has seen ones
     for _, corrupted in scored:
         assert any(seen[a, b] == 0 and seen[a].sum() > 0 for a, b in corrupted)
-    for name, model, acc in (
-        ("bigram", bigram_model(vocab, seen), 1.0),
-        ("constant", bigram_model(vocab, seen, gain=0.0), 0.5),
-    ):
+    bigram = bigram_model(vocab, seen)
+    constant = bigram_model(vocab, seen, gain=0.0)
+    labels = [i["label"] for i in items]
+    for name, model in (("bigram", bigram), ("constant", constant)):
         folder = tmp_path / name
         folder.mkdir()
         save_checkpoint(
@@ -173,14 +182,20 @@ def test_a_true_line_preferring_model_scores_1_and_a_constant_one_exactly_half(
             data_meta=meta,
             config={"dataset": str(pycode_small), "seed": 1337},
         )
-        row = lm_eval_row([f"--out_dir={folder}", f"--examples={ITEMS}", "--batch_size=8"])
-        assert row["acc"] == acc and row["n"] == ITEMS, name
-        assert row["check_same_choice"] == ITEMS and row["check_max_abs_diff"] < 1e-3, name
-        labels = [i["label"] for i in items]
-        scores = choice_task.choice_scores(model, tok.encode, items, 8)
-        assert choice_task.accuracy(scores, labels) == (acc * ITEMS, ITEMS)
-        if name == "constant":
-            assert all(a == b for a, b in scores)  # ties, each choice as many tokens
+    args = [f"--examples={ITEMS}", "--batch_size=8"]
+    row = lm_eval_rows([f"--out_dir={tmp_path / 'bigram'}", *args])["lines"]
+    assert row["acc"] == 1.0 and row["n"] == ITEMS
+    assert row["check_same_choice"] == ITEMS and row["check_max_abs_diff"] < 1e-3
+    scores = choice_task.choice_scores(bigram, tok.encode, items, 8)
+    assert choice_task.accuracy(scores, labels) == (ITEMS, ITEMS)
+    # the constant model on both tasks: every pair a tie, the first choice taken, half right
+    rows = lm_eval_rows([f"--out_dir={tmp_path / 'constant'}", *args], "lines,next_line")
+    for task, row in rows.items():
+        assert row["acc"] == 0.5 and row["n"] == ITEMS, task
+        assert row["check_same_choice"] == ITEMS and row["check_max_abs_diff"] < 1e-3, task
+    scores = choice_task.choice_scores(constant, tok.encode, items, 8)
+    assert all(a == b for a, b in scores)  # ties: each choice as many tokens
+    assert choice_task.accuracy(scores, labels) == (ITEMS // 2, ITEMS)
 
 
 def test_the_harness_out_of_reach_or_not_installed_is_one_line_before_any_work(
