@@ -638,7 +638,7 @@ def score_runs(
     for run in runs:
         logged = read_run(run.dir)
         scored = logged["benchmarks"]
-        done = all(t in scored and scored[t].get("limit") == cfg.lm_eval_limit for t in cfg.lm_eval)
+        done = all(cfg.lm_eval_limit in scored.get(t, {}) for t in cfg.lm_eval)
         if not logged["diverged"] and not done:
             todo.append(run)
     eval_py = Path(__file__).resolve().parent / "eval.py"

@@ -263,7 +263,7 @@ def summary_rows(
             row |= conversion_columns(group, finals.get((size, conversion_target(row))))
         row |= speed_columns(group, speed_of[(size, name)], mha_speed)
         row |= recall_columns(group, mha_runs, cfg.solved_threshold)
-        row |= benchmark_columns(group, mha_runs, cfg.lm_eval)
+        row |= benchmark_columns(group, mha_runs, cfg.lm_eval, cfg.lm_eval_limit)
         rows.append(row)
     return sorted(rows, key=row_order(rows, cfg))
 
@@ -463,17 +463,23 @@ def recall_columns(group: list[dict], mha: list[dict] | None, threshold: float) 
     return out
 
 
-def benchmark_columns(group: list[dict], mha: list[dict] | None, tasks: list[str]) -> dict:
+def benchmark_columns(
+    group: list[dict], mha: list[dict] | None, tasks: list[str], limit: int | None
+) -> dict:
     """A group's columns of each harness task of tasks (compare.py --lm_eval, scored by eval.py)
-    that every run of it scored: each metric's mean over the seeds with its 95% Student t interval
-    (<task>_<metric>, _ci95), and its seed-paired difference to MHA's (mha: MHA's runs at this size;
-    None for MHA itself)."""
+    that every run of it scored at limit (items; None: all): each metric's mean over the seeds with
+    its 95% Student t interval (<task>_<metric>, _ci95), and its seed-paired difference to MHA's
+    (mha: MHA's runs at this size; None for MHA itself)."""
+
+    def scores(run: dict, task: str) -> dict | None:
+        return (run.get("benchmarks") or {}).get(task, {}).get(limit)
+
     out = {}
     for task in tasks:
-        scored = [(r.get("benchmarks") or {}).get(task) for r in group]
+        scored = [scores(r, task) for r in group]
         if not all(scored):
             continue
-        theirs = {r["seed"]: (r.get("benchmarks") or {}).get(task) or {} for r in mha or []}
+        theirs = {r["seed"]: scores(r, task) or {} for r in mha or []}
         for metric in benchmark_metrics(scored):
             values = {r["seed"]: s[metric] for r, s in zip(group, scored, strict=True)}
             est = stats.mean_interval(list(values.values()))

@@ -192,8 +192,9 @@ def read_run(run_dir: Path) -> dict:
     whether the log ends in a line cut short (a process killed while writing it, whatever it held);
     final_iter: the iteration of the run's final evaluation (the latest attempt's max_iters, or
     where an eval_only attempt started); recall: the recall record logged at final_iter, or None;
-    benchmarks: {task: its metrics} of the harness's tasks that eval.py --lm_eval logged for the
-    checkpoint of final_iter (a later record's task over an earlier's);
+    benchmarks: {task: {limit: its metrics}} of the harness's tasks that eval.py --lm_eval logged
+    for the checkpoint of final_iter, by the items it was limited to (None: all; a later record's
+    over an earlier's);
     diverged: the record of a training that stopped non-finite, where the log ends with one (None
     otherwise)."""
     path = run_dir / "log.jsonl"
@@ -252,7 +253,7 @@ def by_iteration(records: list[dict]) -> dict:
     """One run's records, its fresh start's config first, by iteration: {'evals', 'trains',
     'recalls'}, each {iter: record} (a resume's records replace those logged after its checkpoint;
     evals and trains get wall_s, the wall-clock continued across resumes), 'benchmarks' ({iter:
-    {task: metrics}}) and 'final_iter'."""
+    {task: {limit: metrics}}}) and 'final_iter'."""
     evals = {}
     trains = {}
     recalls = {}
@@ -274,7 +275,9 @@ def by_iteration(records: list[dict]) -> dict:
             recalls[r["iter"]] = r
         elif r["event"] == "benchmarks":
             # lm-evaluation-harness's tasks on the checkpoint of that iteration (eval.py --lm_eval)
-            benchmarks[r["iter"]] = benchmarks.get(r["iter"], {}) | r["lm_eval"]
+            at = benchmarks.setdefault(r["iter"], {})
+            for task, values in r["lm_eval"].items():
+                at.setdefault(task, {})[values.get("limit")] = values
         elif r["event"] in ("eval", "train"):
             last = r["elapsed_s"]
             kept = evals if r["event"] == "eval" else trains

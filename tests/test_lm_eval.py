@@ -246,13 +246,14 @@ def test_the_report_gives_each_task_its_mean_over_seeds_and_the_paired_differenc
 
     def runs(values: dict[int, float | None]) -> list[dict]:
         return [
-            {"seed": seed, "benchmarks": {} if v is None else {"lines": {"acc": v, "n": 40}}}
+            {"seed": seed, "benchmarks": {} if v is None else {"lines": {None: {"acc": v}}}}
             for seed, v in values.items()
         ]
 
     mha = runs({1: 0.50, 2: 0.60, 3: 0.55})
     gqa = runs({1: 0.60, 2: 0.65, 3: 0.80})
-    cols = report.benchmark_columns(gqa, mha, ["lines", "hellaswag"])
+    cols = report.benchmark_columns(gqa, mha, ["lines", "hellaswag"], None)
+    assert report.benchmark_columns(gqa, mha, ["lines"], 100) == {}  # scored at no limit
     mean = (0.60 + 0.65 + 0.80) / 3
     sd = math.sqrt(((0.60 - mean) ** 2 + (0.65 - mean) ** 2 + (0.80 - mean) ** 2) / 2)
     assert cols["lines_acc"] == pytest.approx(mean)
@@ -267,20 +268,27 @@ def test_the_report_gives_each_task_its_mean_over_seeds_and_the_paired_differenc
     assert cols["lines_acc_diff_pairs"] == 3
     assert not any(k.startswith(("hellaswag", "lines_n")) for k in cols)
     # MHA itself: no difference; a run not scored: no column
-    assert report.benchmark_columns(mha, None, ["lines"])["lines_acc_diff_vs_mha"] is None
-    assert report.benchmark_columns(runs({1: 0.5, 2: None}), None, ["lines"]) == {}
+    assert report.benchmark_columns(mha, None, ["lines"], None)["lines_acc_diff_vs_mha"] is None
+    assert report.benchmark_columns(runs({1: 0.5, 2: None}), None, ["lines"], None) == {}
 
 
 def test_a_run_whose_log_has_scores_reads_them_back_at_its_final_iteration(tmp_path: Path) -> None:
-    """read_run's benchmarks: eval.py's records at the final iteration, a later one's task over an
-    earlier one's; those of another iteration are not the final model's."""
+    """read_run's benchmarks: eval.py's records at the final iteration by task and limit, a later
+    one's over an earlier one's; those of another iteration are not the final model's."""
     from smallgpt.runlog import append_record, read_run
 
     config = {"init_from": "scratch", "max_iters": 40}
     start = {"event": "config", "config": config, "model_config": {}, "start_iter": 0}
     (tmp_path / "log.jsonl").write_text(json.dumps(start))  # its last line not ended yet
-    append_record(tmp_path, event="benchmarks", iter=40, lm_eval={"lines": {"acc": 0.25}})
-    append_record(tmp_path, event="benchmarks", iter=30, lm_eval={"arc_easy": {"acc": 0.3}})
-    append_record(tmp_path, event="benchmarks", iter=40, lm_eval={"lines": {"acc": 0.75}})
-    assert read_run(tmp_path)["benchmarks"] == {"lines": {"acc": 0.75}}
-    assert [r["event"] for r in read_log(tmp_path)] == ["config", *["benchmarks"] * 3]
+    first = {"lines": {"acc": 0.25, "limit": None}}
+    append_record(tmp_path, event="benchmarks", iter=40, lm_eval=first)
+    other_iteration = {"arc_easy": {"acc": 0.3, "limit": None}}
+    append_record(tmp_path, event="benchmarks", iter=30, lm_eval=other_iteration)
+    limited = {"lines": {"acc": 0.5, "limit": 8}}
+    append_record(tmp_path, event="benchmarks", iter=40, lm_eval=limited)
+    again = {"lines": {"acc": 0.75, "limit": None}}
+    append_record(tmp_path, event="benchmarks", iter=40, lm_eval=again)
+    assert read_run(tmp_path)["benchmarks"] == {
+        "lines": {None: again["lines"], 8: limited["lines"]}
+    }
+    assert [r["event"] for r in read_log(tmp_path)] == ["config", *["benchmarks"] * 4]
