@@ -15,6 +15,8 @@ intervals that tell a difference from noise.
     # the GQA paper's conversion ablations
     python compare.py config/compare/cpu.py --convert=True --convert_methods=[mean,first,random] \
         --uptrain_fractions=[0,0.05,0.1]
+    # each run also scored by lm-evaluation-harness: a report column per task (docs/benchmarks.md)
+    python compare.py config/compare/cpu.py --seeds=3 --lm_eval=[next_line,hellaswag]
     # the report alone, from the runs' logs
     python compare.py config/compare/cpu.py --mode=report
     # parameters and KV-cache bytes of every n_kv_head

@@ -13,6 +13,12 @@ model gives the same numbers. A key left out is the run's, as its train.py --fin
 and mqar read the dataset's test split where it has one, as train.py's final evaluation does
 (--split=val for the other). --dataset must be in the model's own tokens. One JSON line per
 measure at the end, as bench.py prints.
+
+Standard benchmarks (smallgpt/harness.py, docs/benchmarks.md): --lm_eval=[hellaswag,arc_easy,...]
+scores the model with lm-evaluation-harness (an optional dependency) through a temporary
+transformers folder, each log-likelihood checked against this project's scorer; lines and
+next_line are the project's own tasks, made from the dataset's held-out text, offline. A run's
+scores also go to its log.jsonl and wandb summary.
 """
 
 # configurator first: a Ctrl-C while torch imports is then one line, not a traceback
