@@ -4,7 +4,6 @@ the block and the cache as attention's kinds; the gated delta rule it runs is in
 smallgpt/delta_rule.py. D in layer_pattern: model.LAYER_KINDS holds it as a row."""
 
 import math
-from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -90,10 +89,6 @@ class Recurrence(Mixer):
         """What the next tokens start from: the convolution's last inputs and the state."""
         if kv_cache is not None:
             kv_cache.write_state(self.layer, inputs[:, -(KERNEL - 1) :].transpose(1, 2), state)
-
-    @property
-    def mask_key(self) -> Hashable:
-        return type(self)
 
     def mask(
         self,
