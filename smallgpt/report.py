@@ -27,6 +27,7 @@ from smallgpt.configs import CompareConfig, TrainConfig
 from smallgpt.convert import CONVERT_METHODS
 from smallgpt.errors import UserError
 from smallgpt.plots import conversion_target, plot
+from smallgpt.recall import LONG_TASKS
 from smallgpt.report_text import kv_column, markdown
 from smallgpt.runlog import read_run, start_wandb, unfinished
 from smallgpt.sweep import Run
@@ -263,6 +264,7 @@ def summary_rows(
             row |= conversion_columns(group, finals.get((size, conversion_target(row))))
         row |= speed_columns(group, speed_of[(size, name)], mha_speed)
         row |= recall_columns(group, mha_runs, cfg.solved_threshold)
+        row |= long_recall_columns(group)
         row |= benchmark_columns(group, mha_runs, cfg.lm_eval, cfg.lm_eval_limit)
         rows.append(row)
     return sorted(rows, key=row_order(rows, cfg))
@@ -461,6 +463,37 @@ def recall_columns(group: list[dict], mha: list[dict] | None, threshold: float) 
             threshold,
         )
     return out
+
+
+def long_recall_columns(group: list[dict]) -> dict:
+    """A group's columns of recall past the trained length (recall.LONG_TASKS, each where every
+    run measured it): at each cell all the runs share (long_cell: a length; the needle's, a length
+    and a depth), the examples solved pooled over the seeds, of all (<task>_solved@<cell>,
+    <task>_n@<cell>), and each seed's count in seed order (<task>_by_seed@<cell>)."""
+    runs = sorted(group, key=lambda r: r["seed"])
+    out = {}
+    for task in LONG_TASKS:
+        measured = [(r["recall"] or {}).get(task) for r in runs]
+        if not all(measured):
+            continue
+        by_cell = [{long_cell(c): c for c in results} for results in measured]
+        common = set.intersection(*(set(cells) for cells in by_cell))
+        for cell in [c for c in by_cell[0] if c in common]:
+            counts = [cells[cell] for cells in by_cell]
+            out |= {
+                f"{task}_solved@{cell}": sum(c["solved"] for c in counts),
+                f"{task}_n@{cell}": sum(c["n"] for c in counts),
+                f"{task}_by_seed@{cell}": " ".join(str(c["solved"]) for c in counts),
+            }
+    return out
+
+
+def long_cell(result: dict) -> str:
+    """A long-recall result's cell: '504' (its length in tokens), or '504@0.25' where it has a
+    depth (the needle's: 0 the first token, 1 just before the question)."""
+    if "depth" in result:
+        return f"{result['length']}@{result['depth']:g}"
+    return str(result["length"])
 
 
 def benchmark_columns(

@@ -8,6 +8,7 @@ from smallgpt import stats
 from smallgpt.configs import CompareConfig
 from smallgpt.measure import table
 from smallgpt.plots import conversion_target, losses_by_rate
+from smallgpt.recall import LONG_TASKS
 
 # marks a row, or a rate of --lrs, with a run trained for other iterations than the command plans
 OTHER_BUDGET = "†"
@@ -62,6 +63,7 @@ def markdown(
             *variants_table(scratch, cfg),
             *cache_note(scratch),
             *ratio_table(scratch, cfg),
+            *long_recall_tables(scratch),
             "",
             *rates_table(scratch),
             *other_budgets_note(mine),
@@ -217,6 +219,59 @@ def ratio_table(scratch: list[dict], cfg: CompareConfig) -> list[str]:
         "",
         table(shown, columns),
     ]
+
+
+def long_recall_tables(scratch: list[dict]) -> list[str]:
+    """Per task of recall.LONG_TASKS that a size's variants measured (report.long_recall_columns),
+    a table of the examples each solved at each cell (a length; the needle's, a length and a
+    depth), pooled over its seeds, with the 95% Clopper-Pearson interval (an empty line, a line on
+    what the cells hold, an empty line, then the table); none where no variant measured it."""
+    out = []
+    for task in LONG_TASKS:
+        prefix = f"{task}_solved@"
+        rows = [r for r in scratch if any(k.startswith(prefix) for k in r)]
+        if not rows:
+            continue
+        cells = list(
+            dict.fromkeys(k.removeprefix(prefix) for r in rows for k in r if k.startswith(prefix))
+        )
+        shown = [
+            {
+                "layers": r["layers"],
+                "variant": r["variant"],
+                **{cell: solved_text(r, task, cell) for cell in cells},
+            }
+            for r in rows
+        ]
+        columns = {"layers": "layers", "variant": "variant"}
+        columns |= {cell: cell_heading(cell) for cell in cells}
+        out += [
+            "",
+            f"{task} past the trained length (eval.py --tasks=[{task}], each run's final "
+            "evaluation), by length in tokens: the examples solved (every answer the model's top "
+            "token) pooled over the seeds, of all, with the 95% Clopper-Pearson interval of that "
+            "share. The interval counts examples as independent; seeds differ by more (each "
+            f"seed's count: report.csv's {task}_by_seed@<cell>).",
+            "",
+            table(shown, columns),
+        ]
+    return out
+
+
+def solved_text(row: dict, task: str, cell: str) -> str:
+    """A row's pooled long-recall cell: '525/768 (0.650-0.716)', or '-' where not measured."""
+    k = row.get(f"{task}_solved@{cell}")
+    if k is None:
+        return "-"
+    n = row[f"{task}_n@{cell}"]
+    low, high = stats.exact_interval(k, n)
+    return f"{k}/{n} ({low:.3f}-{high:.3f})"
+
+
+def cell_heading(cell: str) -> str:
+    """A long-recall cell's column heading: '504' or '504, depth 0.25'."""
+    length, _, depth = cell.partition("@")
+    return f"{length}, depth {depth}" if depth else length
 
 
 def rates_table(scratch: list[dict]) -> list[str]:

@@ -553,22 +553,44 @@ def test_a_ratio_sweep_reports_each_share_of_attention_at_its_best_rate_with_sol
     """LL, DL and DD (2 layers: all attention, half, none), each at two rates and three seeds
     with MQAR measured: each row at its own rate (by mean val loss), its attention share, and the
     runs that solved MQAR (accuracy >= 0.9) with their Clopper-Pearson interval, worked by hand;
-    report.md lists them by share, most attention first, and report.png has the ratio panel."""
+    report.md lists them by share, most attention first, and report.png has the ratio panel. Past
+    the trained length, each cell's examples solved are summed over the seeds, at the cells every
+    seed measured."""
     patterns = {"mha": None, "mha-dl": "DL", "mha-d": "DD"}
     best = {"mha": "0.001", "mha-dl": "0.01", "mha-d": "0.001"}
     # MQAR correct of 1000 at the best rate, by seed: 3, 2 and 0 runs reach 0.9
     correct = {"mha": (950, 960, 970), "mha-dl": (950, 920, 500), "mha-d": (300, 310, 320)}
+    # past the trained length: examples solved of 20 at 32 and 64 tokens, by seed; mha-d's last
+    # seed also at 128 (no other seed has it: left out), mha-dl's runs also the needle's cells
+    long = {
+        "mha": ((18, 19, 20), (0, 1, 0)),
+        "mha-dl": ((9, 5, 1), (4, 0, 2)),
+        "mha-d": ((7, 8, 9), (6, 7, 8)),
+    }
     for name, pattern in patterns.items():
         for rate in ("0.001", "0.01"):
             for i, seed in enumerate((1337, 1338, 1339)):
                 chosen = rate == best[name]
+                lengths = (32, 64, 128) if (name, i) == ("mha-d", 2) else (32, 64)
+                extra = {
+                    "mqar_long": [
+                        {"length": n, "solved": long[name][j][i] if n < 128 else 20, "n": 20}
+                        for j, n in enumerate(lengths)
+                    ]
+                }
+                if name == "mha-dl":
+                    extra["needle"] = [
+                        {"length": 64, "depth": d, "solved": 3 * i + j, "n": 10}
+                        for j, d in enumerate((0.0, 0.5))
+                    ]
                 write_log(
                     tmp_path,
                     name,
                     4,
                     seed,
                     {10: 2.0, 20: (1.50 if chosen else 1.60) + i / 100},
-                    recall={"mqar": mqar(correct[name][i] if chosen else 100, 1000)},
+                    recall={"mqar": mqar(correct[name][i] if chosen else 100, 1000)}
+                    | (extra if chosen else {}),
                     rate=rate,
                     test=(1.55 if chosen else 1.40) + i / 100,
                     model=dict(layer_pattern=pattern) if pattern else None,
@@ -593,6 +615,23 @@ def test_a_ratio_sweep_reports_each_share_of_attention_at_its_best_rate_with_sol
     assert table.index("| LL | 2/2 | mha |") < table.index("| DL | 1/2 | mha-dl |")
     assert table.index("| DL | 1/2 | mha-dl |") < table.index("| DD | 0/2 | mha-d |")
     assert f"| 2/3 ({low:.3f}-{high:.3f}), acc 0.935 |" in table
+    # recall past the trained length: pooled over seeds at each length all seeds measured
+    for name in patterns:
+        for j, n in enumerate((32, 64)):
+            assert int(rows[name][f"mqar_long_solved@{n}"]) == sum(long[name][j])
+            assert int(rows[name][f"mqar_long_n@{n}"]) == 60
+            assert rows[name][f"mqar_long_by_seed@{n}"] == " ".join(map(str, long[name][j]))
+    assert not rows["mha-d"].get("mqar_long_solved@128")
+    assert rows["mha-dl"]["needle_solved@64@0.5"] == "12"  # 1 + 4 + 7
+    assert rows["mha-dl"]["needle_by_seed@64@0.5"] == "1 4 7"
+    assert not rows["mha"].get("needle_solved@64@0.5")
+    long_table = out[out.index("mqar_long past the trained length") :]
+    low, high = stats.exact_interval(57, 60)
+    assert f"| LL | mha | 57/60 ({low:.3f}-{high:.3f}) |" in long_table
+    needle_table = out[out.index("needle past the trained length") :]
+    assert "| 64, depth 0 | 64, depth 0.5 |" in needle_table
+    low, high = stats.exact_interval(9, 30)
+    assert f"| DL | mha-dl | 9/30 ({low:.3f}-{high:.3f}) |" in needle_table
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
     # variants of one share: no ratio table
     other = tmp_path / "plain"
