@@ -247,11 +247,11 @@ def long_recall_tables(scratch: list[dict]) -> list[str]:
         columns |= {cell: cell_heading(cell) for cell in cells}
         out += [
             "",
-            f"{task} past the trained length (eval.py --tasks=[{task}], each run's final "
-            "evaluation), by length in tokens: the examples solved (every answer the model's top "
-            "token) pooled over the seeds, of all, with the 95% Clopper-Pearson interval of that "
-            "share. The interval counts examples as independent; seeds differ by more (each "
-            f"seed's count: report.csv's {task}_by_seed@<cell>).",
+            f"{task} past the trained length (--final_evals' {task} at each run's end), by "
+            "length in tokens: the examples solved (every answer the model's top token) pooled "
+            "over the seeds, of all, with the 95% Clopper-Pearson interval of that share. The "
+            "interval counts examples as independent, and seeds may differ by more: each seed's "
+            f"count is report.csv's {task}_by_seed@<cell>.",
             "",
             table(shown, columns),
         ]
