@@ -264,8 +264,7 @@ def solved_text(row: dict, task: str, cell: str) -> str:
     if k is None:
         return "-"
     n = row[f"{task}_n@{cell}"]
-    low, high = stats.exact_interval(k, n)
-    return f"{k}/{n} ({low:.3f}-{high:.3f})"
+    return stats.Solved(k, n, *stats.exact_interval(k, n), None).text()
 
 
 def cell_heading(cell: str) -> str:
