@@ -4,6 +4,8 @@ weights of its own. The model lends it its tensors at each stream; the layer pro
 inductor's CPU GEMM template, which reads each weight in a blocked layout, so those weights are
 lent as blocked copies made from the model's own (docs/performance-cpu.md "Decoding")."""
 
+import atexit
+import gc
 import hashlib
 import io
 import json
@@ -315,6 +317,17 @@ def lend(
 STEPS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple[Any, dict, dict]]]" = (
     weakref.WeakKeyDictionary()
 )
+
+
+@atexit.register
+def release_steps() -> None:
+    """Every loaded step let go, at exit: AOTInductor's loader unpacks its package into a folder
+    of its own (/tmp/aotinductor_*) and removes it only when the loader is destroyed, which the
+    interpreter's clean-up at exit does not always do (the test suite's shared models kept theirs:
+    about 14 folders a run)."""
+    if STEPS:
+        STEPS.clear()
+        gc.collect()
 
 
 class CompiledStep:

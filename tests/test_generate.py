@@ -1,5 +1,6 @@
 import itertools
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -421,6 +422,27 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
     for w, (_, p), out in zip(want, runs, turns):
         assert torch.equal(torch.cat([p, torch.stack(out, 1)], 1), w)
     assert [len(STEPS[m]) for m in models] == [2, 1]
+
+
+@COMPILES_2
+def test_release_steps_removes_the_unpacked_steps_of_models_still_alive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AOTInductor's loader unpacks a compiled step into a folder under TMPDIR and removes it only
+    when the loader is destroyed, which the suite's shared models, alive to its end, left undone
+    (about 14 folders a run). compiled_step.release_steps, run at exit, lets every loader go while
+    its model lives on; the model then loads its step again. The step is the batch-1 DECODE one the
+    other tests loading it share, so it is loaded from inductor's cache, not compiled."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    m = tiny_model(None, "learned", **DECODE)
+    idx = torch.randint(0, 96, (1, 3))
+    with torch.inference_mode():
+        first = generate(m, idx, 6, temperature=0, compile_step=True)
+        assert len(list(tmp_path.glob("aotinductor_*"))) == 1  # unpacked where asked
+        compiled_step.release_steps()
+        assert not list(tmp_path.glob("aotinductor_*")) and m not in STEPS
+        assert torch.equal(generate(m, idx, 6, temperature=0, compile_step=True), first)
+    assert len(STEPS[m]) == 1
 
 
 @COMPILES_2
