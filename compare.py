@@ -8,6 +8,8 @@ intervals that tell a difference from noise.
     python compare.py config/compare/cpu.py --variants=[mha,gqa2,mqa,mla32] --match=params
     # each variant at its own best learning rate of three (chosen on val, reported on test)
     python compare.py config/compare/mqar.py --seeds=5 --lrs=[1e-3,3e-3,1e-2]
+    # ... and a variant whose best is the lowest or highest of them at up to 2 rates further out
+    python compare.py config/compare/mqar.py --seeds=5 --lrs=[1e-3,3e-3] --bracket=2
     # the runs and an estimated time, no training
     python compare.py config/compare/cpu.py --seeds=3 --mode=plan
     # also variants widened to MHA's parameters
@@ -60,7 +62,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig, kind_names
-from smallgpt import choice_task, harness, recall, report, runtime, sweep
+from smallgpt import choice_task, harness, rate_bracket, recall, report, runtime, sweep
 from smallgpt.atomic import (
     atomic_open,
     check_claimable,
@@ -566,9 +568,51 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
         # a sweep stops here: the missing dataset's one-line error
         load_meta(data_dir(base.dataset))
     # a plan needs no data: GPT-2's padded vocabulary stands in
-    runs = sweep.plan(cfg, base, vocab or 50304, root)
+    runs = rate_bracket.plan(cfg, base, vocab or 50304, root)
     # before any work: a run that cannot train, or would mix budgets; harness tasks out of reach
     check_runs(cfg, base, runs)
+    say_what_is_not_compared(cfg, base)
+    with sweep.Stop() as stop:
+        try:
+            # the device and dtype, as each run's train.py decides them
+            place = runtime.place(base.device, base.dtype, base.n_embd)
+            # the shapes to time for the estimate: a plan's every run, a sweep's runs left
+            timed = runs if cfg.mode == "plan" else [r for r in runs if not sweep.finished(r)]
+            times = timings(timed, base, place)
+            if cfg.mode == "plan":
+                show_plan(runs, times, base, place.device)
+                if cfg.bracket:
+                    print(
+                        f"bracket={cfg.bracket}: then, for each variant whose best rate is the "
+                        "lowest or highest it trained at, all its seeds at a rate one grid step "
+                        f"further out, up to {cfg.bracket} times (decided as the runs finish)"
+                    )
+                return
+            # one sweep in a folder at a time (each run locks its own too)
+            with folder_lock(root, "compare.py"):
+                # what a killed compare.py left half-written
+                remove_stale_temps(root, COMPARISON_TEMPS)
+                # the folder is the comparison's from here on (compare.json)
+                claim_folder(root, "a comparison", {"command": sys.argv})
+                sweep.launch_all(runs, times, base.eval_iters, stop)
+                runs += train_past_edges(cfg, base, root, runs, place, stop)
+                stop.where = "while measuring the decode speeds"
+                measure_speeds(cfg, runs, root, place.device)
+                score_runs(cfg, base, runs, stop)
+        except sweep.Stopped as e:
+            finished = sum(map(sweep.finished, runs))
+            print(
+                f"{e}: {finished} of {len(runs)} runs finished; run the same command again to "
+                f"resume (a run cut short goes on from its checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.exit(128 + e.signum)
+
+
+def say_what_is_not_compared(cfg: CompareConfig, base: TrainConfig) -> None:
+    """A line up front where the sweep has no MHA to set the variants beside, and one naming the
+    variants that convert=True trains from scratch only."""
     mha = sweep.mha_config(base, 1)
     if MHA not in sweep.compared_variants(cfg, mha):
         key = "variants" if cfg.variants else "kv_heads"
@@ -587,35 +631,28 @@ def train(cfg: CompareConfig, base: TrainConfig, root: Path) -> None:
                 f"makes all-global attention of MHA's, and hybrids of it)",
                 flush=True,
             )
-    with sweep.Stop() as stop:
-        try:
-            # the device and dtype, as each run's train.py decides them
-            place = runtime.place(base.device, base.dtype, base.n_embd)
-            # the shapes to time for the estimate: a plan's every run, a sweep's runs left
-            timed = runs if cfg.mode == "plan" else [r for r in runs if not sweep.finished(r)]
-            times = timings(timed, base, place)
-            if cfg.mode == "plan":
-                show_plan(runs, times, base, place.device)
-                return
-            # one sweep in a folder at a time (each run locks its own too)
-            with folder_lock(root, "compare.py"):
-                # what a killed compare.py left half-written
-                remove_stale_temps(root, COMPARISON_TEMPS)
-                # the folder is the comparison's from here on (compare.json)
-                claim_folder(root, "a comparison", {"command": sys.argv})
-                sweep.launch_all(runs, times, base.eval_iters, stop)
-                stop.where = "while measuring the decode speeds"
-                measure_speeds(cfg, runs, root, place.device)
-                score_runs(cfg, base, runs, stop)
-        except sweep.Stopped as e:
-            finished = sum(map(sweep.finished, runs))
-            print(
-                f"{e}: {finished} of {len(runs)} runs finished; run the same command again to "
-                f"resume (a run cut short goes on from its checkpoint)",
-                file=sys.stderr,
-                flush=True,
-            )
-            sys.exit(128 + e.signum)
+
+
+def train_past_edges(
+    cfg: CompareConfig,
+    base: TrainConfig,
+    root: Path,
+    runs: list[sweep.Run],
+    place: Placement,
+    stop: sweep.Stop,
+) -> list[sweep.Run]:
+    """--bracket's runs past an edge of the rates beyond runs (all finished), trained one step at a
+    time as the runs before decide them (rate_bracket.plan)."""
+    known = {r.dir for r in runs}
+    added = []
+    vocab = vocab_size_of(base.dataset)
+    while more := [r for r in rate_bracket.plan(cfg, base, vocab, root) if r.dir not in known]:
+        check_runs(cfg, base, more)
+        print(f"{len(more)} runs past an edge of the rates (bracket)", flush=True)
+        sweep.launch_all(more, timings(more, base, place), base.eval_iters, stop)
+        known |= {r.dir for r in more}
+        added += more
+    return added
 
 
 def check_benchmarks(tasks: list[str]) -> None:
@@ -703,7 +740,7 @@ def main(config: tuple[CompareConfig, TrainConfig]) -> None:
         train(cfg, base, root)
     if cfg.mode in ("report", "all"):
         # the runs this command names: its variants, seeds, sizes, rates and conversions
-        runs = sweep.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
+        runs = rate_bracket.plan(cfg, base, vocab_size_of(base.dataset) or 50304, root)
         text = report.write_report(root, cfg, base, runs, sweep_status(runs, root))
         print(f"{text}\nwrote {root / 'report.md'}, {root / 'report.csv'}, {root / 'report.png'}")
 

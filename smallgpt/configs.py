@@ -321,6 +321,9 @@ class CompareConfig:
     # with optimizer='muon', Muon's rate for each of lrs (as many); empty: the base muon_lr scaled
     # as each of lrs is from the base learning_rate
     muon_lrs: list[float] = field(default_factory=list)
+    # with lrs: up to this many more rates for a variant whose chosen rate is the lowest or highest
+    # it trained at, each one grid step further out (smallgpt/rate_bracket.py); 0: lrs alone
+    bracket: int = 0
     # 'width': every variant keeps the base n_embd and MLP (fewer K/V heads, fewer parameters);
     # 'params': the GQA/MQA variants' MLP is widened to MHA's parameter count (within 1%); both:
     # each variant twice
@@ -382,13 +385,7 @@ class CompareConfig:
         )
         if bad := [f"{k}={getattr(self, k)}" for k in sizes if getattr(self, k) < 1]:
             problems.append(f"{', '.join(bad)}: must be positive")
-        if min(self.lrs + self.muon_lrs, default=1) <= 0:
-            problems.append(f"lrs={self.lrs}, muon_lrs={self.muon_lrs}: rates must be positive")
-        if self.muon_lrs and len(self.muon_lrs) != len(self.lrs):
-            problems.append(
-                f"muon_lrs={self.muon_lrs} pairs with lrs={self.lrs}: give one Muon rate for each "
-                "of lrs"
-            )
+        problems += self.rate_problems()
         problems += repeat_problems("lm_eval", self.lm_eval)
         if self.lm_eval_limit is not None and self.lm_eval_limit < 1:
             problems.append(f"lm_eval_limit={self.lm_eval_limit} must be positive")
@@ -418,6 +415,25 @@ class CompareConfig:
         problems += self.repeats()
         if problems:
             raise ValueError("; ".join(problems))
+
+    def rate_problems(self) -> list[str]:
+        """What is wrong with lrs, muon_lrs and bracket."""
+        problems = []
+        if min(self.lrs + self.muon_lrs, default=1) <= 0:
+            problems.append(f"lrs={self.lrs}, muon_lrs={self.muon_lrs}: rates must be positive")
+        if self.muon_lrs and len(self.muon_lrs) != len(self.lrs):
+            problems.append(
+                f"muon_lrs={self.muon_lrs} pairs with lrs={self.lrs}: give one Muon rate for each "
+                "of lrs"
+            )
+        if self.bracket < 0:
+            problems.append(f"bracket={self.bracket} must not be negative")
+        elif self.bracket and len(set(self.lrs)) < 2:
+            problems.append(
+                f"bracket={self.bracket} with lrs={self.lrs}: a step past the grid's edge is the "
+                "ratio of its two rates there; give two or more different lrs"
+            )
+        return problems
 
     def rates(self) -> list[tuple[float, float | None]]:
         """The sweep's learning rates: (AdamW's, Muon's where muon_lrs gives it apart) for each of

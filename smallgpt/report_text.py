@@ -291,8 +291,11 @@ def rates_table(scratch: list[dict]) -> list[str]:
             for rate, loss in shown_loss.items()
         }
         cells.append({"variant": r["variant"], **marked})
-    rates = list(dict.fromkeys(rate for cell in cells for rate in cell if rate != "variant"))
+    rates = sorted(
+        {rate for cell in cells for rate in cell if rate != "variant"}, key=rate_order
+    )  # --bracket's rates past the grid among the others, lowest first
     shown = [{"variant": c["variant"], **{rate: c.get(rate, "-") for rate in rates}} for c in cells]
+    at_edge = [r["variant"] for r in rows if chosen_at_edge(r)]
     return [
         "Final val loss by learning rate (mean over seeds; * the rate chosen): each variant is "
         "reported at the rate of --lrs with the lowest, chosen on the val split; the table above "
@@ -301,7 +304,29 @@ def rates_table(scratch: list[dict]) -> list[str]:
         "",
         table(shown),
         "",
+        *(
+            [
+                f"At an edge of the rates it trained at (a rate further out may be better: "
+                f"--bracket): {', '.join(at_edge)}.",
+                "",
+            ]
+            if at_edge
+            else []
+        ),
     ]
+
+
+def rate_order(label: str) -> tuple[float, ...]:
+    """A rate's label ('0.003', '0.003/0.02') as numbers to sort by."""
+    return tuple(float(x) for x in label.split("/"))
+
+
+def chosen_at_edge(row: dict) -> bool:
+    """Whether a row's chosen rate is the lowest or highest of two or more it trained at (by
+    AdamW's rate)."""
+    tried = {rate_order(rate)[0] for rate in losses_by_rate(row)}
+    chosen = rate_order(row["lr"])[0]
+    return len(tried) > 1 and chosen in (min(tried), max(tried))
 
 
 def other_budget_rates(row: dict) -> dict[str, str]:

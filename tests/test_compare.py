@@ -17,7 +17,7 @@ import torch
 from configurator import parse_config
 from conftest import NO_PROBE, ROOT, TINY_TRAIN, cli, read_log, run, tiny_model
 from model import GPT, GPTConfig
-from smallgpt import sweep
+from smallgpt import rate_bracket, sweep
 from smallgpt.checkpoint import load_checkpoint, save_checkpoint
 from smallgpt.configs import CompareConfig, TrainConfig
 from smallgpt.convert import convert_kv_heads
@@ -729,6 +729,79 @@ def test_a_sweep_over_rates_trains_each_variant_at_each_and_reports_each_at_its_
     assert "| lr (chosen on val) |" in (out / "report.md").read_text()
     r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
     assert "6 of 6 runs already finished" in r.stdout and "$ python train.py" not in r.stdout
+
+
+def test_bracket_trains_a_variant_best_at_an_edge_a_step_further_until_the_limit(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    """--lrs=[1e-5,3e-5] --bracket=2, 20 iterations: the higher rate is best, at the grid's top
+    edge, so MHA's seed trains at 9e-5 (a grid step of 3 further), then, still best at the edge, at
+    3e-4 (2.7e-4 as rates are written), and no further (2 steps). The plan names the grid and says
+    what may follow; the report takes the rate of lowest val loss among all four, its table lists
+    the rates in order and says the choice is still at an edge; run again, nothing trains, and
+    --mode=report reads the same four runs."""
+    out = tmp_path / "cmp"
+    args = [
+        "compare.py",
+        f"--dataset={pycode_small}",
+        f"--out_dir={out}",
+        *SWEEP,
+        "--variants=[mha]",
+        "--lrs=[1e-5,3e-5]",
+        "--bracket=2",
+        "--max_iters=20",
+    ]
+    r = run([*args, "--mode=plan"])
+    assert "2 runs, 2 to run: about" in r.stdout and "bracket=2: then" in r.stdout
+    r = run(args, env={"WANDB_MODE": "disabled"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("runs past an edge of the rates (bracket)") == 2
+    rates = ["1e-05", "3e-05", "9e-05", "0.0003"]
+    assert sorted(d.name for d in out.glob("mha-lr*")) == sorted(f"mha-lr{x}-s1337" for x in rates)
+    finals = {}
+    for rate in rates:
+        log = read_log(out / f"mha-lr{rate}-s1337")
+        assert log[0]["config"]["learning_rate"] == float(rate)
+        # min_lr in the base run's proportion, as at the grid's rates
+        proportion = log[0]["config"]["min_lr"] / float(rate)
+        assert proportion == pytest.approx(finals.get("proportion", proportion), rel=1e-4)
+        finals["proportion"] = proportion
+        finals[rate] = [e for e in log if e["event"] == "eval"][-1]["val_loss"]
+    assert finals["proportion"] < 1
+    # each step was taken because the rate before it was the best so far, at the top
+    assert finals["1e-05"] > finals["3e-05"] > finals["9e-05"] > finals["0.0003"]
+    (row,) = csv.DictReader(open(out / "report.csv"))
+    assert row["lr"] == "0.0003" and row["val_loss_by_lr"].split()[-1].startswith("0.0003:")
+    text = (out / "report.md").read_text()
+    assert "| variant | 1e-05 | 3e-05 | 9e-05 | 0.0003 |" in text
+    assert "At an edge of the rates it trained at" in text and "--bracket): mha." in text
+    r = run([*args, "--mode=train"], env={"WANDB_MODE": "disabled"})
+    assert "4 of 4 runs already finished" in r.stdout and "$ python train.py" not in r.stdout
+    r = run([*args, "--mode=report"])
+    assert r.returncode == 0 and "unfinished" not in r.stderr and "not named" not in r.stderr
+
+
+def test_bracket_steps_are_grid_steps_written_as_rates_are() -> None:
+    """A step past the grid is the ratio of its two rates at that end, written with the fewest
+    significant digits that keep it half a step from every rate tried; --bracket needs two
+    different rates."""
+    assert rate_bracket.grid_steps(parse_config(CompareConfig, ["--lrs=[3e-3,1e-3,1e-2]"])) == (
+        pytest.approx(1 / 3),
+        pytest.approx(10 / 3),
+    )
+    assert rate_bracket.next_rate(1e-3, 1 / 3, [1e-3, 3e-3]) == 3e-4
+    assert rate_bracket.next_rate(3e-3, 3, [1e-3, 3e-3]) == 9e-3
+    assert rate_bracket.next_rate(6e-3, 2, [1.5e-3, 3e-3, 6e-3]) == 1e-2  # 1.2e-2
+    assert rate_bracket.next_rate(1.5e-3, 1 / 2, [1.5e-3, 3e-3, 6e-3]) == 8e-4  # 7.5e-4
+    # one digit would give 1e-3, a rate tried: two
+    assert rate_bracket.next_rate(1.1e-3, 1.1, [1e-3, 1.1e-3]) == 1.2e-3
+    for argv in (
+        ["--bracket=1", "--lrs=[1e-3]"],
+        ["--bracket=1", "--lrs=[1e-3,1e-3]", "--muon_lrs=[0.01,0.02]"],
+        ["--bracket=-1"],
+    ):
+        with pytest.raises(UserError, match="bracket="):
+            parse_config(CompareConfig, argv)
 
 
 def test_rates_give_muon_its_own_or_a_scaled_rate() -> None:
