@@ -476,6 +476,12 @@ def rate_label(lr: float, muon_lr: float | None = None) -> str:
     return f"{lr:g}" if muon_lr is None else f"{lr:g}/{muon_lr:g}"
 
 
+def label_rates(label: str) -> tuple[float, float | None]:
+    """The rates a label of rate_label names: (AdamW's, Muon's where given apart, else None)."""
+    lr, *muon = (float(x) for x in label.split("/"))
+    return lr, muon[0] if muon else None
+
+
 def variant_problems(names: list[str]) -> list[str]:
     """What is wrong with names of --variants (Variant.parse): a name in upper case, a name of
     nothing."""

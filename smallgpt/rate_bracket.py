@@ -11,7 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from smallgpt import sweep
-from smallgpt.configs import CompareConfig, TrainConfig
+from smallgpt.configs import CompareConfig, TrainConfig, label_rates
 from smallgpt.runlog import read_run
 
 
@@ -25,12 +25,6 @@ def next_rate(edge: float, step: float, tried: list[float]) -> float:
         if all(abs(math.log(rounded / t)) >= abs(math.log(step)) / 2 for t in tried):
             return rounded
     return exact
-
-
-def rate_values(label: str) -> tuple[float, float | None]:
-    """(AdamW's rate, Muon's where given apart) of a rate's label (configs.rate_label)."""
-    lr, *muon = (float(x) for x in label.split("/"))
-    return lr, muon[0] if muon else None
 
 
 def final_val_loss(run: sweep.Run) -> float:
@@ -62,8 +56,8 @@ def beyond(
         if min(means.values()) == math.inf:  # diverged at every rate: no choice to bracket
             continue
         chosen = min(means, key=means.get)
-        lr, muon = rate_values(chosen)
-        tried = [rate_values(label)[0] for label in means]
+        lr, muon = label_rates(chosen)
+        tried = [label_rates(label)[0] for label in means]
         if len(set(tried)) < 2 or min(tried) < lr < max(tried):
             continue
         new = next_rate(lr, down if lr == min(tried) else up, tried)

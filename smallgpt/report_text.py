@@ -5,7 +5,7 @@ scratch, and the GQA paper's conversion tables."""
 from pathlib import Path
 
 from smallgpt import stats
-from smallgpt.configs import CompareConfig
+from smallgpt.configs import CompareConfig, label_rates
 from smallgpt.measure import table
 from smallgpt.plots import conversion_target, losses_by_rate
 from smallgpt.recall import LONG_TASKS
@@ -316,16 +316,17 @@ def rates_table(scratch: list[dict]) -> list[str]:
     ]
 
 
-def rate_order(label: str) -> tuple[float, ...]:
+def rate_order(label: str) -> tuple[float, float]:
     """A rate's label ('0.003', '0.003/0.02') as numbers to sort by."""
-    return tuple(float(x) for x in label.split("/"))
+    lr, muon = label_rates(label)
+    return lr, muon or 0.0
 
 
 def chosen_at_edge(row: dict) -> bool:
     """Whether a row's chosen rate is the lowest or highest of two or more it trained at (by
     AdamW's rate)."""
-    tried = {rate_order(rate)[0] for rate in losses_by_rate(row)}
-    chosen = rate_order(row["lr"])[0]
+    tried = {label_rates(rate)[0] for rate in losses_by_rate(row)}
+    chosen = label_rates(row["lr"])[0]
     return len(tried) > 1 and chosen in (min(tried), max(tried))
 
 
