@@ -62,7 +62,16 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig, kind_names
-from smallgpt import choice_task, harness, rate_bracket, recall, report, runtime, sweep
+from smallgpt import (
+    choice_task,
+    distillation,
+    harness,
+    rate_bracket,
+    recall,
+    report,
+    runtime,
+    sweep,
+)
 from smallgpt.atomic import (
     atomic_open,
     check_claimable,
@@ -84,6 +93,9 @@ from smallgpt.variant import MHA, Variant
 MLA_KEYS = ("qk_rope_head_dim", "q_lora_rank", "latent_norm")
 # a run's budget and learning-rate schedule: resumed with others, it changes its schedule midway
 SCHEDULE_KEYS = ("max_iters", "warmup_iters", "lr_decay_iters", "decay_lr")
+# train.py keys that steer a conversion into a hybrid or its distillation: given to compare.py,
+# they go to its conversion runs alone (the runs from scratch convert nothing)
+CONVERSION_KEYS = ("convert_layers", "convert_calibrate", "distill_ce", "teacher")
 # train.py keys that say where a run is written, logged and how it is run, not what it trains or
 # measures: a run trained before with other values of these is still the sweep's run (the dataset
 # is compared by its meta, checkpoint_of; init_from names the folders, which may have moved)
@@ -250,6 +262,12 @@ def check_base_keys(given: dict) -> None:
             f"its K/V heads by name (mha, gqa<n_kv_head>, mqa) or by --kv_heads, "
             f"e.g. --kv_heads=[{','.join(map(str, heads))}]; leave n_kv_head out"
         )
+    if "convert_method" in changed:
+        raise UserError(
+            f"convert_method={changed['convert_method']!r} in the base run: compare.py converts "
+            f"with --convert=True by each of --convert_methods, e.g. --convert_methods=[mean,"
+            f"first]; leave convert_method out"
+        )
     if "kv_lora_rank" in changed:
         rank = changed["kv_lora_rank"]
         raise UserError(
@@ -294,6 +312,7 @@ def check_variants(
             except ValueError as e:
                 raise UserError(f"{listed} at {size}: {e}") from e
             model = models[variant]
+            sweep.check_kinds_imported(model, f"{listed}: {variant}")  # kinds its train.py knows
             shape = (
                 model.n_kv_head,
                 model.kv_lora_rank,
@@ -330,7 +349,11 @@ def check_variants(
 
 def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     ours, train_args = split_args(argv, CompareConfig)
-    cfg = dataclasses.replace(parse_config(CompareConfig, ours), train_args=train_args)
+    # train.py's flags that steer a conversion go to the conversion runs alone
+    steering = [a for a in train_args if a[2:].split("=", 1)[0] in CONVERSION_KEYS]
+    train_args = [a for a in train_args if a not in steering]
+    cfg = parse_config(CompareConfig, ours)
+    cfg = dataclasses.replace(cfg, train_args=train_args, conversion_args=steering)
     given_train = given_values(TrainConfig, train_args)
     check_base_keys(given_train)
     base = build(TrainConfig, given_train)
@@ -350,6 +373,7 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         raise UserError(
             f"{', '.join(steer)} given without --convert=True: add it to convert, or drop them"
         )
+    check_conversion_keys(cfg, given_values(TrainConfig, steering))
     if cfg.convert and cfg.lrs:
         raise UserError(
             f"convert=True with lrs={cfg.lrs}: a conversion uptrains the MHA run of one learning "
@@ -365,6 +389,8 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         raise UserError(f"convert=True converts the MHA runs: {listed} must hold {held}")
     if cfg.convert:
         check_conversions(variants, listed, "convert_methods" in given)
+        mha = sweep.mha_config(base, 1)
+        check_hybrid_keys(variants, mha, given_values(TrainConfig, steering))
     if "params" in cfg.match and set(variants) == {MHA}:
         raise UserError(
             f"match={cfg.match}: params widens each variant's MLP to MHA's parameters, and "
@@ -381,6 +407,48 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         )
     check_variants(cfg, base, variants, key)
     return cfg, base
+
+
+def check_conversion_keys(cfg: CompareConfig, given: dict) -> None:
+    """train.py's keys that steer a conversion (CONVERSION_KEYS, given) reach a run that reads
+    them: a conversion, and for the teacher's keys one that distills; a UserError otherwise."""
+    if given and not cfg.convert:
+        keys = ", ".join(given)
+        verb = "steers" if len(given) == 1 else "steer"
+        raise UserError(
+            f"{keys} {verb} train.py's conversions and this sweep converts nothing: add "
+            f"--convert=True, or leave {keys} out"
+        )
+    distilling = [k for k in ("teacher", "distill_ce") if k in given]
+    if distilling and not cfg.uptrain_distill:
+        keys = ", ".join(distilling)
+        verb = "steers" if len(distilling) == 1 else "steer"
+        raise UserError(
+            f"{keys} {verb} a distillation and the conversions uptrain on the data alone: add "
+            f"--uptrain_distill=logits, or leave {keys} out"
+        )
+    if cfg.uptrain_distill and not any(cfg.uptrain_fractions):
+        raise UserError(
+            f"uptrain_distill={cfg.uptrain_distill!r} distills while uptraining, and "
+            f"uptrain_fractions={cfg.uptrain_fractions} uptrain nothing: add a fraction above "
+            f"0, or leave uptrain_distill out"
+        )
+
+
+def check_hybrid_keys(variants: list[Variant], mha: GPTConfig, given: dict) -> None:
+    """convert_layers and convert_calibrate (in given) steer a conversion into a hybrid: a
+    UserError where the sweep converts into none."""
+    keys = [k for k in ("convert_layers", "convert_calibrate") if k in given]
+    hybrids = [
+        v for v in variants if sweep.converted_from_mha(v) and v.config(mha).recurrent_layers
+    ]
+    if keys and not hybrids:
+        named = ", ".join(keys)
+        verb = "steers" if len(keys) == 1 else "steer"
+        raise UserError(
+            f"{named} {verb} the conversion into a hybrid, and no variant converted is one: add "
+            f"a hybrid, e.g. mha-dl, or leave {named} out"
+        )
 
 
 def check_conversions(variants: list[Variant], listed: str, methods_given: bool) -> None:
@@ -474,6 +542,11 @@ def check_same_settings(run: sweep.Run, stored: dict, now: TrainConfig) -> None:
     planned = json.loads(json.dumps(dataclasses.asdict(now)))  # as a checkpoint holds it
     was = {k: v for k, v in stored["config"].items() if k in planned and k not in ignored}
     asked = {k: planned[k] for k in was}
+    # what a run sets for itself is not a setting it was given: its teacher, the convert: source
+    # unless --teacher names another (both sides as that source, which may have moved)
+    if "teacher" in was:
+        was["teacher"] = own_teacher(stored["config"])
+        asked["teacher"] = own_teacher(planned)
     # the model as the plan resolves it (its MLP, vocabulary), against the checkpoint's
     was |= stored["model_config"]
     asked |= dataclasses.asdict(run.model)
@@ -486,6 +559,19 @@ def check_same_settings(run: sweep.Run, stored: dict, now: TrainConfig) -> None:
             f"would sit beside runs of other settings; use another out_dir, or give the "
             f"settings the runs were trained with"
         )
+
+
+def own_teacher(config: dict) -> str:
+    """A run config's teacher as train.py records it (distillation.planned_teacher), its
+    convert: source written as that, so that the same run in a moved folder is the same."""
+    teacher = config.get("teacher", "")
+    if config.get("distill"):
+        cfg = TrainConfig(**{k: config[k] for k in ("init_from", "distill", "teacher")})
+        teacher = distillation.planned_teacher(cfg)
+    source = parse_source(config.get("init_from", "scratch"))
+    if teacher and source.kind == "convert" and teacher == source.where:
+        return "<its convert: source>"
+    return teacher
 
 
 def checkpoint_of(run: sweep.Run, meta: dict | None, dataset: str) -> dict | None:

@@ -55,6 +55,8 @@ TASK_KEYS = {
 }
 # ... and those the project's own harness tasks read (lines, next_line: examples items, seeded)
 LINES_KEYS = ("dataset", "examples", "batch_size", "seed")
+# ... and those that only the harness reads: without lm_eval, refused too (__post_init__)
+HARNESS_KEYS = ("lm_eval_limit", "lm_eval_check")
 
 
 @dataclass(slots=True)
@@ -98,6 +100,7 @@ class EvalConfig:
             problems.append(
                 "tasks=[] names no task: give some of " + ", ".join(recall.TASKS) + ", or lm_eval"
             )
+        problems += self.harness_key_problems()
         problems += recall.task_problems("tasks", self.tasks or [])
         # a task or a distance named twice is measured once
         problems += repeat_problems("tasks", self.tasks or [])
@@ -115,6 +118,22 @@ class EvalConfig:
             problems.append(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def harness_key_problems(self) -> list[str]:
+        """A key that only lm_eval's tasks read (HARNESS_KEYS), given without lm_eval: it would
+        change nothing."""
+        if self.lm_eval:
+            return []
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        problems = []
+        for key in HARNESS_KEYS:
+            value = getattr(self, key)
+            if value != defaults[key]:
+                problems.append(
+                    f"{key}={value!r} is read by lm_eval's tasks, and lm_eval=[] names none: "
+                    f"leave {key} out, or give --lm_eval=[<task>,...]"
+                )
+        return problems
 
 
 def with_run_defaults(cfg: EvalConfig, run_config: dict) -> EvalConfig:
@@ -171,6 +190,9 @@ def main(cfg: EvalConfig) -> None:
     given = cfg
     cfg = with_run_defaults(cfg, run.config)
     check_read(given, cfg.tasks)  # the tasks as the run's final_evals may have named them
+    if cfg.lm_eval and source.kind == "resume":
+        # before any work: the run's log takes the scores (log_scores), not after all are scored
+        runlog.check_appendable(Path(cfg.out_dir), "eval.py --lm_eval")
     model = run.model
     block_size = model.config.block_size
     name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)

@@ -73,6 +73,11 @@ class ExportConfig:
                 "--gguf=FILE and --llama_cpp=DIR go together: the file is made by llama.cpp's "
                 "converter"
             )
+        if self.gguf_type != "f32" and not self.gguf:  # a key that would change nothing
+            raise ValueError(
+                f"gguf_type={self.gguf_type!r} is read by the GGUF conversion, and gguf='' asks "
+                "for none: leave gguf_type out, or give --gguf=FILE --llama_cpp=DIR"
+            )
 
 
 def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:

@@ -3,8 +3,9 @@ the mixer it builds for each such layer (the module that mixes tokens, in a bloc
 norm and the MLP). A kind declares everything the rest of the code asks of it, so that a new
 kind is a new file and a row: docs/architecture.md "Adding a kind of layer"."""
 
+import types
 from collections.abc import Hashable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn as nn
@@ -138,3 +139,54 @@ class LayerKind:
         """What such layers of a transformers config hold that this kind cannot, each as the
         setting that says it."""
         return []
+
+
+def overrides(kind: type, base: type, member: str) -> bool:
+    """Whether kind defines member other than base's (a method or classmethod base leaves
+    unimplemented)."""
+    ours = getattr(kind, member, None)
+    theirs = getattr(base, member)
+    return getattr(ours, "__func__", ours) is not getattr(theirs, "__func__", theirs)
+
+
+def runtime_types(hint: Any) -> tuple[type, ...]:
+    """The classes isinstance checks a value of this annotation against: str | None -> (str,
+    NoneType), frozenset[str] -> (frozenset,)."""
+    if get_origin(hint) in (Union, types.UnionType):
+        return tuple(get_origin(arg) or arg for arg in get_args(hint))
+    return (get_origin(hint) or hint,)
+
+
+def declaration_problems(kind: type[LayerKind]) -> list[str]:
+    """What kind leaves out of what LayerKind asks with no default (its letter, name and
+    cache_spec; where it is its own mixer, Mixer's forward and mask, static_mask unless it
+    declares static_step, take_attention and keep_decay where it converts_attention), and each
+    declaration of the wrong type: model.register_kind refuses a kind that has any, which would
+    otherwise train and fail only when its model samples or exports."""
+    missing = []
+    mistyped = []
+    # the declarations: ClassVar[<type>] each
+    for member, hint in get_type_hints(LayerKind).items():
+        if not hasattr(kind, member):
+            missing.append(member)
+            continue
+        value = getattr(kind, member)
+        expected = runtime_types(get_args(hint)[0])
+        if not isinstance(value, expected):
+            names = " or ".join(t.__name__ for t in expected)
+            mistyped.append(f"has {member}={value!r}, not a {names}")
+    if not overrides(kind, LayerKind, "cache_spec"):
+        missing.append("cache_spec")
+    # a kind that builds itself (the default build) is its own mixer
+    if not overrides(kind, LayerKind, "build"):
+        if not issubclass(kind, Mixer):
+            mistyped.append("builds itself (build's default) but is no layer_kind.Mixer")
+        else:
+            required = ["forward", "mask"]
+            if not getattr(kind, "static_step", ""):  # the static step runs it
+                required.append("static_mask")
+            if getattr(kind, "converts_attention", False):
+                required += ["take_attention", "keep_decay"]
+            missing += [m for m in required if not overrides(kind, Mixer, m)]
+    problems = [f"leaves out {', '.join(missing)}"] if missing else []
+    return problems + mistyped

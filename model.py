@@ -19,7 +19,7 @@ from attention import GlobalAttention, LocalAttention, RMSNorm
 from gated_deltanet import GatedDeltaNet
 from kimi_delta import KimiDeltaAttention
 from kv_cache import Cache, CacheShape, KVCache
-from layer_kind import LayerKind, Mask, Mixer, Rope
+from layer_kind import LayerKind, Mask, Mixer, Rope, declaration_problems
 from smallgpt.fast_paths import Linear
 
 POS_ENCODINGS = ("learned", "rope")
@@ -34,9 +34,22 @@ LAYER_KINDS: dict[str, type[LayerKind]] = {
 }
 
 
+# The kinds every process has: the rows above, which importing model.py makes. A kind that
+# register_kind adds is this process's alone; a script run as a process of its own (compare.py's
+# train.py runs) does not know it.
+IMPORTED_KINDS: dict[str, type[LayerKind]] = dict(LAYER_KINDS)
+
+
 def register_kind(kind: type[LayerKind]) -> None:
     """Add a kind of layer to LAYER_KINDS at run time, under its letter (one upper-case letter
-    no other kind has)."""
+    no other kind has), once it declares all LayerKind asks (layer_kind.declaration_problems)."""
+    problems = declaration_problems(kind)
+    if problems:
+        letter = repr(kind.letter) if hasattr(kind, "letter") else "no letter"
+        raise ValueError(
+            f"layer kind {kind.__name__} ({letter}) {'; '.join(problems)}: declare what it lacks "
+            'as layer_kind.LayerKind says (docs/architecture.md "Adding a kind of layer")'
+        )
     letter = kind.letter
     if not (len(letter) == 1 and letter.isupper()):
         raise ValueError(f"a kind's letter is one upper-case letter, not {letter!r}")
@@ -153,6 +166,8 @@ class GPTConfig:
         # a key that no layer of the pattern reads: its own checks would only add noise
         unread = {} if problems else self.unread_keys()
         problems += unread.values()
+        if not problems:  # the layers' kinds and rope_pattern's letters are sound
+            problems += self.position_problems()
         if not problems:  # the sizes are integers, so their ratios can be checked
             problems += self.ratio_problems()
         problems += self.choice_problems(rope_checkable=not problems)
@@ -189,6 +204,29 @@ class GPTConfig:
             f"{key}={pattern!r} has {len(pattern)} letters and n_layer={n}: the letters "
             f"past layer {n} name no layer (the model would be {model!r}{note}); give at "
             f"most {n} {letters}, e.g. {example!r}"
+        ]
+
+    def position_problems(self) -> list[str]:
+        """rope_pattern letters that would change nothing: past the last layer, or an N (no
+        positions) on a layer of a kind that has none to take off (one not reading rope_pattern)."""
+        pattern = self.rope_pattern
+        n = self.n_layer
+        if len(pattern) > n:
+            return [
+                f"rope_pattern={pattern!r} has {len(pattern)} letters and n_layer={n}: the letters "
+                f"past layer {n} name no layer (the model's layers would be "
+                f"{(pattern * n)[:n]!r}); give at most {n}"
+            ]
+        tiled = (pattern * n)[:n]
+        kinds = self.layer_kinds
+        without = [i for i in range(n) if tiled[i] == "N" and "rope_pattern" not in kinds[i].reads]
+        if not without:
+            return []
+        names = kind_names(list(dict.fromkeys(self.layer_letters[i] for i in without)))
+        return [
+            f"rope_pattern={pattern!r} takes the positions off layer "
+            f"{', '.join(map(str, without))}, of {names}, which has none to take off: put N "
+            f"on attention layers only (each layer's letter in turn, over {self.layer_letters!r})"
         ]
 
     def unread_keys(self) -> dict[str, str]:

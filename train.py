@@ -186,14 +186,14 @@ class Trainer:
         recall.check_dataset(cfg.final_evals, meta, cfg.block_size, str(data))
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
+        self.teacher = self.check_sources(source, meta, ckpt)
         ckpt = self.set_up_model(source, meta, ckpt)
         cfg = self.cfg
         ckpt_meta = ckpt.get("data_meta") if ckpt is not None else None
         checkpoint.check_vocabulary(self.raw_model.config.vocab_size, meta, ckpt_meta, cfg.dataset)
         self.loss_of = None  # the model's cross-entropy, unless distilling from a teacher
-        if cfg.distill:
-            self.cfg = cfg = replace(cfg, teacher=distillation.teacher_of(cfg, source, ckpt))
-            self.loss_of = distillation.loss(cfg, self.raw_model, proc)
+        if self.teacher is not None:
+            self.loss_of = distillation.loss(cfg, self.raw_model, proc, self.teacher)
         betas = (cfg.beta1, cfg.beta2)
         self.optimizer = make_optimizer(
             self.raw_model,
@@ -229,6 +229,21 @@ class Trainer:
         self.skipped = 0
         self.t_start = self.t_last = time.perf_counter()
         self.last_log = self.iter_num
+
+    def check_sources(
+        self, source: checkpoint.Source, meta: dict, ckpt: dict | None
+    ) -> distillation.Teacher | None:
+        """Before the conversion's ranking and calibration: a convert: source trained on the
+        dataset's tokens (as a resume checks its own), and the teacher a distilling run reads
+        (self.cfg then records it); ckpt: the source's or the resumed run's checkpoint."""
+        cfg = self.cfg
+        if source.kind == "convert":
+            checkpoint.check_source_tokens(source, cfg.out_dir, ckpt, meta, cfg.dataset)
+        if not cfg.distill:
+            return None
+        self.cfg = cfg = replace(cfg, teacher=distillation.teacher_of(cfg, source, ckpt))
+        resumed = ckpt if source.resolved(cfg.out_dir).kind == "resume" else None
+        return distillation.teacher_for(cfg, meta, resumed)
 
     def set_up_model(self, source: checkpoint.Source, meta: dict, ckpt: dict | None) -> dict | None:
         """self.raw_model (plain state_dict names, uncompiled, not wrapped by DDP; FSDP shards in
@@ -487,6 +502,13 @@ class Trainer:
             elapsed_s=now - self.t_start,
         )
 
+    def teacher_record(self) -> dict:
+        """What a distilling run's checkpoint records of its teacher's weights ({} without one):
+        a resume refuses a teacher trained on since (distillation.teacher_for)."""
+        if self.teacher is None:
+            return {}
+        return {"teacher_weights": self.teacher.weights}
+
     def save(self, rng: list[dict]) -> None:
         """Write out_dir/ckpt.pt with every rank's RNG states (FSDP: after the sharded one)."""
         out = Path(self.cfg.out_dir)
@@ -506,6 +528,7 @@ class Trainer:
                 data_meta=self.batches.meta,
                 rng=rng,
                 **state,
+                **self.teacher_record(),
             )
             sharding.prune_sharded(out, self.iter_num)  # also an FSDP run's, resumed without FSDP
             print(f"saved checkpoint to {out / 'ckpt.pt'}")

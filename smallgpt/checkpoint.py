@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, LAYER_KINDS, GPTConfig
 from smallgpt.atomic import atomic_open, temp_path
 from smallgpt.convert import CONVERTED_KEYS
 from smallgpt.data import data_dir, load_meta, open_tokens
@@ -187,6 +187,23 @@ def check_vocabulary(
         )
 
 
+def check_source_tokens(
+    source: Source, out_dir: str | Path, ckpt: dict | None, meta: dict, dataset: str
+) -> None:
+    """A conversion's source (ckpt: its checkpoint, if read already) must have been trained on the
+    dataset's tokens, as a resumed run must: a UserError naming it before any work otherwise."""
+    if ckpt is None:
+        ckpt = load_checkpoint(source.checkpoint_path(out_dir), "cpu", mmap=True)
+    vocab_size = ckpt["model_config"].get("vocab_size", 0)
+    advice = (
+        f"convert a run trained on dataset {dataset}'s tokens, or train on the source's dataset"
+    )
+    try:
+        check_vocabulary(vocab_size, meta, ckpt.get("data_meta"), dataset, advice)
+    except UserError as e:
+        raise UserError(f"cannot convert {source.where}: {e}") from e
+
+
 def check_pretrained_tokenizer(
     source: Source, meta: dict, dataset: str, advice: str | None = None
 ) -> None:
@@ -350,6 +367,7 @@ def start_from(
     source = source.resolved(out_dir)
     if source.kind == "resume" and path.is_file():
         ckpt = load_checkpoint(path, "cpu", mmap=True)
+        check_kinds_registered(ckpt["model_config"], f"checkpoint {path}'s model")
         keys = {
             k: v
             for k, v in (run_config(ckpt) | ckpt["model_config"]).items()
@@ -358,14 +376,35 @@ def start_from(
         return ckpt, keys, f"the run config in {path}"
     if source.kind == "convert" and path.is_file():
         ckpt = load_checkpoint(path, "cpu", mmap=True)
+        check_kinds_registered(ckpt["model_config"], f"checkpoint {path}'s model")
         kept = ckpt["model_config"].items()
         keys = {k: v for k, v in kept if k not in CONVERTED_KEYS}
         return ckpt, keys, f"the model in {path}"
     return None, {}, ""
 
 
+def check_kinds_registered(model_config: dict[str, Any], where: str) -> None:
+    """A UserError where the checkpoint's layer_pattern names a kind (a letter, as register_kind
+    takes) that this process has not registered: a run that registered it saved it (a test, a
+    script's kind), and GPTConfig would read the letter as a mistake in the checkpoint."""
+    pattern = model_config.get("layer_pattern")
+    if not isinstance(pattern, str):
+        return
+    # an upper-case letter is a kind's; other characters are a damaged config, GPTConfig's to say
+    letters = [x for x in dict.fromkeys(pattern) if x.isascii() and x.isupper()]
+    unknown = [x for x in letters if x not in LAYER_KINDS]
+    if unknown and len(letters) == len(set(pattern)):
+        kinds = ", ".join(map(repr, unknown))
+        raise UserError(
+            f"{where} uses layer kind {kinds} (layer_pattern={pattern!r}), which this code does "
+            "not register: register it before loading (import the module that defines it and "
+            "call model.register_kind, or make it a row of model.LAYER_KINDS)"
+        )
+
+
 def model_from_checkpoint(ckpt: dict[str, Any]) -> GPT:
     """The GPT a checkpoint describes, with its weights."""
+    check_kinds_registered(ckpt["model_config"], "checkpoint's model")
     try:
         model = GPT(GPTConfig(**ckpt["model_config"]))
     except (TypeError, ValueError) as e:

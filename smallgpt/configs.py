@@ -119,6 +119,7 @@ class TrainConfig:
         problems += self.choice_problems()
         problems += self.schedule_problems()
         problems += self.unread_problems()
+        problems += self.unread_conversion_problems(source)
         if problems:
             raise ValueError("invalid config: " + "; ".join(problems))
         # the model's own checks, before any work (pretrained weights decide their own model)
@@ -198,6 +199,30 @@ class TrainConfig:
                 problems.append(
                     f"{key}={getattr(self, key)} shapes the decay and decay_lr=False keeps the "
                     f"rate constant: leave {key} out, or decay_lr on"
+                )
+        if not self.distill:
+            for key in ("distill_ce", "teacher"):
+                if getattr(self, key) != defaults[key].default:
+                    problems.append(
+                        f"{key}={getattr(self, key)!r} steers a distillation and distill='' "
+                        f"trains on the data alone: add --distill=logits (or layers), or leave "
+                        f"{key} out"
+                    )
+        return problems
+
+    def unread_conversion_problems(self, source: Source) -> list[str]:
+        """The conversion's keys set away from their defaults by a run that converts nothing: one
+        from scratch or from pretrained weights (a resumed run carries its conversion's keys)."""
+        if source.kind in ("convert", "resume", "auto"):
+            return []
+        defaults = TrainConfig.__dataclass_fields__
+        problems = []
+        for key in ("convert_method", "convert_layers", "convert_calibrate"):
+            if getattr(self, key) != defaults[key].default:
+                problems.append(
+                    f"{key}={getattr(self, key)!r} steers a conversion and "
+                    f"init_from={self.init_from!r} converts nothing: give "
+                    f"--init_from=convert:<run>, or leave {key} out"
                 )
         return problems
 
@@ -363,8 +388,10 @@ class CompareConfig:
     # lm_eval_limit: items per task (None: all)
     lm_eval: list[str] = field(default_factory=list)
     lm_eval_limit: int | None = None
-    # filled from the command line: files and train.py flags
+    # filled from the command line: files and train.py flags, and those of train.py's flags that
+    # steer a conversion (compare.py's CONVERSION_KEYS), for the conversion runs alone
     train_args: list[str] = field(default_factory=list)
+    conversion_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         problems = []
@@ -389,6 +416,11 @@ class CompareConfig:
         problems += repeat_problems("lm_eval", self.lm_eval)
         if self.lm_eval_limit is not None and self.lm_eval_limit < 1:
             problems.append(f"lm_eval_limit={self.lm_eval_limit} must be positive")
+        if self.lm_eval_limit is not None and not self.lm_eval:
+            problems.append(
+                f"lm_eval_limit={self.lm_eval_limit} is read by lm_eval's tasks, and lm_eval=[] "
+                "names none: leave lm_eval_limit out, or give --lm_eval=[<task>,...]"
+            )
         if not 0 < self.solved_threshold <= 1:
             problems.append(f"solved_threshold={self.solved_threshold} must be in (0, 1]")
         if min(self.kv_heads, default=1) < 1:
@@ -496,10 +528,7 @@ def variant_problems(names: list[str]) -> list[str]:
         )
     reordered = {name: in_order(name) for name in bad if name not in cased and in_order(name)}
     for name, fixed in reordered.items():
-        problems.append(
-            f"variants: {name}: a name's parts go in the order kind, pattern, -gate or -headgate, "
-            f"-qknorm, -rope<percent>: {fixed}"
-        )
+        problems.append(f"variants: {name}: a name's parts go in the order {NAME_PARTS}: {fixed}")
     unknown = [name for name in bad if name not in cased and name not in reordered]
     if unknown:
         # the kinds of layer that do not attend, by their letters in the table
@@ -510,16 +539,23 @@ def variant_problems(names: list[str]) -> list[str]:
             f"variants: {', '.join(unknown)} is not mha, gqa<n_kv_head>, mqa or "
             f"mla<kv_lora_rank>, each with -<window_pattern><window> for local layers "
             f"or without (e.g. mha-sssl64), -<layer_pattern> with {letters} layers "
-            f"({hybrid}), then -gate or -headgate, -qknorm, -rope<percent> ({hybrid}-gate-qknorm)"
+            f"({hybrid}), then -gate or -headgate, -qknorm, -rope<percent> ({hybrid}-gate-qknorm), "
+            f"-sink, and -nope or -rp<letters of R and N, a layer each> (mha-sink-rprn)"
         )
     return problems
+
+
+# the parts of a variant's name after its kind, in their order (smallgpt/variant.py's grammar)
+NAME_PARTS = (
+    "kind, pattern, -gate or -headgate, -qknorm, -rope<percent>, -sink, -nope or -rp<letters>"
+)
 
 
 def in_order(name: str) -> str | None:
     """name with its parts after the kind put in the order a variant's name takes, where that makes
     one (mha-qknorm-gate -> mha-gate-qknorm); None where no order does."""
     kind, *parts = name.split("-")
-    if len(parts) > 5:  # more parts than a name has: no order makes one
+    if len(parts) > 6:  # more parts than a name has: no order makes one
         return None
     for order in itertools.permutations(parts):
         candidate = "-".join((kind, *order))

@@ -109,12 +109,19 @@ def for_uptraining(
     hybrid where the target's layer_pattern has D (its attention layers pooled to n_kv_head first;
     smallgpt/hybridize.py), MLA where it sets kv_lora_rank (to_latent), else target.n_kv_head K/V
     heads pooled by method (convert_kv_heads)."""
+    steer = hybrid or HybridSteer()
+    if target.recurrent_layers == model.config.recurrent_layers and steer.layers != "given":
+        raise UserError(
+            f"convert_layers={steer.layers!r} ranks which layers stay attention in a conversion "
+            f"into a hybrid, and layer_pattern={target.layer_pattern!r} makes no layer recurrent: "
+            f"give a layer_pattern with {hybridize.recurrent_letter()} layers, or leave "
+            f"convert_layers out"
+        )
     if target.recurrent_layers != model.config.recurrent_layers:
         if target.kv_lora_rank is not None:
             raise UserError("a hybrid is converted from MHA, GQA or MQA: leave kv_lora_rank out")
         if target.n_kv_head != model.config.n_kv_head:
             model = convert_kv_heads(model, target.n_kv_head, method, seed)
-        steer = hybrid or HybridSteer()
         return hybridize.for_uptraining(
             model, target.layer_letters, steer.layers, steer.calibrate, steer.batches, seed
         )

@@ -5,26 +5,38 @@ trains the whole student on the KL to the teacher's next-token distributions, pl
 times the data's cross-entropy. The teacher is --teacher, else the convert: source, and the run
 records it, so that a resumed run distills from the same one."""
 
+import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from model import GPT
 from smallgpt import checkpoint, hybridize, runtime
-from smallgpt.checkpoint import Source
+from smallgpt.checkpoint import Source, parse_source
 from smallgpt.configs import TrainConfig
 from smallgpt.errors import UserError
 
 Loss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def planned_teacher(cfg: TrainConfig) -> str:
+    """The teacher a run of cfg records when it starts (what it sets for itself, not a setting of
+    its own): --teacher, else its convert: source ('' without distill, or with neither)."""
+    if not cfg.distill:
+        return ""
+    if cfg.teacher:
+        return cfg.teacher
+    source = parse_source(cfg.init_from)
+    return source.where if source.kind == "convert" else ""
+
+
 def teacher_of(cfg: TrainConfig, source: Source, ckpt: dict | None) -> str:
     """The teacher's run folder or checkpoint (cfg.distill set): --teacher, else the convert:
     source, else the one the resumed run recorded."""
-    if cfg.teacher:
-        return cfg.teacher
-    if source.kind == "convert":
-        return source.where
+    planned = planned_teacher(replace(cfg, init_from=str(source)))
+    if planned:
+        return planned
     recorded = checkpoint.run_config(ckpt).get("teacher", "") if ckpt is not None else ""
     if recorded:
         return recorded
@@ -32,6 +44,64 @@ def teacher_of(cfg: TrainConfig, source: Source, ckpt: dict | None) -> str:
         f"distill={cfg.distill!r} needs a teacher: --teacher=<run folder or checkpoint>, or "
         "--init_from=convert:<run> to distill from the run converted"
     )
+
+
+@dataclass(slots=True)
+class Teacher:
+    """The teacher a run distils from: where (cfg.teacher), its checkpoint, and what identifies its
+    weights (recorded in the run's checkpoints, so that a resumed run knows it is the same)."""
+
+    where: str
+    ckpt: dict
+    weights: dict
+
+
+def teacher_for(cfg: TrainConfig, meta: dict, resumed: dict | None) -> Teacher:
+    """cfg.teacher's checkpoint, checked before any work: there, trained on the dataset's tokens
+    (meta), of the run's depth for 'layers', and for a resumed run (resumed: its checkpoint) the
+    same weights it started distilling from; a UserError naming the teacher otherwise."""
+    path = Source("convert", cfg.teacher).checkpoint_path("")
+    if not path.is_file():
+        fix = "give --teacher=<its run folder or checkpoint>"
+        if resumed is not None:
+            fix = f"--teacher=<its new place> resumes this run ({fix.split(' ', 1)[1]})"
+        raise UserError(
+            f"the teacher this run distils from, {cfg.teacher}, has no checkpoint at {path} "
+            f"(moved or deleted?): {fix}"
+        )
+    ckpt = checkpoint.load_checkpoint(path, "cpu", mmap=True)
+    advice = "distill from a teacher trained on this dataset's tokens"
+    try:
+        vocab = ckpt["model_config"].get("vocab_size", 0)
+        checkpoint.check_vocabulary(vocab, meta, ckpt.get("data_meta"), cfg.dataset, advice)
+    except UserError as e:
+        raise UserError(f"the teacher {cfg.teacher}: {e}") from e
+    depth = ckpt["model_config"].get("n_layer")
+    if cfg.distill == "layers" and depth != cfg.n_layer:
+        raise UserError(
+            f"distill='layers' matches each converted layer to the teacher's same layer, and the "
+            f"teacher {cfg.teacher} has {depth} layers, the run {cfg.n_layer}: distill from the "
+            f"run it was converted from"
+        )
+    weights = {"iter_num": ckpt.get("iter_num"), "digest": digest(ckpt["model"])}
+    was = resumed.get("teacher_weights") if resumed is not None else None
+    if was is not None and was != weights:
+        raise UserError(
+            f"the teacher {cfg.teacher} changed since this run started distilling from it (it "
+            f"was at iteration {was['iter_num']}, it is at {weights['iter_num']} now): restore "
+            f"the teacher as it was, or distill from it as it is in a new run (another out_dir)"
+        )
+    return Teacher(cfg.teacher, ckpt, weights)
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """A SHA-1 of a state_dict's names and bytes: the same weights, the same digest."""
+    sha = hashlib.sha1()
+    for name in sorted(state):
+        sha.update(name.encode())
+        t = state[name].detach().contiguous().cpu()
+        sha.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return sha.hexdigest()
 
 
 def converted_layers(teacher: GPT, student: GPT) -> list[int]:
@@ -46,10 +116,10 @@ def converted_layers(teacher: GPT, student: GPT) -> list[int]:
     ]
 
 
-def loss(cfg: TrainConfig, student: GPT, proc: runtime.Dist) -> Loss:
-    """train_step's loss_of for cfg.distill, the teacher loaded onto proc's device; for 'layers',
-    every parameter but the converted layers' frozen."""
-    teacher = checkpoint.load_run(Source("convert", cfg.teacher), tokenizer=False).model
+def loss(cfg: TrainConfig, student: GPT, proc: runtime.Dist, teacher: Teacher) -> Loss:
+    """train_step's loss_of for cfg.distill, the teacher (teacher_for's) loaded onto proc's
+    device; for 'layers', every parameter but the converted layers' frozen."""
+    teacher = checkpoint.model_from_checkpoint(teacher.ckpt)
     teacher = teacher.to(proc.device).eval().requires_grad_(False)
     if teacher.config.vocab_size != student.config.vocab_size:
         raise UserError(

@@ -18,6 +18,7 @@ one). A q/k RMSNorm folds into W_q and W_k exactly: the layer L2-normalises q an
 """
 
 import math
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import attention
-from model import GPT, LAYER_KINDS
+from model import GPT, LAYER_KINDS, GPTConfig
 from smallgpt.errors import UserError
 
 RANKINGS = ("loss", "kl")
@@ -70,9 +71,7 @@ def to_hybrid(
     for name, t in model.state_dict().items():
         if not name.startswith(mixers):
             if name not in state or state[name].shape != t.shape:
-                raise UserError(
-                    f"cannot convert: {name} has no place in layer_pattern={layer_pattern!r}"
-                )
+                raise UserError(unplaced(model.config, config, name))
             state[name] = t
     hybrid.load_state_dict(state)
     with torch.no_grad():
@@ -81,6 +80,34 @@ def to_hybrid(
             if decays is not None and i in decays:
                 hybrid.transformer.h[i].attn.keep_decay(decays[i])
     return hybrid
+
+
+def unplaced(source: GPTConfig, target: GPTConfig, weight: str) -> str:
+    """Why a weight of the source (state_dict name) has no place in the converted model, said by
+    its layer and kinds: a kept layer must keep its kind (a conversion makes attention recurrent,
+    never the reverse), and the layers' shapes the source's."""
+    match = re.match(r"transformer\.h\.(\d+)\.", weight)
+    if match is None:
+        return (
+            f"cannot convert into layer_pattern={target.layer_pattern!r}: the model outside its "
+            f"layers (embeddings, final norm) differs from the source's; convert with the source's "
+            f"vocabulary and positions"
+        )
+    i = int(match[1])
+    was = source.layer_kinds[i].name
+    now = target.layer_kinds[i].name
+    if was != now:
+        return (
+            f"cannot convert layer {i}: it is {was} in the source and layer_pattern="
+            f"{target.layer_pattern!r} makes it {now}; a conversion makes global attention "
+            f"recurrent and keeps every other layer's kind: give layer {i} its letter "
+            f"{source.layer_letters[i]!r}"
+        )
+    return (
+        f"cannot convert layer {i} ({was}): its weights do not fit layer_pattern="
+        f"{target.layer_pattern!r} with the source's other settings; convert with the source's "
+        f"model settings (only the layer letters change)"
+    )
 
 
 @contextmanager
@@ -327,7 +354,14 @@ def for_uptraining(
     decays_ = decays(teacher, [x for x, _ in batches]) if calibrate else None
     if layers != "given":
         kept = len(letters) - letters.count(recurrent_letter())
-        keep = ranked_layers(teacher, batches, layers, decays_, seed)[:kept]
         candidates = global_attention_layers(teacher)
+        if not 0 < kept < len(candidates):  # all converted, or none: no choice to rank
+            says = "keeps none" if kept == 0 else f"keeps {kept} of {len(candidates)}"
+            raise UserError(
+                f"convert_layers={layers!r} ranks which of the {len(candidates)} attention "
+                f"layers stay attention, and layer_pattern={letters!r} {says}: nothing to choose; "
+                f"leave convert_layers out, or keep some attention layers and convert others"
+            )
+        keep = ranked_layers(teacher, batches, layers, decays_, seed)[:kept]
         letters = with_converted(teacher, [i for i in candidates if i not in keep])
     return to_hybrid(teacher, letters, decays_, seed)

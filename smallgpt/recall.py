@@ -34,10 +34,9 @@ def task_problems(key: str, tasks: list[str]) -> list[str]:
 @torch.no_grad()
 def check_dataset(tasks: list[str], meta: dict, block_size: int, where: str) -> None:
     """A UserError, before any training, for a task that a model of block_size on the dataset of
-    meta (at where) cannot run: mqar on a dataset that is not MQAR, induction with too few tokens or
-    too short a context."""
-    if any(task in MQAR_TASKS for task in tasks):
-        check_mqar(meta, where)
+    meta (at where) cannot run: mqar, needle or mqar_long on a dataset that is not MQAR, induction
+    with too few tokens or too short a context."""
+    check_mqar(tasks, meta, where)
     if "induction" in tasks:
         length = default_length(block_size)
         if length < 2:
@@ -55,13 +54,19 @@ def check_dataset(tasks: list[str], meta: dict, block_size: int, where: str) -> 
             )
 
 
-def check_mqar(meta: dict, where: str) -> None:
-    """A UserError unless meta is an MQAR dataset's (its examples have a fixed length)."""
-    if not meta.get("example_tokens"):
-        raise UserError(
-            f"the mqar task reads an MQAR dataset (python data/mqar/prepare.py), and {where} "
-            f"is not one: give --dataset=<an MQAR dataset>, or leave mqar out of the tasks"
-        )
+def check_mqar(tasks: list[str], meta: dict, where: str) -> None:
+    """A UserError where some of tasks read an MQAR dataset (MQAR_TASKS) and meta is not one's (its
+    examples have a fixed length), naming those tasks."""
+    readers = [task for task in tasks if task in MQAR_TASKS]
+    if not readers or meta.get("example_tokens"):
+        return
+    names = " and ".join([", ".join(readers[:-1]), readers[-1]] if len(readers) > 2 else readers)
+    reads = "task reads" if len(readers) == 1 else "tasks read"
+    raise UserError(
+        f"the {names} {reads} an MQAR dataset (python data/mqar/prepare.py), and {where} is not "
+        f"one (its meta.json records no example_tokens): give --dataset=<an MQAR dataset>, or "
+        f"leave {names} out of the tasks"
+    )
 
 
 def default_length(block_size: int) -> int:
@@ -212,7 +217,7 @@ def mqar(
     """Exact-match accuracy on the answers of an MQAR dataset's examples of split (its eval_iters
     evaluation batches): the top token at each answer position is the value of the key just
     queried."""
-    check_mqar(batches.meta, str(batches.path))
+    check_mqar(["mqar"], batches.meta, str(batches.path))
     correct = n = 0
     for k in tqdm(range(eval_iters), desc="mqar", disable=not progress):
         idx, targets = batches.eval(split, k)
@@ -365,7 +370,7 @@ def long_tasks(
     amp: AbstractContextManager | None,
 ) -> dict:
     """needle's and mqar_long's results (long_recall), in the MQAR dataset's tokens."""
-    check_mqar(batches.meta, str(batches.path))
+    check_mqar(tasks, batches.meta, str(batches.path))
     vocab = long_recall.Vocab.of(batches.meta, str(batches.path))
     lengths = lengths or long_recall.default_lengths(model.config.block_size)
     out = {}

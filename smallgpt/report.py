@@ -28,7 +28,7 @@ from smallgpt.convert import CONVERT_METHODS
 from smallgpt.errors import UserError
 from smallgpt.plots import conversion_target, plot
 from smallgpt.recall import LONG_TASKS
-from smallgpt.report_text import kv_column, markdown
+from smallgpt.report_text import kv_column, markdown, shown_metric
 from smallgpt.runlog import read_run, start_wandb, unfinished
 from smallgpt.sweep import Run
 from smallgpt.variant import Variant
@@ -183,6 +183,7 @@ def tagged_as(run: dict) -> dict:
         "match": tagged.get("match", "width"),
         "method": method,
         "fraction": float(tagged["uptrain"]) if "uptrain" in tagged else None,
+        "uptrained_by": uptrained_by(cfg) if method is not None else None,
         "model": GPTConfig(**mc),
         "final": final["val_loss"],
         "test": final.get("test_loss"),  # a dataset without a test split: None
@@ -190,6 +191,19 @@ def tagged_as(run: dict) -> dict:
         "iters": final["iter"],
         "tokens": final["iter"] * tokens_per_iter,
     }
+
+
+def uptrained_by(cfg: dict) -> str:
+    """What a conversion's uptraining trained on, from its run config: the data's cross-entropy,
+    or a distillation from its teacher (train.py's --distill)."""
+    distill = cfg.get("distill", "")
+    if distill == "logits":
+        ce = cfg.get("distill_ce", 0.0)
+        plus = f" + {ce:g} x cross-entropy" if ce else ""
+        return f"distillation (KL to the teacher's logits{plus})"
+    if distill == "layers":
+        return "distillation (each converted layer's MSE to the teacher's attention)"
+    return "cross-entropy"
 
 
 def reported_split(runs: list[dict]) -> str:
@@ -303,6 +317,7 @@ def model_columns(size: str, name: str, first: dict, cfg: CompareConfig) -> dict
         "match": first["match"],
         "method": first["method"],
         "uptrain_fraction": first["fraction"],
+        "uptrained_by": first["uptrained_by"],
         "params": model.num_params(),
         "mlp_hidden": m.mlp_hidden,
         "attention_params": model.mixing_params(),  # every layer's: attention or recurrent
@@ -529,6 +544,39 @@ def benchmark_columns(
     return out
 
 
+def unscored_notes(
+    runs: list[dict], rows: list[dict], tasks: list[str], limit: int | None
+) -> list[str]:
+    """A sentence for each harness task of tasks (compare.py --lm_eval) that no row has a column
+    of, since no run has its score at limit (items; None: all), or no variant every seed's: which
+    runs have one, and how to score them, rather than a column silently left out."""
+    notes = []
+    at = " (all items)" if limit is None else f" at lm_eval_limit={limit}"
+    limit_flag = "" if limit is None else f" --lm_eval_limit={limit}"
+    for task in tasks:
+        if shown_metric(rows, task) is not None:
+            continue
+        logged = [(r.get("benchmarks") or {}).get(task, {}) for r in runs]
+        scored = sum(limit in by_limit for by_limit in logged)
+        if scored == len(runs):
+            continue  # scored, but no metric the runs share: nothing to show
+        if scored == 0:
+            elsewhere = sum(bool(by_limit) for by_limit in logged)
+            other = f" ({elsewhere} have one at another limit)" if elsewhere else ""
+            what = f"No run has a score of {task}{at}{other}"
+        else:
+            what = (
+                f"Only {scored} of {len(runs)} runs have a score of {task}{at}, no variant every "
+                "seed's"
+            )
+        notes.append(
+            f"{what}, so the report has no column of it: run the sweep again with "
+            f"--lm_eval=[{task}]{limit_flag} (this command's other flags, --mode=train or all: "
+            "it scores the runs trained already, without training them again)."
+        )
+    return notes
+
+
 def benchmark_metrics(scored: list[dict]) -> list[str]:
     """The metrics every one of scored (a task's results, one per run) has, in the first's order:
     its scores (acc, acc_norm, perplexity...), not their standard errors, item counts, limit or the
@@ -591,6 +639,7 @@ def write_report(
             "on its val split, the one any choice of learning rate was made on; prepare it again "
             "for a test split."
         )
+    notes += unscored_notes(choice.kept, rows, cfg.lm_eval, cfg.lm_eval_limit)
     text = markdown(rows, cfg, root, notes, SPEED_FILE)
     with atomic_open(root / "report.md", "w") as f:
         f.write(text)

@@ -460,6 +460,8 @@ def conversion_verdicts(scratch: list[dict], conv: list[dict]) -> list[str]:
     for r in [r for r in conv if r["uptrain_fraction"] == longest]:
         target = conversion_target(r)
         what = f"{target} converted by {r['method']} and uptrained {longest:g}"
+        if longest and r.get("uptrained_by"):
+            what += f" by {r['uptrained_by']}"
         if target not in trained:
             lines.append(
                 f"- {what}: no {target} trained from scratch at its shape (--match=width) to "
@@ -502,9 +504,14 @@ def conversion_tables(scratch: list[dict], conv: list[dict]) -> list[str]:
         for m in methods
         if any((t, m, f) in cell for f in fractions)
     ]
+    # what the uptraining trained on (the runs uptrained 0 iterations trained on nothing)
+    ways = sorted(
+        {r["uptrained_by"] for r in conv if r["uptrain_fraction"] and r.get("uptrained_by")}
+    )
+    by = f" by {' and '.join(ways)}" if ways else ""
     lines = [
         f"Conversion from MHA by method, uptrained for {fractions[-1]:g} of the base run's "
-        f"iterations (GQA paper, fig. 5):",
+        f"iterations{by} (GQA paper, fig. 5):",
         "",
         table(by_method),
         "",

@@ -10,6 +10,7 @@ import os
 import platform
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.parse
 from dataclasses import asdict, fields, replace
@@ -99,6 +100,26 @@ def append_record(run_dir: Path, **record: Any) -> None:
     end_line(path)
     with open(path, "a") as f:
         f.write(json.dumps(record | {"time": time.time()}) + "\n")
+
+
+def check_appendable(run_dir: Path, what: str) -> None:
+    """A UserError, before any work, where append_record could not add a record to the log of the
+    run in run_dir: the log opened to read and write, as append_record opens it (nothing written),
+    or a file made and removed in the folder where there is no log yet. What the system says, not
+    the mode bits, since root writes whatever they say; what: the command, for the message."""
+    path = run_dir / "log.jsonl"
+    try:
+        if path.exists():
+            with open(path, "rb+"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=run_dir):
+                pass
+    except OSError as e:
+        raise UserError(
+            f"{what} appends its scores to {path}, which cannot be written ({e.strerror or e}): "
+            f"make {run_dir} writable, or evaluate a copy of the run (nothing was scored)"
+        ) from e
 
 
 def summarize_logged_run(run_dir: Path, config: dict, values: dict[str, float]) -> None:

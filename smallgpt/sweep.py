@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from model import GPT, LAYER_KINDS, GPTConfig
+from model import GPT, IMPORTED_KINDS, LAYER_KINDS, GPTConfig
 from smallgpt.checkpoint import Source, load_checkpoint, run_config
 from smallgpt.configs import CompareConfig, TrainConfig, rate_label, size_of
 from smallgpt.convert import CONVERT_METHODS
@@ -288,22 +288,57 @@ def conversion_runs(
             how = [f"--convert_method={method}"] if method in CONVERT_METHODS else []
             if latent:
                 how = ["--latent_norm=False"]
-            if cfg.uptrain_distill:
-                how.append(f"--distill={cfg.uptrain_distill}")
             for fraction in cfg.uptrain_fractions:
                 iters = round(fraction * base.max_iters)
                 name = f"mha-to-{Variant.from_config(target)}-{method}-u{fraction:g}"
-                if cfg.uptrain_distill:
+                # the conversion's keys where they are read: the teacher's by a run that
+                # distils (one uptrained for 0 iterations is the conversion alone), the hybrid's
+                # by a conversion into a hybrid
+                distills = cfg.uptrain_distill and iters > 0
+                steer = [
+                    a
+                    for a in cfg.conversion_args
+                    if (distills or not is_teacher_key(a))
+                    and (target.recurrent_layers or is_teacher_key(a))
+                ]
+                if distills:
                     name += "-kl"  # uptrained on the KL to the MHA model
+                    steer = [f"--distill={cfg.uptrain_distill}", *steer]
                 args = [
                     f"--init_from={Source('convert', str(source.dir))}",
                     *how,
+                    *steer,
                     *uptraining(base, iters, cfg.uptrain_lr_scale),
                 ]
                 tags = ["match=width", "converted", f"convert={method}", f"uptrain={fraction:g}"]
                 evals = 1 if iters == 0 else 2
                 runs.append(at_seed.run(name, target, args, tags, iters, evals))
     return runs
+
+
+def is_teacher_key(arg: str) -> bool:
+    """Whether a train.py flag steers a distillation's teacher (read only by a run that distils)."""
+    return arg.split("=", 1)[0] in ("--teacher", "--distill_ce")
+
+
+def check_kinds_imported(config: GPTConfig, where: str) -> None:
+    """A UserError, naming where, when a layer of config is of a kind registered in this process
+    alone (register_kind), not by importing model.py: a run of it in a process of its own would
+    fail there, after whatever ran before it."""
+    letters = getattr(config, config.pattern_key) + config.layer_letters
+    added = [
+        LAYER_KINDS[letter]
+        for letter in dict.fromkeys(letters)
+        if IMPORTED_KINDS.get(letter) is not LAYER_KINDS[letter]
+    ]
+    if added:
+        kinds = ", ".join(f"{kind.letter!r} ({kind.name})" for kind in added)
+        raise UserError(
+            f"{where}: layer kind {kinds} is registered in this process only (register_kind), "
+            "and train.py runs in a process of its own, where it is not registered: define it "
+            "in a module that model.py imports, as a row of model.LAYER_KINDS (docs/"
+            'architecture.md "Adding a kind of layer")'
+        )
 
 
 def converted_from_mha(variant: Variant) -> bool:

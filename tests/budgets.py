@@ -1,17 +1,20 @@
 """Each test's time budget, in seconds on the slowest box the suite is held to (a 2-core AMD EPYC
-without AVX-512, fp32 only, in two pytest-xdist workers): a test that runs longer fails, so that a
-change which slows one test cannot slow the suite unnoticed (conftest's makereport hook). A test's
-call is held to its budget: DEFAULT_S, or its own below, where it is also marked `slow`, which
-`-m "not slow"` leaves out (the fast tier is the tests not listed). Its setup is held to SETUP_S:
-the fixtures it builds, among them the runs several tests share, built by whichever runs first.
+without AVX-512, fp32 only, in two pytest-xdist workers): a test that runs longer is reported in
+the run's summary, so that a change which slows one test cannot slow the suite unnoticed
+(conftest's makereport and terminal-summary hooks). It fails only in strict mode
+(SMALLGPT_TEST_BUDGET_STRICT=1, for a developer's own check): a slower box, or one shared with other
+work, must not turn the suite red over time alone. A test's call is held to its budget: DEFAULT_S,
+or its own below, where it is also marked `slow`, which `-m "not slow"` leaves out (the fast tier
+is the tests not listed). Its setup is held to SETUP_S: the fixtures it builds, among them the runs
+several tests share, built by whichever runs first.
 
 The budgets were set from a profile (`bash scripts/test.sh --durations=0`, docs/testing.md) on a
 2-core AMD EPYC with AVX512-BF16, which runs the suite about 2.6x faster than the slowest box: each
 is its measured time there times 2.6, times 2 for the noise of two workers sharing two cores. A test
 that needs more after a change says so here, in the same commit.
 
-SMALLGPT_TEST_BUDGET scales every budget (2 on a box slower still; 0 turns the check off, e.g.
-under a debugger or coverage)."""
+SMALLGPT_TEST_BUDGET scales every budget (2 on a box slower still, 0.33 to see what a box 3x slower
+would report; 0 turns the check off, e.g. under a debugger or coverage)."""
 
 import os
 import re
@@ -19,8 +22,9 @@ import re
 # Seconds on the slowest box for a test not listed below: what a unit-level test may spend, with
 # the first test in a worker to import transformers or to run a kernel paying for it.
 DEFAULT_S = 5.0
-# Seconds on the slowest box for a test's setup: the largest shared fixture is a sweep of 8 runs.
-SETUP_S = 60.0
+# Seconds on the slowest box for a test's setup: the largest shared fixture is a sweep of 8 runs,
+# which took 61.9 s there (2026-11-28, issue 85)
+SETUP_S = 90.0
 
 # {file: {test function (every parametrized case of it): seconds on the slowest box}}
 BUDGETS: dict[str, dict[str, float]] = {
@@ -34,7 +38,7 @@ BUDGETS: dict[str, dict[str, float]] = {
         "test_a_bpe_run_samples_and_exports_with_its_own_tokenizer": 6,
     },
     "test_budgets.py": {
-        "test_pytest_fails_a_test_that_runs_over_its_budget": 50,
+        "test_pytest_reports_a_test_over_its_budget_and_fails_it_only_when_strict": 50,
     },
     "test_checkpoint_compat.py": {
         # the first test of a process to import transformers (export.py's): 1.6 s alone on a
@@ -49,6 +53,9 @@ BUDGETS: dict[str, dict[str, float]] = {
         # AVX512-BF16 beside a sweep (2026-11-28)
         "test_bracket_trains_a_variant_best_at_an_edge_a_step_further_until_the_limit": 30,
         "test_killing_compare_ends_its_train_py_which_saves_first": 30,
+        # 3 runs, then the same command 3 times: 7.9 s on a 2-core Intel Xeon with AVX512-BF16
+        # (2026-11-29)
+        "test_a_distilled_conversion_sweep_resumes_with_its_own_command_even_moved": 40,
         "test_a_run_whose_final_record_was_torn_is_evaluated_again_by_the_sweep": 15,
         "test_a_windowed_variant_trains_and_the_report_counts_its_cache_per_layer": 12,
         "test_converted_checkpoint_trains_samples_and_resumes": 6,
@@ -96,6 +103,9 @@ BUDGETS: dict[str, dict[str, float]] = {
         "test_finetune_gpt2_into_gqa_then_sample": 8,
     },
     "test_hybridize.py": {
+        # 4 short trainings and 8 refusals: 1.6 s on a 2-core Intel Xeon with AVX512-BF16
+        # (2026-11-29)
+        "test_a_conversion_and_its_teacher_are_checked_before_any_work": 10,
         "test_train_py_converts_ranks_calibrates_distills_and_resumes": 12,
     },
     "test_latent.py": {
@@ -237,9 +247,18 @@ def budget(nodeid: str, phase: str = "call") -> float:
     return BUDGETS.get(file, {}).get(name, DEFAULT_S)
 
 
+def strict() -> bool:
+    """Whether an overrun fails its test (SMALLGPT_TEST_BUDGET_STRICT=1) rather than being reported
+    in the summary; a clear error for a value other than 0 or 1."""
+    value = os.environ.get("SMALLGPT_TEST_BUDGET_STRICT", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"SMALLGPT_TEST_BUDGET_STRICT={value!r} must be 0 (report) or 1 (fail)")
+    return value == "1"
+
+
 def overrun(nodeid: str, phase: str, seconds: float, factor: float) -> str | None:
-    """The failure line of a test whose phase took seconds against its budget times factor; None
-    while within it, or with the check off (factor 0)."""
+    """The line of a test whose phase took seconds against its budget times factor; None while
+    within it, or with the check off (factor 0)."""
     allowed = budget(nodeid, phase) * factor
     if factor == 0 or seconds <= allowed:
         return None

@@ -81,18 +81,40 @@ def test_a_sleeper_for_the_budget_check() -> None:
     time.sleep(0.1)
 
 
-def test_pytest_fails_a_test_that_runs_over_its_budget() -> None:
-    """The real hook in a real pytest run: the sleeper above, over a budget scaled below its time,
-    fails with the budget's line (with the check off it passes: overrun's test above)."""
+def test_pytest_reports_a_test_over_its_budget_and_fails_it_only_when_strict() -> None:
+    """The real hooks in real pytest runs: the sleeper above, over a budget scaled below its time,
+    passes with the budget's line in the summary, and fails with it in strict mode (with the check
+    off it passes: overrun's test above)."""
     test = "tests/test_budgets.py::test_a_sleeper_for_the_budget_check"
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", test],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "SMALLGPT_TEST_BUDGET": "0.005"},
-    )
     said = "its call took 0.1 s, over its budget of 0.0 s"
-    assert r.returncode == 1 and said in r.stdout, r.stdout
-    assert f"FAILED {test}" in r.stdout
+    outcomes = {}
+    for strict in ("0", "1"):
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", test],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={
+                **os.environ,
+                "SMALLGPT_TEST_BUDGET": "0.005",
+                "SMALLGPT_TEST_BUDGET_STRICT": strict,
+            },
+        )
+        outcomes[strict] = r
+        assert said in r.stdout, r.stdout
+    reported = outcomes["0"]
+    assert reported.returncode == 0 and "1 passed" in reported.stdout, reported.stdout
+    assert "time budgets" in reported.stdout and "1 over their time budgets" in reported.stdout
+    failed = outcomes["1"]
+    assert failed.returncode == 1 and f"FAILED {test}" in failed.stdout, failed.stdout
+
+
+def test_strict_mode_is_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMALLGPT_TEST_BUDGET_STRICT", "yes")
+    with pytest.raises(ValueError, match=r"must be 0 \(report\) or 1 \(fail\)"):
+        budgets.strict()
+    monkeypatch.setenv("SMALLGPT_TEST_BUDGET_STRICT", "1")
+    assert budgets.strict()
+    monkeypatch.delenv("SMALLGPT_TEST_BUDGET_STRICT")
+    assert not budgets.strict()

@@ -930,8 +930,10 @@ def test_convert_makes_hybrids_of_the_mha_model_and_distills_them_on_request(
 ) -> None:
     """--convert reaches hybrids of global attention and Gated DeltaNet: mha-dl copied, gqa2-dl
     pooled by each method, both with --layer_pattern and, with --uptrain_distill=logits, the KL
-    to the MHA run (a '-kl' name); a windowed hybrid trains from scratch only. The report finds
-    each conversion's variant from scratch by its name."""
+    to the MHA run where they uptrain (a '-kl' name; uptrained 0 iterations, the conversion
+    alone); a windowed hybrid trains from scratch only. train.py's conversion keys reach the runs
+    that read them: the hybrid's the conversions into a hybrid, the teacher's the distilling runs.
+    The report finds each conversion's variant from scratch by its name."""
     from smallgpt.plots import conversion_target
 
     out = tmp_path / "cmp"
@@ -946,20 +948,27 @@ def test_convert_makes_hybrids_of_the_mha_model_and_distills_them_on_request(
             "--uptrain_distill=logits",
         ],
     )
+    steering = ["--convert_layers=kl", "--distill_ce=0.5"]
+    cfg = dataclasses.replace(cfg, conversion_args=steering)
     runs = {run.name: run for run in sweep.plan(cfg, base, 96, out)}
     converted = sorted(name for name in runs if name.startswith("mha-to-"))
     assert converted == [
-        "mha-to-gqa2-dl-first-u0-kl",
+        "mha-to-gqa2-dl-first-u0",
         "mha-to-gqa2-dl-first-u0.1-kl",
-        "mha-to-gqa2-dl-mean-u0-kl",
+        "mha-to-gqa2-dl-mean-u0",
         "mha-to-gqa2-dl-mean-u0.1-kl",
-        "mha-to-mha-dl-copy-u0-kl",
+        "mha-to-mha-dl-copy-u0",
         "mha-to-mha-dl-copy-u0.1-kl",
     ]
+    alone = runs["mha-to-mha-dl-copy-u0"].args
+    assert "--convert_layers=kl" in alone
+    assert not any(a.startswith(("--distill", "--teacher")) for a in alone)
+    assert not any(a in steering for a in runs["mha-sl8"].args + runs["mha"].args)
     copied = runs["mha-to-mha-dl-copy-u0.1-kl"]
     assert {
         "--layer_pattern=DL",
         "--distill=logits",
+        *steering,
         f"--init_from=convert:{out / 'mha-s1337'}",
     } <= set(copied.args)
     assert not any(a.startswith("--convert_method") for a in copied.args)
@@ -967,9 +976,40 @@ def test_convert_makes_hybrids_of_the_mha_model_and_distills_them_on_request(
     assert {"--convert_method=first", "--n_kv_head=2", "--layer_pattern=DL"} <= set(pooled.args)
     for name, method in (
         ("mha-to-mha-dl-copy-u0.1-kl", "copy"),
-        ("mha-to-gqa2-dl-first-u0-kl", "first"),
+        ("mha-to-gqa2-dl-first-u0", "first"),
     ):
         assert conversion_target({"variant": name, "method": method}) == name.split("-")[2] + "-dl"
+
+
+def test_a_distilled_conversion_sweep_resumes_with_its_own_command_even_moved(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    """MHA converted into mha-dl and uptrained by distillation: the same command again (and with
+    --mode=plan) trains nothing and is not refused over the teacher its conversion set for itself;
+    so does the sweep moved to another folder. The report says the uptraining distilled."""
+    out = tmp_path / "cmp"
+    sweep_args = [
+        f"--dataset={pycode_small}",
+        *SWEEP,
+        "--variants=[mha,mha-dl]",
+        "--convert=True",
+        "--uptrain_fractions=[0.5]",
+        "--uptrain_distill=logits",
+    ]
+    quiet = {"WANDB_MODE": "disabled"}
+    run(["compare.py", f"--out_dir={out}", *sweep_args], env=quiet)
+    report = (out / "report.md").read_text()
+    assert "uptrained 0.5 by distillation (KL to the teacher's logits)" in report
+    converted = out / "mha-to-mha-dl-copy-u0.5-kl-s1337" / "ckpt.pt"
+    saved = converted.stat().st_mtime_ns
+    run(["compare.py", f"--out_dir={out}", *sweep_args], env=quiet)
+    assert converted.stat().st_mtime_ns == saved
+    moved = tmp_path / "moved"
+    shutil.move(out, moved)
+    for folder in (moved,):
+        r = run(["compare.py", f"--out_dir={folder}", *sweep_args, "--mode=plan"], env=quiet)
+        assert "3 runs, 0 to run" in r.stdout, r.stdout
+    run(["compare.py", f"--out_dir={moved}", *sweep_args, "--mode=report"], env=quiet)
 
 
 def test_variants_name_local_layers_by_pattern_and_window(
@@ -1204,7 +1244,32 @@ def test_stored_decode_speeds_are_reused_only_with_the_settings_that_measured_th
         (
             "--variants=[mha,mha-qknorm-gate]",
             "variants: mha-qknorm-gate: a name's parts go in the order kind, pattern, -gate or "
-            "-headgate, -qknorm, -rope<percent>: mha-gate-qknorm",
+            "-headgate, -qknorm, -rope<percent>, -sink, -nope or -rp<letters>: mha-gate-qknorm",
+        ),
+        ("--variants=[mha,mha-sink-gate]", "mha-sink-gate: a name's parts go in the order"),
+        ("--variants=[mha,mha-rprn-sink]", "-nope or -rp<letters>: mha-sink-rprn"),
+        ("--variants=[mha,mha-sinks]", "then -gate or -headgate, -qknorm, -rope<percent>"),
+        ("--variants=[mha,mha-sinks]", "-sink, and -nope or -rp<letters of R and N"),
+        ("--lm_eval_limit=5", "lm_eval_limit=5 is read by lm_eval's tasks, and lm_eval=[]"),
+        # train.py's conversion keys reach the conversion runs that read them, or are refused
+        ("--convert_layers=kl", "convert_layers steers train.py's conversions and this sweep"),
+        (
+            "--convert=True --variants=[mha,gqa2] --convert_calibrate=False",
+            "convert_calibrate steers the conversion into a hybrid, and no variant converted is",
+        ),
+        (
+            "--convert=True --variants=[mha,mha-dl] --teacher=x --distill_ce=1",
+            "teacher, distill_ce steer a distillation and the conversions uptrain on the data",
+        ),
+        (
+            "--convert=True --variants=[mha,mha-dl] --uptrain_fractions=[0] "
+            "--uptrain_distill=logits",
+            "uptrain_distill='logits' distills while uptraining, and uptrain_fractions=[0.0]",
+        ),
+        (
+            "--convert_method=first",
+            "convert_method='first' in the base run: compare.py converts with --convert=True by "
+            "each of --convert_methods",
         ),
         ("--variants=[mha,mqa-rope50-dl]", "mqa-rope50-dl: a name's parts go in the order"),
         ("--kv_heads=[4] --match=[width,params]", "match=['width', 'params']: params widens each"),

@@ -402,6 +402,15 @@ def test_overwrite_never_deletes_the_run_nor_a_folder_holding_it(
     assert snapshot(work) == before
 
 
+def test_a_gguf_setting_without_gguf_is_one_line(tmp_path: Path) -> None:
+    """gguf_type is read only by the GGUF conversion: given without --gguf it would change
+    nothing, so it is refused before the run is read (the folder holds none)."""
+    r = cli(["export.py", f"--out_dir={tmp_path}", "--gguf_type=f16"])
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("error: gguf_type='f16' is read by the GGUF conversion"), r.stderr
+    assert "leave gguf_type out, or give --gguf=FILE" in r.stderr, r.stderr
+
+
 def test_a_second_export_into_a_folder_being_written_is_refused(
     char_run: Path, tmp_path: Path
 ) -> None:

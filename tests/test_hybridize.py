@@ -3,9 +3,11 @@ that converts nothing, the decay calibrated from attention maps, the layer ranki
 distillation losses, and the converted model against the cache and export oracles."""
 
 import math
+import shutil
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,8 +16,8 @@ from conftest import QWEN, TINY_TRAIN, cli, exported_logits, lively, read_log, r
 from gated_deltanet import GatedDeltaNet, l2_normalised
 from model import GPT
 from smallgpt import hybridize
-from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint
-from smallgpt.data import Batches
+from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
+from smallgpt.data import Batches, load_meta, write_dataset
 from smallgpt.errors import UserError
 from smallgpt.measure import evaluate
 
@@ -87,6 +89,14 @@ def test_what_cannot_be_converted_is_one_line() -> None:
         hybridize.to_hybrid(t, "DSL")
     with pytest.raises(UserError, match="layer_pattern='DX'"):
         hybridize.to_hybrid(teacher(), "DX")
+    # a kept layer of another kind: said by its layer and kinds, never a weight's name
+    hybrid = hybridize.to_hybrid(teacher(), "DLL")
+    with pytest.raises(UserError) as e:
+        hybridize.to_hybrid(hybrid, "LLL")
+    assert "cannot convert layer 0: it is Gated DeltaNet in the source and layer_pattern=" in str(
+        e.value
+    )
+    assert "give layer 0 its letter 'D'" in str(e.value) and "weight" not in str(e.value)
 
 
 def geometric_probs(half_lives: list[float], T: int) -> torch.Tensor:
@@ -285,3 +295,98 @@ def test_distilling_without_a_teacher_is_one_line(pycode_small: Path, tmp_path: 
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "needs a teacher: --teacher=" in r.stderr
     assert not (tmp_path / "ckpt.pt").exists()
+
+
+def refused(r: object, *said: str) -> str:
+    """The one error line of a refused train.py, holding each of said."""
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    for words in said:
+        assert words in r.stderr, r.stderr
+    return r.stderr
+
+
+def char_dataset(path: Path, chars: list[str], seed: int = 0) -> Path:
+    """A char dataset of these characters, every id of its vocabulary in its splits."""
+    ids = np.random.default_rng(seed).integers(0, len(chars), 3000).astype(np.uint16)
+    meta = {"tokenizer": "char", "vocab_size": len(chars), "chars": chars}
+    write_dataset(path, ids[:2500], ids[2500:], meta)
+    return path
+
+
+def test_a_conversion_and_its_teacher_are_checked_before_any_work(
+    pycode_small: Path, rope_run: Path, tmp_path: Path
+) -> None:
+    """A convert: source or a teacher on other tokens (a bigger vocabulary, or the same size in
+    another order), a 'layers' teacher of another depth, and a teacher trained on since the run
+    began: each one line naming it, before the ranking, calibration or any training; a moved
+    teacher's line says that --teacher=<new place> resumes, and it does."""
+    chars = load_meta(pycode_small)["chars"]
+    bigger = char_dataset(tmp_path / "bigger", [*chars, *(chr(0x3B1 + i) for i in range(25))])
+    shuffled = char_dataset(tmp_path / "shuffled", chars[::-1])
+    out = tmp_path / "out"
+    ranked = [f"--init_from=convert:{rope_run}", "--layer_pattern=DL", "--convert_layers=kl"]
+    for data in (bigger, shuffled):
+        r = cli(["train.py", f"--dataset={data}", f"--out_dir={out}", *TINY_TRAIN, *ranked])
+        line = refused(r, f"cannot convert {rope_run}", "convert a run trained on dataset")
+        assert "vocab_size (the dataset" not in line and not out.exists()
+    # a teacher on the same tokens in another order
+    other = tmp_path / "other-teacher"
+    train(shuffled, other, "--pos_encoding=rope", "--max_iters=2", "--eval_interval=2")
+    distil = [*ranked, "--distill=logits", f"--teacher={other}"]
+    r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, *distil])
+    refused(r, f"the teacher {other}", "trained on other tokens")
+    # stage 1 with a teacher of three layers
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    model = tiny_model(None, "rope", n_layer=3, vocab_size=95)
+    meta = load_meta(pycode_small)
+    save_checkpoint(deep / "ckpt.pt", model, iter_num=0, data_meta=meta, config={})
+    stage1 = [*ranked[:2], "--distill=layers", f"--teacher={deep}"]
+    r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, *stage1])
+    refused(r, "the teacher", "has 3 layers, the run 2")
+    assert not out.exists()
+    # a run distils from a copy of the teacher, which then trains on, then moves
+    teacher_copy = tmp_path / "teacher"
+    shutil.copytree(rope_run, teacher_copy)
+    student = [
+        f"--init_from=convert:{teacher_copy}",
+        "--layer_pattern=DL",
+        "--distill=logits",
+        "--max_iters=4",
+        "--eval_interval=4",
+    ]
+    train(pycode_small, out, *student)
+    train(pycode_small, teacher_copy, "--init_from=resume", "--max_iters=22")
+    resume = ["--init_from=resume", "--max_iters=8", "--eval_interval=4"]
+    resume.append("--always_save_checkpoint=True")
+    r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, *resume])
+    refused(r, f"the teacher {teacher_copy} changed", "iteration 20, it is at 22 now")
+    moved = tmp_path / "moved"
+    shutil.copytree(rope_run, moved)  # the teacher as the run began, in another place
+    shutil.rmtree(teacher_copy)
+    r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, *resume])
+    refused(r, f"the teacher this run distils from, {teacher_copy}", "--teacher=<its new place>")
+    train(pycode_small, out, *resume, f"--teacher={moved}")
+    assert load_checkpoint(out / "ckpt.pt")["iter_num"] == 8
+
+
+def test_conversion_keys_that_would_do_nothing_are_refused(
+    pycode_small: Path, rope_run: Path, tmp_path: Path
+) -> None:
+    """The teacher's keys without --distill, the conversion's keys on a run that converts nothing,
+    and --convert_layers where no layer becomes recurrent or none stays attention: one line each,
+    nothing written."""
+    out = tmp_path / "out"
+    source = f"--init_from=convert:{rope_run}"
+    cases = {
+        ("--distill_ce=0.5",): "distill_ce=0.5 steers a distillation",
+        (f"--teacher={rope_run}",): "teacher=",
+        ("--convert_layers=kl",): "convert_layers='kl' steers a conversion",
+        ("--convert_calibrate=False",): "init_from='scratch' converts nothing",
+        (source, "--convert_layers=loss"): "makes no layer recurrent",
+        (source, "--layer_pattern=DD", "--convert_layers=kl"): "keeps none: nothing to choose",
+    }
+    for flags, said in cases.items():
+        r = cli(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, *flags])
+        refused(r, said)
+        assert not out.exists()

@@ -2,21 +2,34 @@
 time with no edit anywhere else, is built from the config, decodes through the cache as it
 recomputes (past block_size too), decodes a padded batch as each row alone, runs in the static
 one-token step, counts its parameters and cache bytes, and is refused in one line by export and,
-where it says so, by the compiled step."""
+where it says so, by the compiled step. A kind that leaves out a declaration is refused when it is
+registered, a kind registered at run time by compare.py (whose train.py runs do not know it), and a
+checkpoint of a kind this process has not registered says so."""
 
+import re
 from collections.abc import Generator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 
 import attention
-from conftest import cached_chunks_match, lively, padded_steps_match, static_steps_match
+from conftest import (
+    TINY_TRAIN,
+    cached_chunks_match,
+    cli,
+    lively,
+    padded_steps_match,
+    static_steps_match,
+)
 from kv_cache import RowsSpec
-from layer_kind import Config, LayerKind
+from layer_kind import Config, LayerKind, Mixer
 from model import GPT, LAYER_KINDS, GPTConfig, register_kind
+from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from smallgpt.errors import UserError
 from smallgpt.generation import generate, left_pad
+from smallgpt.tokenizer import CharTokenizer
 
 
 class ScaledAttention(attention.Attention, LayerKind):
@@ -184,3 +197,119 @@ def test_export_and_the_compiled_step_refuse_it_in_one_line(toy_kinds: None) -> 
         toy(kv_lora_rank=8)
     with pytest.raises(ValueError, match="letter 'Q' is scaled attention's already"):
         register_kind(type("Other", (ScaledAttention,), {}))
+
+
+class Uncached(LayerKind):
+    """A kind whose layers are scaled attention's, declaring all but what they keep in the cache:
+    it would train, and fail only when a model of it samples."""
+
+    letter = "V"
+    name = "uncached attention"
+    attends = True
+    reads = ScaledAttention.reads
+
+    @classmethod
+    def build(cls, config: Config, layer: int) -> Mixer:
+        return ScaledAttention(config, layer)
+
+
+class Maskless(Mixer, LayerKind):
+    """A kind that is its own mixer, with a forward and a cache but no mask, for the prefill or
+    for the static step."""
+
+    letter = "W"
+    name = "maskless mixer"
+
+    def __init__(self, config: Config, layer: int) -> None:
+        super().__init__(layer)
+
+    def forward(
+        self, x: torch.Tensor, rope: object, mask: object, kv_cache: object
+    ) -> torch.Tensor:
+        return x
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> RowsSpec:
+        return RowsSpec(config.n_kv_head, config.head_dim, config.head_dim)
+
+
+class Nameless(Uncached):
+    """A kind without a name for messages, whose attends is a word, not a bool."""
+
+    letter = "X"
+    name = None  # type: ignore[assignment]
+    attends = "yes"  # type: ignore[assignment]
+
+    @classmethod
+    def cache_spec(cls, config: Config) -> RowsSpec:
+        return RowsSpec(config.n_kv_head, config.head_dim, config.head_dim)
+
+
+@pytest.mark.parametrize(
+    ("kind", "missing"),
+    [
+        (Uncached, "leaves out cache_spec"),
+        (Maskless, "leaves out mask, static_mask"),
+        (Nameless, "has name=None, not a str; has attends='yes', not a bool"),
+    ],
+)
+def test_a_kind_that_leaves_out_a_declaration_is_refused_when_registered(
+    toy_kinds: None, kind: type[LayerKind], missing: str
+) -> None:
+    """Its first model would train, and the declaration be missed only when it samples or exports:
+    register_kind says what it lacks, in one line; every kind of the table has it all."""
+    try:
+        refusal = re.escape(f"{missing}: declare what it lacks")
+        with pytest.raises(ValueError, match=refusal) as e:
+            register_kind(kind)
+        assert f"layer kind {kind.__name__} ({kind.letter!r})" in str(e.value)
+        assert "\n" not in str(e.value)
+    finally:  # today's code registers it: the table as the other tests know it
+        if LAYER_KINDS.get(kind.letter) is kind:
+            del LAYER_KINDS[kind.letter]
+    # the built-in kinds and the toys declare it all (registering a kind again changes nothing)
+    for registered in list(LAYER_KINDS.values()):
+        register_kind(registered)
+
+
+def test_compare_refuses_a_kind_registered_in_its_process_alone(
+    toy_kinds: None, tmp_path: Path
+) -> None:
+    """compare.py trains each variant by a train.py process of its own, which knows the kinds that
+    model.py's import registers and no other: a variant of the toy kind, registered here, is
+    refused in one line before any run (it would fail after the others had trained)."""
+    r = cli(
+        [
+            "compare.py",
+            f"--dataset={tmp_path / 'data'}",
+            f"--out_dir={tmp_path / 'cmp'}",
+            *TINY_TRAIN,
+            "--variants=[mha,mha-ql]",
+        ]
+    )
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "mha-ql: layer kind 'Q' (scaled attention) is registered in this process" in r.stderr
+    assert "train.py runs in a process of its own, where it is not registered" in r.stderr
+    assert "model.py imports" in r.stderr and not (tmp_path / "cmp").exists()
+
+
+def test_a_checkpoint_of_a_kind_not_registered_names_the_kind(tmp_path: Path) -> None:
+    """A checkpoint saved by a process that had registered the toy kind, loaded where it is not:
+    sample.py, a resume and model_from_checkpoint name the kind, not a damaged checkpoint."""
+    register_kind(ScaledAttention)
+    try:
+        model = toy("QL", n_layer=2, vocab_size=10)
+    finally:
+        del LAYER_KINDS["Q"]
+    chars = CharTokenizer.from_text("abcdefgh\n")
+    save_checkpoint(tmp_path / "ckpt.pt", model, iter_num=0, data_meta=chars.meta())
+    cause = "uses layer kind 'Q' (layer_pattern='QL'), which this code does not register"
+    with pytest.raises(UserError, match=re.escape(cause)):
+        model_from_checkpoint(load_checkpoint(tmp_path / "ckpt.pt"))
+    for args in (
+        ["sample.py", "--device=cpu", "--max_new_tokens=2"],
+        ["train.py", "--device=cpu", "--init_from=resume", "--max_iters=2"],
+    ):
+        r = cli([*args, f"--out_dir={tmp_path}"])
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert cause in r.stderr and "register_kind" in r.stderr, r.stderr

@@ -4,6 +4,7 @@ the harness's tasks out of reach said in one line before any work; the compariso
 
 import json
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_TRAIN, cli, read_log, run
+from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
 from model import GPT, GPTConfig
 from smallgpt import choice_task, harness, report
 from smallgpt.checkpoint import load_run, parse_source, save_checkpoint
@@ -292,3 +293,52 @@ def test_a_run_whose_log_has_scores_reads_them_back_at_its_final_iteration(tmp_p
         "lines": {None: again["lines"], 8: limited["lines"]}
     }
     assert [r["event"] for r in read_log(tmp_path)] == ["config", *["benchmarks"] * 4]
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--lm_eval_limit=5", "lm_eval_limit=5 is read by lm_eval's tasks, and lm_eval=[] names"),
+        # a case of the class not listed: the scorer's check of the harness's scores
+        ("--lm_eval_check=False", "lm_eval_check=False is read by lm_eval's tasks, and lm_eval"),
+    ],
+)
+def test_a_harness_setting_without_lm_eval_is_one_line(
+    flag: str, message: str, tmp_path: Path
+) -> None:
+    """A key that only the harness's tasks read, given without --lm_eval, would change nothing:
+    one line naming it, before the run is read (the folder holds none)."""
+    r = cli(["eval.py", f"--out_dir={tmp_path}", "--device=cpu", flag])
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: {message}") and "leave " in r.stderr, r.stderr
+
+
+def test_a_run_whose_log_cannot_take_the_scores_is_refused_before_any_work(
+    pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """eval.py --lm_eval appends its scores to the run's log.jsonl: where that cannot be written,
+    one line naming the folder, before the harness starts (not after every task is scored). A
+    folder in the log's place stops root too; chmod stops anyone else."""
+    meta = load_meta(pycode_small)
+    out = tmp_path / "run"
+    out.mkdir()
+    config = {"dataset": str(pycode_small), "seed": 1337}
+    model = tiny_model(vocab_size=meta["vocab_size"])
+    save_checkpoint(out / "ckpt.pt", model, iter_num=0, data_meta=meta, config=config)
+    monkeypatch.setattr(harness, "check_installed", lambda: pytest.fail("the harness started"))
+    args = ["eval.py", f"--out_dir={out}", "--device=cpu", "--lm_eval=[lines]"]
+    (out / "log.jsonl").mkdir()
+    r = cli(args)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert f"appends its scores to {out / 'log.jsonl'}, which cannot be written" in r.stderr
+    assert f"make {out} writable" in r.stderr, r.stderr
+    if os.geteuid() != 0:  # root writes whatever the mode bits say
+        (out / "log.jsonl").rmdir()
+        (out / "log.jsonl").write_text("")
+        (out / "log.jsonl").chmod(0o444)
+        out.chmod(0o555)
+        try:
+            r = cli(args)
+        finally:
+            out.chmod(0o755)
+        assert r.returncode == 2 and f"make {out} writable" in r.stderr, r.stderr

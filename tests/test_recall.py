@@ -15,6 +15,7 @@ import torch
 
 from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
 from smallgpt import recall
+from smallgpt.checkpoint import save_checkpoint
 from smallgpt.configs import TrainConfig
 from smallgpt.data import Batches
 from smallgpt.errors import UserError
@@ -345,3 +346,21 @@ def test_final_evals_past_block_size_need_positions_that_go_on() -> None:
     with pytest.raises(ValueError, match="needle, mqar_long read past block_size, where learned"):
         TrainConfig(final_evals=["needle", "mqar_long"])
     assert TrainConfig(final_evals=["needle"], pos_encoding="rope").final_evals == ["needle"]
+
+
+def test_a_task_that_needs_an_mqar_dataset_names_itself(pycode_small: Path, tmp_path: Path) -> None:
+    """needle (or mqar_long) on a run trained on text, not MQAR: the line names the task asked
+    for, the dataset it would read (the run's own) and why that is not one."""
+    meta = json.loads((pycode_small / "meta.json").read_text())
+    config = {"dataset": str(pycode_small), "seed": 1337}
+    model = tiny_model(vocab_size=meta["vocab_size"], pos_encoding="rope")
+    save_checkpoint(tmp_path / "ckpt.pt", model, iter_num=0, data_meta=meta, config=config)
+    for tasks, named in [
+        ("needle", "the needle task reads an MQAR dataset"),
+        ("needle,mqar_long", "the needle and mqar_long tasks read an MQAR dataset"),
+    ]:
+        r = cli(["eval.py", f"--out_dir={tmp_path}", "--device=cpu", f"--tasks=[{tasks}]"])
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert named in r.stderr and "mqar task" not in r.stderr, r.stderr
+        assert f"{pycode_small} is not one (its meta.json records no example_tokens" in r.stderr
+        assert f"leave {tasks.replace(',', ' and ')} out of the tasks" in r.stderr, r.stderr

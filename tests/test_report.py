@@ -14,6 +14,7 @@ from conftest import cli
 from model import GPTConfig
 from smallgpt import report, stats
 from smallgpt.atomic import folder_lock
+from smallgpt.runlog import append_record
 from train import TrainConfig
 
 T_975_1 = 12.706204736  # Student t(0.975) with 1 degree of freedom, from a printed table
@@ -684,3 +685,28 @@ def test_the_conversion_tables_add_mqar_by_uptraining_fraction_where_it_was_meas
     for r in scratch + conv:
         r["mqar_solved"] = None
     assert "MQAR after conversion" not in "\n".join(conversion_tables(scratch, conv))
+
+
+def test_an_lm_eval_task_no_run_was_scored_on_is_said_not_left_an_empty_column(
+    tmp_path: Path,
+) -> None:
+    """--lm_eval=[lines,hellaswag] where every run has a lines score and none a hellaswag one:
+    lines has its column, and the report says hellaswag has none, why, and how to score it."""
+    for name, g in (("mha", 4), ("mqa", 1)):
+        for seed in (1337, 1338):
+            run_dir = write_log(tmp_path, name, g, seed, {10: 2.0, 20: 1.5 + seed % 2 / 100})
+            scores = {"lines": {"acc": 0.5 + seed % 2 / 10, "n": 40, "limit": None}}
+            append_record(run_dir, event="benchmarks", iter=20, lm_eval=scores)
+    flags = ("--kv_heads=[4,1]", "--seeds=2", "--lm_eval=[lines,hellaswag]")
+    out, _, rows = report_of(tmp_path, *flags)
+    assert rows["mqa"]["lines_acc"] and not [k for k in rows["mqa"] if "hellaswag" in k]
+    said = (
+        "No run has a score of hellaswag (all items), so the report has no column of it: run the "
+        "sweep again with --lm_eval=[hellaswag]"
+    )
+    assert said in out and said in (tmp_path / "report.md").read_text(), out
+    assert "score of lines" not in out
+    # scored at another limit than the command's: said with the limit it was asked at
+    out, _, _ = report_of(tmp_path, *flags[:2], "--lm_eval=[lines]", "--lm_eval_limit=8")
+    assert "No run has a score of lines at lm_eval_limit=8 (4 have one at another limit)" in out
+    assert "--lm_eval=[lines] --lm_eval_limit=8" in out
