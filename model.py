@@ -217,6 +217,8 @@ class GPTConfig:
                 f"past layer {n} name no layer (the model's layers would be "
                 f"{(pattern * n)[:n]!r}); give at most {n}"
             ]
+        if set(pattern) == {"N"}:  # no positions anywhere: said of the model, not of a layer
+            return []
         tiled = (pattern * n)[:n]
         kinds = self.layer_kinds
         without = [i for i in range(n) if tiled[i] == "N" and "rope_pattern" not in kinds[i].reads]

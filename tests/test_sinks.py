@@ -129,6 +129,20 @@ def test_a_nope_layer_is_unchanged_by_shifting_every_position() -> None:
             dict(attn_sinks=True, layer_pattern="D"),
             "attn_sinks=True is read only by global and local attention",
         ),
+        # letters that would change nothing: past the last layer, or N on a layer without positions
+        (
+            dict(rope_pattern="RRRN"),
+            r"rope_pattern='RRRN' has 4 letters and n_layer=2: the letters past layer 2 name no "
+            r"layer \(the model's layers would be 'RR'\); give at most 2",
+        ),
+        (
+            dict(rope_pattern="NR", layer_pattern="DL"),
+            "rope_pattern='NR' takes the positions off layer 0, of Gated DeltaNet, which has none",
+        ),
+        (
+            dict(n_layer=4, rope_pattern="NNRN", layer_pattern="KKKL"),
+            "takes the positions off layer 0, 1, of Kimi Delta Attention, which has none",
+        ),
     ],
 )
 def test_a_wrong_sink_or_nope_key_is_one_line(keys: dict, message: str) -> None:
