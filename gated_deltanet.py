@@ -216,7 +216,7 @@ class GatedDeltaNet(Recurrence, LayerKind):
             elif kernel := delta_rule.kernels_for(q):
                 o, state = delta_rule.on_kernels(kernel, q, k, v, g, b, state, products)
             else:
-                o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
+                o, state = delta_rule.sequence(q, k, v, g, b, state, self.chunk)
         self.remember(kv_cache, inputs, state)
         # each head's output normed and gated by SiLU(c_z x), then projected
         z = self.c_z(x).view(B, T, H, hd)

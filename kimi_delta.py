@@ -125,7 +125,7 @@ class KimiDeltaAttention(Recurrence, LayerKind):
             if T == 1 and state is not None:
                 o, state = delta_rule.recurrent(q, k, v, g, b, state)
             else:
-                o, state = delta_rule.chunked(q, k, v, g, b, state, self.chunk)
+                o, state = delta_rule.sequence(q, k, v, g, b, state, self.chunk)
         self.remember(kv_cache, inputs, state)
         # each head's output normed, gated by sigmoid of the low-rank gate, then projected
         gate = self.g_b(self.g_a(x)).view(B, T, H, hd)

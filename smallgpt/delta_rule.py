@@ -17,7 +17,9 @@ key, S_t = (I - b_t k_t k_t^T) Diag(a_t) S_{t-1} + b_t k_t v_t^T: both forms tak
 
 On CUDA with flash-linear-attention installed (`pip install flash-linear-attention`, its package
 `fla`), `on_kernels` runs the chunked form on its Triton kernels instead; `chunked` stays the
-reference it is checked against (scripts/fla_check.py, docs/gpu.md) and the path everywhere else.
+reference it is checked against (scripts/fla_check.py, docs/gpu.md). On a CPU, `sequence` runs the
+rule as one compiled kernel, forward and backward (smallgpt/delta_rule_kernel.py: the recurrent
+form in C++, a (batch, head) a thread), where it builds and SMALLGPT_DELTA_RULE is not 'torch'.
 """
 
 import os
@@ -25,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from smallgpt import delta_rule_kernel
 
 
 def recurrent(
@@ -211,6 +215,22 @@ def chunked(
         out.append(q_i @ state + scores_i @ u)
         state = kept * state + k_i.mT @ u
     return torch.cat(out, dim=2)[:, :, :T], state
+
+
+def sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    state: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over a sequence (training, a prefill): on a CPU, the compiled kernel where it runs
+    (delta_rule_kernel), else `chunked` in chunks of `chunk` tokens."""
+    if not q.is_cuda and delta_rule_kernel.available():
+        return delta_rule_kernel.run(q, k, v, g, b, state)
+    return chunked(q, k, v, g, b, state, chunk)
 
 
 def find_fla() -> Callable | None:

@@ -338,16 +338,16 @@ def test_the_bugs_a_recurrent_layer_can_have_fail_these_tests(
     # b dropped: the layer is no longer transformers'
     from smallgpt import delta_rule
 
-    chunked = delta_rule.chunked
+    sequence = delta_rule.sequence  # the kernel on a CPU where it builds, else chunked
 
     def without_b(q, k, v, g, b, *rest):  # noqa: ANN001, ANN202
-        return chunked(q, k, v, g, torch.ones_like(b), *rest)
+        return sequence(q, k, v, g, torch.ones_like(b), *rest)
 
     layer = m.transformer.h[0].attn
     x = torch.randn(2, 20, 32)
     with torch.no_grad():
         want = qwen_layer(layer)(x)
-        monkeypatch.setattr(delta_rule, "chunked", without_b)
+        monkeypatch.setattr(delta_rule, "sequence", without_b)
         assert not torch.allclose(layer(x, None, None, None), want, atol=1e-3)
 
 

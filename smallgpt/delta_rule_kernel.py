@@ -1,0 +1,202 @@
+"""The gated delta rule as one compiled CPU kernel, forward and backward (delta_rule_kernel.cpp
+beside this file): the custom op `smallgpt::delta_rule` that Gated DeltaNet and Kimi Delta
+Attention train and prefill with on a CPU (smallgpt/delta_rule.py's `sequence` picks it), so
+that torch.compile traces it as one opaque call with its own autograd formula.
+
+No maintained library trains the delta rule on a CPU (docs/performance-cpu.md "The delta-rule
+kernel"). The kernel is built once, on first use, by torch's extension builder (g++, which
+torch.compile on a CPU needs anyway) into a folder of torch's extension cache named by a hash of
+its source and flags; a machine that cannot build it trains on the torch path, saying so once.
+SMALLGPT_DELTA_RULE=torch in the environment chooses the torch path (delta_rule.chunked) always.
+
+The op's outputs: the outputs (B, H, T, d_v), the final state (B, H, d_k, d_v), and the state
+before every CHECKPOINT-th token (B, H, ceil(T / CHECKPOINT), d_k, d_v), which the backward
+recomputes each span of tokens from: O(T / CHECKPOINT x d_k x d_v) memory a head."""
+
+import hashlib
+import importlib.util
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("delta_rule_kernel.cpp")
+# -march=native: the build is this machine's own (torch's extension cache is per machine)
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+CHECKPOINT = 64  # tokens between the states the forward keeps for the backward
+# 'torch' chooses the torch path; anything else (or unset) the kernel where it builds
+CHOICE = os.environ.get("SMALLGPT_DELTA_RULE", "")
+
+
+class Build:
+    """The kernel's module once built or loaded (None before), or why it could not be."""
+
+    module: ModuleType | None = None
+    failed: str = ""
+
+
+def build_folder() -> tuple[Path, str]:
+    """Where the kernel is built: torch's extension cache (TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions), in a folder named by a hash of the source, the flags and torch's
+    version, so that an edit or another torch builds anew; and the module's name."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    # -march=native builds for this processor: its flags are in the key too, so that a cache
+    # carried to another processor (one without AVX-512) builds anew rather than crash
+    machine = [torch.__version__, platform.machine(), *FLAGS, *processor_flags()]
+    key = hashlib.sha1(SOURCE.read_bytes() + " ".join(machine).encode())
+    name = f"smallgpt_delta_rule_{key.hexdigest()[:12]}"
+    return Path(_get_build_directory(name, verbose=False)), name
+
+
+def processor_flags() -> list[str]:
+    """The processor's instruction-set flags (Linux's /proc/cpuinfo; none elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return sorted(line.partition(":")[2].split())
+
+
+def kernel() -> ModuleType | None:
+    """The built kernel (built on the first call, a line on stderr while it builds), or None where
+    it cannot be built (said once on stderr) or SMALLGPT_DELTA_RULE=torch chooses the torch
+    path."""
+    if CHOICE == "torch" or Build.failed:
+        return None
+    if Build.module is not None:
+        return Build.module
+    folder, name = build_folder()
+    built = folder / f"{name}.so"
+    try:
+        if built.is_file():  # built before: loaded as it is, without asking the builder
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            print(
+                f"building the delta-rule CPU kernel into {folder} (once, about a minute)",
+                file=sys.stderr,
+                flush=True,
+            )
+            from torch.utils.cpp_extension import load
+
+            module = load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
+    except Exception as e:  # no compiler, a failed build: the torch path, said once
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        Build.failed = reason
+        print(
+            f"note: the delta-rule CPU kernel could not be built ({reason}): training on the torch "
+            "path (delta_rule.chunked), slower",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    Build.module = module
+    return module
+
+
+@torch.compiler.assume_constant_result  # torch.compile asks once, as it traces, and keeps it
+def available() -> bool:
+    """Whether the kernel runs here (built now if it was not): False where SMALLGPT_DELTA_RULE=torch
+    or the build failed."""
+    return kernel() is not None
+
+
+@torch.library.custom_op("smallgpt::delta_rule", mutates_args=())
+def delta_rule_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's forward: q, k (B, H, T, d_k), v (B, H, T, d_v), g (B, H, T, 1 or d_k), b
+    (B, H, T), state (B, H, d_k, d_v), of one float type; its outputs contiguous."""
+    inputs = (x.contiguous() for x in (q, k, v, g, b, state))
+    return tuple(kernel().forward(*inputs, CHECKPOINT))
+
+
+@delta_rule_op.register_fake
+def _(q, k, v, g, b, state):  # noqa: ANN001, ANN202
+    B, H, T, d_k = q.shape
+    n = math.ceil(T / CHECKPOINT)
+    out = q.new_empty(B, H, T, v.shape[-1])
+    return out, state.new_empty(state.shape), q.new_empty(B, H, n, d_k, v.shape[-1])
+
+
+@torch.library.custom_op("smallgpt::delta_rule_backward", mutates_args=())
+def delta_rule_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    state: torch.Tensor,
+    checkpoints: torch.Tensor,
+    d_out: torch.Tensor,
+    d_final: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's backward: the gradients of q, k, v, g, b and the initial state, each laid out
+    as its input is (as torch.compile's fake implementation below says they are)."""
+    inputs = (q, k, v, g, b, state)
+    flat = (x.contiguous() for x in (q, k, v, g, b, checkpoints, d_out, d_final))
+    grads = kernel().backward(*flat, CHECKPOINT)
+    return tuple(torch.empty_like(x).copy_(grad) for x, grad in zip(inputs, grads, strict=True))
+
+
+@delta_rule_backward_op.register_fake
+def _(q, k, v, g, b, state, checkpoints, d_out, d_final):  # noqa: ANN001, ANN202
+    return tuple(torch.empty_like(x) for x in (q, k, v, g, b, state))
+
+
+def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
+    ctx.save_for_backward(*inputs, output[2])  # the inputs, and the states kept every CHECKPOINT
+
+
+def backward(ctx, d_out, d_final, d_checkpoints):  # noqa: ANN001, ANN201
+    q, k, v, g, b, state, checkpoints = ctx.saved_tensors
+    # an output the loss did not read has no gradient
+    if d_out is None:
+        d_out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    if d_final is None:
+        d_final = state.new_zeros(state.shape)
+    return delta_rule_backward_op(q, k, v, g, b, state, checkpoints, d_out, d_final)
+
+
+delta_rule_op.register_autograd(backward, setup_context=setup_context)
+
+
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor,
+    state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_rule.recurrent's outputs and final state through the kernel: the inputs in float32
+    (float64 stays float64), contiguous, g as (B, H, T, 1) for a decay a head."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, H, T, d_k = k.shape
+    if state is None:
+        state = q.new_zeros(B, H, d_k, v.shape[-1], dtype=dtype)
+    per_head = g.dim() == 3
+    if per_head:
+        g = g[..., None]
+    inputs = (x.to(dtype) for x in (q, k, v, g, b, state))
+    out, final, _ = delta_rule_op(*inputs)
+    return out, final

@@ -1,0 +1,194 @@
+"""smallgpt/delta_rule_kernel.py, the gated delta rule as one compiled CPU kernel: its outputs,
+final state and every gradient against the float64 recurrence (delta_rule.recurrent) on sharpened
+inputs, a float64 gradcheck, torch.library's opcheck, the bugs the comparison must catch, a
+hybrid's logits and cached decoding against the torch path, and torch.compile through the op.
+Every test here needs the kernel: where it cannot be built (or SMALLGPT_DELTA_RULE=torch) they
+skip, saying so."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import lively, tiny_model
+from smallgpt import delta_rule, delta_rule_kernel
+from smallgpt.delta_rule_kernel import CHECKPOINT
+
+pytestmark = pytest.mark.skipif(
+    not delta_rule_kernel.available(),
+    reason=f"the delta-rule kernel does not run here ({delta_rule_kernel.Build.failed or 'torch'})",
+)
+
+Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def sharp_inputs(
+    B: int, H: int, T: int, per_channel: bool, dtype: torch.dtype, seed: int = 0, d: int = 8
+) -> list[torch.Tensor]:
+    """q, k (unit rows), v, g, b and an initial state, sharpened: decays near 0 and near 1 (log
+    decays from -12 to -1e-4, a third of each), write strengths near 1 (b up to 1 - 1e-4)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = F.normalize(draw(B, H, T, d), dim=-1) * d**-0.5
+    k = F.normalize(draw(B, H, T, d), dim=-1)
+    v = draw(B, H, T, d + 3)  # d_v != d_k: a transposed state cannot pass
+    shape = (B, H, T, d) if per_channel else (B, H, T)
+    pick = torch.randint(0, 3, shape, generator=gen)
+    near_zero = -12 + 4 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    near_one = -1e-4 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    middle = -2 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    g = torch.where(pick == 0, near_zero, torch.where(pick == 1, near_one, middle))
+    b = 1 - 1e-4 * torch.rand(B, H, T, generator=gen, dtype=torch.float64)
+    b[..., ::2] = torch.rand(B, H, (T + 1) // 2, generator=gen, dtype=torch.float64)
+    state = draw(B, H, d, d + 3)
+    return [x.to(dtype).requires_grad_() for x in (q, k, v, g, b, state)]
+
+
+def gradients(rule: Rule, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs, the final state and the gradients of every input, of a loss that weighs each
+    output and state entry by its own fixed number."""
+    out, final = rule(*xs)
+    gen = torch.Generator().manual_seed(1)
+    w_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    w_final = torch.randn(final.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    loss = (out * w_out).sum() + (final * w_final).sum()
+    grads = torch.autograd.grad(loss, xs, allow_unused=True, materialize_grads=True)
+    return [out, final, *grads]
+
+
+NAMES = ("outputs", "final state", "dq", "dk", "dv", "dg", "db", "d state")
+
+
+def mismatches(rule: Rule, xs: list[torch.Tensor], rtol: float) -> list[str]:
+    """What of rule's outputs, final state and gradients differs from the float64 recurrence's by
+    more than rtol of the largest entry of each (empty: all agree)."""
+    wide = [x.detach().double().requires_grad_() for x in xs]
+    want = gradients(delta_rule.recurrent, wide)
+    got = gradients(rule, xs)
+    bad = []
+    for name, a, b in zip(NAMES, got, want, strict=True):
+        scale = b.abs().max().item() or 1.0
+        if (a.double() - b).abs().max().item() > rtol * scale:
+            bad.append(name)
+    return bad
+
+
+CASES = [
+    pytest.param(1, 1, 1, id="T=1"),
+    pytest.param(1, 2, 2 * CHECKPOINT + 21, id="T past two checkpoints, BxH below the cores"),
+    pytest.param(3, 3, CHECKPOINT, id="T one checkpoint, BxH above the cores"),
+]
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
+@pytest.mark.parametrize(("B", "H", "T"), CASES)
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_the_kernel_is_the_recurrence_in_outputs_state_and_every_gradient(
+    B: int, H: int, T: int, per_channel: bool, dtype: torch.dtype, rtol: float
+) -> None:
+    xs = sharp_inputs(B, H, T, per_channel, dtype)
+    assert mismatches(delta_rule_kernel.run, xs, rtol) == []
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
+def test_a_float64_gradcheck_on_tiny_shapes(per_channel: bool) -> None:
+    xs = sharp_inputs(1, 2, 5, per_channel, torch.float64, d=3)
+    assert torch.autograd.gradcheck(delta_rule_kernel.run, xs)
+
+
+def test_the_op_passes_torch_librarys_opcheck() -> None:
+    """The schema, the fake (meta) implementation torch.compile traces with, and the autograd
+    registration, as torch.library checks a custom op."""
+    q, k, v, g, b, state = (x.detach() for x in sharp_inputs(1, 2, 70, True, torch.float32))
+    args = (q, k, v, g.contiguous(), b, state)
+    for x in (q, k, v):
+        x.requires_grad_()
+    torch.library.opcheck(delta_rule_kernel.delta_rule_op, args)
+
+
+def test_a_planted_bug_fails_the_comparison() -> None:
+    """The comparison above catches a dropped decay, a transposed state (its initial state read as
+    its transpose) and a backward that skips the last span of tokens."""
+    xs = sharp_inputs(1, 2, CHECKPOINT + 9, False, torch.float64)
+    run = delta_rule_kernel.run
+
+    def dropped_decay(q, k, v, g, b, state):  # noqa: ANN001, ANN202
+        return run(q, k, v, torch.zeros_like(g), b, state)
+
+    def transposed_state(q, k, v, g, b, state):  # noqa: ANN001, ANN202
+        square = state[..., : state.shape[-2]]
+        return run(q, k, v, g, b, torch.cat((square.mT, state[..., square.shape[-1] :]), -1))
+
+    def last_span_skipped(q, k, v, g, b, state):  # noqa: ANN001, ANN202
+        out, final = run(q, k, v, g, b, state)
+        cut = CHECKPOINT * (q.shape[2] // CHECKPOINT)
+        # the same values, but no gradient reaches the inputs through the last span's outputs
+        kept = torch.cat((out[:, :, :cut], out[:, :, cut:].detach()), dim=2)
+        return kept, final
+
+    assert mismatches(run, xs, 1e-10) == []
+    assert "outputs" in mismatches(dropped_decay, xs, 1e-10)
+    assert "outputs" in mismatches(transposed_state, xs, 1e-10)
+    assert {"dq", "dv"} <= set(mismatches(last_span_skipped, xs, 1e-10))
+
+
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers' rule on delta_rule.chunked, as where the kernel does not build."""
+    monkeypatch.setattr(delta_rule_kernel, "available", lambda: False)
+
+
+@pytest.mark.parametrize("layers", ["DDL", "KKL"])
+def test_a_hybrids_logits_cache_and_gradients_are_the_torch_paths(
+    layers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharpened hybrid (Gated DeltaNet or KDA layers and attention) over 150 tokens (past two
+    of the torch path's chunks): the same logits and gradients within 1e-5, and a prefill of 100
+    tokens then 3 decoded gives the full forward's logits."""
+    m = lively(tiny_model(None, "rope", n_layer=3, layer_pattern=layers, block_size=160))
+    idx = torch.randint(0, 61, (2, 150), generator=torch.Generator().manual_seed(3))
+
+    def logits_and_grads() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        m.zero_grad()
+        logits, loss = m(idx, idx)
+        loss.backward()
+        return logits.detach(), [p.grad.clone() for p in m.parameters()]
+
+    kernel_logits, kernel_grads = logits_and_grads()
+    with monkeypatch.context() as patch:
+        torch_path(patch)
+        torch_logits, torch_grads = logits_and_grads()
+    torch.testing.assert_close(kernel_logits, torch_logits, rtol=1e-5, atol=1e-5)
+    for a, b in zip(kernel_grads, torch_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # prefill (the kernel) then decode (one step each) against the whole forward
+    with torch.no_grad():
+        cache = m.make_kv_cache(2, 160)
+        steps = {100: m(idx[:, :100], kv_cache=cache)[0][:, -1]}
+        for t in range(100, 103):
+            steps[t + 1] = m(idx[:, t : t + 1], kv_cache=cache)[0][:, -1]
+        for end, logits in steps.items():
+            torch.testing.assert_close(logits, m(idx[:, :end])[0][:, -1], atol=1e-5, rtol=0)
+
+
+def test_compiled_training_through_the_op_is_eager() -> None:
+    """torch.compile traces the op as one call (fullgraph: no graph break), through its fake
+    implementation and autograd formula (AOTAutograd, the aot_eager backend: what inductor would
+    be handed, without a minute of code generation; bench.py --mode=delta compiles the step with
+    inductor), and gives eager's loss and gradients."""
+    m = lively(tiny_model(None, "rope", n_layer=2, layer_pattern="DL"))
+    idx = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(5))
+    loss = m(idx, idx)[1]
+    loss.backward()
+    eager = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    compiled_loss = compiled(idx, idx)[1]
+    compiled_loss.backward()
+    torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
+    for p, want in zip(m.parameters(), eager, strict=True):
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5)
