@@ -5,6 +5,10 @@ table.
         --dropout=0.0
     python bench.py --mode=decode --block_size=1024 --vocab_size=256
     python bench.py --mode=memory
+    # the delta rule alone, CPU kernel against torch; a hybrid's step on each
+    python bench.py --mode=delta --batch_size=4 --block_size=512 --n_head=4 --n_embd=128
+    python bench.py --mode=train config/train_cpu_fast.py --layer_pattern=DDDL \
+        --delta_rules=[kernel,torch]
     # on a GPU (CPU: config/train_cpu_fast.py)
     python bench.py --mode=nanogpt --nanogpt_dir=../nanoGPT config/speedrun_gpu.py
     # RUN's greedy text in llama.cpp and here
@@ -36,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from model import GPT, LAYER_KINDS, GPTConfig
-from smallgpt import bench_peers, runtime, sharding
+from smallgpt import bench_delta, bench_peers, delta_rule_kernel, runtime, sharding
 from smallgpt.checkpoint import Source, load_run
 from smallgpt.configs import TrainConfig
 from smallgpt.data import Batches, data_dir, vocab_size_of
@@ -72,6 +76,9 @@ class BenchConfig:
     # train: the chunked layers' chunk (Gated DeltaNet's: tokens a step of delta_rule.chunked) at
     # each of these sizes; empty: each kind's own (LayerKind.chunk)
     chunks: list[int] = field(default_factory=list)
+    # train (a model with recurrent layers): their rule on the compiled CPU kernel, on the torch
+    # path, or each (smallgpt/delta_rule_kernel.py); delta: the rule alone, both always
+    delta_rules: list[str] = field(default_factory=lambda: ["kernel"])
     # decode: MHA/GQA/MQA variants of the model, from a 1-token prompt, greedy
     kv_heads: list[int] = field(default_factory=list)  # empty: n_head, a middle divisor, 1
     kv_lora_ranks: list[int] = field(default_factory=list)  # and MLA with these latent widths
@@ -108,6 +115,11 @@ class BenchConfig:
                 f'--mode=hf only), e.g. --dtypes=\'["float32", "bfloat16"]\''
             )
         problems = self.size_problems()
+        if not self.delta_rules or not set(self.delta_rules) <= {"kernel", "torch"}:
+            problems.append(
+                f"delta_rules={self.delta_rules} must list 'kernel' or 'torch' or both, e.g. "
+                "--delta_rules=[kernel,torch]"
+            )
         if self.mode == "recipes" and not self.configs:
             problems.append(
                 "--mode=recipes needs --configs='[config/a.py,config/b.py]', the config files to "
@@ -170,7 +182,12 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
     for dtype_name in cfg.dtypes:
         dtype = resolve_dtype(dtype_name, device_type, mcfg.n_embd)[0]
         peak = base.peak_flops or peak_flops(device, dtype)
-        for compiled, chunk in itertools.product(cfg.compiles, cfg.chunks or [None]):
+        rules = cfg.delta_rules if mcfg.recurrent_layers else [None]
+        settings = itertools.product(cfg.compiles, cfg.chunks or [None], rules)
+        for compiled, chunk, rule in settings:
+            # the recurrent layers' rule on the kernel or the torch path, traced anew
+            delta_rule_kernel.Build.off = rule == "torch"
+            torch._dynamo.reset()
             # a fresh model and its optimizer, as train.py makes them
             torch.manual_seed(base.seed)
             raw = GPT(mcfg).to(device)
@@ -186,6 +203,8 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
             row = train_row(raw, base, device, dtype_name, compiled, dt, loss, peak)
             if chunked(mcfg):
                 row["chunk"] = chunk or max(kind.chunk or 0 for kind in mcfg.layer_kinds)
+            if rule is not None:
+                row["delta_rule"] = rule if delta_rule_kernel.available() else "torch"
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
@@ -494,11 +513,36 @@ def run_train(
         "dtype": "dtype",
         "compile": "compile",
         **({"chunk": "chunk"} if chunked(mcfg) else {}),
+        **({"delta_rule": "delta rule"} if mcfg.recurrent_layers else {}),
         "ms_per_iter": "ms/iter",
         "tokens_per_s": "tokens/s",
         "mfu_pct": "MFU %",
         "peak_tflops": "peak TFLOP/s",
         "loss": "loss",
+    }
+    print(table(rows, columns))
+
+
+def run_delta(
+    cfg: BenchConfig, base: TrainConfig, train_args: list[str], device: str, mcfg: GPTConfig
+) -> None:
+    if not delta_rule_kernel.available():
+        raise UserError(
+            "--mode=delta times the delta-rule CPU kernel against the torch path, and the kernel "
+            "does not run here (SMALLGPT_DELTA_RULE=torch, or it could not be built: see above)"
+        )
+    B, T, H = base.batch_size, base.block_size, mcfg.n_head
+    rows = bench_delta.bench_rule(B, H, T, mcfg.head_dim, cfg.warmup, cfg.iters, base.seed)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    columns = {
+        "shape": "T x B",
+        "decay": "decay",
+        "path": "path",
+        "fwd_ms": "fwd ms",
+        "fwd_bwd_ms": "fwd+bwd ms",
+        "fwd_speedup": "fwd speed-up",
+        "fwd_bwd_speedup": "fwd+bwd speed-up",
     }
     print(table(rows, columns))
 
@@ -670,7 +714,12 @@ MODES = {
     "train": Mode(
         run_train,
         "train.py's step on a fresh model of train.py's keys",
-        STEP | {"compiles", "dtypes", "warmup", "iters", "profile", "chunks"},
+        STEP | {"compiles", "dtypes", "warmup", "iters", "profile", "chunks", "delta_rules"},
+    ),
+    "delta": Mode(
+        run_delta,
+        "the delta rule alone, the CPU kernel against the torch path",
+        frozenset({"batch_size", "block_size", "n_head", "n_embd", "seed", "warmup", "iters"}),
     ),
     "decode": Mode(
         run_decode,

@@ -6,9 +6,13 @@
 //
 //     D_t = diag(a_t) S_{t-1},  u_t = b_t (v_t - D_t^T k_t),  S_t = D_t + k_t u_t^T,  o_t = S_t^T q_t
 //
-// with a_t = exp(g_t): one decay a head (g of d_g = 1 channel, Gated DeltaNet) or one a channel of
+// with a_t = exp(g_t) (the functions here take a, and return dL/dg = a dL/da): one decay a head
+// (d_g = 1 channel, Gated DeltaNet) or one a channel of
 // the key (d_g = d_k, Kimi Delta Attention). Token by token: at these head sizes the state stays in
-// L1 and each step is two passes over it, which beats the chunked form's many small products.
+// L1, and each token is one pass over it forward (a token's write is applied in the next token's
+// pass) and two backward (the chunk's recomputation, then one pass that steps back over a token's
+// decay and the earlier token's read and write), which beats the chunked form's many small
+// products.
 //
 // The forward keeps the state before every CHUNK-th token (O(T / CHUNK x d_k x d_v) a head). The
 // backward goes over the chunks last to first, recomputes a chunk's states from its checkpoint into
@@ -30,6 +34,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -48,172 +53,253 @@ struct Head {
     int64_t d_g;
 };
 
-// One step of the rule on S in place (d_k x d_v, row i a channel of the key): S <- D + k u^T.
-// Writes u (d_v), v - D^T k (d_v, the correction before its strength) and, where o is given, S^T q.
+// The decay of key channel i at token t, a_t = exp(g_t) (given: torch exponentiates them
+// vectorised, where an exp a channel and token here cost as much as the rest): a head's one
+// decay, or the channel's own.
 template <typename scalar_t>
-inline void step(const Head<scalar_t>& h, int64_t t, scalar_t* S, scalar_t* u, scalar_t* miss,
-                 scalar_t* o) {
-    const int64_t d_k = h.d_k;
-    const int64_t d_v = h.d_v;
+inline scalar_t decay_at(const Head<scalar_t>& h, int64_t t, int64_t i) {
+    return h.g[t * h.d_g + (h.d_g == 1 ? 0 : i)];
+}
+
+// One pass over S (d_k x d_v) for token t, the write of the token before still pending in S
+// (S + k_prev u_prev^T is the state S_{t-1}): applies that write, keeps S_{t-1} in `before` (if
+// given), decays (S <- D_t) and sums D_t^T k and D_t^T q. Then u_t = b (v - D^T k), `miss` = v -
+// D^T k, and where `o` is given, o_t = S_t^T q = D^T q + (k . q) u_t. The write of u_t is left
+// pending (k_prev <- k_t, u_prev <- u_t): one pass a token, where the write, the decay and the
+// reads would be two.
+template <typename scalar_t, int DV>
+inline void step(const Head<scalar_t>& h, int64_t t, scalar_t* S, const scalar_t* k_prev,
+                 scalar_t* u_prev, scalar_t* before, scalar_t* miss, scalar_t* read, scalar_t* o) {
+    // the state's sides: constants where forward()/backward() dispatched a square state's size
+    const int64_t d_v = DV > 0 ? DV : h.d_v;
+    const int64_t d_k = DV > 0 ? DV : h.d_k;
+    
     const scalar_t* k = h.k + t * d_k;
-    const scalar_t* g = h.g + t * h.d_g;
-    // decay each row and read the prediction D^T k in the same pass
+    const scalar_t* q = h.q + t * d_k;
     std::fill(miss, miss + d_v, scalar_t(0));
+    std::fill(read, read + d_v, scalar_t(0));
+    scalar_t kq = 0;
     for (int64_t i = 0; i < d_k; ++i) {
-        const scalar_t a = std::exp(g[h.d_g == 1 ? 0 : i]);
+        const scalar_t a = decay_at(h, t, i);
+        const scalar_t kp = k_prev[i];
         const scalar_t ki = k[i];
+        const scalar_t qi = q[i];
         scalar_t* Si = S + i * d_v;
+        scalar_t* Bi = before == nullptr ? nullptr : before + i * d_v;
+        kq += ki * qi;
 #pragma omp simd
         for (int64_t j = 0; j < d_v; ++j) {
-            Si[j] *= a;
-            miss[j] += ki * Si[j];
+            const scalar_t was = Si[j] + kp * u_prev[j];
+            if (Bi != nullptr) {
+                Bi[j] = was;
+            }
+            const scalar_t D = a * was;
+            Si[j] = D;
+            miss[j] += ki * D;
+            read[j] += qi * D;
         }
     }
-    // the part of v the state does not predict, and the correction written along k
     const scalar_t* v = h.v + t * d_v;
     const scalar_t b = h.b[t];
 #pragma omp simd
     for (int64_t j = 0; j < d_v; ++j) {
         miss[j] = v[j] - miss[j];
-        u[j] = b * miss[j];
+        u_prev[j] = b * miss[j];
     }
-    // write it, and read the new state with q
-    const scalar_t* q = h.q + t * d_k;
     if (o != nullptr) {
-        std::fill(o, o + d_v, scalar_t(0));
-    }
-    for (int64_t i = 0; i < d_k; ++i) {
-        const scalar_t ki = k[i];
-        const scalar_t qi = q[i];
-        scalar_t* Si = S + i * d_v;
-        if (o != nullptr) {
 #pragma omp simd
-            for (int64_t j = 0; j < d_v; ++j) {
-                Si[j] += ki * u[j];
-                o[j] += qi * Si[j];
-            }
-        } else {
-#pragma omp simd
-            for (int64_t j = 0; j < d_v; ++j) {
-                Si[j] += ki * u[j];
-            }
+        for (int64_t j = 0; j < d_v; ++j) {
+            o[j] = read[j] + kq * u_prev[j];
         }
     }
 }
 
+// The pending write applied: S <- S + k u^T (into `into`, S itself where it is S).
 template <typename scalar_t>
+inline void apply_write(const scalar_t* S, const scalar_t* k, const scalar_t* u, int64_t d_k,
+                        int64_t d_v, scalar_t* into) {
+    for (int64_t i = 0; i < d_k; ++i) {
+#pragma omp simd
+        for (int64_t j = 0; j < d_v; ++j) {
+            into[i * d_v + j] = S[i * d_v + j] + k[i] * u[j];
+        }
+    }
+}
+
+template <typename scalar_t, int DV>
 void forward_head(const Head<scalar_t>& h, const scalar_t* state, scalar_t* out, scalar_t* final_state,
                   scalar_t* checkpoints, int64_t chunk) {
-    const int64_t size = h.d_k * h.d_v;
+    // the state's sides: constants where forward()/backward() dispatched a square state's size
+    const int64_t d_v = DV > 0 ? DV : h.d_v;
+    const int64_t d_k = DV > 0 ? DV : h.d_k;
+    const int64_t size = d_k * d_v;
     std::vector<scalar_t> S(state, state + size);
-    std::vector<scalar_t> u(h.d_v);
-    std::vector<scalar_t> miss(h.d_v);
+    std::vector<scalar_t> zeros(d_k, scalar_t(0));
+    std::vector<scalar_t> u(d_v, scalar_t(0));
+    std::vector<scalar_t> miss(d_v);
+    std::vector<scalar_t> read(d_v);
+    const scalar_t* k_prev = zeros.data();  // nothing pending before the first token
     for (int64_t t = 0; t < h.T; ++t) {
-        if (t % chunk == 0) {  // the state before this chunk's first token
+        if (t % chunk == 0) {  // the state before this chunk's first token, written whole
+            apply_write(S.data(), k_prev, u.data(), d_k, d_v, S.data());
+            k_prev = zeros.data();
             std::copy(S.begin(), S.end(), checkpoints + (t / chunk) * size);
         }
-        step(h, t, S.data(), u.data(), miss.data(), out + t * h.d_v);
+        step<scalar_t, DV>(h, t, S.data(), k_prev, u.data(), static_cast<scalar_t*>(nullptr), miss.data(),
+             read.data(), out + t * d_v);
+        k_prev = h.k + t * d_k;
     }
-    std::copy(S.begin(), S.end(), final_state);
+    apply_write(S.data(), k_prev, u.data(), d_k, d_v, final_state);
 }
 
-template <typename scalar_t>
+// The gradients at one token's read and write (A below), from G = dL/dS_t: G += q do^T, dq = S_t
+// do, dk = G u, du = G^T k; then db = du . miss, dv = b du and dp = -b du (returned in dp).
+// S_row: S_t. Done row by row inside `backward_head`'s fused pass; this is its finish.
+template <typename scalar_t, int DV>
+inline void finish_correction(const Head<scalar_t>& h, int64_t t, const scalar_t* du,
+                              const scalar_t* miss, scalar_t* dv, scalar_t* db, scalar_t* dp) {
+    // the state's sides: constants where forward()/backward() dispatched a square state's size
+    const int64_t d_v = DV > 0 ? DV : h.d_v;
+    const int64_t d_k = DV > 0 ? DV : h.d_k;
+    const scalar_t b = h.b[t];
+    scalar_t dbt = 0;
+    scalar_t* dv_t = dv + t * d_v;
+#pragma omp simd reduction(+ : dbt)
+    for (int64_t j = 0; j < d_v; ++j) {
+        dbt += du[j] * miss[j];
+        dv_t[j] = b * du[j];
+        dp[j] = -b * du[j];
+    }
+    db[t] = dbt;
+}
+
+template <typename scalar_t, int DV>
 void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const scalar_t* d_out,
                    const scalar_t* d_final, int64_t chunk, scalar_t* dq, scalar_t* dk, scalar_t* dv,
                    scalar_t* dg, scalar_t* db, scalar_t* d_state) {
-    const int64_t d_k = h.d_k;
-    const int64_t d_v = h.d_v;
+    // the state's sides: constants where forward()/backward() dispatched a square state's size
+    const int64_t d_v = DV > 0 ? DV : h.d_v;
+    const int64_t d_k = DV > 0 ? DV : h.d_k;
+    
     const int64_t size = d_k * d_v;
-    // G: the loss's gradient by the state after the step at hand, from the final state's
+    // G: dL/dS after the token at hand, from the final state's
     std::vector<scalar_t> G(d_final, d_final + size);
-    // a chunk's states (the one before it first), corrections and misses, recomputed
+    // a chunk's states recomputed (states[m]: before its m-th token; states[len]: after it), and
+    // each token's correction u and miss v - D^T k
     std::vector<scalar_t> states((chunk + 1) * size);
     std::vector<scalar_t> us(chunk * d_v);
     std::vector<scalar_t> misses(chunk * d_v);
+    std::vector<scalar_t> S(size);
+    std::vector<scalar_t> zeros(d_k, scalar_t(0));
+    std::vector<scalar_t> u(d_v);
+    std::vector<scalar_t> read(d_v);
     std::vector<scalar_t> du(d_v);
-    std::vector<scalar_t> dp(d_v);
-    std::vector<scalar_t> dgi(d_k);
+    std::vector<scalar_t> dp(d_v);  // dL/dp of the later token of a fused pass
+    std::vector<scalar_t> dp_next(d_v);
     const int64_t n = (h.T + chunk - 1) / chunk;
     for (int64_t c = n - 1; c >= 0; --c) {
         const int64_t t0 = c * chunk;
         const int64_t len = std::min(chunk, h.T - t0);
-        // recompute the chunk forward from its checkpoint
-        std::copy(checkpoints + c * size, checkpoints + (c + 1) * size, states.begin());
+        // recompute the chunk forward from its checkpoint, one pass a token
+        std::copy(checkpoints + c * size, checkpoints + (c + 1) * size, S.begin());
+        std::fill(u.begin(), u.end(), scalar_t(0));
+        const scalar_t* k_prev = zeros.data();
         for (int64_t m = 0; m < len; ++m) {
-            scalar_t* next = states.data() + (m + 1) * size;
-            std::copy(states.data() + m * size, states.data() + (m + 1) * size, next);
-            step(h, t0 + m, next, us.data() + m * d_v, misses.data() + m * d_v,
-                 static_cast<scalar_t*>(nullptr));
+            step<scalar_t, DV>(h, t0 + m, S.data(), k_prev, u.data(), states.data() + m * size,
+                 misses.data() + m * d_v, read.data(), static_cast<scalar_t*>(nullptr));
+            std::copy(u.begin(), u.end(), us.begin() + m * d_v);
+            k_prev = h.k + (t0 + m) * d_k;
         }
-        // then back through it, last token first
-        for (int64_t m = len - 1; m >= 0; --m) {
-            const int64_t t = t0 + m;
-            const scalar_t* before = states.data() + m * size;  // S_{t-1}
-            const scalar_t* after = states.data() + (m + 1) * size;  // S_t
-            const scalar_t* u = us.data() + m * d_v;
-            const scalar_t* miss = misses.data() + m * d_v;
-            const scalar_t* q = h.q + t * d_k;
-            const scalar_t* k = h.k + t * d_k;
-            const scalar_t* g = h.g + t * h.d_g;
-            const scalar_t* do_t = d_out + t * d_v;
-            const scalar_t b = h.b[t];
-            scalar_t* dq_t = dq + t * d_k;
-            scalar_t* dk_t = dk + t * d_k;
-            // the read: G += q do^T, dq = S_t do; the write: dk = G u, du = G^T k
+        apply_write(S.data(), k_prev, u.data(), d_k, d_v, states.data() + len * size);
+        // A of the chunk's last token alone: its read and write, with S_t the state after it
+        int64_t s = t0 + len - 1;
+        {
+            const scalar_t* S_s = states.data() + len * size;
+            const scalar_t* u_s = us.data() + (len - 1) * d_v;
             std::fill(du.begin(), du.end(), scalar_t(0));
             for (int64_t i = 0; i < d_k; ++i) {
-                const scalar_t qi = q[i];
-                const scalar_t ki = k[i];
+                const scalar_t qi = h.q[s * d_k + i];
+                const scalar_t ki = h.k[s * d_k + i];
+                const scalar_t* do_s = d_out + s * d_v;
                 scalar_t* Gi = G.data() + i * d_v;
-                const scalar_t* Si = after + i * d_v;
+                const scalar_t* Si = S_s + i * d_v;
                 scalar_t dqi = 0;
                 scalar_t dki = 0;
 #pragma omp simd reduction(+ : dqi, dki)
                 for (int64_t j = 0; j < d_v; ++j) {
-                    dqi += Si[j] * do_t[j];
-                    Gi[j] += qi * do_t[j];
-                    dki += Gi[j] * u[j];
+                    dqi += Si[j] * do_s[j];
+                    Gi[j] += qi * do_s[j];
+                    dki += Gi[j] * u_s[j];
                     du[j] += Gi[j] * ki;
                 }
-                dq_t[i] = dqi;
-                dk_t[i] = dki;
+                dq[s * d_k + i] = dqi;
+                dk[s * d_k + i] = dki;
             }
-            // the correction: u = b (v - D^T k)
-            scalar_t dbt = 0;
-            scalar_t* dv_t = dv + t * d_v;
-#pragma omp simd reduction(+ : dbt)
-            for (int64_t j = 0; j < d_v; ++j) {
-                dbt += du[j] * miss[j];
-                dv_t[j] = b * du[j];
-                dp[j] = -b * du[j];
-            }
-            db[t] = dbt;
-            // the prediction and the decay: dD = G + k dp^T, dk += D dp, dg = <dD, D> a row,
-            // G <- diag(a) dD
+            finish_correction<scalar_t, DV>(h, s, du.data(), misses.data() + (len - 1) * d_v, dv, db, dp.data());
+        }
+        // then one pass a token: B of token t (its prediction and decay) with A of token s = t - 1,
+        // both reading S_{t-1} = S_s (states[m])
+        for (int64_t m = len - 1; m >= 0; --m) {
+            const int64_t t = t0 + m;
+            s = t - 1;
+            const bool fused = m > 0;  // the chunk's first token's A is the previous chunk's
+            const scalar_t* S_s = states.data() + m * size;
+            const scalar_t* u_s = fused ? us.data() + (m - 1) * d_v : nullptr;
+            const scalar_t* do_s = fused ? d_out + s * d_v : nullptr;
+            std::fill(du.begin(), du.end(), scalar_t(0));
             scalar_t dg_head = 0;
             for (int64_t i = 0; i < d_k; ++i) {
-                const scalar_t a = std::exp(g[h.d_g == 1 ? 0 : i]);
-                const scalar_t ki = k[i];
+                const scalar_t a = decay_at(h, t, i);
+                const scalar_t kt = h.k[t * d_k + i];
                 scalar_t* Gi = G.data() + i * d_v;
-                const scalar_t* Si = before + i * d_v;
-                scalar_t dki = 0;
+                const scalar_t* Si = S_s + i * d_v;
+                scalar_t dkt = 0;
                 scalar_t dgr = 0;
-#pragma omp simd reduction(+ : dki, dgr)
-                for (int64_t j = 0; j < d_v; ++j) {
-                    const scalar_t D = a * Si[j];
-                    const scalar_t dD = Gi[j] + ki * dp[j];
-                    dki += D * dp[j];
-                    dgr += dD * D;
-                    Gi[j] = a * dD;
+                if (fused) {
+                    const scalar_t qs = h.q[s * d_k + i];
+                    const scalar_t ks = h.k[s * d_k + i];
+                    scalar_t dqs = 0;
+                    scalar_t dks = 0;
+#pragma omp simd reduction(+ : dkt, dgr, dqs, dks)
+                    for (int64_t j = 0; j < d_v; ++j) {
+                        // B(t): dD = G + k dp^T, dk += D dp, dg = <dD, D>, G <- a dD
+                        const scalar_t D = a * Si[j];
+                        const scalar_t dD = Gi[j] + kt * dp[j];
+                        dkt += D * dp[j];
+                        dgr += dD * D;
+                        // A(s): G += q do^T, dq = S_s do, dk = G u, du = G^T k
+                        const scalar_t g_s = a * dD + qs * do_s[j];
+                        Gi[j] = g_s;
+                        dqs += Si[j] * do_s[j];
+                        dks += g_s * u_s[j];
+                        du[j] += g_s * ks;
+                    }
+                    dq[s * d_k + i] = dqs;
+                    dk[s * d_k + i] = dks;
+                } else {
+#pragma omp simd reduction(+ : dkt, dgr)
+                    for (int64_t j = 0; j < d_v; ++j) {
+                        const scalar_t D = a * Si[j];
+                        const scalar_t dD = Gi[j] + kt * dp[j];
+                        dkt += D * dp[j];
+                        dgr += dD * D;
+                        Gi[j] = a * dD;
+                    }
                 }
-                dk_t[i] += dki;
-                dgi[i] = dgr;
-                dg_head += dgr;
+                dk[t * d_k + i] += dkt;
+                if (h.d_g == 1) {
+                    dg_head += dgr;
+                } else {
+                    dg[t * d_k + i] = dgr;
+                }
             }
             if (h.d_g == 1) {
                 dg[t] = dg_head;
-            } else {
-                std::copy(dgi.begin(), dgi.end(), dg + t * d_k);
+            }
+            if (fused) {
+                finish_correction<scalar_t, DV>(h, s, du.data(), misses.data() + (m - 1) * d_v, dv, db,
+                                  dp_next.data());
+                std::swap(dp, dp_next);
             }
         }
     }
@@ -238,11 +324,33 @@ Head<scalar_t> head_of(const torch::Tensor& q, const torch::Tensor& k, const tor
                           d_g};
 }
 
+// f(std::integral_constant<int, W>) for a square state's side W where it is a common head size
+// (its loops then unrolled), else with W = 0 (the sizes read at run time).
+template <typename F>
+inline void with_width(int64_t d_v, F f) {
+    switch (d_v) {
+        case 16:
+            f(std::integral_constant<int, 16>{});
+            break;
+        case 32:
+            f(std::integral_constant<int, 32>{});
+            break;
+        case 64:
+            f(std::integral_constant<int, 64>{});
+            break;
+        case 128:
+            f(std::integral_constant<int, 128>{});
+            break;
+        default:
+            f(std::integral_constant<int, 0>{});
+    }
+}
+
 }  // namespace
 
-// q, k (B, H, T, d_k), v (B, H, T, d_v), g (B, H, T, d_g), b (B, H, T), state (B, H, d_k, d_v),
-// all contiguous and of one type: the outputs (B, H, T, d_v), the final state and the checkpoints
-// (B, H, ceil(T / chunk), d_k, d_v).
+// q, k (B, H, T, d_k), v (B, H, T, d_v), the decays a = exp(g) (B, H, T, d_g), b (B, H, T), state
+// (B, H, d_k, d_v), all contiguous and of one type: the outputs (B, H, T, d_v), the final state and
+// the checkpoints (B, H, ceil(T / chunk), d_k, d_v).
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                    torch::Tensor g, torch::Tensor b, torch::Tensor state,
                                    int64_t chunk) {
@@ -259,18 +367,20 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
-                forward_head<scalar_t>(h, state.data_ptr<scalar_t>() + bh * d_k * d_v,
+                with_width(d_k == d_v ? d_v : 0, [&](auto width) {
+                    forward_head<scalar_t, decltype(width)::value>(h, state.data_ptr<scalar_t>() + bh * d_k * d_v,
                                        out.data_ptr<scalar_t>() + bh * T * d_v,
                                        final_state.data_ptr<scalar_t>() + bh * d_k * d_v,
                                        checkpoints.data_ptr<scalar_t>() + bh * n * d_k * d_v, chunk);
+                });
             }
         });
     });
     return {out, final_state, checkpoints};
 }
 
-// The gradients of q, k, v, g, b and the initial state, from those of the outputs and the final
-// state (the inputs as forward took them, and its checkpoints).
+// The gradients of q, k, v, g (the log decays: dL/dg = a dL/da), b and the initial state, from those
+// of the outputs and the final state (the inputs as forward took them, and its checkpoints).
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     torch::Tensor g, torch::Tensor b, torch::Tensor checkpoints,
                                     torch::Tensor d_out, torch::Tensor d_final, int64_t chunk) {
@@ -291,13 +401,15 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
-                backward_head<scalar_t>(
+                with_width(d_k == d_v ? d_v : 0, [&](auto width) {
+                backward_head<scalar_t, decltype(width)::value>(
                     h, checkpoints.data_ptr<scalar_t>() + bh * n * d_k * d_v,
                     d_out.data_ptr<scalar_t>() + bh * T * d_v,
                     d_final.data_ptr<scalar_t>() + bh * d_k * d_v, chunk,
                     dq.data_ptr<scalar_t>() + bh * T * d_k, dk.data_ptr<scalar_t>() + bh * T * d_k,
                     dv.data_ptr<scalar_t>() + bh * T * d_v, dg.data_ptr<scalar_t>() + bh * T * h.d_g,
                     db.data_ptr<scalar_t>() + bh * T, d_state.data_ptr<scalar_t>() + bh * d_k * d_v);
+                });
             }
         });
     });

@@ -33,10 +33,12 @@ CHOICE = os.environ.get("SMALLGPT_DELTA_RULE", "")
 
 
 class Build:
-    """The kernel's module once built or loaded (None before), or why it could not be."""
+    """The kernel's module once built or loaded (None before), or why it could not be; off: the
+    torch path chosen in this process (bench.py's --delta_rules compares the two)."""
 
     module: ModuleType | None = None
     failed: str = ""
+    off: bool = False
 
 
 def build_folder() -> tuple[Path, str]:
@@ -67,7 +69,7 @@ def kernel() -> ModuleType | None:
     """The built kernel (built on the first call, a line on stderr while it builds), or None where
     it cannot be built (said once on stderr) or SMALLGPT_DELTA_RULE=torch chooses the torch
     path."""
-    if CHOICE == "torch" or Build.failed:
+    if CHOICE == "torch" or Build.failed or Build.off:
         return None
     if Build.module is not None:
         return Build.module
@@ -125,8 +127,10 @@ def delta_rule_op(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's forward: q, k (B, H, T, d_k), v (B, H, T, d_v), g (B, H, T, 1 or d_k), b
-    (B, H, T), state (B, H, d_k, d_v), of one float type; its outputs contiguous."""
-    inputs = (x.contiguous() for x in (q, k, v, g, b, state))
+    (B, H, T), state (B, H, d_k, d_v), of one float type; its outputs contiguous. The kernel
+    takes the decays exp(g), exponentiated here by torch (vectorised: one exp a channel and token
+    in the kernel's loop cost as much as the rest of it)."""
+    inputs = (x.contiguous() for x in (q, k, v, g.exp(), b, state))
     return tuple(kernel().forward(*inputs, CHECKPOINT))
 
 
@@ -153,7 +157,7 @@ def delta_rule_backward_op(
     """The kernel's backward: the gradients of q, k, v, g, b and the initial state, each laid out
     as its input is (as torch.compile's fake implementation below says they are)."""
     inputs = (q, k, v, g, b, state)
-    flat = (x.contiguous() for x in (q, k, v, g, b, checkpoints, d_out, d_final))
+    flat = (x.contiguous() for x in (q, k, v, g.exp(), b, checkpoints, d_out, d_final))
     grads = kernel().backward(*flat, CHECKPOINT)
     return tuple(torch.empty_like(x).copy_(grad) for x, grad in zip(inputs, grads, strict=True))
 

@@ -24,10 +24,19 @@ Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def sharp_inputs(
-    B: int, H: int, T: int, per_channel: bool, dtype: torch.dtype, seed: int = 0, d: int = 8
+    B: int,
+    H: int,
+    T: int,
+    per_channel: bool,
+    dtype: torch.dtype,
+    seed: int = 0,
+    d: int = 8,
+    d_v: int | None = None,
 ) -> list[torch.Tensor]:
     """q, k (unit rows), v, g, b and an initial state, sharpened: decays near 0 and near 1 (log
-    decays from -12 to -1e-4, a third of each), write strengths near 1 (b up to 1 - 1e-4)."""
+    decays from -12 to -1e-4, a third of each), write strengths near 1 (b up to 1 - 1e-4). v is
+    d_v wide (default d + 3: a transposed state cannot pass)."""
+    d_v = d + 3 if d_v is None else d_v
     gen = torch.Generator().manual_seed(seed)
 
     def draw(*shape: int) -> torch.Tensor:
@@ -35,7 +44,7 @@ def sharp_inputs(
 
     q = F.normalize(draw(B, H, T, d), dim=-1) * d**-0.5
     k = F.normalize(draw(B, H, T, d), dim=-1)
-    v = draw(B, H, T, d + 3)  # d_v != d_k: a transposed state cannot pass
+    v = draw(B, H, T, d_v)
     shape = (B, H, T, d) if per_channel else (B, H, T)
     pick = torch.randint(0, 3, shape, generator=gen)
     near_zero = -12 + 4 * torch.rand(shape, generator=gen, dtype=torch.float64)
@@ -44,7 +53,7 @@ def sharp_inputs(
     g = torch.where(pick == 0, near_zero, torch.where(pick == 1, near_one, middle))
     b = 1 - 1e-4 * torch.rand(B, H, T, generator=gen, dtype=torch.float64)
     b[..., ::2] = torch.rand(B, H, (T + 1) // 2, generator=gen, dtype=torch.float64)
-    state = draw(B, H, d, d + 3)
+    state = draw(B, H, d, d_v)
     return [x.to(dtype).requires_grad_() for x in (q, k, v, g, b, state)]
 
 
@@ -77,20 +86,23 @@ def mismatches(rule: Rule, xs: list[torch.Tensor], rtol: float) -> list[str]:
     return bad
 
 
+# (B, H, T, d_k, d_v): a square state of a common head size takes the kernel's unrolled loops
+# (delta_rule_kernel.cpp's with_width), any other its loops of sizes read at run time
 CASES = [
-    pytest.param(1, 1, 1, id="T=1"),
-    pytest.param(1, 2, 2 * CHECKPOINT + 21, id="T past two checkpoints, BxH below the cores"),
-    pytest.param(3, 3, CHECKPOINT, id="T one checkpoint, BxH above the cores"),
+    pytest.param(1, 1, 1, 8, 11, id="T=1"),
+    pytest.param(1, 2, 2 * CHECKPOINT + 21, 8, 11, id="T past two checkpoints, BxH below cores"),
+    pytest.param(3, 3, CHECKPOINT, 8, 11, id="T one checkpoint, BxH above the cores"),
+    pytest.param(2, 2, CHECKPOINT + 3, 32, 32, id="a square state of 32, unrolled"),
 ]
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
-@pytest.mark.parametrize(("B", "H", "T"), CASES)
+@pytest.mark.parametrize(("B", "H", "T", "d", "d_v"), CASES)
 @pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_the_kernel_is_the_recurrence_in_outputs_state_and_every_gradient(
-    B: int, H: int, T: int, per_channel: bool, dtype: torch.dtype, rtol: float
+    B: int, H: int, T: int, d: int, d_v: int, per_channel: bool, dtype: torch.dtype, rtol: float
 ) -> None:
-    xs = sharp_inputs(B, H, T, per_channel, dtype)
+    xs = sharp_inputs(B, H, T, per_channel, dtype, d=d, d_v=d_v)
     assert mismatches(delta_rule_kernel.run, xs, rtol) == []
 
 
