@@ -4,7 +4,8 @@
 // Per head a state S (d_k x d_v) that each token decays, corrects and reads, as
 // smallgpt/delta_rule.py's `recurrent` writes it:
 //
-//     D_t = diag(a_t) S_{t-1},  u_t = b_t (v_t - D_t^T k_t),  S_t = D_t + k_t u_t^T,  o_t = S_t^T q_t
+//     D_t = diag(a_t) S_{t-1},   u_t = b_t (v_t - D_t^T k_t),   S_t = D_t + k_t u_t^T,
+//     o_t = S_t^T q_t
 //
 // with a_t = exp(g_t) (the functions here take a, and return dL/dg = a dL/da): one decay a head
 // (d_g = 1 channel, Gated DeltaNet) or one a channel of
@@ -127,8 +128,8 @@ inline void apply_write(const scalar_t* S, const scalar_t* k, const scalar_t* u,
 }
 
 template <typename scalar_t, int DV>
-void forward_head(const Head<scalar_t>& h, const scalar_t* state, scalar_t* out, scalar_t* final_state,
-                  scalar_t* checkpoints, int64_t chunk) {
+void forward_head(const Head<scalar_t>& h, const scalar_t* state, scalar_t* out,
+                  scalar_t* final_state, scalar_t* checkpoints, int64_t chunk) {
     // the state's sides: constants where forward()/backward() dispatched a square state's size
     const int64_t d_v = DV > 0 ? DV : h.d_v;
     const int64_t d_k = DV > 0 ? DV : h.d_k;
@@ -145,16 +146,17 @@ void forward_head(const Head<scalar_t>& h, const scalar_t* state, scalar_t* out,
             k_prev = zeros.data();
             std::copy(S.begin(), S.end(), checkpoints + (t / chunk) * size);
         }
-        step<scalar_t, DV>(h, t, S.data(), k_prev, u.data(), static_cast<scalar_t*>(nullptr), miss.data(),
-             read.data(), out + t * d_v);
+        scalar_t* no_before = nullptr;
+        step<scalar_t, DV>(h, t, S.data(), k_prev, u.data(), no_before, miss.data(), read.data(),
+                           out + t * d_v);
         k_prev = h.k + t * d_k;
     }
     apply_write(S.data(), k_prev, u.data(), d_k, d_v, final_state);
 }
 
-// The gradients at one token's read and write (A below), from G = dL/dS_t: G += q do^T, dq = S_t
-// do, dk = G u, du = G^T k; then db = du . miss, dv = b du and dp = -b du (returned in dp).
-// S_row: S_t. Done row by row inside `backward_head`'s fused pass; this is its finish.
+// The end of a token's read and write backward ("A" in backward_head, whose row-by-row pass gives
+// du = G^T k): the correction's gradients, db = du . miss, dv = b du, and dp = -b du (into dp),
+// which the token's prediction and decay ("B") read.
 template <typename scalar_t, int DV>
 inline void finish_correction(const Head<scalar_t>& h, int64_t t, const scalar_t* du,
                               const scalar_t* miss, scalar_t* dv, scalar_t* db, scalar_t* dp) {
@@ -235,7 +237,8 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
                 dq[s * d_k + i] = dqi;
                 dk[s * d_k + i] = dki;
             }
-            finish_correction<scalar_t, DV>(h, s, du.data(), misses.data() + (len - 1) * d_v, dv, db, dp.data());
+            const scalar_t* miss_s = misses.data() + (len - 1) * d_v;
+            finish_correction<scalar_t, DV>(h, s, du.data(), miss_s, dv, db, dp.data());
         }
         // then one pass a token: B of token t (its prediction and decay) with A of token s = t - 1,
         // both reading S_{t-1} = S_s (states[m])
@@ -297,7 +300,8 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
                 dg[t] = dg_head;
             }
             if (fused) {
-                finish_correction<scalar_t, DV>(h, s, du.data(), misses.data() + (m - 1) * d_v, dv, db,
+                const scalar_t* miss_s = misses.data() + (m - 1) * d_v;
+                finish_correction<scalar_t, DV>(h, s, du.data(), miss_s, dv, db,
                                   dp_next.data());
                 std::swap(dp, dp_next);
             }
@@ -312,7 +316,7 @@ Head<scalar_t> head_of(const torch::Tensor& q, const torch::Tensor& k, const tor
     const int64_t T = q.size(2);
     const int64_t d_k = q.size(3);
     const int64_t d_v = v.size(3);
-    const int64_t d_g = g.size(3);
+    const int64_t d_g = g.size(3);  // 1: a decay a head
     return Head<scalar_t>{q.data_ptr<scalar_t>() + bh * T * d_k,
                           k.data_ptr<scalar_t>() + bh * T * d_k,
                           v.data_ptr<scalar_t>() + bh * T * d_v,
@@ -359,6 +363,7 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
     const int64_t T = q.size(2);
     const int64_t d_k = q.size(3);
     const int64_t d_v = v.size(3);
+    const int64_t size = d_k * d_v;
     const int64_t n = (T + chunk - 1) / chunk;
     auto out = torch::empty({B, H, T, d_v}, q.options());
     auto final_state = torch::empty({B, H, d_k, d_v}, q.options());
@@ -367,11 +372,13 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
+                const scalar_t* state_bh = state.data_ptr<scalar_t>() + bh * size;
+                scalar_t* out_bh = out.data_ptr<scalar_t>() + bh * T * d_v;
+                scalar_t* final_bh = final_state.data_ptr<scalar_t>() + bh * size;
+                scalar_t* checkpoints_bh = checkpoints.data_ptr<scalar_t>() + bh * n * size;
                 with_width(d_k == d_v ? d_v : 0, [&](auto width) {
-                    forward_head<scalar_t, decltype(width)::value>(h, state.data_ptr<scalar_t>() + bh * d_k * d_v,
-                                       out.data_ptr<scalar_t>() + bh * T * d_v,
-                                       final_state.data_ptr<scalar_t>() + bh * d_k * d_v,
-                                       checkpoints.data_ptr<scalar_t>() + bh * n * d_k * d_v, chunk);
+                    constexpr int W = decltype(width)::value;
+                    forward_head<scalar_t, W>(h, state_bh, out_bh, final_bh, checkpoints_bh, chunk);
                 });
             }
         });
@@ -379,8 +386,8 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
     return {out, final_state, checkpoints};
 }
 
-// The gradients of q, k, v, g (the log decays: dL/dg = a dL/da), b and the initial state, from those
-// of the outputs and the final state (the inputs as forward took them, and its checkpoints).
+// The gradients of q, k, v, g (the log decays: dL/dg = a dL/da), b and the initial state, from
+// those of the outputs and the final state (the inputs as forward took them, and its checkpoints).
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     torch::Tensor g, torch::Tensor b, torch::Tensor checkpoints,
                                     torch::Tensor d_out, torch::Tensor d_final, int64_t chunk) {
@@ -389,6 +396,8 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
     const int64_t T = q.size(2);
     const int64_t d_k = q.size(3);
     const int64_t d_v = v.size(3);
+    const int64_t d_g = g.size(3);  // 1: a decay a head
+    const int64_t size = d_k * d_v;
     const int64_t n = checkpoints.size(2);
     // contiguous, whatever strides a size-1 dimension of an input has (the fake does the same)
     auto dq = torch::empty(q.sizes(), q.options());
@@ -401,14 +410,19 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
+                const scalar_t* checkpoints_bh = checkpoints.data_ptr<scalar_t>() + bh * n * size;
+                const scalar_t* d_out_bh = d_out.data_ptr<scalar_t>() + bh * T * d_v;
+                const scalar_t* d_final_bh = d_final.data_ptr<scalar_t>() + bh * size;
+                scalar_t* dq_bh = dq.data_ptr<scalar_t>() + bh * T * d_k;
+                scalar_t* dk_bh = dk.data_ptr<scalar_t>() + bh * T * d_k;
+                scalar_t* dv_bh = dv.data_ptr<scalar_t>() + bh * T * d_v;
+                scalar_t* dg_bh = dg.data_ptr<scalar_t>() + bh * T * d_g;
+                scalar_t* db_bh = db.data_ptr<scalar_t>() + bh * T;
+                scalar_t* d_state_bh = d_state.data_ptr<scalar_t>() + bh * size;
                 with_width(d_k == d_v ? d_v : 0, [&](auto width) {
-                backward_head<scalar_t, decltype(width)::value>(
-                    h, checkpoints.data_ptr<scalar_t>() + bh * n * d_k * d_v,
-                    d_out.data_ptr<scalar_t>() + bh * T * d_v,
-                    d_final.data_ptr<scalar_t>() + bh * d_k * d_v, chunk,
-                    dq.data_ptr<scalar_t>() + bh * T * d_k, dk.data_ptr<scalar_t>() + bh * T * d_k,
-                    dv.data_ptr<scalar_t>() + bh * T * d_v, dg.data_ptr<scalar_t>() + bh * T * h.d_g,
-                    db.data_ptr<scalar_t>() + bh * T, d_state.data_ptr<scalar_t>() + bh * d_k * d_v);
+                    constexpr int W = decltype(width)::value;
+                    backward_head<scalar_t, W>(h, checkpoints_bh, d_out_bh, d_final_bh, chunk,
+                                               dq_bh, dk_bh, dv_bh, dg_bh, db_bh, d_state_bh);
                 });
             }
         });

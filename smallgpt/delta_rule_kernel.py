@@ -159,7 +159,14 @@ def delta_rule_backward_op(
     inputs = (q, k, v, g, b, state)
     flat = (x.contiguous() for x in (q, k, v, g.exp(), b, checkpoints, d_out, d_final))
     grads = kernel().backward(*flat, CHECKPOINT)
-    return tuple(torch.empty_like(x).copy_(grad) for x, grad in zip(inputs, grads, strict=True))
+    return tuple(laid_out_as(x, grad) for x, grad in zip(inputs, grads, strict=True))
+
+
+def laid_out_as(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """grad (contiguous) with x's strides: itself where x is contiguous too, else a copy."""
+    if grad.stride() == x.stride():
+        return grad
+    return torch.empty_like(x).copy_(grad)
 
 
 @delta_rule_backward_op.register_fake
