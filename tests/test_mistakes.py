@@ -221,14 +221,18 @@ def test_one_out_dir_holds_one_run_at_a_time_and_a_killed_holder_leaves_no_lock(
     args = ["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, NO_PROBE]
     holder = spawn([*args, "--max_iters=100000", "--eval_interval=100000"])
     deadline = time.time() + 60
-    while not ((out / ".lock").exists() and (out / ".lock").read_text()) and time.time() < deadline:
+    # the holder has started: its lock taken and its run's files written (between its config.json
+    # and its log, the folder is not yet a run's, and a second run says that instead)
+    started = (".lock", "config.json", "log.jsonl")
+    while not all((out / name).exists() for name in started) and time.time() < deadline:
         time.sleep(0.02)
+    assert (out / ".lock").read_text()
     r = cli([*args, "--max_iters=2", "--init_from=auto"])
     one_line(r, f"{out} is in use by train.py (pid {holder.pid} on ")
     holder.kill()  # kill -9: the OS releases the lock
     holder.wait(timeout=30)
-    # the holder may have started its log before the kill: a run of other settings is then
-    # refused for that log (test_nothing_lost.py's case), not the lock; a user deletes it
+    # the holder's log, of other settings, is refused without a checkpoint (test_nothing_lost.py's
+    # case, not the lock's): a user deletes it
     for name in ("log.jsonl", "config.json"):
         (out / name).unlink(missing_ok=True)
     run([*args, "--max_iters=2", "--eval_interval=2", "--init_from=auto"])
