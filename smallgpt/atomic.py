@@ -186,6 +186,12 @@ def check_writes_into(folder: str | Path, kind: str, writes: tuple[str, ...]) ->
     held = folder_kind(folder)
     clobbered = [name for name in writes if (Path(folder) / name).exists()]
     if held not in ("nothing", kind) and (held != "other files" or clobbered):
+        # a command of another process starting there (its files half written): that is the cause
+        holder = lock_holder(Path(folder)) if Path(folder).is_dir() else None
+        if holder is not None:
+            raise UserError(
+                f"{folder} is in use by {holder}: wait for it to end, or choose another out_dir"
+            )
         what = f"; its {', '.join(clobbered)} would be replaced" if clobbered else ""
         raise UserError(
             f"{folder} holds {held}, not {kind}{what}: choose another folder (nothing was written)"

@@ -582,3 +582,21 @@ def test_a_temp_name_taken_already_is_refused_and_left_alone(tmp_path: Path, mon
         with atomic_open(tmp_path / "report.md", "w") as f:
             f.write("x")
     assert taken.read_text() == "the user's" and not (tmp_path / "report.md").exists()
+
+
+def test_a_run_starting_in_a_folder_another_is_starting_in_is_told_it_is_in_use(
+    tmp_path: Path,
+) -> None:
+    """Between another run's config.json and its log, the folder is not yet a run's: the second
+    run is told the folder is in use (the real cause), not that it holds other files; with the
+    lock let go, the same folder is refused for what it holds."""
+    from smallgpt.atomic import check_writes_into
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # the first run's, before its log
+    with folder_lock(out, "train.py (a test)"):
+        with pytest.raises(UserError, match=r"out is in use by train.py \(a test\) \(pid "):
+            check_writes_into(out, "a run", ("ckpt.pt", "log.jsonl", "config.json"))
+    with pytest.raises(UserError, match="holds other files, not a run; its config.json would be"):
+        check_writes_into(out, "a run", ("ckpt.pt", "log.jsonl", "config.json"))
