@@ -30,20 +30,26 @@ from smallgpt.fast_paths import Linear
 
 
 def norm_for(config: GPTConfig, width: int) -> nn.LayerNorm | RMSNorm:
+    """The block's norm: Llama's RMSNorm, or GPT-2's LayerNorm (its bias only with bias=True)."""
     if config.norm == "rmsnorm":
         return RMSNorm(width)
     return nn.LayerNorm(width, bias=config.bias)
 
 
 class MLP(nn.Module):
+    """GPT-2's MLP: c_proj(gelu(c_fc(x))), mlp_hidden wide (4 n_embd unless matched to another
+    model's parameters: compare.py --match=params)."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
         self.c_proj = Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        # OpenAI's GPT-2 was trained with the tanh approximation: its weights load with gelu='tanh'
         self.approximate = "tanh" if config.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (B, T, n_embd) -> (B, T, mlp_hidden) -> (B, T, n_embd)
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate)))
 
 
@@ -58,6 +64,7 @@ class SwiGLU(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the gate and the value, both (B, T, mlp_hidden), then back to (B, T, n_embd)
         return self.dropout(self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x)))
 
 
@@ -68,6 +75,8 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.ln_1 = norm_for(config, config.n_embd)
+        # the mixer of this layer's kind (attention, or a recurrence), named attn as GPT-2's is,
+        # so that GPT-2's and exported weights keep their names
         self.attn = config.layer_kinds[layer].build(config, layer)
         self.ln_2 = norm_for(config, config.n_embd)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
@@ -75,6 +84,7 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope, mask: Mask, kv_cache: Cache | None
     ) -> torch.Tensor:
+        # pre-norm residual: mix the tokens, then transform each token; x stays (B, T, n_embd)
         x = x + self.attn(self.ln_1(x), rope, mask, kv_cache)
         return x + self.mlp(self.ln_2(x))
 
@@ -89,15 +99,20 @@ def gpt2_initial(
 ) -> torch.Tensor:
     """GPT-2's initial values of a parameter: norms' weights one, biases zero, other weights
     N(0, 0.02), those of a projection back into the residual stream (c_proj) residual_std."""
+    # drawn on the CPU whatever the parameter's device: the same seed, the same numbers
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         return torch.full(shape, 1.0 if leaf == "weight" else 0.0, device="cpu")
     if leaf == "bias":
         return torch.zeros(shape, device="cpu")
+    # a smaller std where a layer writes into the residual stream, which sums 2 n_layer of them
     std = residual_std if owner.endswith("c_proj") else 0.02
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
 
 class GPT(nn.Module):
+    """The decoder: token (and learned position) embeddings, n_layer blocks, a final norm and
+    the output head tied to the token embeddings."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -116,11 +131,13 @@ class GPT(nn.Module):
         if config.pos_encoding == "learned":
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:
-            table_shape = (config.block_size, config.rope_dim // 2)
+            table_shape = (config.block_size, config.rope_dim // 2)  # a frequency a pair
             self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
             self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, https://arxiv.org/abs/1608.05859
+        # every buffer and weight set here, none left to nn.Module's defaults (a model built on
+        # the meta device and then materialised gets the same numbers: sharding.build)
         self.init_buffers()
         self.init_weights()
 
@@ -129,6 +146,7 @@ class GPT(nn.Module):
         """(Re)compute the buffers derived from the config: the rotary tables."""
         if self.config.pos_encoding == "rope":
             c = self.config
+            # (block_size, rope_dim // 2) each: a row a position, a column a rotated pair's angle
             cos, sin = attention.rope_tables(c.rope_dim, c.block_size, c.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
@@ -144,6 +162,7 @@ class GPT(nn.Module):
         Given a seed, each is drawn whole on CPU from a generator seeded by (seed, its name): models
         of other shapes share every equal-shaped one; a larger one starts with a smaller's rows."""
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        # lm_head's weight is wte's (tied): named_parameters yields it once
         for name, p in self.named_parameters():
             if p.is_meta:
                 continue
@@ -161,8 +180,8 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count; non_embedding leaves out token (= lm_head) and position embeddings."""
-        count = sum(p.numel() for p in self.parameters())
-        if non_embedding:
+        count = sum(p.numel() for p in self.parameters())  # the tied lm_head counted once
+        if non_embedding:  # nanoGPT's convention, for the FLOP estimates of the scaling papers
             count -= self.transformer.wte.weight.numel()
             if "wpe" in self.transformer:
                 count -= self.transformer.wpe.weight.numel()
@@ -182,6 +201,7 @@ class GPT(nn.Module):
         """An empty cache of max_len (default block_size) positions, a local layer's its window, a
         recurrent layer's its state."""
         weight = self.transformer.wte.weight
+        # each layer's part as its kind declares it (kv_cache.py), on the model's device and dtype
         shape = self.config.cache_shape(max_len or self.config.block_size)
         return KVCache.zeros(shape, batch_size, weight.device, dtype or weight.dtype)
 
@@ -201,23 +221,26 @@ class GPT(nn.Module):
         start = 0 if kv_cache is None else kv_cache.pos
         end = start + T
         block_size = self.config.block_size
+        # learned positions and the rotary tables stop at block_size (generation slides a window)
         if end > block_size:
             raise ValueError(f"sequence of {end} tokens is longer than block_size={block_size}")
         if kv_cache is not None and end > kv_cache.max_len:
             raise ValueError(f"KV cache holds {kv_cache.max_len} positions, {end} needed")
         pos = torch.arange(start, end, device=idx.device)  # (T,)
-        if pad is not None:
+        if pad is not None:  # a left-padded row's first real token is its position 0
             pos = (pos[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
         # the token embeddings, with the learned positions added or the rotary tables to apply
-        x, rope = self.embed(idx, pos)
-        x = self.transformer.drop(x)
-        # each layer's mask by its kind's rule, computed once for the layers that share it
+        x, rope = self.embed(idx, pos)  # (B, T, n_embd)
+        x = self.transformer.drop(x)  # GPT-2's dropout on the embeddings, as on every residual
+        # each layer's mask by its kind's rule, computed once for the layers that share it (a
+        # causal one for global attention, a band for a window, a pad mask for a recurrence)
         masks: dict[Hashable, Mask] = {}
         for block in self.transformer.h:
             key = block.attn.mask_key
             if key not in masks:
                 masks[key] = block.attn.mask(T, start, pad, idx.device, kv_cache)
-        # the blocks, each reading and writing its own part of the cache
+        # the blocks, each reading and writing its own part of the cache (smallgpt/static_step.py
+        # keeps a copy of this loop for the fixed-shape steps: one loop is issue 87's point 3)
         for block in self.transformer.h:
             x = block(x, rope, masks[block.attn.mask_key], kv_cache)
         # the cache now holds these T positions too
@@ -225,22 +248,25 @@ class GPT(nn.Module):
             kv_cache.pos += T
         # the final norm, then the logits (tied to the token embeddings)
         x = self.transformer.ln_f(x)
-        if targets is None:  # generation needs only the next token's logits
+        # a cached decode step or a prefill needs only the next token's logits (a vocabulary-wide
+        # product a position saved)
+        if targets is None:
             return self.lm_head(x[:, -1:, :]), None  # (B, 1, vocab_size)
         logits = self.lm_head(x)
         flat_logits = logits.view(-1, logits.size(-1))  # (B * T, vocab_size)
+        # targets of -1 (MQAR's positions that are not answers, padding) count for nothing
         loss = F.cross_entropy(flat_logits, targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """Embeddings (B, T, n_embd) of idx (B, T) at positions pos, (T,) or (B, T), and the rotary
         cos and sin there, each (B or 1, 1, T, rope_dim // 2), or None for learned positions."""
-        x = self.transformer.wte(idx)
-        if self.config.pos_encoding == "learned":
+        x = self.transformer.wte(idx)  # (B, T, n_embd)
+        if self.config.pos_encoding == "learned":  # GPT-2's: a vector a position, added once
             return x + self.transformer.wpe(pos), None
         # rotary: the tables' rows at these positions, applied to q and k in each layer
         T = idx.size(1)
-        half_dim = self.config.rope_dim // 2
+        half_dim = self.config.rope_dim // 2  # the rotated features of a head, in pairs
         cos = self.rope_cos[pos].view(-1, 1, T, half_dim)  # (B or 1, 1, T, head_dim // 2)
         sin = self.rope_sin[pos].view(-1, 1, T, half_dim)
         return x, (cos, sin)
@@ -256,9 +282,12 @@ class GPT(nn.Module):
         """AdamW over params (default: all), decaying matrices (embeddings included) only."""
         if params is None:
             params = list(self.parameters())
+        # frozen parameters (distill='layers' trains the converted layers alone) are left out
         trainable = [p for p in params if p.requires_grad]
+        # nanoGPT's split: weight decay on matrices, none on biases, norms and per-head vectors
         decay = [p for p in trainable if p.dim() >= 2]
         no_decay = [p for p in trainable if p.dim() < 2]
+        # two groups: the decayed matrices and the rest, one learning rate (train.py schedules it)
         groups = [
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
@@ -273,7 +302,9 @@ class GPT(nn.Module):
         widths of all heads' queries and values) for attention scores and weighted sums (causal
         masking not subtracted), or another kind's own (Mixer.mixing_flops)."""
         seq_len = seq_len or self.config.block_size
+        # a weight is a multiply-add forward and two backward (its input's and its own gradient)
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        # the work that is not a weight's: attention's scores, a recurrence's state updates
         mixing = sum(block.attn.mixing_flops(seq_len) for block in self.transformer.h)
         return 6 * matmul_weights + mixing
 
@@ -281,4 +312,5 @@ class GPT(nn.Module):
         self, tokens_per_iter: int, dt: float, peak_flops: float, seq_len: int | None = None
     ) -> float:
         """Model FLOPs utilisation: achieved training FLOP/s over the device's dense peak_flops."""
+        # the model's FLOPs, not the hardware's: recomputation and padding do not count
         return self.flops_per_token(seq_len) * tokens_per_iter / dt / peak_flops
