@@ -361,8 +361,9 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         cfg.kv_heads = cfg.kv_heads or default_kv_heads(base.n_head)
     key = "variants" if cfg.variants else "kv_heads"
     listed = f"{key}={getattr(cfg, key)}"
+    mha = sweep.mha_config(base, 1)
     try:
-        variants = sweep.compared_variants(cfg, sweep.mha_config(base, 1))
+        variants = sweep.compared_variants(cfg, mha)
     except ValueError as e:  # K/V heads that n_head cannot have
         raise UserError(f"{listed}: {e}") from e
     # the keys that steer conversions, given without any
@@ -389,7 +390,6 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
         raise UserError(f"convert=True converts the MHA runs: {listed} must hold {held}")
     if cfg.convert:
         check_conversions(variants, listed, "convert_methods" in given)
-        mha = sweep.mha_config(base, 1)
         check_hybrid_keys(variants, mha, given_values(TrainConfig, steering))
     if "params" in cfg.match and set(variants) == {MHA}:
         raise UserError(
@@ -565,10 +565,9 @@ def own_teacher(config: dict) -> str:
     """A run config's teacher as train.py records it (distillation.planned_teacher), its
     convert: source written as that, so that the same run in a moved folder is the same."""
     teacher = config.get("teacher", "")
-    if config.get("distill"):
-        cfg = TrainConfig(**{k: config[k] for k in ("init_from", "distill", "teacher")})
-        teacher = distillation.planned_teacher(cfg)
     source = parse_source(config.get("init_from", "scratch"))
+    if config.get("distill"):
+        teacher = distillation.planned_teacher(config["distill"], teacher, source)
     if teacher and source.kind == "convert" and teacher == source.where:
         return "<its convert: source>"
     return teacher

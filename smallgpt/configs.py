@@ -201,13 +201,12 @@ class TrainConfig:
                     f"rate constant: leave {key} out, or decay_lr on"
                 )
         if not self.distill:
-            for key in ("distill_ce", "teacher"):
-                if getattr(self, key) != defaults[key].default:
-                    problems.append(
-                        f"{key}={getattr(self, key)!r} steers a distillation and distill='' "
-                        f"trains on the data alone: add --distill=logits (or layers), or leave "
-                        f"{key} out"
-                    )
+            for key in self.changed("distill_ce", "teacher"):
+                problems.append(
+                    f"{key}={getattr(self, key)!r} steers a distillation and distill='' "
+                    f"trains on the data alone: add --distill=logits (or layers), or leave "
+                    f"{key} out"
+                )
         return problems
 
     def unread_conversion_problems(self, source: Source) -> list[str]:
@@ -215,16 +214,16 @@ class TrainConfig:
         from scratch or from pretrained weights (a resumed run carries its conversion's keys)."""
         if source.kind in ("convert", "resume", "auto"):
             return []
+        return [
+            f"{key}={getattr(self, key)!r} steers a conversion and init_from={self.init_from!r} "
+            f"converts nothing: give --init_from=convert:<run>, or leave {key} out"
+            for key in self.changed("convert_method", "convert_layers", "convert_calibrate")
+        ]
+
+    def changed(self, *keys: str) -> list[str]:
+        """Those of keys set away from their defaults."""
         defaults = TrainConfig.__dataclass_fields__
-        problems = []
-        for key in ("convert_method", "convert_layers", "convert_calibrate"):
-            if getattr(self, key) != defaults[key].default:
-                problems.append(
-                    f"{key}={getattr(self, key)!r} steers a conversion and "
-                    f"init_from={self.init_from!r} converts nothing: give "
-                    f"--init_from=convert:<run>, or leave {key} out"
-                )
-        return problems
+        return [key for key in keys if getattr(self, key) != defaults[key].default]
 
     def schedule_problems(self) -> list[str]:
         """A learning-rate schedule that would rise as it decays, or end before its warm-up."""

@@ -7,34 +7,33 @@ records it, so that a resumed run distills from the same one."""
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from model import GPT
 from smallgpt import checkpoint, hybridize, runtime
-from smallgpt.checkpoint import Source, parse_source
+from smallgpt.checkpoint import Source
 from smallgpt.configs import TrainConfig
 from smallgpt.errors import UserError
 
 Loss = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def planned_teacher(cfg: TrainConfig) -> str:
-    """The teacher a run of cfg records when it starts (what it sets for itself, not a setting of
-    its own): --teacher, else its convert: source ('' without distill, or with neither)."""
-    if not cfg.distill:
+def planned_teacher(distill: str, teacher: str, source: Source) -> str:
+    """The teacher a run records when it starts (what it sets for itself, not a setting of its
+    own): --teacher, else its convert: source ('' without distill, or with neither)."""
+    if not distill:
         return ""
-    if cfg.teacher:
-        return cfg.teacher
-    source = parse_source(cfg.init_from)
+    if teacher:
+        return teacher
     return source.where if source.kind == "convert" else ""
 
 
 def teacher_of(cfg: TrainConfig, source: Source, ckpt: dict | None) -> str:
     """The teacher's run folder or checkpoint (cfg.distill set): --teacher, else the convert:
     source, else the one the resumed run recorded."""
-    planned = planned_teacher(replace(cfg, init_from=str(source)))
+    planned = planned_teacher(cfg.distill, cfg.teacher, source)
     if planned:
         return planned
     recorded = checkpoint.run_config(ckpt).get("teacher", "") if ckpt is not None else ""
