@@ -71,7 +71,7 @@ class BenchConfig:
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
     warmup: int = 3  # iterations left out (compilation happens here)
     iters: int = 10  # measured iterations; the median is reported
-    # train: then 5 more iterations under torch.profiler, its 25 costliest ops printed
+    # train: then 5 more iterations under torch.profiler, its 40 costliest ops printed
     profile: bool = False
     # train: the chunked layers' chunk (Gated DeltaNet's: tokens a step of delta_rule.chunked) at
     # each of these sizes; empty: each kind's own (LayerKind.chunk)
@@ -252,17 +252,19 @@ def timed_steps(
 
 
 def profile_steps(step: Callable[[int], torch.Tensor], device: str) -> None:
-    """5 more steps under torch.profiler, its 25 costliest ops printed."""
+    """5 more steps under torch.profiler, its 40 costliest ops (by input shape) printed."""
     device_type = runtime.device_type(device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device_type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         for it in range(5):
             step(it)
         runtime.synchronize(device)
     sort = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    # by input shape: which of an op's calls cost (a layer's products apart from Muon's)
+    ops = prof.key_averages(group_by_input_shape=True)
+    print(ops.table(sort_by=sort, row_limit=40, max_shapes_column_width=70), flush=True)
 
 
 def train_row(

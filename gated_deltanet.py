@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from attention import RMSNorm
 from kv_cache import Cache, KVCache, StateSpec, StaticKVCache
 from layer_kind import Config, LayerKind, Mask, Mixer, Rope
-from smallgpt import delta_rule
+from smallgpt import delta_rule, delta_rule_kernel
 from smallgpt.fast_paths import Linear
 
 KERNEL = 4  # the convolution's taps
@@ -39,16 +39,25 @@ def short_convolution(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the causal depthwise convolution (conv: nn.Conv1d's (width, 1, kernel)) over x
     (B, T, width) after conv_in (B, kernel - 1, width), its last inputs before these; and the
-    inputs (B, kernel - 1 + T, width), whose last kernel - 1 the next tokens start from. A sum
-    of shifted products: elementwise, so its backward is too (docs/performance-cpu.md)."""
+    last kernel - 1 inputs (B, kernel - 1, width), which the next tokens start from.
+
+    A sequence on a CPU goes through the compiled kernel (smallgpt/delta_rule_kernel.py: one pass
+    each way, in fp32) where it runs; elsewhere (CUDA, one decoded token, the torch path chosen)
+    a sum of shifted products in x's type: elementwise, so inductor fuses it and its backward
+    (docs/performance-cpu.md)."""
     T = x.size(1)
     kernel = conv.size(-1)
-    inputs = torch.cat((conv_in.to(x.dtype), x), dim=1)
-    taps = conv.to(x.dtype).view(-1, kernel).t()  # (kernel, width)
+    conv_in = conv_in.to(x.dtype)
+    last = torch.cat((conv_in, x[:, -(kernel - 1) :]), dim=1)[:, -(kernel - 1) :]
+    taps = conv.view(-1, kernel).t()  # (kernel, width): tap j of every channel side by side
+    if T > 1 and x.device.type == "cpu" and delta_rule_kernel.available():
+        return F.silu(delta_rule_kernel.convolve(x, conv_in, taps.contiguous())), last
+    inputs = torch.cat((conv_in, x), dim=1)
+    taps = taps.to(x.dtype)
     y = inputs[:, :T] * taps[0]
     for j in range(1, kernel):
         y = y + inputs[:, j : j + T] * taps[j]
-    return F.silu(y), inputs
+    return F.silu(y), last
 
 
 class Recurrence(Mixer):
@@ -70,7 +79,8 @@ class Recurrence(Mixer):
         """q, k, v (B, H, T, head_dim) of x (B, T, n_embd; pads already zeros) through the
         convolution after the cache's last inputs, q and k L2-normalised and q scaled, in fp32
         (or a float64 model's own dtype); the state before these tokens (None from an empty
-        context); the convolution's inputs (remember's); the products' dtype (the autocast's)."""
+        context); the convolution's last inputs (remember's); the products' dtype (the
+        autocast's)."""
         B, T, C = x.shape
         qkv = self.c_qkv(x)  # (B, T, 3 C)
         if kv_cache is None:
@@ -79,8 +89,8 @@ class Recurrence(Mixer):
         else:
             conv_in, state = kv_cache.read_state(self.layer)
             conv_in = conv_in.transpose(1, 2)  # the cache keeps (B, 3 C, kernel - 1)
-        qkv, inputs = short_convolution(qkv, self.conv, conv_in)  # (B, T, 3 C)
         products = qkv.dtype
+        qkv, inputs = short_convolution(qkv, self.conv, conv_in)  # (B, T, 3 C)
         wide = torch.promote_types(products, torch.float32)
         q, k, v = qkv.to(wide).view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4).unbind(0)
         return l2_normalised(q) * self.head_dim**-0.5, l2_normalised(k), v, state, inputs, products
@@ -88,7 +98,7 @@ class Recurrence(Mixer):
     def remember(self, kv_cache: Cache | None, inputs: torch.Tensor, state: torch.Tensor) -> None:
         """What the next tokens start from: the convolution's last inputs and the state."""
         if kv_cache is not None:
-            kv_cache.write_state(self.layer, inputs[:, -(KERNEL - 1) :].transpose(1, 2), state)
+            kv_cache.write_state(self.layer, inputs.transpose(1, 2), state)
 
     def mask(
         self,

@@ -430,7 +430,118 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
     return {dq, dk, dv, dg, db, d_state};
 }
 
+// The recurrent layers' short causal depthwise convolution (gated_deltanet.py's
+// short_convolution, before its SiLU), over x (B, T, W) after `before` (B, K - 1, W), its last
+// inputs, with taps (K, W): tap j of every channel contiguous, so the loops over the channels
+// vectorise. Output t reads the inputs at t - (K - 1) .. t, the earliest of them through tap 0:
+//
+//     y_t = sum_j taps_j * in_{t + j - (K - 1)},   in_p = x_p (p >= 0), before_{K - 1 + p} (p < 0)
+//
+// One pass forward and one backward, where the torch path takes K products and K - 1 sums each
+// way, every one a pass over (B, T, W) (the layer's costliest elementwise work, eager).
+
+namespace {
+
+// the input row at position p of batch row b: x's, or before's where p < 0 (or that row of
+// their gradients: scalar_t is const or not)
+template <typename scalar_t>
+inline scalar_t* input_row(scalar_t* x, scalar_t* before, int64_t b, int64_t p, int64_t T,
+                           int64_t K, int64_t W) {
+    return p >= 0 ? x + (b * T + p) * W : before + (b * (K - 1) + K - 1 + p) * W;
+}
+
+// rows (b, t) of a task: this many a task, so that a long sequence of one batch row spreads
+// over the threads as a batch of short ones does
+constexpr int64_t ROWS = 64;
+
+}  // namespace
+
+// y (B, T, W): the convolution of x after `before` (all contiguous, of one type).
+torch::Tensor convolve(torch::Tensor x, torch::Tensor before, torch::Tensor taps) {
+    const int64_t B = x.size(0);
+    const int64_t T = x.size(1);
+    const int64_t W = x.size(2);
+    const int64_t K = taps.size(0);
+    auto y = torch::empty({B, T, W}, x.options());
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "convolve", [&] {
+        const scalar_t* xs = x.data_ptr<scalar_t>();
+        const scalar_t* bs = before.data_ptr<scalar_t>();
+        const scalar_t* w = taps.data_ptr<scalar_t>();
+        scalar_t* ys = y.data_ptr<scalar_t>();
+        at::parallel_for(0, B * T, ROWS, [&](int64_t begin, int64_t end) {
+            for (int64_t row = begin; row < end; ++row) {
+                const int64_t b = row / T;
+                const int64_t t = row % T;
+                scalar_t* out = ys + row * W;
+                const scalar_t* in = input_row(xs, bs, b, t - (K - 1), T, K, W);
+                for (int64_t c = 0; c < W; ++c) out[c] = w[c] * in[c];
+                for (int64_t j = 1; j < K; ++j) {
+                    in = input_row(xs, bs, b, t + j - (K - 1), T, K, W);
+                    const scalar_t* w_j = w + j * W;
+                    for (int64_t c = 0; c < W; ++c) out[c] += w_j[c] * in[c];
+                }
+            }
+        });
+    });
+    return y;
+}
+
+// The gradients of x, before and the taps from dy (B, T, W), the gradient of y. Input p reaches
+// output t = p + K - 1 - j through tap j, so d in_p = sum_j taps_j * dy_{p + K - 1 - j} (the
+// outputs that exist), and d taps_j = sum over (b, t) of dy_t * in_{t + j - (K - 1)}: summed by
+// each task into its own row of `partial` (tasks, K, W), then over the tasks.
+std::vector<torch::Tensor> convolve_backward(torch::Tensor x, torch::Tensor before,
+                                             torch::Tensor taps, torch::Tensor dy) {
+    const int64_t B = x.size(0);
+    const int64_t T = x.size(1);
+    const int64_t W = x.size(2);
+    const int64_t K = taps.size(0);
+    // an input position a row: before's K - 1, then x's T
+    const int64_t P = K - 1 + T;
+    const int64_t tasks = (B * P + ROWS - 1) / ROWS;
+    auto dx = torch::empty({B, T, W}, x.options());
+    auto d_before = torch::empty({B, K - 1, W}, x.options());
+    auto partial = torch::zeros({tasks, K, W}, x.options());
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "convolve_backward", [&] {
+        const scalar_t* xs = x.data_ptr<scalar_t>();
+        const scalar_t* bs = before.data_ptr<scalar_t>();
+        const scalar_t* w = taps.data_ptr<scalar_t>();
+        const scalar_t* dys = dy.data_ptr<scalar_t>();
+        scalar_t* dxs = dx.data_ptr<scalar_t>();
+        scalar_t* d_befores = d_before.data_ptr<scalar_t>();
+        scalar_t* parts = partial.data_ptr<scalar_t>();
+        at::parallel_for(0, tasks, 1, [&](int64_t first, int64_t last) {
+            for (int64_t task = first; task < last; ++task) {
+                scalar_t* d_taps = parts + task * K * W;
+                const int64_t end = std::min(B * P, (task + 1) * ROWS);
+                for (int64_t row = task * ROWS; row < end; ++row) {
+                    const int64_t b = row / P;
+                    const int64_t p = row % P - (K - 1);  // the input's position (< 0: before's)
+                    const scalar_t* in = input_row(xs, bs, b, p, T, K, W);
+                    // d in_p: the same row of dx, or of d_before (as input_row reads them)
+                    scalar_t* out = input_row(dxs, d_befores, b, p, T, K, W);
+                    std::fill(out, out + W, scalar_t(0));
+                    for (int64_t j = 0; j < K; ++j) {
+                        const int64_t t = p + K - 1 - j;
+                        if (t < 0 || t >= T) continue;
+                        const scalar_t* dy_t = dys + (b * T + t) * W;
+                        const scalar_t* w_j = w + j * W;
+                        scalar_t* d_j = d_taps + j * W;
+                        for (int64_t c = 0; c < W; ++c) {
+                            out[c] += w_j[c] * dy_t[c];
+                            d_j[c] += dy_t[c] * in[c];
+                        }
+                    }
+                }
+            }
+        });
+    });
+    return {dx, d_before, partial.sum(0)};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("forward", &forward, "the gated delta rule, forward (smallgpt/delta_rule_kernel.py)");
     m.def("backward", &backward, "the gated delta rule, backward (smallgpt/delta_rule_kernel.py)");
+    m.def("convolve", &convolve, "the short causal depthwise convolution, forward");
+    m.def("convolve_backward", &convolve_backward, "the short causal depthwise convolution, backward");
 }

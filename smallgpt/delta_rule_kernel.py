@@ -1,7 +1,10 @@
 """The gated delta rule as one compiled CPU kernel, forward and backward (delta_rule_kernel.cpp
 beside this file): the custom op `smallgpt::delta_rule` that Gated DeltaNet and Kimi Delta
 Attention train and prefill with on a CPU (smallgpt/delta_rule.py's `sequence` picks it), so
-that torch.compile traces it as one opaque call with its own autograd formula.
+that torch.compile traces it as one opaque call with its own autograd formula. Beside it, the
+same build holds the op of the short convolution both kinds run before the rule
+(`smallgpt::short_convolution`, gated_deltanet.py's `short_convolution` picks it): one pass each
+way where the torch path takes seven, the costliest elementwise work of the eager layer.
 
 No maintained library trains the delta rule on a CPU (docs/performance-cpu.md "The delta-rule
 kernel"). The kernel is built once, on first use, by torch's extension builder (g++, which
@@ -211,3 +214,49 @@ def run(
     inputs = (x.to(dtype) for x in (q, k, v, g, b, state))
     out, final, _ = delta_rule_op(*inputs)
     return out, final
+
+
+@torch.library.custom_op("smallgpt::short_convolution", mutates_args=())
+def convolution_op(x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """The short causal depthwise convolution (before its SiLU) of x (B, T, W) after `before`
+    (B, K - 1, W), its last inputs, with taps (K, W), of one float type: (B, T, W), contiguous."""
+    return kernel().convolve(x.contiguous(), before.contiguous(), taps.contiguous())
+
+
+@convolution_op.register_fake
+def _(x, before, taps):  # noqa: ANN001, ANN202
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("smallgpt::short_convolution_backward", mutates_args=())
+def convolution_backward_op(
+    x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor, d_y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of x, before and the taps, each laid out as its input is."""
+    inputs = (x, before, taps)
+    flat = (t.contiguous() for t in (x, before, taps, d_y))
+    grads = kernel().convolve_backward(*flat)
+    return tuple(laid_out_as(t, grad) for t, grad in zip(inputs, grads, strict=True))
+
+
+@convolution_backward_op.register_fake
+def _(x, before, taps, d_y):  # noqa: ANN001, ANN202
+    return tuple(torch.empty_like(t) for t in (x, before, taps))
+
+
+def convolution_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # noqa: ANN001
+    ctx.save_for_backward(*inputs)
+
+
+def convolution_backward(ctx, d_y):  # noqa: ANN001, ANN201
+    return convolution_backward_op(*ctx.saved_tensors, d_y)
+
+
+convolution_op.register_autograd(convolution_backward, setup_context=convolution_context)
+
+
+def convolve(x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """The convolution (before its SiLU) through the kernel, in float32 whatever x's type (float64
+    stays float64): x (B, T, W), before (B, K - 1, W), taps (K, W)."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return convolution_op(x.to(dtype), before.to(dtype), taps.to(dtype))

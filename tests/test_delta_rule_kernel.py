@@ -1,7 +1,8 @@
 """smallgpt/delta_rule_kernel.py, the gated delta rule as one compiled CPU kernel: its outputs,
 final state and every gradient against the float64 recurrence (delta_rule.recurrent) on sharpened
-inputs, a float64 gradcheck, torch.library's opcheck, the bugs the comparison must catch, a
-hybrid's logits and cached decoding against the torch path, and torch.compile through the op.
+inputs, a float64 gradcheck, torch.library's opcheck, the bugs the comparison must catch, the
+short convolution's op against its sum by hand, a hybrid's logits and cached decoding against the
+torch path (the rule and the convolution), and torch.compile through the ops.
 Every test here needs the kernel: where it cannot be built (or SMALLGPT_DELTA_RULE=torch) they
 skip, saying so."""
 
@@ -146,6 +147,45 @@ def test_a_planted_bug_fails_the_comparison() -> None:
     assert "outputs" in mismatches(dropped_decay, xs, 1e-10)
     assert "outputs" in mismatches(transposed_state, xs, 1e-10)
     assert {"dq", "dv"} <= set(mismatches(last_span_skipped, xs, 1e-10))
+
+
+def shifted_products(x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """The convolution by hand: output t is the sum over taps j of taps[j] * the input at
+    t + j - (K - 1), the inputs being before's K - 1 rows then x's."""
+    K, T = taps.size(0), x.size(1)
+    inputs = torch.cat((before, x), dim=1)
+    return sum(taps[j] * inputs[:, j : j + T] for j in range(K))
+
+
+@pytest.mark.parametrize("T", [1, 2, 70])  # one token, fewer than the taps, rows past a task's
+def test_the_convolution_op_is_the_shifted_products_with_every_gradient(T: int) -> None:
+    """The short convolution's op against the sum written above, in float64: its output and the
+    gradients of x, the inputs before it and the taps, each within 1e-12; a gradcheck and
+    torch.library's opcheck. The same sum with its taps reversed (the causal order flipped) is
+    told apart."""
+    gen = torch.Generator().manual_seed(T)
+    x, before, taps = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64)
+        for shape in ((3, T, 40), (3, 3, 40), (4, 40))
+    )
+    inputs = [t.requires_grad_() for t in (x, before, taps)]
+    d_y = torch.randn(3, T, 40, generator=gen, dtype=torch.float64)
+
+    def output_and_gradients(convolve: Callable) -> list[torch.Tensor]:
+        y = convolve(*inputs)
+        return [y, *torch.autograd.grad(y, inputs, d_y)]
+
+    def reversed_taps(x, before, taps):  # noqa: ANN001, ANN202
+        return shifted_products(x, before, taps.flip(0))
+
+    want = output_and_gradients(shifted_products)
+    for got, expected in zip(output_and_gradients(delta_rule_kernel.convolve), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(output_and_gradients(reversed_taps)[0], want[0])
+    torch.library.opcheck(delta_rule_kernel.convolution_op, inputs)
+    # gradcheck perturbs each input number in turn: on two rows of 5 channels
+    tiny = [t[..., :5].detach().clone().requires_grad_() for t in (x[:2], before[:2], taps)]
+    assert torch.autograd.gradcheck(delta_rule_kernel.convolution_op, tiny)
 
 
 def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,9 +60,10 @@ def test_the_import_graph_has_no_cycle() -> None:
         visit(m, [])
     # the model is a leaf: the cache (kv_cache.py) needs nothing of ours, what a kind declares
     # (layer_kind.py) only the cache, the kinds' files those and the fast paths (gated_deltanet.py
-    # also the delta rule, its arithmetic, which imports nothing of ours, and attention's norm;
-    # kimi_delta.py those and Gated DeltaNet's convolution); model.py the kinds' files; so the
-    # engine imports the model, never the reverse
+    # also the delta rule, its arithmetic, which imports nothing of ours, the compiled kernels of
+    # the rule and the convolution, and attention's norm; kimi_delta.py those and Gated
+    # DeltaNet's convolution); model.py the kinds' files; so the engine imports the model, never
+    # the reverse
     below = {"smallgpt.fast_paths", "kv_cache", "layer_kind"}
     kinds = {"attention", "gated_deltanet", "kimi_delta"}
     # the config module holds the kinds' table: it imports them, and the model imports it
@@ -70,8 +71,9 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert "model" in done and graph["model"] <= {*below, *kinds, "model_config"}
     assert graph["kv_cache"] == set() and graph["layer_kind"] == {"kv_cache"}
     assert graph["attention"] <= below
-    assert graph["gated_deltanet"] <= {*below, "smallgpt.delta_rule", "attention"}
-    assert graph["kimi_delta"] <= {*below, "smallgpt.delta_rule", "attention", "gated_deltanet"}
+    rule = {"smallgpt.delta_rule", "smallgpt.delta_rule_kernel"}
+    assert graph["gated_deltanet"] <= {*below, *rule, "attention"}
+    assert graph["kimi_delta"] <= {*below, *rule, "attention", "gated_deltanet"}
     # the rule's arithmetic, and its compiled CPU kernel, which imports nothing of ours either
     assert graph["smallgpt.delta_rule"] <= {"smallgpt.delta_rule_kernel"}
     assert graph["smallgpt.delta_rule_kernel"] == set()
