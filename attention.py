@@ -133,16 +133,11 @@ def sink_problems(c: Config) -> list[str]:
     problems = []
     if type(c.attn_sinks) is not bool:
         problems.append(f"attn_sinks={c.attn_sinks!r} must be True or False")
-    pattern = c.rope_pattern
-    if not (isinstance(pattern, str) and pattern and set(pattern) <= {"R", "N"}):
+    # rope_pattern's letters are the config's to check (model_config.pattern_problems)
+    if c.positionless_layers and c.pos_encoding != "rope":
         problems.append(
-            f"rope_pattern={pattern!r} must be letters R (rotary positions) and N (none, NoPE), "
-            "one a layer, repeated over the layers, e.g. 'RRRN'"
-        )
-    elif "N" in pattern and c.pos_encoding != "rope":
-        problems.append(
-            f"rope_pattern={pattern!r} takes the rotary positions off some layers: it needs "
-            f"pos_encoding='rope', not {c.pos_encoding!r}"
+            f"rope_pattern={c.rope_pattern!r} takes the rotary positions off some layers: it "
+            f"needs pos_encoding='rope', not {c.pos_encoding!r}"
         )
     return problems
 
@@ -299,12 +294,6 @@ READS = frozenset(
 )
 
 
-def rotary(config: Config, layer: int) -> bool:
-    """Whether layer `layer` rotates its queries and keys where the model has rotary positions:
-    R at its place in rope_pattern (repeated over the layers); N: no positions at all (NoPE)."""
-    return (config.rope_pattern * config.n_layer)[layer] == "R"
-
-
 def sink_parameter(config: Config) -> nn.Parameter | None:
     """Each head's sink logit where attn_sinks is set (its initial value 0: Mixer.initial)."""
     return nn.Parameter(torch.zeros(config.n_head)) if config.attn_sinks else None
@@ -368,7 +357,7 @@ class Attention(Mixer):
     def __init__(self, config: Config, layer: int, window: int | None) -> None:
         super().__init__(layer)
         self.window = window
-        self.rotary = rotary(config, layer)
+        self.rotary = config.layers[layer].rotary
         self.sinks = sink_parameter(config)
 
     def initial(self, name: str, generator: torch.Generator | None) -> torch.Tensor | None:

@@ -403,7 +403,7 @@ def header(mode: str, device: str, mcfg: GPTConfig) -> None:
         f"vocab {mcfg.vocab_size}"
     )
     if mcfg.window:
-        line += f", window {mcfg.window} in layers {mcfg.window_pattern}"
+        line += f", window {mcfg.window} in layers {mcfg.local_layers}"
     print(line, file=sys.stderr)
 
 

@@ -230,10 +230,10 @@ def costs(cfg: CompareConfig, base: TrainConfig) -> str:
         if kind == "MLA":
             kind += f" (kv_lora_rank={mcfg.kv_lora_rank})"
         if mcfg.window:
-            kind += f", window {mcfg.window} in {mcfg.layer_pattern or mcfg.window_pattern}"
+            kind += f", window {mcfg.window} in {mcfg.layer_letters}"
         if mcfg.recurrent_layers:  # the kinds that do not attend, by name
             letters = sorted({mcfg.layer_letters[i] for i in mcfg.recurrent_layers})
-            kind += f", {kind_names(letters)} in {mcfg.layer_pattern}"
+            kind += f", {kind_names(letters)} in {mcfg.layer_letters}"
         rows.append(
             {
                 "n_kv_head": mcfg.n_kv_head if mcfg.attends else "-",
@@ -316,13 +316,11 @@ def check_variants(
             shape = (
                 model.n_kv_head,
                 model.kv_lora_rank,
-                model.layer_letters,
-                tuple(model.layer_windows),
+                model.layers,  # each layer's kind, window and positions
                 model.attn_gate,
                 model.qk_norm,
                 model.rope_fraction,
                 model.attn_sinks,
-                (model.rope_pattern * model.n_layer)[: model.n_layer],
             )
             other = seen.setdefault(shape, variant)
             if other != variant:

@@ -117,11 +117,10 @@ def model_card(model: GPT, hf_model: Any, run: dict, ckpt: dict) -> str:
             "size.",
         ]
     if c.window is not None:
-        local = [i for i, w in enumerate(c.layer_windows) if w]
         lines += [
             "",
-            f"Local layers {local} of {c.n_layer} (window_pattern={c.window_pattern!r}) attend "
-            f"over their last {c.window} tokens (the class's layer_types, "
+            f"Local layers {c.local_layers} of {c.n_layer} (window_pattern={c.layer_letters!r}) "
+            f"attend over their last {c.window} tokens (the class's layer_types, "
             f"sliding_window={c.window}), so their cache stays at the window however long the "
             "text; the others see the whole context.",
         ]

@@ -3,6 +3,7 @@ accounting a config alone decides: parameters, FLOPs, cache bytes, the model's o
 table of the kinds of layer (LAYER_KINDS, register_kind). model.py re-exports them, so every
 `from model import GPTConfig` keeps working; model.py holds the modules built from a config."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -50,6 +51,19 @@ def register_kind(kind: type[LayerKind]) -> None:
     LAYER_KINDS[letter] = kind
 
 
+def unregistered_letters(keys: dict) -> tuple[str, list[str]]:
+    """A saved config's (keys: a checkpoint's model_args) layer_pattern, and the kinds' letters in
+    it (upper-case letters, as register_kind takes) that this process has not registered; none
+    where the pattern holds other characters too (a damaged config, GPTConfig's to say)."""
+    pattern = keys.get("layer_pattern")
+    if not isinstance(pattern, str):
+        return "", []
+    letters = [x for x in dict.fromkeys(pattern) if x.isascii() and x.isupper()]
+    if len(letters) != len(set(pattern)):
+        return pattern, []
+    return pattern, [x for x in letters if x not in LAYER_KINDS]
+
+
 def kind_names(letters: list[str]) -> str:
     """The kinds of these letters, as a message names them: 'global and local attention'."""
     names = [LAYER_KINDS[letter].name for letter in letters]
@@ -60,9 +74,70 @@ def kind_names(letters: list[str]) -> str:
     return " and ".join(names)
 
 
+@dataclass(frozen=True)
+class Layer:
+    """One layer as the pattern keys make it (GPTConfig.layers, the one place they are read): its
+    kind (a row of LAYER_KINDS), the tokens a query sees (a local layer's window; None: every
+    earlier one, or a kind that reads no window) and whether it rotates its queries and keys
+    where the model has rotary positions (rope_pattern's R; N: none, NoPE). Every other reader
+    asks a layer this, never a pattern string (transformers' config.layer_types[i] likewise)."""
+
+    kind: type[LayerKind]
+    window: int | None
+    rotary: bool
+
+    @property
+    def letter(self) -> str:
+        """The kind's letter, as layer_pattern spells it."""
+        return self.kind.letter
+
+    @property
+    def attends(self) -> bool:
+        """Whether the layer attends, rather than a recurrence ordering its tokens."""
+        return self.kind.attends
+
+
+def tiled(pattern: str, n_layer: int) -> str:
+    """A pattern's letters repeated over n_layer layers, one a layer: 'SL' over 5 is 'SLSLS'."""
+    return (pattern * n_layer)[:n_layer]
+
+
+def shortest_period(letters: str) -> str:
+    """The shortest pattern whose repeats give every layer's letter ('DDDL' of 'DDDLDDDL'): the
+    inverse of `tiled`, as layer_pattern and rope_pattern are written from a list a layer."""
+    n = len(letters)
+    return next(letters[:p] for p in range(1, n + 1) if tiled(letters[:p], n) == letters)
+
+
+def shortest_window_pattern(letters: str) -> str:
+    """The shortest window_pattern whose repeats give every layer's letter, the last layer always
+    global ('L'); the letters themselves where none does (their last is 'S')."""
+    n = len(letters)
+    return next(
+        (letters[:p] for p in range(1, n + 1) if tiled(letters[:p], n)[: n - 1] + "L" == letters),
+        letters,
+    )
+
+
+def pattern_keys(letters: str, rotary: Sequence[bool] = ()) -> dict[str, str]:
+    """The keys whose patterns give these layers (a letter a layer; where given, whether each
+    rotates), shortest, a key at its default left out: none where every layer is global
+    attention, window_pattern where the others are local (nanochat's S and L), else
+    layer_pattern; rope_pattern where some layer has no positions. GPTConfig.layers' inverse, for
+    the configs read from transformers' folders."""
+    keys = {}
+    if set(letters) <= {"S", "L"} and "S" in letters:
+        keys["window_pattern"] = shortest_window_pattern(letters)
+    elif set(letters) != {"L"}:
+        keys["layer_pattern"] = shortest_period(letters)
+    if not all(rotary):
+        keys["rope_pattern"] = shortest_period("".join("R" if r else "N" for r in rotary))
+    return keys
+
+
 def pattern_problems(c: "GPTConfig") -> list[str]:
-    """What is wrong with the keys that name each layer's kind: window_pattern (S and L, as
-    nanochat's), or layer_pattern (any kind's letter), not both."""
+    """What is wrong with the keys that make each layer (GPTConfig.layers): window_pattern (S and
+    L, as nanochat's) or layer_pattern (any kind's letter), not both; rope_pattern's letters."""
     key = c.pattern_key
     pattern = getattr(c, key)
     if key == "window_pattern":
@@ -84,6 +159,12 @@ def pattern_problems(c: "GPTConfig") -> list[str]:
         problems.append(
             f"{key}={pattern!r}: its letters are upper case, {key}={pattern.upper()!r} "
             "(compare.py's variant names spell them lower case, e.g. mha-sl8)"
+        )
+    rope = c.rope_pattern
+    if not (isinstance(rope, str) and rope and set(rope) <= {"R", "N"}):
+        problems.append(
+            f"rope_pattern={rope!r} must be letters R (rotary positions) and N (none, NoPE), "
+            "one a layer, repeated over the layers, e.g. 'RRRN'"
         )
     return problems
 
@@ -207,13 +288,14 @@ class GPTConfig:
             return [
                 f"rope_pattern={pattern!r} has {len(pattern)} letters and n_layer={n}: the letters "
                 f"past layer {n} name no layer (the model's layers would be "
-                f"{(pattern * n)[:n]!r}); give at most {n}"
+                f"{tiled(pattern, n)!r}); give at most {n}"
             ]
         if set(pattern) == {"N"}:  # no positions anywhere: said of the model, not of a layer
             return []
-        tiled = (pattern * n)[:n]
-        kinds = self.layer_kinds
-        without = [i for i in range(n) if tiled[i] == "N" and "rope_pattern" not in kinds[i].reads]
+        layers = self.layers
+        without = [
+            i for i in self.positionless_layers if "rope_pattern" not in layers[i].kind.reads
+        ]
         if not without:
             return []
         names = kind_names(list(dict.fromkeys(self.layer_letters[i] for i in without)))
@@ -329,18 +411,29 @@ class GPTConfig:
         return "window_pattern" if self.layer_pattern is None else "layer_pattern"
 
     @property
-    def layer_letters(self) -> str:
-        """Each layer's letter: layer_pattern, else window_pattern, repeated over the layers; on
-        the last layer, a kind that may not be there gives way (a local layer becomes global)."""
-        pattern = self.window_pattern if self.layer_pattern is None else self.layer_pattern
-        letters = (pattern * self.n_layer)[: self.n_layer]
+    def layers(self) -> tuple[Layer, ...]:
+        """Each layer's plan (Layer: kind, window, rotary), from the pattern keys: layer_pattern,
+        else window_pattern, and rope_pattern, each repeated over the layers. On the last layer a
+        kind that may not be there gives way (a local layer becomes global)."""
+        letters = tiled(getattr(self, self.pattern_key), self.n_layer)
         last = LAYER_KINDS[letters[-1]].on_last_layer or letters[-1]
-        return letters[:-1] + last
+        kinds = [LAYER_KINDS[letter] for letter in letters[:-1] + last]
+        rope = tiled(self.rope_pattern, self.n_layer)
+        return tuple(
+            # a window where the kind reads one (a local layer)
+            Layer(kind, self.window if "window" in kind.reads else None, letter == "R")
+            for kind, letter in zip(kinds, rope, strict=True)
+        )
+
+    @property
+    def layer_letters(self) -> str:
+        """Each layer's letter, as layer_pattern spells a kind: 'DDDL'."""
+        return "".join(layer.letter for layer in self.layers)
 
     @property
     def layer_kinds(self) -> list[type[LayerKind]]:
         """Each layer's kind (LAYER_KINDS)."""
-        return [LAYER_KINDS[letter] for letter in self.layer_letters]
+        return [layer.kind for layer in self.layers]
 
     def layers_of(self, kind: type[LayerKind]) -> list[int]:
         """The layers of this kind."""
@@ -349,7 +442,12 @@ class GPTConfig:
     @property
     def layer_windows(self) -> list[int | None]:
         """Each layer's window: the window where its kind reads one (a local layer), else None."""
-        return [self.window if "window" in kind.reads else None for kind in self.layer_kinds]
+        return [layer.window for layer in self.layers]
+
+    @property
+    def positionless_layers(self) -> list[int]:
+        """The layers without positions: rope_pattern's N (NoPE) on them."""
+        return [i for i, layer in enumerate(self.layers) if not layer.rotary]
 
     @property
     def local_layers(self) -> list[int]:
@@ -359,7 +457,7 @@ class GPTConfig:
     @property
     def recurrent_layers(self) -> list[int]:
         """The layers that do not attend: a recurrence orders their tokens."""
-        return [i for i, kind in enumerate(self.layer_kinds) if not kind.attends]
+        return [i for i, layer in enumerate(self.layers) if not layer.attends]
 
     @property
     def rope_dim(self) -> int:

@@ -86,7 +86,7 @@ class AblationKind(LayerKind):
             config.kv_lora_rank is None or config.pos_encoding != "rope"
         ):
             return [
-                f"layer_pattern={config.layer_pattern!r}: {cls.name} ({cls.letter}) is MLA with "
+                f"layer_pattern={config.layer_letters!r}: {cls.name} ({cls.letter}) is MLA with "
                 "rotary positions: set kv_lora_rank and pos_encoding='rope'"
             ]
         return []

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from model import GPT, LAYER_KINDS, GPTConfig
+from model import GPT, GPTConfig
+from model_config import unregistered_letters
 from smallgpt.atomic import atomic_open, temp_path
 from smallgpt.convert import CONVERTED_KEYS
 from smallgpt.data import data_dir, load_meta, open_tokens
@@ -387,13 +388,8 @@ def check_kinds_registered(model_config: dict[str, Any], where: str) -> None:
     """A UserError where the checkpoint's layer_pattern names a kind (a letter, as register_kind
     takes) that this process has not registered: a run that registered it saved it (a test, a
     script's kind), and GPTConfig would read the letter as a mistake in the checkpoint."""
-    pattern = model_config.get("layer_pattern")
-    if not isinstance(pattern, str):
-        return
-    # an upper-case letter is a kind's; other characters are a damaged config, GPTConfig's to say
-    letters = [x for x in dict.fromkeys(pattern) if x.isascii() and x.isupper()]
-    unknown = [x for x in letters if x not in LAYER_KINDS]
-    if unknown and len(letters) == len(set(pattern)):
+    pattern, unknown = unregistered_letters(model_config)
+    if unknown:
         kinds = ", ".join(map(repr, unknown))
         raise UserError(
             f"{where} uses layer kind {kinds} (layer_pattern={pattern!r}), which this code does "

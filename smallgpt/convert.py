@@ -113,7 +113,7 @@ def for_uptraining(
     if target.recurrent_layers == model.config.recurrent_layers and steer.layers != "given":
         raise UserError(
             f"convert_layers={steer.layers!r} ranks which layers stay attention in a conversion "
-            f"into a hybrid, and layer_pattern={target.layer_pattern!r} makes no layer recurrent: "
+            f"into a hybrid, and layer_pattern={target.layer_letters!r} makes no layer recurrent: "
             f"give a layer_pattern with {hybridize.recurrent_letter()} layers, or leave "
             f"convert_layers out"
         )
@@ -154,7 +154,7 @@ def to_latent(model: GPT, kv_lora_rank: int, qk_rope_head_dim: int | None = None
             f"(n_head={source.n_head}, n_kv_head={source.n_kv_head}): convert the MHA run instead"
         )
     kept = {
-        f"layer_pattern={source.layer_pattern!r}": bool(source.recurrent_layers),
+        f"layer_pattern={source.layer_letters!r}": bool(source.recurrent_layers),
         f"attn_gate={source.attn_gate!r}": source.attn_gate != "none",
         "qk_norm=True": source.qk_norm,
         f"rope_fraction={source.rope_fraction}": source.rope_fraction != 1,

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from attention import NORM_EPS, rotary
+from attention import NORM_EPS
 from layer_kind import LayerKind
 from model import GPTConfig
+from model_config import pattern_keys
 from smallgpt.errors import UserError
 from smallgpt.hf_llama import (
     DEEPSEEK_LAYER,
@@ -24,7 +25,6 @@ from smallgpt.hf_llama import (
     latent_rows,
     shape_config,
     shape_of,
-    shortest_period,
 )
 
 MODEL_TYPE = "kimi_linear"
@@ -56,7 +56,7 @@ def check_kimi(c: GPTConfig) -> None:
         "no local layers (window)": c.window is not None,
         "no sinks (attn_sinks)": c.attn_sinks,
         "no positions on the attention layers (rope_pattern='N')": any(
-            rotary(c, i) for i in attention
+            c.layers[i].rotary for i in attention
         ),
         "no other recurrent layers": bool(kinds),
     }
@@ -170,8 +170,7 @@ def from_kimi_linear(
         pos_encoding="rope",
         norm="rmsnorm",
         mlp="swiglu",
-        layer_pattern=shortest_period(letters),
-        rope_pattern="N",
+        **pattern_keys(letters, rotary=[False] * len(letters)),  # no positions anywhere
         **(mla | dict(qk_rope_head_dim=c.qk_rope_head_dim) if attending else {}),
     )
     sd = dict(sd)

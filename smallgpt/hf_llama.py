@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from attention import NORM_EPS, rotary
+from attention import NORM_EPS
 from layer_kind import LayerKind
 from model import LAYER_KINDS, GPTConfig
+from model_config import pattern_keys
 from smallgpt.errors import UserError
 
 # a block's modules: ours -> Llama's (SwiGLU's gate, up and down are c_gate, c_fc and c_proj)
@@ -61,7 +62,7 @@ def llama_class(c: GPTConfig) -> str | None:
             "latent_norm=True": not c.latent_norm,
             "no window": windowed,
             "no sinks (attn_sinks)": c.attn_sinks,
-            "rotary positions on every layer (rope_pattern='R')": "N" in c.rope_pattern,
+            "rotary positions on every layer (rope_pattern='R')": bool(c.positionless_layers),
         }
         if missing := [key for key, needed in needs.items() if needed]:
             raise UserError(
@@ -99,7 +100,7 @@ def granite_keys(c: GPTConfig) -> list[str]:
     keys = {
         "local layers (window)": c.window is not None,
         "sinks (attn_sinks)": c.attn_sinks,
-        f"layers without positions (rope_pattern={c.rope_pattern!r})": "N" in c.rope_pattern,
+        "layers without positions (rope_pattern's N)": bool(c.positionless_layers),
     }
     return [key for key, given in keys.items() if given]
 
@@ -219,9 +220,9 @@ def granite_swa(
         # no layer slides without a window, but transformers builds a sliding mask all the same
         sliding_window=c.window or c.block_size,
         layer_types=layer_types,
-        layer_rope_theta=[c.rope_theta if rotary(c, i) else 0 for i in range(c.n_layer)],
+        layer_rope_theta=[c.rope_theta if layer.rotary else 0 for layer in c.layers],
         # the same as llama.cpp's converter reads it: 1 where a layer rotates, 0 where not
-        no_rope_layers=[int(rotary(c, i)) for i in range(c.n_layer)],
+        no_rope_layers=[int(layer.rotary) for layer in c.layers],
     )
     config = transformers.GraniteSWAConfig(**keys)
     for i in range(c.n_layer):
@@ -359,7 +360,7 @@ def granite_windows(c: Any) -> dict[str, Any]:
     # each layer's letter by its transformers layer type, as the kinds declare it
     letters = {kind.hf_layer_type: letter for letter, kind in LAYER_KINDS.items()}
     pattern = "".join(letters[t] for t in c.layer_types)
-    return dict(window=c.sliding_window, window_pattern=shortest_pattern(pattern))
+    return dict(window=c.sliding_window, **pattern_keys(pattern))
 
 
 def granite_sinks(c: Any, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -374,9 +375,8 @@ def granite_sinks(c: Any, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
         keys["attn_sinks"] = True
     if thetas := {theta for theta in c.layer_rope_theta if theta}:
         keys["rope_theta"] = float(thetas.pop())  # one base (llama_block_problems)
-    if 0 in c.layer_rope_theta:
-        letters = "".join("R" if theta else "N" for theta in c.layer_rope_theta)
-        keys["rope_pattern"] = shortest_period(letters)
+    # rope_pattern where some layer's base is 0 (no positions)
+    keys |= pattern_keys("L", rotary=[theta != 0 for theta in c.layer_rope_theta])
     return keys
 
 
@@ -455,20 +455,3 @@ def granite_problems(c: Any, sd: dict[str, torch.Tensor], head_dim: int) -> dict
         last_layer: last != "full_attention",
         "a rope base per layer": len({theta for theta in c.layer_rope_theta if theta}) > 1,
     }
-
-
-def shortest_period(letters: str) -> str:
-    """The shortest pattern whose repeats give every layer's letter (e.g. 'DDDL' of 'DDDLDDDL'):
-    layer_pattern and rope_pattern read back from a transformers config's list a layer."""
-    n = len(letters)
-    return next(letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[:n] == letters)
-
-
-def shortest_pattern(letters: str) -> str:
-    """The shortest window_pattern whose repeats give every layer's letter, the last one global
-    ('L'); the letters themselves where none does (their last is 'S')."""
-    n = len(letters)
-    return next(
-        (letters[:p] for p in range(1, n + 1) if (letters[:p] * n)[: n - 1] + "L" == letters),
-        letters,
-    )

@@ -14,6 +14,7 @@ import torch
 from attention import NORM_EPS
 from layer_kind import LayerKind
 from model import GPTConfig
+from model_config import pattern_keys
 from smallgpt.errors import UserError
 from smallgpt.hf_llama import (
     LLAMA_LAYER,
@@ -21,7 +22,6 @@ from smallgpt.hf_llama import (
     kinds_of,
     shape_config,
     shape_of,
-    shortest_period,
 )
 
 MODEL_TYPE = "qwen3_5_text"
@@ -48,7 +48,7 @@ def check_qwen(c: GPTConfig) -> None:
         "no MLA (kv_lora_rank)": c.kv_lora_rank is not None,
         "no local layers (window)": c.window is not None,
         "no sinks (attn_sinks)": c.attn_sinks,
-        "rotary positions on every layer (rope_pattern='R')": "N" in c.rope_pattern,
+        "rotary positions on every layer (rope_pattern='R')": bool(c.positionless_layers),
         "attn_gate='element'": attending and c.attn_gate != "element",
         "qk_norm=True": attending and not c.qk_norm,
         # transformers' Qwen3.5 cache reads its length from an attention layer
@@ -154,7 +154,7 @@ def from_qwen35(
         rope_fraction=float(rope.get("partial_rotary_factor", 1.0)),
         norm="rmsnorm",
         mlp="swiglu",
-        layer_pattern=shortest_period(letters),
+        **pattern_keys(letters),
         attn_gate="element" if attending else "none",
         qk_norm=attending,
     )

@@ -89,7 +89,7 @@ def unplaced(source: GPTConfig, target: GPTConfig, weight: str) -> str:
     match = re.match(r"transformer\.h\.(\d+)\.", weight)
     if match is None:
         return (
-            f"cannot convert into layer_pattern={target.layer_pattern!r}: the model outside its "
+            f"cannot convert into layer_pattern={target.layer_letters!r}: the model outside its "
             f"layers (embeddings, final norm) differs from the source's; convert with the source's "
             f"vocabulary and positions"
         )
@@ -99,13 +99,13 @@ def unplaced(source: GPTConfig, target: GPTConfig, weight: str) -> str:
     if was != now:
         return (
             f"cannot convert layer {i}: it is {was} in the source and layer_pattern="
-            f"{target.layer_pattern!r} makes it {now}; a conversion makes global attention "
+            f"{target.layer_letters!r} makes it {now}; a conversion makes global attention "
             f"recurrent and keeps every other layer's kind: give layer {i} its letter "
             f"{source.layer_letters[i]!r}"
         )
     return (
         f"cannot convert layer {i} ({was}): its weights do not fit layer_pattern="
-        f"{target.layer_pattern!r} with the source's other settings; convert with the source's "
+        f"{target.layer_letters!r} with the source's other settings; convert with the source's "
         f"model settings (only the layer letters change)"
     )
 

@@ -349,10 +349,9 @@ def converted_from_mha(variant: Variant) -> bool:
         return False
     if not variant.suffix:
         return True
-    keys = dict(variant.changes)
-    if set(keys) != {"layer_pattern"} or variant.attention == "mla":
+    letters = variant.kinds_only
+    if letters is None or variant.attention == "mla":
         return False
-    letters = keys["layer_pattern"]
     kinds = [LAYER_KINDS[x] for x in letters]
     return all(kind.conversion_source or kind.converts_attention for kind in kinds)
 

@@ -125,6 +125,13 @@ class Variant:
         return dataclasses.replace(model, n_kv_head=n_kv_head)
 
     @property
+    def kinds_only(self) -> str | None:
+        """The layers' letters of a variant whose one change is its layers' kinds (e.g. 'DDDL'
+        of 'mha-dddl'), else None."""
+        keys = dict(self.changes)
+        return keys["layer_pattern"] if set(keys) == {"layer_pattern"} else None
+
+    @property
     def suffix(self) -> str:
         """'-<pattern>[<window>]' where some layer is local or of another kind ('-sssl64',
         '-dddl'), then the attention options ('-gate-qknorm'); '' for all-global attention

@@ -346,7 +346,7 @@ def test_export_py_writes_the_class_in_its_card_refuses_in_one_line_and_sample_p
     r = cli(["export.py", f"--out_dir={tmp_path / 'local'}", f"--to={tmp_path / 'hf3'}"])
     assert r.returncode == 0 and "GraniteSWAForCausalLM, GQA (" in r.stdout, r.stderr
     assert (
-        "Local layers [0] of 2 (window_pattern='S') attend over their last 5 tokens"
+        "Local layers [0] of 2 (window_pattern='SL') attend over their last 5 tokens"
         in (tmp_path / "hf3" / "README.md").read_text()
     )
     write_run(tmp_path / "plain", kv_lora_rank=16, latent_norm=False)

@@ -79,6 +79,42 @@ def test_the_import_graph_has_no_cycle() -> None:
     assert graph["smallgpt.delta_rule_kernel"] == set()
 
 
+# The pattern keys' readers besides the config module (model_config.py: GPTConfig.layers, the
+# one place they are tiled, and pattern_keys, their inverse) and the variant grammar: a key's own
+# checks (attention's NoPE one, compare.py's refusal of the base run's windows), the keys a
+# conversion changes, the conversion building its target from the letters it is given, and
+# bench configs (scripts/cuda_steps.py). Everything else asks config.layers[i].
+PATTERN_KEYS = {"layer_pattern", "window_pattern", "rope_pattern"}
+PATTERN_READERS = {
+    "attention": 2,
+    "compare": 2,
+    "smallgpt.convert": 2,
+    "smallgpt.hybridize": 1,
+}
+
+
+def test_only_the_config_module_reads_the_pattern_keys() -> None:
+    """Lines of code (an attribute, a keyword or a string equal to a key; comments and docstrings
+    aside) naming layer_pattern, window_pattern or rope_pattern, in each module but the config
+    module and the variant grammar: at most the counts above."""
+    readers = {}
+    for module in MODULES:
+        if module in ("model_config", "smallgpt.variant"):
+            continue
+        lines = set()
+        for node in ast.walk(ast.parse(source_of(module).read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PATTERN_KEYS:
+                lines.add(node.lineno)
+            elif isinstance(node, ast.keyword) and node.arg in PATTERN_KEYS:
+                lines.add(node.value.lineno)
+            elif isinstance(node, ast.Constant) and node.value in PATTERN_KEYS:
+                lines.add(node.lineno)
+        if lines:
+            readers[module] = len(lines)
+    over = {m: n for m, n in readers.items() if n > PATTERN_READERS.get(m, 0)}
+    assert not over, f"modules reading a pattern key (ask config.layers instead): {over}"
+
+
 def test_the_import_graph_in_the_docs_is_the_codes() -> None:
     """docs/architecture.md lists each module's project imports (as house.py prints them): the list
     is the code's."""

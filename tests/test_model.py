@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from attention import CausalSelfAttention, rope_tables
 from conftest import VARIANTS, distinct, lively, static_steps_match, tiny_model
-from model import GPT, GPTConfig
+from model import GPT, LAYER_KINDS, GPTConfig
+from model_config import pattern_keys
 from smallgpt import fast_paths
 from smallgpt.generation import generate
 
@@ -76,6 +77,29 @@ def test_invalid_config_raises_one_clear_error(overrides: dict, names: list[str]
     assert "\n" not in msg and msg.startswith("invalid GPTConfig")
     for name in names:
         assert name in msg
+
+
+def test_the_layer_plan_is_each_layer_by_hand_and_its_keys_give_it_back() -> None:
+    """GPTConfig.layers over 5 layers from layer_pattern 'SSD' (the last layer's S gives way to
+    global attention) and rope_pattern 'RN' (tiled: N on layers 1 and 4), written out by hand;
+    then model_config.pattern_keys, its inverse, gives keys that build the same plan, for this
+    model and others (window_pattern's S and L, none but global, KDA with no positions)."""
+    shape = dict(n_layer=5, n_head=4, n_embd=32, pos_encoding="rope")
+    c = GPTConfig(**shape, layer_pattern="SSD", window=8, rope_pattern="RNRRN")
+    S, L, D = LAYER_KINDS["S"], LAYER_KINDS["L"], LAYER_KINDS["D"]
+    by_hand = [(S, 8, True), (S, 8, False), (D, None, True), (S, 8, True), (L, None, False)]
+    assert [(x.kind, x.window, x.rotary) for x in c.layers] == by_hand
+    assert c.layer_letters == "SSDSL" and c.positionless_layers == [1, 4]
+    others = [
+        c,
+        GPTConfig(**shape, window_pattern="SSL", window=4),
+        GPTConfig(**shape),
+        GPTConfig(**shape, layer_pattern="KKL", kv_lora_rank=8, rope_pattern="N"),
+    ]
+    for config in others:
+        keys = pattern_keys(config.layer_letters, [x.rotary for x in config.layers])
+        again = GPTConfig(**shape, window=config.window, kv_lora_rank=config.kv_lora_rank, **keys)
+        assert again.layers == config.layers, (config.layers, keys)
 
 
 @pytest.mark.parametrize("pos_encoding", ["learned", "rope"])
