@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kv_cache import Cache, KVCache, RingSpec, RowsSpec, StaticKVCache
-from layer_kind import Config, LayerKind, Mask, Mixer, Rope
+from kv_cache import Cache, RingSpec, RowsSpec, StaticKVCache
+from layer_kind import Config, LayerKind, Mask, Mixer, Rope, Tokens
 from smallgpt.fast_paths import Linear, joint_linear, sdpa
 
 NORM_EPS = 1e-5  # every RMSNorm's, as nn.LayerNorm's default (exported as Llama's rms_norm_eps)
@@ -387,29 +387,22 @@ class Attention(Mixer):
     def mask_key(self) -> Hashable:
         return ("attention", self.window)
 
-    def mask(
-        self,
-        T: int,
-        start: int,
-        pad: torch.Tensor | None,
-        device: torch.device,
-        kv_cache: KVCache | None,
-    ) -> Mask:
+    def mask(self, at: Tokens, cache: Cache | None) -> Mask:
+        if isinstance(cache, StaticKVCache):  # the fixed-shape step: one token at start (a tensor)
+            pos = at.start
+            # a global layer's slots hold positions 0..: over its first `length` it sees them all
+            if self.window is None:
+                if cache.length:
+                    return None
+                keys = torch.arange(cache.max_len, device=at.device)
+            else:  # a ring: the positions its slots hold
+                keys = ring_positions(pos + 1, cache.slots(self.layer), at.device)
+            return visible(pos, keys, self.window)[None, None, None, :]
         # a local layer's cache is a ring: its keys are the ring's slots
         ring = None
-        if self.window is not None and kv_cache is not None:
-            ring = kv_cache.slots(self.layer)
-        return attention_mask(T, start, pad, device, self.window, ring)
-
-    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
-        # a global layer's slots hold positions 0..: over its first `length` it sees them all
-        if self.window is None:
-            if cache.length:
-                return None
-            keys = torch.arange(cache.max_len, device=pos.device)
-        else:  # a ring: the positions its slots hold
-            keys = ring_positions(pos + 1, cache.slots(self.layer), pos.device)
-        return visible(pos, keys, self.window)[None, None, None, :]
+        if self.window is not None and cache is not None:
+            ring = cache.slots(self.layer)
+        return attention_mask(at.T, at.start, at.pad, at.device, self.window, ring)
 
 
 class CausalSelfAttention(Attention):

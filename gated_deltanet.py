@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention import RMSNorm
-from kv_cache import Cache, KVCache, StateSpec, StaticKVCache
-from layer_kind import Config, LayerKind, Mask, Mixer, Rope
+from kv_cache import Cache, StateSpec
+from layer_kind import Config, LayerKind, Mask, Mixer, Rope, Tokens
 from smallgpt import delta_rule, delta_rule_kernel
 from smallgpt.fast_paths import Linear
 
@@ -100,18 +100,9 @@ class Recurrence(Mixer):
         if kv_cache is not None:
             kv_cache.write_state(self.layer, inputs.transpose(1, 2), state)
 
-    def mask(
-        self,
-        T: int,
-        start: int,
-        pad: torch.Tensor | None,
-        device: torch.device,
-        kv_cache: KVCache | None,
-    ) -> Mask:
-        return real_tokens(T, start, pad, device)
-
-    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
-        return None  # one token a row, every row real
+    def mask(self, at: Tokens, cache: Cache | None) -> Mask:
+        # the fixed-shape step's one token a row is never padding: no mask
+        return real_tokens(at.T, at.start, at.pad, at.device)
 
     def mixing_flops(self, seq_len: int) -> int:
         # its products a token (delta_rule.chunked), about four over its chunk (q.k, k.k, the

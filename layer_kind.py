@@ -5,12 +5,13 @@ kind is a new file and a row: docs/architecture.md "Adding a kind of layer"."""
 
 import types
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Union, get_args, get_origin, get_type_hints
 
 import torch
 import torch.nn as nn
 
-from kv_cache import Cache, KVCache, Spec, StaticKVCache
+from kv_cache import Cache, Spec
 
 # model.GPTConfig, which the kinds read (model.py imports them, so they cannot import it)
 Config = Any
@@ -18,10 +19,23 @@ Rope = tuple[torch.Tensor, torch.Tensor] | None  # the rotary cos and sin at the
 Mask = torch.Tensor | None  # what a layer's queries see: attention's (B or 1, 1, T, Tk), or its own
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """Where a forward's tokens sit, as a mask reads it: T tokens a row from position start, each
+    row's left padding pad (B,) (None: no row is padded), on device. start is an int, or in the
+    fixed-shape step (smallgpt/static_step.py) a 1-element tensor: its one token's position, which
+    the host does not read (no sync)."""
+
+    T: int
+    start: int | torch.Tensor
+    pad: torch.Tensor | None
+    device: torch.device
+
+
 class Mixer(nn.Module):
     """A layer's mixer: forward(x, rope, mask, kv_cache) -> (B, T, n_embd), reading and writing
-    its own part of the cache through the Cache methods. GPT.forward computes each mask once for
-    the layers of one mask_key, by the first such layer's mask()."""
+    its own part of the cache through the Cache methods. GPT.blocks (every forward's loop)
+    computes each mask once for the layers of one mask_key, by the first such layer's mask()."""
 
     # its Linears whose weights AdamW takes under optimizer='muon' (smallgpt/optim.py), as for
     # the embeddings: none but where a kind says otherwise
@@ -53,19 +67,10 @@ class Mixer(nn.Module):
         """Layers of equal keys share one mask."""
         return type(self)
 
-    def mask(
-        self,
-        T: int,
-        start: int,
-        pad: torch.Tensor | None,
-        device: torch.device,
-        kv_cache: KVCache | None,
-    ) -> Mask:
-        """What the queries at start..start+T-1 see; pad (B,) counts each row's left padding."""
-        raise NotImplementedError
-
-    def static_mask(self, pos: torch.Tensor, cache: StaticKVCache) -> Mask:
-        """What the one token at the position held in pos sees in the static step's cache."""
+    def mask(self, at: Tokens, cache: Cache | None) -> Mask:
+        """What the tokens `at` (their positions and padding) see: over a KVCache (or none) in
+        GPT.forward, or over the fixed-shape step's StaticKVCache (one token a row, its position
+        in a tensor). The one declaration of what a kind's queries see, for both."""
         raise NotImplementedError
 
     def initial(self, name: str, generator: torch.Generator | None) -> torch.Tensor | None:
@@ -159,8 +164,8 @@ def runtime_types(hint: Any) -> tuple[type, ...]:
 
 def declaration_problems(kind: type[LayerKind]) -> list[str]:
     """What kind leaves out of what LayerKind asks with no default (its letter, name and
-    cache_spec; where it is its own mixer, Mixer's forward and mask, static_mask unless it
-    declares static_step, take_attention and keep_decay where it converts_attention), and each
+    cache_spec; where it is its own mixer, Mixer's forward and mask, take_attention and
+    keep_decay where it converts_attention), and each
     declaration of the wrong type: model.register_kind refuses a kind that has any, which would
     otherwise train and fail only when its model samples or exports."""
     missing = []
@@ -183,8 +188,6 @@ def declaration_problems(kind: type[LayerKind]) -> list[str]:
             mistyped.append("builds itself (build's default) but is no layer_kind.Mixer")
         else:
             required = ["forward", "mask"]
-            if not getattr(kind, "static_step", ""):  # the static step runs it
-                required.append("static_mask")
             if getattr(kind, "converts_attention", False):
                 required += ["take_attention", "keep_decay"]
             missing += [m for m in required if not overrides(kind, Mixer, m)]

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 import attention
 from attention import RMSNorm
 from kv_cache import Cache, KVCache
-from layer_kind import Mask, Mixer, Rope
+from layer_kind import Mask, Mixer, Rope, Tokens
 from model_config import (  # noqa: F401 (re-exported: `from model import GPTConfig` and the table)
     IMPORTED_KINDS,
     LAYER_KINDS,
@@ -232,17 +232,7 @@ class GPT(nn.Module):
         # the token embeddings, with the learned positions added or the rotary tables to apply
         x, rope = self.embed(idx, pos)  # (B, T, n_embd)
         x = self.transformer.drop(x)  # GPT-2's dropout on the embeddings, as on every residual
-        # each layer's mask by its kind's rule, computed once for the layers that share it (a
-        # causal one for global attention, a band for a window, a pad mask for a recurrence)
-        masks: dict[Hashable, Mask] = {}
-        for block in self.transformer.h:
-            key = block.attn.mask_key
-            if key not in masks:
-                masks[key] = block.attn.mask(T, start, pad, idx.device, kv_cache)
-        # the blocks, each reading and writing its own part of the cache (smallgpt/static_step.py
-        # keeps a copy of this loop for the fixed-shape steps: one loop is issue 87's point 3)
-        for block in self.transformer.h:
-            x = block(x, rope, masks[block.attn.mask_key], kv_cache)
+        x = self.blocks(x, rope, Tokens(T, start, pad, idx.device), kv_cache)
         # the cache now holds these T positions too
         if kv_cache is not None:
             kv_cache.pos += T
@@ -257,6 +247,20 @@ class GPT(nn.Module):
         # targets of -1 (MQAR's positions that are not answers, padding) count for nothing
         loss = F.cross_entropy(flat_logits, targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def blocks(self, x: torch.Tensor, rope: Rope, at: Tokens, cache: Cache | None) -> torch.Tensor:
+        """The blocks over x (B, T, n_embd), the tokens `at`: the one loop of every forward, this
+        model's and the fixed-shape step's (smallgpt/static_step.py, over its StaticKVCache)."""
+        # each layer's mask by its kind's rule, computed once for the layers that share it (a
+        # causal one for global attention, a band for a window, a pad mask for a recurrence)
+        masks: dict[Hashable, Mask] = {}
+        for block in self.transformer.h:
+            key = block.attn.mask_key
+            if key not in masks:
+                masks[key] = block.attn.mask(at, cache)
+            # each block reads and writes its own part of the cache
+            x = block(x, rope, masks[key], cache)
+        return x
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, Rope]:
         """Embeddings (B, T, n_embd) of idx (B, T) at positions pos, (T,) or (B, T), and the rotary

@@ -7,6 +7,7 @@ KVCache) computes the same logits (tests/test_model.py)."""
 import torch
 
 from kv_cache import KVCache
+from layer_kind import Tokens
 from model import GPT
 
 
@@ -20,12 +21,6 @@ def decode_static(
     x, rope = model.embed(idx, pos)
     # the cache as this step reads it: written at pos, read whole
     view = kv_cache.static(pos, length)
-    # each layer's mask by its kind's rule, once for the layers that share it
-    masks = {}
-    for block in model.transformer.h:
-        key = block.attn.mask_key
-        if key not in masks:
-            masks[key] = block.attn.static_mask(pos, view)
-    for block in model.transformer.h:
-        x = block(x, rope, masks[block.attn.mask_key], view)
+    # GPT.forward's loop of blocks, each kind's mask over this view (one token a row at pos)
+    x = model.blocks(x, rope, Tokens(1, pos, None, pos.device), view)
     return model.lm_head(model.transformer.ln_f(x))

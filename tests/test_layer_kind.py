@@ -249,7 +249,7 @@ class Nameless(Uncached):
     ("kind", "missing"),
     [
         (Uncached, "leaves out cache_spec"),
-        (Maskless, "leaves out mask, static_mask"),
+        (Maskless, "leaves out mask"),
         (Nameless, "has name=None, not a str; has attends='yes', not a bool"),
     ],
 )
