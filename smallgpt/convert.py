@@ -118,14 +118,14 @@ def for_uptraining(
             f"convert_layers out"
         )
     if target.recurrent_layers != model.config.recurrent_layers:
-        if target.kv_lora_rank is not None:
+        if target.attention_type == "MLA":
             raise UserError("a hybrid is converted from MHA, GQA or MQA: leave kv_lora_rank out")
         if target.n_kv_head != model.config.n_kv_head:
             model = convert_kv_heads(model, target.n_kv_head, method, seed)
         return hybridize.for_uptraining(
             model, target.layer_letters, steer.layers, steer.calibrate, steer.batches, seed
         )
-    if target.kv_lora_rank is None:
+    if target.attention_type != "MLA":
         return convert_kv_heads(model, target.n_kv_head, method, seed)
     # an RMSNorm on the latent has no MHA counterpart: the converted model has none
     if target.latent_norm:

@@ -45,7 +45,7 @@ def check_qwen(c: GPTConfig) -> None:
         "norm='rmsnorm' and mlp='swiglu'": (c.norm, c.mlp) != ("rmsnorm", "swiglu"),
         "pos_encoding='rope'": c.pos_encoding != "rope",
         "bias=False": c.bias,
-        "no MLA (kv_lora_rank)": c.kv_lora_rank is not None,
+        "no MLA (kv_lora_rank)": c.attention_type == "MLA",
         "no local layers (window)": c.window is not None,
         "no sinks (attn_sinks)": c.attn_sinks,
         "rotary positions on every layer (rope_pattern='R')": bool(c.positionless_layers),

@@ -57,7 +57,7 @@ def to_hybrid(
     sources_ok = global_attention_layers(model)
     for i in converted:
         if i not in sources_ok:
-            latent = model.config.kv_lora_rank is not None
+            latent = model.config.attention_type == "MLA"
             source = "MLA" if latent else model.config.layer_kinds[i].name
             raise UserError(
                 f"layer {i} is {source}: a {config.layer_kinds[i].name} layer is made from global "
@@ -213,7 +213,7 @@ def global_attention_layers(model: GPT) -> list[int]:
     """The layers to_hybrid can convert: global MHA, GQA or MQA (a kind's conversion_source, in
     a model without MLA's latent)."""
     config = model.config
-    if config.kv_lora_rank is not None:
+    if config.attention_type == "MLA":
         return []
     return [i for i, kind in enumerate(config.layer_kinds) if kind.conversion_source]
 
