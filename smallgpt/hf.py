@@ -9,6 +9,8 @@ writes the folder with a model card. Dropout is training's only: the exported mo
 
 import dataclasses
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,6 @@ from smallgpt.errors import UserError, first_line
 from smallgpt.hf_kimi import MODEL_TYPE as KIMI_TYPE
 from smallgpt.hf_kimi import check_kimi, from_kimi_linear, kimi_linear, wants_kimi
 from smallgpt.hf_llama import (
-    MODEL_TYPES,
     deepseek,
     from_llama_block,
     granite_swa,
@@ -49,28 +50,160 @@ STARCODER2_LAYER = {
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
-def target_class(config: Any) -> str:
-    """The transformers class that holds a model of config (a GPTConfig); one that none holds: a
-    UserError."""
+State = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Target:
+    """An export target: a stock transformers class and what moves a model to it and back. holds:
+    whether it is the class for a config (TARGETS' first that holds one is its class), raising
+    the UserError of what the class needs where the config is of its family but lacks some of it;
+    write: our config, weights and whether llama.cpp's converter reads it -> the class's name,
+    config and weights; model_types and read: the folders it reads back (config.json's
+    model_type -> our config and weights). A new family is a row (docs/architecture.md "Adding an
+    export target")."""
+
+    name: str
+    holds: Callable[[GPTConfig], bool]
+    write: Callable[[GPTConfig, State, bool], tuple[str, Any, State]]
+    model_types: tuple[str, ...]
+    read: Callable[[str, Any, State], tuple[GPTConfig, State]] | None
+
+
+def holds_kimi(c: GPTConfig) -> bool:
+    """KDA layers: Kimi Linear's class alone holds them (check_kimi says what else it needs)."""
+    if not wants_kimi(c):
+        return False
+    check_kimi(c)
+    return True
+
+
+def holds_qwen(c: GPTConfig) -> bool:
+    """Gated DeltaNet layers or Qwen3.5's attention options: Qwen3.5's class (check_qwen)."""
+    if not wants_qwen(c):
+        return False
+    check_qwen(c)
+    return True
+
+
+def llama_family(name: str) -> Callable[[GPTConfig], bool]:
+    """Whether hf_llama.llama_class picks this class of Llama's block (it refuses a model no stock
+    class holds exactly)."""
+    return lambda c: llama_class(c) == name
+
+
+def write_starcoder2(c: GPTConfig, sd: State, llama_cpp: bool) -> tuple[str, Any, State]:
+    """starcoder2, with zero biases where llama.cpp's converter reads it: its Starcoder2 requires
+    them."""
+    if llama_cpp and not c.bias:
+        sd = sd | zero_biases(sd)
+        c = dataclasses.replace(c, bias=True)
+    return starcoder2(c, sd)
+
+
+def read_starcoder2(folder: str, c: Any, sd: State) -> tuple[GPTConfig, State]:
+    return only_its_own(*from_starcoder2(c, sd, gelu_of(folder, c, sd)))
+
+
+def read_gpt_bigcode(folder: str, c: Any, sd: State) -> tuple[GPTConfig, State]:
+    return only_its_own(*from_gpt_bigcode(c, sd, gelu_of(folder, c, sd)))
+
+
+def only_its_own(config: GPTConfig, state: State) -> tuple[GPTConfig, State]:
+    """config, and of state the weights a model of config has: a GPT-2 block's folder holds more
+    (Starcoder2's zero LayerNorm biases where the model has none)."""
+    with torch.device("meta"):
+        names = GPT(config).state_dict().keys()
+    return config, {ours: t for ours, t in state.items() if ours in names}
+
+
+def gelu_of(folder: str, c: Any, sd: State) -> str:
+    """A Starcoder2 or GPTBigCode folder's GELU ('exact' or 'tanh'), once unheld finds nothing
+    this model cannot hold (else a UserError naming each)."""
+    act = getattr(c, "hidden_act", None) or getattr(c, "activation_function", None)
+    if bad := unheld(c, sd, act):
+        raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
+    return "exact" if act == "gelu" else "tanh"
+
+
+# The export targets, most specific first: a model goes to the first that holds it. Llama's
+# block's three classes read back through one reader (hf_llama.from_llama_block); GPT-2's folders
+# through from_hf (from_gpt2).
+TARGETS = (
+    Target(
+        "KimiLinearForCausalLM",
+        holds_kimi,
+        lambda c, sd, llama_cpp: kimi_linear(c, sd),
+        (KIMI_TYPE,),
+        from_kimi_linear,
+    ),
+    Target(
+        "Qwen3_5ForCausalLM",
+        holds_qwen,
+        lambda c, sd, llama_cpp: qwen35(c, sd),
+        (QWEN_TYPE,),
+        from_qwen35,
+    ),
+    Target(
+        "DeepseekV3ForCausalLM",
+        llama_family("DeepseekV3ForCausalLM"),
+        deepseek,
+        ("deepseek_v3",),
+        from_llama_block,
+    ),
+    Target(
+        "LlamaForCausalLM",
+        llama_family("LlamaForCausalLM"),
+        lambda c, sd, llama_cpp: llama(c, sd),
+        ("llama",),
+        from_llama_block,
+    ),
+    Target(
+        "GraniteSWAForCausalLM",
+        llama_family("GraniteSWAForCausalLM"),
+        lambda c, sd, llama_cpp: granite_swa(c, sd),
+        ("granite_swa",),
+        from_llama_block,
+    ),
+    Target(
+        "Starcoder2ForCausalLM",
+        lambda c: c.pos_encoding == "rope",
+        write_starcoder2,
+        ("starcoder2",),
+        read_starcoder2,
+    ),
+    Target(
+        "GPTBigCodeForCausalLM",
+        lambda c: c.attention_type == "MQA",
+        lambda c, sd, llama_cpp: gpt2(c, sd),
+        ("gpt_bigcode",),
+        read_gpt_bigcode,
+    ),
+    Target(
+        "GPT2LMHeadModel",
+        lambda c: True,
+        lambda c, sd, llama_cpp: gpt2(c, sd),
+        ("gpt2",),
+        None,
+    ),
+)
+
+
+def target(config: GPTConfig) -> Target:
+    """The export target of a model of config; one no class holds: a UserError."""
     # a kind of layer that no transformers class holds (its hf_layer_type is None)
     for kind in dict.fromkeys(config.layer_kinds):
         if kind.hf_layer_type is None:
-            pattern = getattr(config, config.pattern_key)
             raise UserError(
                 f"no transformers class holds {kind.name} layers ({kind.letter} in "
-                f"{config.pattern_key}={pattern!r}): this model cannot be exported"
+                f"layer_pattern={config.layer_letters!r}): this model cannot be exported"
             )
-    if wants_kimi(config):  # Kimi Delta Attention layers
-        check_kimi(config)
-        return "KimiLinearForCausalLM"
-    if wants_qwen(config):  # Gated DeltaNet layers, or Qwen3.5's attention
-        check_qwen(config)
-        return "Qwen3_5ForCausalLM"
-    if name := llama_class(config):
-        return name
-    if config.pos_encoding == "rope":
-        return "Starcoder2ForCausalLM"
-    return "GPTBigCodeForCausalLM" if config.attention_type == "MQA" else "GPT2LMHeadModel"
+    return next(row for row in TARGETS if row.holds(config))
+
+
+def target_class(config: GPTConfig) -> str:
+    """The transformers class that holds a model of config; one that none holds: a UserError."""
+    return target(config).name
 
 
 def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
@@ -80,25 +213,8 @@ def to_hf(model: GPT, llama_cpp: bool = False) -> Any:
     import transformers
 
     c = model.config
-    class_name = target_class(c)
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    if class_name == "KimiLinearForCausalLM":
-        cls_name, hf_config, state = kimi_linear(c, sd)
-    elif class_name == "Qwen3_5ForCausalLM":
-        cls_name, hf_config, state = qwen35(c, sd)
-    elif class_name == "DeepseekV3ForCausalLM":
-        cls_name, hf_config, state = deepseek(c, sd, llama_cpp)
-    elif class_name == "LlamaForCausalLM":
-        cls_name, hf_config, state = llama(c, sd)
-    elif class_name == "GraniteSWAForCausalLM":
-        cls_name, hf_config, state = granite_swa(c, sd)
-    elif c.pos_encoding == "rope":
-        if llama_cpp and not c.bias:  # llama.cpp's Starcoder2 requires biases: zeros
-            sd |= zero_biases(sd)
-            c = dataclasses.replace(c, bias=True)
-        cls_name, hf_config, state = starcoder2(c, sd)
-    else:
-        cls_name, hf_config, state = gpt2(c, sd)
+    cls_name, hf_config, state = target(c).write(c, sd, llama_cpp)
     hf = getattr(transformers, cls_name)(hf_config)
     missing, unexpected = hf.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embeddings
@@ -239,36 +355,19 @@ def gpt2_state(c: Any, sd: dict[str, torch.Tensor], mqa: bool) -> dict[str, torc
 
 
 def from_transformers(folder: str) -> GPT:
-    """This project's model from a Starcoder2, multi-query GPTBigCode, Llama, GraniteSWA or
-    DeepSeek-V3 folder (what export.py writes for all but GPT-2); what this model cannot hold
-    (untied embeddings, a sliding window shorter than the positions, another norm epsilon,
-    activation or rope type, LayerNorm biases without the others, experts) is refused in one line.
-    GPT-2 folders: from_hf."""
+    """This project's model from a folder of one of TARGETS' classes but GPT-2's (what export.py
+    writes for all but GPT-2: Starcoder2, GPTBigCode, Llama, GraniteSWA, DeepSeek-V3, Qwen3.5,
+    Kimi Linear); what this model cannot hold (untied embeddings, a sliding window shorter than
+    the positions, another norm epsilon, activation or rope type, experts, ...) is refused in one
+    line. GPT-2 folders: from_hf."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
     c = hf.config
     sd = {k: v.float() for k, v in hf.state_dict().items()}
-    if c.model_type == QWEN_TYPE:  # Gated DeltaNet hybrids
-        config, state = from_qwen35(folder, c, sd)
-        return with_weights(GPT(config), state)
-    if c.model_type == KIMI_TYPE:  # Kimi Delta Attention hybrids
-        config, state = from_kimi_linear(folder, c, sd)
-        return with_weights(GPT(config), state)
-    if c.model_type in MODEL_TYPES:  # Llama's block: Llama or DeepSeek-V3
-        config, state = from_llama_block(folder, c, sd)
-        return with_weights(GPT(config), state)
-    act = getattr(c, "hidden_act", None) or getattr(c, "activation_function", None)
-    if bad := unheld(c, sd, act):
-        raise UserError(f"{folder}: this model cannot hold {', '.join(bad)}")
-    gelu = "exact" if act == "gelu" else "tanh"
-    if c.model_type == "starcoder2":
-        config, state = from_starcoder2(c, sd, gelu)
-    else:
-        config, state = from_gpt_bigcode(c, sd, gelu)
-    model = GPT(config)
-    wanted = model.state_dict().keys()
-    return with_weights(model, {ours: t for ours, t in state.items() if ours in wanted})
+    row = next(row for row in TARGETS if c.model_type in row.model_types)
+    config, state = row.read(folder, c, sd)
+    return with_weights(GPT(config), state)
 
 
 def unheld(c: Any, sd: dict[str, torch.Tensor], act: str | None) -> list[str]:
@@ -470,7 +569,7 @@ def folder_model_type(folder: Path) -> str:
         kind = json.loads((folder / "config.json").read_text()).get("model_type")
     except (ValueError, AttributeError):
         kind = None
-    if kind not in ("gpt2", "starcoder2", "gpt_bigcode", QWEN_TYPE, KIMI_TYPE, *MODEL_TYPES):
+    if kind not in {t for row in TARGETS for t in row.model_types}:
         raise UserError(
             f"{folder} is not a GPT-2, Starcoder2 or GPTBigCode folder saved by "
             "save_pretrained, nor a Llama, DeepSeek-V3, Qwen3.5 or Kimi Linear one (config.json's "
