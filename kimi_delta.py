@@ -69,15 +69,15 @@ class KimiDeltaAttention(Recurrence, LayerKind):
         self.conv = nn.Parameter(torch.empty(3 * n_embd, 1, self.kernel))  # nn.Conv1d's shape
         # the decay's low-rank map (head_dim wide, as Kimi Linear's), its bias a channel, and
         # each head's rate
-        self.f_a = Linear(n_embd, hd, bias=False)
-        self.f_b = Linear(hd, n_embd, bias=False)
-        self.dt_bias = nn.Parameter(torch.empty(n_embd))
-        self.A_log = nn.Parameter(torch.empty(n_head))
-        self.c_b = Linear(n_embd, n_head, bias=bias)
+        self.f_a = Linear(n_embd, hd, bias=False)  # down to the rank (head_dim)
+        self.f_b = Linear(hd, n_embd, bias=False)  # back up: one rate a channel of every head's key
+        self.dt_bias = nn.Parameter(torch.empty(n_embd))  # n_embd = n_head x head_dim channels
+        self.A_log = nn.Parameter(torch.empty(n_head))  # one a head, scaling all its channels
+        self.c_b = Linear(n_embd, n_head, bias=bias)  # b: one write strength a head
         # the output gate's low-rank map
-        self.g_a = Linear(n_embd, hd, bias=False)
-        self.g_b = Linear(hd, n_embd, bias=False)
-        self.norm = RMSNorm(hd)
+        self.g_a = Linear(n_embd, hd, bias=False)  # down to the rank (head_dim)
+        self.g_b = Linear(hd, n_embd, bias=False)  # back up: one gate a feature
+        self.norm = RMSNorm(hd)  # over head_dim, one weight shared by the heads
         self.c_proj = Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -86,23 +86,31 @@ class KimiDeltaAttention(Recurrence, LayerKind):
         bound, A uniform in [1, 16], dt_bias the inverse softplus of a step log-uniform in
         [0.001, 0.1] (a channel each)."""
         if name == "conv":
+            # nn.Conv1d's default bound 1 / sqrt(fan_in), a depthwise channel's fan_in its kernel
             bound = self.kernel**-0.5
             return torch.empty(self.conv.shape).uniform_(-bound, bound, generator=generator)
         if name == "A_log":
+            # A = exp(A_log) in [1, 16] a head, as Gated DeltaNet's
             return torch.empty(self.n_head).uniform_(1.0, 16.0, generator=generator).log()
         if name == "dt_bias":
             low, high = math.log(0.001), math.log(0.1)
+            # n_embd steps: every head's channels, each a step of its own
             width = self.dt_bias.numel()
             dt = (torch.rand(width, generator=generator) * (high - low) + low).exp()
             return dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+        # anything else: GPT-2's rule (Mixer.initial)
         return None
 
     def decay(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """g (B, H, T, head_dim): each channel's decay's log, -exp(A_log) softplus(f_b(f_a(x)) +
         dt_bias), in dtype."""
         B, T, _ = x.shape
+        # the low-rank map to a rate a channel, (B, T, n_embd), plus each channel's bias
         rate = self.f_b(self.f_a(x)).to(dtype) + self.dt_bias.to(dtype)
+        # softplus keeps each rate positive; (B, T, H, head_dim): a head's channels together
         rates = F.softplus(rate).view(B, T, self.n_head, -1)
+        # A a head, broadcast over its channels: g <= 0, so each channel's decay exp(g) is in
+        # (0, 1]; then (B, H, T, head_dim), the rule's layout
         return (-self.A_log.to(dtype).exp()[:, None] * rates).transpose(1, 2)
 
     def forward(
@@ -115,21 +123,29 @@ class KimiDeltaAttention(Recurrence, LayerKind):
             x = x * mask[..., None]
         # the recurrence in fp32 whatever the autocast (or a float64 model's own dtype)
         q, k, v, state, inputs, _ = self.queries_keys_values(x, kv_cache)
+        # the recurrence's dtype (fp32, or float64), for b, g and the gate too
         wide = q.dtype
         b = torch.sigmoid(self.c_b(x).to(wide)).transpose(1, 2)  # (B, H, T)
         g = self.decay(x, wide)  # (B, H, T, head_dim)
         if mask is not None:  # a pad neither decays nor writes
+            # the mask (B, T) over the heads, and for g over each head's channels too
             b = b * mask[:, None]
             g = g * mask[:, None, :, None]
         with torch.autocast(x.device.type, enabled=False):
+            # one decoded token after a state: the step form, O(1) a token
             if T == 1 and state is not None:
                 o, state = delta_rule.recurrent(q, k, v, g, b, state)
             else:
+                # a CPU's compiled kernel, else the chunked form; no fla path here: the kernel
+                # kernels_for finds takes one decay a head
                 o, state = delta_rule.sequence(q, k, v, g, b, state, self.chunk)
+        # the state after these tokens, and the convolution's last inputs, for the next call
         self.remember(kv_cache, inputs, state)
         # each head's output normed, gated by sigmoid of the low-rank gate, then projected
         gate = self.g_b(self.g_a(x)).view(B, T, H, hd)
+        # o from the rule is (B, H, T, head_dim): heads back to dim 2, each normed over head_dim
         o = self.norm(o.transpose(1, 2)) * torch.sigmoid(gate.to(wide))  # (B, T, H, head_dim)
+        # back to the residual's dtype, the heads side by side again: (B, T, C)
         return self.resid_dropout(self.c_proj(o.to(x.dtype).reshape(B, T, C)))
 
     @classmethod
@@ -145,6 +161,7 @@ class KimiDeltaAttention(Recurrence, LayerKind):
     def hf_problems(cls, hf_config: Any) -> list[str]:
         """What a Kimi Linear config's KDA layers hold that this kind cannot."""
         c = hf_config
+        # our head_dim: hidden_size over the heads
         hd = c.hidden_size // c.num_attention_heads
         problems = []
         if (c.linear_num_heads, c.linear_head_dim) != (c.num_attention_heads, hd):

@@ -42,6 +42,7 @@ class MLP(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        # up to mlp_hidden for the activation, then back into the residual stream
         self.c_fc = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
         self.c_proj = Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
@@ -58,6 +59,7 @@ class SwiGLU(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        # three matrices, not two: mlp_hidden's default 8/3 n_embd keeps GPT-2's weight count
         self.c_gate = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
         self.c_fc = Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
         self.c_proj = Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
@@ -134,6 +136,7 @@ class GPT(nn.Module):
             table_shape = (config.block_size, config.rope_dim // 2)  # a frequency a pair
             self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
             self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
+        # the output head, (B, T, n_embd) -> (B, T, vocab_size)
         self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, https://arxiv.org/abs/1608.05859
         # every buffer and weight set here, none left to nn.Module's defaults (a model built on
@@ -161,6 +164,7 @@ class GPT(nn.Module):
         biases, LayerNorm weights one, stored by assign(param, values); meta parameters skipped.
         Given a seed, each is drawn whole on CPU from a generator seeded by (seed, its name): models
         of other shapes share every equal-shaped one; a larger one starts with a smaller's rows."""
+        # 2 n_layer: a block's mixer and its MLP each write once into the residual stream
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         # lm_head's weight is wte's (tied): named_parameters yields it once
         for name, p in self.named_parameters():
@@ -216,10 +220,10 @@ class GPT(nn.Module):
 
         idx (B, T) continues kv_cache (if any). pad (B,) counts each row's left-padding tokens (the
         cache's too): they are masked out and the row's positions start after them."""
-        B, T = idx.shape
+        B, T = idx.shape  # B rows of T new tokens each
         # these tokens' positions: after the cache's, and after each row's padding
         start = 0 if kv_cache is None else kv_cache.pos
-        end = start + T
+        end = start + T  # one past these tokens' last position
         block_size = self.config.block_size
         # learned positions and the rotary tables stop at block_size (generation slides a window)
         if end > block_size:
