@@ -117,6 +117,8 @@ class LayerKind:
     @classmethod
     def build(cls, config: Config, layer: int) -> Mixer:
         """The mixer of layer `layer` of a model of this config."""
+        # by default the kind is its own mixer; a kind of several forms (attention: MHA/GQA/MQA
+        # or MLA) overrides this to pick one
         return cls(config, layer)  # type: ignore[call-arg]
 
     @classmethod
@@ -151,14 +153,17 @@ def overrides(kind: type, base: type, member: str) -> bool:
     unimplemented)."""
     ours = getattr(kind, member, None)
     theirs = getattr(base, member)
+    # a classmethod is a new bound object at every lookup: compare the functions under them
     return getattr(ours, "__func__", ours) is not getattr(theirs, "__func__", theirs)
 
 
 def runtime_types(hint: Any) -> tuple[type, ...]:
     """The classes isinstance checks a value of this annotation against: str | None -> (str,
     NoneType), frozenset[str] -> (frozenset,)."""
+    # typing.Union (Optional[...]) and the | form are two spellings of one union
     if get_origin(hint) in (Union, types.UnionType):
         return tuple(get_origin(arg) or arg for arg in get_args(hint))
+    # a generic (frozenset[str], dict[str, str]) is checked by its class alone
     return (get_origin(hint) or hint,)
 
 
@@ -176,10 +181,12 @@ def declaration_problems(kind: type[LayerKind]) -> list[str]:
             missing.append(member)
             continue
         value = getattr(kind, member)
+        # ClassVar[T]'s T, as the classes isinstance takes
         expected = runtime_types(get_args(hint)[0])
         if not isinstance(value, expected):
             names = " or ".join(t.__name__ for t in expected)
             mistyped.append(f"has {member}={value!r}, not a {names}")
+    # every layer keeps something in the cache, so no default could be right
     if not overrides(kind, LayerKind, "cache_spec"):
         missing.append("cache_spec")
     # a kind that builds itself (the default build) is its own mixer
@@ -187,9 +194,12 @@ def declaration_problems(kind: type[LayerKind]) -> list[str]:
         if not issubclass(kind, Mixer):
             mistyped.append("builds itself (build's default) but is no layer_kind.Mixer")
         else:
+            # a mixer's forward and mask have no default: each kind's own
             required = ["forward", "mask"]
+            # a conversion from attention calls these two on the new layer
             if getattr(kind, "converts_attention", False):
                 required += ["take_attention", "keep_decay"]
             missing += [m for m in required if not overrides(kind, Mixer, m)]
+    # one line for what is missing, then one for each declaration of the wrong type
     problems = [f"leaves out {', '.join(missing)}"] if missing else []
     return problems + mistyped
