@@ -117,6 +117,43 @@ def test_llama_block_exports_with_our_logits_greedy_tokens_and_comes_back(
     )  # MLA's latent rows: scaled, then back
 
 
+def test_a_new_export_target_is_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family the table does not have, Mistral (Llama's block and weight names, no biases), added
+    as one row before Llama's: export.py's path (to_hf) picks its class for a model it holds, with
+    our logits, and from_hf reads its folder back (folder_model_type knows its model_type) to the
+    same model; a model with biases still goes to Llama's class."""
+    import transformers
+
+    from smallgpt import hf
+    from smallgpt.hf_llama import from_llama_block, llama, llama_class
+
+    def without_names(config: object) -> dict:
+        drop = ("model_type", "architectures", "transformers_version")
+        return {k: v for k, v in config.to_dict().items() if k not in drop}
+
+    def write(c: GPTConfig, sd: dict, llama_cpp: bool) -> tuple:
+        _, config, state = llama(c, sd)  # Mistral's config keys and weight names are Llama's
+        return "MistralForCausalLM", transformers.MistralConfig(**without_names(config)), state
+
+    def read(folder: str, c: object, sd: dict) -> tuple:
+        return from_llama_block(folder, transformers.LlamaConfig(**without_names(c)), sd)
+
+    def holds(c: GPTConfig) -> bool:
+        return llama_class(c) == "LlamaForCausalLM" and not c.bias
+
+    mistral = hf.Target("MistralForCausalLM", holds, write, ("mistral",), read)
+    monkeypatch.setattr(hf, "TARGETS", (mistral, *hf.TARGETS))
+    model, idx = sharp_model(n_kv_head=2), tokens()
+    exported = to_hf(model)
+    assert type(exported).__name__ == "MistralForCausalLM"
+    torch.testing.assert_close(logits(exported, idx), logits(model, idx), rtol=0, atol=1e-4)
+    exported.save_pretrained(tmp_path)
+    back = from_hf(str(tmp_path)).eval()
+    assert back.config == model.config
+    torch.testing.assert_close(logits(back, idx), logits(model, idx), rtol=0, atol=1e-4)
+    assert target_class(sharp_model(n_kv_head=2, bias=True).config) == "LlamaForCausalLM"
+
+
 def test_deepseek_folder_is_dense_with_rotary_halves_and_rescaled_latents(tmp_path: Path) -> None:
     model = sharp_model(kv_lora_rank=8, q_lora_rank=12)
     to_hf(model).save_pretrained(tmp_path)
