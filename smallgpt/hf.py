@@ -365,7 +365,13 @@ def from_transformers(folder: str) -> GPT:
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
     c = hf.config
     sd = {k: v.float() for k, v in hf.state_dict().items()}
-    row = next(row for row in TARGETS if c.model_type in row.model_types)
+    row = next((row for row in TARGETS if c.model_type in row.model_types and row.read), None)
+    if row is None:  # GPT-2's folders are from_hf's; any other type no row reads
+        raise UserError(
+            f"{folder}: model_type {c.model_type!r} is none that from_transformers reads "
+            f"({', '.join(t for row in TARGETS if row.read for t in row.model_types)}): "
+            "load a GPT-2 folder with from_hf"
+        )
     config, state = row.read(folder, c, sd)
     return with_weights(GPT(config), state)
 
