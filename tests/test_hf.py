@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same_greedy_tokens, cli
 from model import GPT, GPTConfig
 from smallgpt.errors import UserError
-from smallgpt.hf import from_hf, save, target_class, to_hf, tokenizer
+from smallgpt.hf import from_hf, from_transformers, save, target_class, to_hf, tokenizer
 
 
 def sharp_model(
@@ -100,6 +100,11 @@ def test_a_folder_this_model_cannot_hold_is_refused_in_one_line(tmp_path: Path) 
     hf.save_pretrained(tmp_path)
     with pytest.raises(UserError, match="cannot hold sliding_window=8, norm epsilon 1e-06"):
         from_hf(str(tmp_path))
+    # a GPT-2 folder given to from_transformers (from_hf's to read): one line, not a traceback
+    gpt2 = tmp_path / "gpt2"
+    to_hf(sharp_model("learned", 4, True)).save_pretrained(gpt2)
+    with pytest.raises(UserError, match="model_type 'gpt2' is none that from_transformers reads"):
+        from_transformers(str(gpt2))
 
 
 def one_line(r: object, *parts: str) -> None:
