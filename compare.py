@@ -407,23 +407,27 @@ def parse(argv: list[str]) -> tuple[CompareConfig, TrainConfig]:
     return cfg, base
 
 
+def unread(keys: list[str], why: str, fix: str) -> UserError:
+    """The refusal of keys that steer what no run of the sweep does: '<keys> steer <why>: add
+    <fix>, or leave <keys> out'."""
+    names = ", ".join(keys)
+    verb = "steers" if len(keys) == 1 else "steer"
+    return UserError(f"{names} {verb} {why}: add {fix}, or leave {names} out")
+
+
 def check_conversion_keys(cfg: CompareConfig, given: dict) -> None:
     """train.py's keys that steer a conversion (CONVERSION_KEYS, given) reach a run that reads
     them: a conversion, and for the teacher's keys one that distills; a UserError otherwise."""
     if given and not cfg.convert:
-        keys = ", ".join(given)
-        verb = "steers" if len(given) == 1 else "steer"
-        raise UserError(
-            f"{keys} {verb} train.py's conversions and this sweep converts nothing: add "
-            f"--convert=True, or leave {keys} out"
+        raise unread(
+            list(given), "train.py's conversions and this sweep converts nothing", "--convert=True"
         )
     distilling = [k for k in ("teacher", "distill_ce") if k in given]
     if distilling and not cfg.uptrain_distill:
-        keys = ", ".join(distilling)
-        verb = "steers" if len(distilling) == 1 else "steer"
-        raise UserError(
-            f"{keys} {verb} a distillation and the conversions uptrain on the data alone: add "
-            f"--uptrain_distill=logits, or leave {keys} out"
+        raise unread(
+            distilling,
+            "a distillation and the conversions uptrain on the data alone",
+            "--uptrain_distill=logits",
         )
     if cfg.uptrain_distill and not any(cfg.uptrain_fractions):
         raise UserError(
