@@ -231,6 +231,9 @@ class CachedSteps:
         self.kv_cache: KVCache | None = None
         self.pad: torch.Tensor | None = None  # the cache's left padding of each row
         self.fast: Callable | None = None
+        # whether fast_step was asked: once, since its answer (None on a CPU without compile)
+        # holds for this cache, and asking reads every layer's kind
+        self.fast_asked = False
 
     def __call__(
         self, tokens: torch.Tensor, start: list[int], n: int, slid: list[int], keep: int
@@ -251,8 +254,9 @@ class CachedSteps:
             self.pad = refill_rows(model, kv_cache, tokens, slid, n, keep, self.pad)
         if kv_cache.pos == kv_cache.max_len:
             self.pad = compact(kv_cache, self.pad)
-        if self.pad is None and self.fast is None:
+        if self.pad is None and not self.fast_asked:
             self.fast = fast_step(model, kv_cache, self.cuda_graph, self.compile_step)
+            self.fast_asked = True
         last = tokens[:, n - 1 : n]
         if self.pad is None and self.fast is not None:
             return self.fast(last)
