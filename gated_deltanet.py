@@ -105,9 +105,11 @@ class Recurrence(Mixer):
         qkv, inputs = short_convolution(qkv, self.conv, conv_in)  # (B, T, 3 C)
         # fp32 for the recurrence (float64 stays float64): its state sums over every token
         wide = torch.promote_types(products, torch.float32)
-        # c_qkv's rows are [q | k | v], each head by head: (B, T, 3, H, head_dim) to
-        # (3, B, H, T, head_dim), then one (B, H, T, head_dim) each
-        q, k, v = qkv.to(wide).view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        # c_qkv's rows are [q | k | v], each head by head: views (B, H, T, head_dim) of the
+        # (B, T, H, head_dim) thirds, which the kernel reads as they lie. Split, their gradients
+        # join in one copy (unbound from a permuted view: a stack, then a copy into the layout)
+        thirds = qkv.to(wide).split(C, dim=-1)
+        q, k, v = (x.view(B, T, self.n_head, -1).transpose(1, 2) for x in thirds)
         # q scaled by head_dim^-0.5 as attention's scores are: the rule itself applies no scale
         return l2_normalised(q) * self.head_dim**-0.5, l2_normalised(k), v, state, inputs, products
 

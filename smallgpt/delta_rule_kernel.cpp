@@ -40,18 +40,46 @@
 
 namespace {
 
-// The pointers and sizes of one (batch, head): q, k (T, d_k), v (T, d_v), g (T, d_g), b (T).
+// q, k (T, d_k), v (T, d_v), g (T, d_g) and b (T) of one (batch, head), or their gradients: each
+// a pointer to its token 0 and the step between its tokens. A token's features are contiguous,
+// its tokens need not be: the layers hand in views of their (B, T, H, d) products, which a copy
+// into (B, H, T, d) would cost a pass over each (docs/performance-cpu.md).
+template <typename T>
+struct Rows {
+    T* q;
+    T* k;
+    T* v;
+    T* g;
+    T* b;
+    int64_t q_step;
+    int64_t k_step;
+    int64_t v_step;
+    int64_t g_step;
+    int64_t b_step;
+
+    T* q_at(int64_t t) const { return q + t * q_step; }
+    T* k_at(int64_t t) const { return k + t * k_step; }
+    T* v_at(int64_t t) const { return v + t * v_step; }
+    T* g_at(int64_t t) const { return g + t * g_step; }
+    T& b_at(int64_t t) const { return b[t * b_step]; }
+};
+
+// The inputs of one (batch, head) and its sizes.
 template <typename scalar_t>
-struct Head {
-    const scalar_t* q;
-    const scalar_t* k;
-    const scalar_t* v;
-    const scalar_t* g;
-    const scalar_t* b;
+struct Head : Rows<const scalar_t> {
     int64_t T;
     int64_t d_k;
     int64_t d_v;
     int64_t d_g;
+};
+
+// A (T, d) matrix of one (batch, head), its tokens `step` apart: the outputs or their gradients.
+template <typename T>
+struct Tokens {
+    T* data;
+    int64_t step;
+
+    T* at(int64_t t) const { return data + t * step; }
 };
 
 // The decay of key channel i at token t, a_t = exp(g_t) (given: torch exponentiates them
@@ -59,7 +87,7 @@ struct Head {
 // decay, or the channel's own.
 template <typename scalar_t>
 inline scalar_t decay_at(const Head<scalar_t>& h, int64_t t, int64_t i) {
-    return h.g[t * h.d_g + (h.d_g == 1 ? 0 : i)];
+    return h.g_at(t)[h.d_g == 1 ? 0 : i];
 }
 
 // One pass over S (d_k x d_v) for token t, the write of the token before still pending in S
@@ -75,8 +103,8 @@ inline void step(const Head<scalar_t>& h, int64_t t, scalar_t* S, const scalar_t
     const int64_t d_v = DV > 0 ? DV : h.d_v;
     const int64_t d_k = DV > 0 ? DV : h.d_k;
     
-    const scalar_t* k = h.k + t * d_k;
-    const scalar_t* q = h.q + t * d_k;
+    const scalar_t* k = h.k_at(t);
+    const scalar_t* q = h.q_at(t);
     std::fill(miss, miss + d_v, scalar_t(0));
     std::fill(read, read + d_v, scalar_t(0));
     scalar_t kq = 0;
@@ -100,8 +128,8 @@ inline void step(const Head<scalar_t>& h, int64_t t, scalar_t* S, const scalar_t
             read[j] += qi * D;
         }
     }
-    const scalar_t* v = h.v + t * d_v;
-    const scalar_t b = h.b[t];
+    const scalar_t* v = h.v_at(t);
+    const scalar_t b = h.b_at(t);
 #pragma omp simd
     for (int64_t j = 0; j < d_v; ++j) {
         miss[j] = v[j] - miss[j];
@@ -128,7 +156,7 @@ inline void apply_write(const scalar_t* S, const scalar_t* k, const scalar_t* u,
 }
 
 template <typename scalar_t, int DV>
-void forward_head(const Head<scalar_t>& h, const scalar_t* state, scalar_t* out,
+void forward_head(const Head<scalar_t>& h, const scalar_t* state, Tokens<scalar_t> out,
                   scalar_t* final_state, scalar_t* checkpoints, int64_t chunk) {
     // the state's sides: constants where forward()/backward() dispatched a square state's size
     const int64_t d_v = DV > 0 ? DV : h.d_v;
@@ -148,8 +176,8 @@ void forward_head(const Head<scalar_t>& h, const scalar_t* state, scalar_t* out,
         }
         scalar_t* no_before = nullptr;
         step<scalar_t, DV>(h, t, S.data(), k_prev, u.data(), no_before, miss.data(), read.data(),
-                           out + t * d_v);
-        k_prev = h.k + t * d_k;
+                           out.at(t));
+        k_prev = h.k_at(t);
     }
     apply_write(S.data(), k_prev, u.data(), d_k, d_v, final_state);
 }
@@ -159,26 +187,26 @@ void forward_head(const Head<scalar_t>& h, const scalar_t* state, scalar_t* out,
 // which the token's prediction and decay ("B") read.
 template <typename scalar_t, int DV>
 inline void finish_correction(const Head<scalar_t>& h, int64_t t, const scalar_t* du,
-                              const scalar_t* miss, scalar_t* dv, scalar_t* db, scalar_t* dp) {
+                              const scalar_t* miss, const Rows<scalar_t>& d, scalar_t* dp) {
     // the state's sides: constants where forward()/backward() dispatched a square state's size
     const int64_t d_v = DV > 0 ? DV : h.d_v;
     const int64_t d_k = DV > 0 ? DV : h.d_k;
-    const scalar_t b = h.b[t];
+    const scalar_t b = h.b_at(t);
     scalar_t dbt = 0;
-    scalar_t* dv_t = dv + t * d_v;
+    scalar_t* dv_t = d.v_at(t);
 #pragma omp simd reduction(+ : dbt)
     for (int64_t j = 0; j < d_v; ++j) {
         dbt += du[j] * miss[j];
         dv_t[j] = b * du[j];
         dp[j] = -b * du[j];
     }
-    db[t] = dbt;
+    d.b_at(t) = dbt;
 }
 
 template <typename scalar_t, int DV>
-void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const scalar_t* d_out,
-                   const scalar_t* d_final, int64_t chunk, scalar_t* dq, scalar_t* dk, scalar_t* dv,
-                   scalar_t* dg, scalar_t* db, scalar_t* d_state) {
+void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints,
+                   Tokens<const scalar_t> d_out, const scalar_t* d_final, int64_t chunk,
+                   const Rows<scalar_t>& d, scalar_t* d_state) {
     // the state's sides: constants where forward()/backward() dispatched a square state's size
     const int64_t d_v = DV > 0 ? DV : h.d_v;
     const int64_t d_k = DV > 0 ? DV : h.d_k;
@@ -210,7 +238,7 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
             step<scalar_t, DV>(h, t0 + m, S.data(), k_prev, u.data(), states.data() + m * size,
                  misses.data() + m * d_v, read.data(), static_cast<scalar_t*>(nullptr));
             std::copy(u.begin(), u.end(), us.begin() + m * d_v);
-            k_prev = h.k + (t0 + m) * d_k;
+            k_prev = h.k_at(t0 + m);
         }
         apply_write(S.data(), k_prev, u.data(), d_k, d_v, states.data() + len * size);
         // A of the chunk's last token alone: its read and write, with S_t the state after it
@@ -220,9 +248,9 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
             const scalar_t* u_s = us.data() + (len - 1) * d_v;
             std::fill(du.begin(), du.end(), scalar_t(0));
             for (int64_t i = 0; i < d_k; ++i) {
-                const scalar_t qi = h.q[s * d_k + i];
-                const scalar_t ki = h.k[s * d_k + i];
-                const scalar_t* do_s = d_out + s * d_v;
+                const scalar_t qi = h.q_at(s)[i];
+                const scalar_t ki = h.k_at(s)[i];
+                const scalar_t* do_s = d_out.at(s);
                 scalar_t* Gi = G.data() + i * d_v;
                 const scalar_t* Si = S_s + i * d_v;
                 scalar_t dqi = 0;
@@ -234,11 +262,11 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
                     dki += Gi[j] * u_s[j];
                     du[j] += Gi[j] * ki;
                 }
-                dq[s * d_k + i] = dqi;
-                dk[s * d_k + i] = dki;
+                d.q_at(s)[i] = dqi;
+                d.k_at(s)[i] = dki;
             }
             const scalar_t* miss_s = misses.data() + (len - 1) * d_v;
-            finish_correction<scalar_t, DV>(h, s, du.data(), miss_s, dv, db, dp.data());
+            finish_correction<scalar_t, DV>(h, s, du.data(), miss_s, d, dp.data());
         }
         // then one pass a token: B of token t (its prediction and decay) with A of token s = t - 1,
         // both reading S_{t-1} = S_s (states[m])
@@ -248,19 +276,19 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
             const bool fused = m > 0;  // the chunk's first token's A is the previous chunk's
             const scalar_t* S_s = states.data() + m * size;
             const scalar_t* u_s = fused ? us.data() + (m - 1) * d_v : nullptr;
-            const scalar_t* do_s = fused ? d_out + s * d_v : nullptr;
+            const scalar_t* do_s = fused ? d_out.at(s) : nullptr;
             std::fill(du.begin(), du.end(), scalar_t(0));
             scalar_t dg_head = 0;
             for (int64_t i = 0; i < d_k; ++i) {
                 const scalar_t a = decay_at(h, t, i);
-                const scalar_t kt = h.k[t * d_k + i];
+                const scalar_t kt = h.k_at(t)[i];
                 scalar_t* Gi = G.data() + i * d_v;
                 const scalar_t* Si = S_s + i * d_v;
                 scalar_t dkt = 0;
                 scalar_t dgr = 0;
                 if (fused) {
-                    const scalar_t qs = h.q[s * d_k + i];
-                    const scalar_t ks = h.k[s * d_k + i];
+                    const scalar_t qs = h.q_at(s)[i];
+                    const scalar_t ks = h.k_at(s)[i];
                     scalar_t dqs = 0;
                     scalar_t dks = 0;
 #pragma omp simd reduction(+ : dkt, dgr, dqs, dks)
@@ -277,8 +305,8 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
                         dks += g_s * u_s[j];
                         du[j] += g_s * ks;
                     }
-                    dq[s * d_k + i] = dqs;
-                    dk[s * d_k + i] = dks;
+                    d.q_at(s)[i] = dqs;
+                    d.k_at(s)[i] = dks;
                 } else {
 #pragma omp simd reduction(+ : dkt, dgr)
                     for (int64_t j = 0; j < d_v; ++j) {
@@ -289,20 +317,19 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
                         Gi[j] = a * dD;
                     }
                 }
-                dk[t * d_k + i] += dkt;
+                d.k_at(t)[i] += dkt;
                 if (h.d_g == 1) {
                     dg_head += dgr;
                 } else {
-                    dg[t * d_k + i] = dgr;
+                    d.g_at(t)[i] = dgr;
                 }
             }
             if (h.d_g == 1) {
-                dg[t] = dg_head;
+                d.g_at(t)[0] = dg_head;
             }
             if (fused) {
                 const scalar_t* miss_s = misses.data() + (m - 1) * d_v;
-                finish_correction<scalar_t, DV>(h, s, du.data(), miss_s, dv, db,
-                                  dp_next.data());
+                finish_correction<scalar_t, DV>(h, s, du.data(), miss_s, d, dp_next.data());
                 std::swap(dp, dp_next);
             }
         }
@@ -310,22 +337,28 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints, const s
     std::copy(G.begin(), G.end(), d_state);
 }
 
+// row (batch, head) bh of x (B, H, T, ...): its token 0, H heads a batch row
+template <typename T>
+T* row_of(const torch::Tensor& x, int64_t bh, int64_t H) {
+    return static_cast<T*>(x.data_ptr()) + (bh / H) * x.stride(0) + (bh % H) * x.stride(1);
+}
+
+// q, k, v, g and b of (batch, head) bh, or their gradients (T: const or not)
+template <typename T>
+Rows<T> rows_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                const torch::Tensor& g, const torch::Tensor& b, int64_t bh) {
+    const int64_t H = q.size(1);
+    return Rows<T>{row_of<T>(q, bh, H), row_of<T>(k, bh, H), row_of<T>(v, bh, H),
+                   row_of<T>(g, bh, H), row_of<T>(b, bh, H), q.stride(2), k.stride(2),
+                   v.stride(2), g.stride(2), b.stride(2)};
+}
+
 template <typename scalar_t>
 Head<scalar_t> head_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                        const torch::Tensor& g, const torch::Tensor& b, int64_t bh) {
-    const int64_t T = q.size(2);
-    const int64_t d_k = q.size(3);
-    const int64_t d_v = v.size(3);
     const int64_t d_g = g.size(3);  // 1: a decay a head
-    return Head<scalar_t>{q.data_ptr<scalar_t>() + bh * T * d_k,
-                          k.data_ptr<scalar_t>() + bh * T * d_k,
-                          v.data_ptr<scalar_t>() + bh * T * d_v,
-                          g.data_ptr<scalar_t>() + bh * T * d_g,
-                          b.data_ptr<scalar_t>() + bh * T,
-                          T,
-                          d_k,
-                          d_v,
-                          d_g};
+    return Head<scalar_t>{rows_of<const scalar_t>(q, k, v, g, b, bh), q.size(2), q.size(3),
+                          v.size(3), d_g};
 }
 
 // f(std::integral_constant<int, W>) for a square state's side W where it is a common head size
@@ -352,9 +385,11 @@ inline void with_width(int64_t d_v, F f) {
 
 }  // namespace
 
-// q, k (B, H, T, d_k), v (B, H, T, d_v), the decays a = exp(g) (B, H, T, d_g), b (B, H, T), state
-// (B, H, d_k, d_v), all contiguous and of one type: the outputs (B, H, T, d_v), the final state and
-// the checkpoints (B, H, ceil(T / chunk), d_k, d_v).
+// q, k (B, H, T, d_k), v (B, H, T, d_v), the decays a = exp(g) (B, H, T, d_g), b (B, H, T), of one
+// type, each token's features contiguous (a token's rows may be apart: views of (B, T, H, d)),
+// and the state (B, H, d_k, d_v), contiguous: the outputs (B, H, T, d_v), laid out (B, T, H,
+// d_v) as the layers read them, the final state and the checkpoints (B, H, ceil(T / chunk), d_k,
+// d_v).
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                    torch::Tensor g, torch::Tensor b, torch::Tensor state,
                                    int64_t chunk) {
@@ -365,7 +400,7 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
     const int64_t d_v = v.size(3);
     const int64_t size = d_k * d_v;
     const int64_t n = (T + chunk - 1) / chunk;
-    auto out = torch::empty({B, H, T, d_v}, q.options());
+    auto out = torch::empty({B, T, H, d_v}, q.options()).transpose(1, 2);
     auto final_state = torch::empty({B, H, d_k, d_v}, q.options());
     auto checkpoints = torch::empty({B, H, n, d_k, d_v}, q.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "delta_rule_forward", [&] {
@@ -373,7 +408,7 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
                 const scalar_t* state_bh = state.data_ptr<scalar_t>() + bh * size;
-                scalar_t* out_bh = out.data_ptr<scalar_t>() + bh * T * d_v;
+                Tokens<scalar_t> out_bh{row_of<scalar_t>(out, bh, H), out.stride(2)};
                 scalar_t* final_bh = final_state.data_ptr<scalar_t>() + bh * size;
                 scalar_t* checkpoints_bh = checkpoints.data_ptr<scalar_t>() + bh * n * size;
                 with_width(d_k == d_v ? d_v : 0, [&](auto width) {
@@ -387,42 +422,38 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 }
 
 // The gradients of q, k, v, g (the log decays: dL/dg = a dL/da), b and the initial state, from
-// those of the outputs and the final state (the inputs as forward took them, and its checkpoints).
+// those of the outputs (laid out as the inputs may be) and the final state (contiguous), the
+// inputs as forward took them and its checkpoints. Each gradient is laid out as its input is
+// (empty_like's rule: a view with gaps between its tokens gets a dense layout of the same order).
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     torch::Tensor g, torch::Tensor b, torch::Tensor checkpoints,
                                     torch::Tensor d_out, torch::Tensor d_final, int64_t chunk) {
     const int64_t B = q.size(0);
     const int64_t H = q.size(1);
-    const int64_t T = q.size(2);
     const int64_t d_k = q.size(3);
     const int64_t d_v = v.size(3);
-    const int64_t d_g = g.size(3);  // 1: a decay a head
     const int64_t size = d_k * d_v;
     const int64_t n = checkpoints.size(2);
-    // contiguous, whatever strides a size-1 dimension of an input has (the fake does the same)
-    auto dq = torch::empty(q.sizes(), q.options());
-    auto dk = torch::empty(k.sizes(), k.options());
-    auto dv = torch::empty(v.sizes(), v.options());
-    auto dg = torch::empty(g.sizes(), g.options());
-    auto db = torch::empty(b.sizes(), b.options());
+    auto dq = torch::empty_like(q);
+    auto dk = torch::empty_like(k);
+    auto dv = torch::empty_like(v);
+    auto dg = torch::empty_like(g);
+    auto db = torch::empty_like(b);
     auto d_state = torch::empty({B, H, d_k, d_v}, q.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "delta_rule_backward", [&] {
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
+                auto d = rows_of<scalar_t>(dq, dk, dv, dg, db, bh);
                 const scalar_t* checkpoints_bh = checkpoints.data_ptr<scalar_t>() + bh * n * size;
-                const scalar_t* d_out_bh = d_out.data_ptr<scalar_t>() + bh * T * d_v;
+                Tokens<const scalar_t> d_out_bh{row_of<const scalar_t>(d_out, bh, H),
+                                                d_out.stride(2)};
                 const scalar_t* d_final_bh = d_final.data_ptr<scalar_t>() + bh * size;
-                scalar_t* dq_bh = dq.data_ptr<scalar_t>() + bh * T * d_k;
-                scalar_t* dk_bh = dk.data_ptr<scalar_t>() + bh * T * d_k;
-                scalar_t* dv_bh = dv.data_ptr<scalar_t>() + bh * T * d_v;
-                scalar_t* dg_bh = dg.data_ptr<scalar_t>() + bh * T * d_g;
-                scalar_t* db_bh = db.data_ptr<scalar_t>() + bh * T;
                 scalar_t* d_state_bh = d_state.data_ptr<scalar_t>() + bh * size;
                 with_width(d_k == d_v ? d_v : 0, [&](auto width) {
                     constexpr int W = decltype(width)::value;
-                    backward_head<scalar_t, W>(h, checkpoints_bh, d_out_bh, d_final_bh, chunk,
-                                               dq_bh, dk_bh, dv_bh, dg_bh, db_bh, d_state_bh);
+                    backward_head<scalar_t, W>(h, checkpoints_bh, d_out_bh, d_final_bh, chunk, d,
+                                               d_state_bh);
                 });
             }
         });

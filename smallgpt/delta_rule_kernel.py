@@ -130,18 +130,26 @@ def delta_rule_op(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's forward: q, k (B, H, T, d_k), v (B, H, T, d_v), g (B, H, T, 1 or d_k), b
-    (B, H, T), state (B, H, d_k, d_v), of one float type; its outputs contiguous. The kernel
-    takes the decays exp(g), exponentiated here by torch (vectorised: one exp a channel and token
-    in the kernel's loop cost as much as the rest of it)."""
-    inputs = (x.contiguous() for x in (q, k, v, g.exp(), b, state))
-    return tuple(kernel().forward(*inputs, CHECKPOINT))
+    (B, H, T), state (B, H, d_k, d_v), of one float type. The outputs are laid out (B, T, H, d_v)
+    (what the layers read next), the final state and checkpoints contiguous. q, k, v and g may be
+    views of a (B, T, H, d) layout (the layers' products): the kernel steps over their tokens as
+    they lie. It takes the decays exp(g), exponentiated here by torch (vectorised: one exp a
+    channel and token in the kernel's loop cost as much as the rest of it)."""
+    q, k, v, g = (features_contiguous(x) for x in (q, k, v, g.exp()))
+    return tuple(kernel().forward(q, k, v, g, b, state.contiguous(), CHECKPOINT))
+
+
+def features_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy where a token's features (its last dimension) are not side by side, which is
+    all the kernel asks of a layout."""
+    return x if x.size(-1) == 1 or x.stride(-1) == 1 else x.contiguous()
 
 
 @delta_rule_op.register_fake
 def _(q, k, v, g, b, state):  # noqa: ANN001, ANN202
     B, H, T, d_k = q.shape
     n = math.ceil(T / CHECKPOINT)
-    out = q.new_empty(B, H, T, v.shape[-1])
+    out = q.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)
     return out, state.new_empty(state.shape), q.new_empty(B, H, n, d_k, v.shape[-1])
 
 
@@ -160,8 +168,9 @@ def delta_rule_backward_op(
     """The kernel's backward: the gradients of q, k, v, g, b and the initial state, each laid out
     as its input is (as torch.compile's fake implementation below says they are)."""
     inputs = (q, k, v, g, b, state)
-    flat = (x.contiguous() for x in (q, k, v, g.exp(), b, checkpoints, d_out, d_final))
-    grads = kernel().backward(*flat, CHECKPOINT)
+    q_, k_, v_, a, d_out = (features_contiguous(x) for x in (q, k, v, g.exp(), d_out))
+    states = checkpoints.contiguous()
+    grads = kernel().backward(q_, k_, v_, a, b, states, d_out, d_final.contiguous(), CHECKPOINT)
     return tuple(laid_out_as(x, grad) for x, grad in zip(inputs, grads, strict=True))
 
 

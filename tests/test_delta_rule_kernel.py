@@ -123,6 +123,35 @@ def test_the_op_passes_torch_librarys_opcheck() -> None:
     torch.library.opcheck(delta_rule_kernel.delta_rule_op, args)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
+def test_views_of_the_layers_layout_give_the_contiguous_results(per_channel: bool) -> None:
+    """q, k and v as the recurrent layers hand them in (views of the (B, T, H, d) thirds of one
+    (B, T, 3 C) product, v's tokens 3 C apart), g and b as (B, T, H) transposed: the kernel reads
+    them where they lie and gives the contiguous inputs' outputs, final state and gradients, the
+    same numbers; its outputs laid out (B, T, H, d); the op's fake agrees (opcheck)."""
+    B, H, T, d = 2, 3, CHECKPOINT + 6, 8
+    xs = sharp_inputs(B, H, T, per_channel, torch.float32, d=d, d_v=d)
+    q, k, v, g, b = (x.detach() for x in xs[:5])
+    state = xs[5]
+    # the layer's layouts: one (B, T, 3 C) tensor of [q | k | v], heads side by side
+    packed = torch.cat([x.transpose(1, 2).reshape(B, T, H * d) for x in (q, k, v)], -1)
+    packed.requires_grad_()
+    g_rows = g.transpose(1, 2).contiguous().requires_grad_()  # (B, T, H) or (B, T, H, d)
+    b_rows = b.transpose(1, 2).contiguous().requires_grad_()
+    views = [x.view(B, T, H, d).transpose(1, 2) for x in packed.split(H * d, dim=-1)]
+    views += [g_rows.transpose(1, 2), b_rows.transpose(1, 2)]
+    assert views[2].stride(2) == 3 * H * d and not views[2].is_contiguous()
+    got = gradients(delta_rule_kernel.run, [*views, state])
+    assert got[0].transpose(1, 2).is_contiguous()  # the outputs as the layer reads them
+    want = gradients(delta_rule_kernel.run, [x.clone().requires_grad_() for x in xs])
+    for name, a, c in zip(NAMES, got, want, strict=True):
+        assert torch.equal(a, c), name
+    per_head_g = views[3] if per_channel else views[3][..., None]
+    torch.library.opcheck(
+        delta_rule_kernel.delta_rule_op, [*views[:3], per_head_g, *views[4:], state]
+    )
+
+
 def test_a_planted_bug_fails_the_comparison() -> None:
     """The comparison above catches a dropped decay, a transposed state (its initial state read as
     its transpose) and a backward that skips the last span of tokens."""
