@@ -1,0 +1,172 @@
+"""Recall capacity curves (docs/compare.md, issue 88): for each variant, MQAR accuracy against the
+number of key-value pairs at one width, each cell at the variant's best learning rate there, and
+the curve's knee, the largest pair count the variant recalls in every seed. Zoology (arXiv
+2312.04927) reads its verdicts from where such curves bend, not from how many seeds of one hard
+setting escape a plateau: a knee that moves with the share of attention is a resolved verdict
+where a solved count of 1/5 against 3/5 is not.
+
+Everything here is computed from per-run results (a variant, a pair count, a seed, a rate and
+the test accuracy: `Result`), which `write_results` and `read_results` keep as a small CSV, so a
+table is regenerated from committed files without training, and a protocol started on one machine
+goes on on another."""
+
+import csv
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from smallgpt import stats
+from smallgpt.atomic import atomic_open
+
+COLUMNS = ("variant", "pairs", "seed", "lr", "accuracy")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One training run's MQAR test accuracy."""
+
+    variant: str
+    pairs: int  # key-value pairs an example holds
+    seed: int
+    lr: float
+    accuracy: float
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """A variant's runs at one pair count, at the rate chosen for it."""
+
+    pairs: int
+    lr: float  # the rate of the highest mean accuracy over the seeds (ties: the lower rate)
+    # a rate tried below and one above, each of a lower mean accuracy: the best is inside the
+    # rates tried, not at their edge
+    bracketed: bool
+    seeds: tuple[int, ...]
+    accuracies: tuple[float, ...]  # by seed, in the order of seeds
+    solved: stats.Solved  # the seeds whose accuracy reached the threshold, with its interval
+
+
+@dataclass(frozen=True, slots=True)
+class Knee:
+    """Where a curve bends: every seed solved every measured pair count up to `pairs` (None: not
+    the smallest), and at `next_pairs`, the next measured count, some seed did not (None: none
+    failed, the knee is at or past the largest count measured). The capacity lies in [pairs,
+    next_pairs): that range is the knee's interval."""
+
+    pairs: int | None
+    next_pairs: int | None
+    how: str  # how it was found, in words
+
+
+def best_cell(runs: list[Result], threshold: float) -> Cell:
+    """The cell of one variant's runs at one pair count: the rate of the highest mean accuracy
+    (ties to the lower rate), whether a worse rate lies on each side of it, and its seeds."""
+    by_rate: dict[float, list[Result]] = {}
+    for run in runs:
+        by_rate.setdefault(run.lr, []).append(run)
+    mean = {lr: statistics.fmean(r.accuracy for r in rs) for lr, rs in by_rate.items()}
+    lr = max(sorted(mean), key=lambda rate: mean[rate])  # max keeps the first of equals
+    below = [rate for rate in mean if rate < lr]
+    above = [rate for rate in mean if rate > lr]
+    bracketed = any(mean[r] < mean[lr] for r in below) and any(mean[r] < mean[lr] for r in above)
+    chosen = sorted(by_rate[lr], key=lambda r: r.seed)
+    accuracies = tuple(r.accuracy for r in chosen)
+    return Cell(
+        pairs=chosen[0].pairs,
+        lr=lr,
+        bracketed=bracketed,
+        seeds=tuple(r.seed for r in chosen),
+        accuracies=accuracies,
+        solved=stats.solved(list(accuracies), threshold),
+    )
+
+
+def curves(results: Iterable[Result], threshold: float) -> dict[str, list[Cell]]:
+    """Each variant's curve, its cells in order of pair count (variants in order of appearance)."""
+    runs: dict[str, dict[int, list[Result]]] = {}
+    for result in results:
+        runs.setdefault(result.variant, {}).setdefault(result.pairs, []).append(result)
+    return {
+        variant: [best_cell(by_pairs[p], threshold) for p in sorted(by_pairs)]
+        for variant, by_pairs in runs.items()
+    }
+
+
+def knee(cells: list[Cell]) -> Knee:
+    """The largest pair count up to which every seed solved every measured count, the next
+    count measured, and how they were found (a count solved again past the first failure is
+    named, and not counted: the knee is where the curve first falls)."""
+    solved_all = [c.solved.k == c.solved.n for c in cells]
+    first_fail = solved_all.index(False) if False in solved_all else len(cells)
+    pairs = cells[first_fail - 1].pairs if first_fail > 0 else None
+    if first_fail == len(cells):
+        return Knee(pairs, None, f"every seed solved every count measured, up to {pairs}")
+    failed = cells[first_fail]
+    at = f"{failed.pairs} pairs solved in {failed.solved.k}/{failed.solved.n} seeds"
+    how = f"every seed solved up to {pairs}; {at}" if pairs is not None else f"{at}, the smallest"
+    again = [c.pairs for c in cells[first_fail + 1 :] if c.solved.k == c.solved.n]
+    if again:
+        how += f" (solved by every seed again at {', '.join(map(str, again))}: not counted)"
+    return Knee(pairs, failed.pairs, how)
+
+
+def knees_differ(a: Knee, b: Knee) -> bool:
+    """Whether two knees' intervals [pairs, next_pairs) leave each other out: one variant's
+    capacity is below the count where the other's is known to reach."""
+
+    def below(x: Knee, y: Knee) -> bool:  # x's capacity is short of what y solved everywhere
+        return x.next_pairs is not None and y.pairs is not None and x.next_pairs <= y.pairs
+
+    return below(a, b) or below(b, a)
+
+
+def table(by_variant: dict[str, list[Cell]]) -> str:
+    """The curves as markdown: a row per variant and pair count (its rate, whether bracketed, the
+    accuracy by seed, the solved k/n with its interval), and each variant's knee."""
+    lines = [
+        "| variant | pairs | rate | bracketed | accuracy by seed | solved (95% CI) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant, cells in by_variant.items():
+        for c in cells:
+            by_seed = ", ".join(f"{s}: {a:.3f}" for s, a in zip(c.seeds, c.accuracies, strict=True))
+            edge = "yes" if c.bracketed else "no (at the edge of the rates tried)"
+            lines.append(
+                f"| {variant} | {c.pairs} | {c.lr:g} | {edge} | {by_seed} | {c.solved.text()} |"
+            )
+    lines += [
+        "",
+        "| variant | knee (pairs solved in every seed) | next count | how |",
+        "|---|---|---|---|",
+    ]
+    for variant, cells in by_variant.items():
+        k = knee(cells)
+        at = "-" if k.pairs is None else str(k.pairs)
+        after = "-" if k.next_pairs is None else str(k.next_pairs)
+        lines.append(f"| {variant} | {at} | {after} | {k.how} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(path: Path, results: Iterable[Result]) -> None:
+    """The per-run results as CSV (COLUMNS), whole or not at all."""
+    with atomic_open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        for r in results:
+            writer.writerow([r.variant, r.pairs, r.seed, repr(r.lr), repr(r.accuracy)])
+
+
+def read_results(path: Path) -> list[Result]:
+    """The per-run results write_results kept."""
+    with open(path, newline="") as f:
+        return [
+            Result(
+                row["variant"],
+                int(row["pairs"]),
+                int(row["seed"]),
+                float(row["lr"]),
+                float(row["accuracy"]),
+            )
+            for row in csv.DictReader(f)
+        ]

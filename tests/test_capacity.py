@@ -1,0 +1,102 @@
+"""smallgpt/capacity.py: capacity curves and their knees from hand-written per-run results, each
+number worked by hand (issue 88), including a variant whose seeds disagree."""
+
+from pathlib import Path
+
+import pytest
+
+from smallgpt.capacity import (
+    Knee,
+    Result,
+    curves,
+    knee,
+    knees_differ,
+    read_results,
+    table,
+    write_results,
+)
+
+THRESHOLD = 0.99
+
+# accuracy by (pairs, rate) over seeds 0, 1, 2
+ATTENTION = {
+    (4, 1e-3): (1.0, 1.0, 1.0),  # ties 3e-3 at a mean of 1: the lower rate, at the edge
+    (4, 3e-3): (1.0, 1.0, 1.0),
+    (4, 1e-2): (0.5, 1.0, 1.0),
+    (8, 1e-3): (0.9, 0.95, 0.99),
+    (8, 3e-3): (1.0, 0.995, 0.999),  # best, worse on each side
+    (8, 1e-2): (0.2, 0.3, 0.99),
+    (16, 1e-3): (0.6, 0.7, 0.8),
+    (16, 3e-3): (0.99, 1.0, 0.995),  # best, bracketed; 0.99 is solved (the threshold itself)
+    (16, 1e-2): (0.1, 0.1, 0.1),
+    (32, 1e-3): (0.3, 0.3, 0.3),
+    (32, 3e-3): (0.5, 0.6, 0.4),
+    (32, 1e-2): (0.99, 0.7, 0.2),  # mean 0.63, the best, at the top edge: 1 of 3 seeds solved
+}
+HYBRID = {
+    (4, 1e-3): (1.0, 0.999, 1.0),
+    (4, 3e-3): (0.98, 1.0, 1.0),
+    (8, 1e-3): (0.995, 0.42, 0.991),  # the seeds disagree: 2 of 3 solved
+    (8, 3e-3): (0.3, 0.3, 0.3),
+    (16, 1e-3): (0.999, 1.0, 0.995),  # every seed again, past the first failure
+    (16, 3e-3): (0.1, 0.1, 0.1),
+}
+
+
+def results() -> list[Result]:
+    return [
+        Result(variant, pairs, seed, lr, accuracy)
+        for variant, grid in (("attention", ATTENTION), ("hybrid", HYBRID))
+        for (pairs, lr), by_seed in grid.items()
+        for seed, accuracy in enumerate(by_seed)
+    ]
+
+
+def test_each_cell_takes_the_best_rate_and_says_whether_it_is_bracketed() -> None:
+    got = curves(results(), THRESHOLD)
+    attention = [(c.pairs, c.lr, c.bracketed, c.solved.k) for c in got["attention"]]
+    assert attention == [
+        (4, 1e-3, False, 3),
+        (8, 3e-3, True, 3),
+        (16, 3e-3, True, 3),
+        (32, 1e-2, False, 1),
+    ]
+    hybrid = [(c.pairs, c.lr, c.bracketed, c.solved.k) for c in got["hybrid"]]
+    assert hybrid == [(4, 1e-3, False, 3), (8, 1e-3, False, 2), (16, 1e-3, False, 3)]
+    disagree = got["hybrid"][1]
+    assert disagree.seeds == (0, 1, 2) and disagree.accuracies == (0.995, 0.42, 0.991)
+    # 2/3: the Clopper-Pearson bounds are the roots of 3x^2 - 2x^3 = 0.025 (Beta(2, 2)'s cdf)
+    # and of x^3 = 0.975 (Beta(3, 1)'s); the solved seeds' mean accuracy (0.995 + 0.991) / 2
+    assert disagree.solved.low == pytest.approx(0.094299, abs=1e-6)
+    assert disagree.solved.high == pytest.approx(0.975 ** (1 / 3), abs=1e-9)
+    assert disagree.solved.accuracy == pytest.approx(0.993)
+
+
+def test_the_knee_is_where_the_curve_first_falls() -> None:
+    got = curves(results(), THRESHOLD)
+    attention, hybrid = knee(got["attention"]), knee(got["hybrid"])
+    assert (attention.pairs, attention.next_pairs) == (16, 32)
+    assert attention.how == "every seed solved up to 16; 32 pairs solved in 1/3 seeds"
+    assert (hybrid.pairs, hybrid.next_pairs) == (4, 8)
+    assert "solved by every seed again at 16: not counted" in hybrid.how
+    # the hybrid's capacity is below 8 pairs, attention's at least 16: the intervals part
+    assert knees_differ(attention, hybrid) and knees_differ(hybrid, attention)
+    assert not knees_differ(Knee(8, 32, ""), Knee(16, None, ""))  # [8, 32) holds 16 and more
+    only_first = [c for c in got["attention"] if c.pairs <= 16]
+    assert knee(only_first) == Knee(16, None, "every seed solved every count measured, up to 16")
+    none = knee(got["attention"][3:])
+    assert (none.pairs, none.next_pairs) == (None, 32) and none.how.endswith("the smallest")
+
+
+def test_the_table_is_regenerated_from_the_kept_results(tmp_path: Path) -> None:
+    path = tmp_path / "capacity.csv"
+    write_results(path, results())
+    assert read_results(path) == results()
+    text = table(curves(read_results(path), THRESHOLD))
+    assert (
+        "| hybrid | 8 | 0.001 | no (at the edge of the rates tried) "
+        "| 0: 0.995, 1: 0.420, 2: 0.991 |" in text
+    )
+    assert (
+        "| attention | 16 | 32 | every seed solved up to 16; 32 pairs solved in 1/3 seeds |" in text
+    )
