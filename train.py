@@ -166,6 +166,16 @@ def train_step(
     return loss_sum, taken
 
 
+def check_early_stop(cfg: TrainConfig, meta: dict, where: str) -> None:
+    """A UserError where stop_at_accuracy is given for a dataset that is not MQAR's."""
+    if cfg.stop_at_accuracy is not None and not meta.get("example_tokens"):
+        raise UserError(
+            f"stop_at_accuracy={cfg.stop_at_accuracy} reads the val accuracy on an MQAR dataset's "
+            f"answers, and {where} is not one (its meta.json records no example_tokens): give "
+            "--dataset=<an MQAR dataset>, or leave it out"
+        )
+
+
 class Trainer:
     """One run: set up (data, model, optimizer), restore a checkpoint, then run()'s loop."""
 
@@ -179,11 +189,10 @@ class Trainer:
         self.place = runtime.place(proc.device, cfg.dtype, cfg.n_embd)  # decided once
         self.amp = self.place.autocast()
         dtype = self.place.dtype
-        data = data_dir(cfg.dataset)
-        self.batches = Batches(data, cfg.block_size, cfg.batch_size, cfg.seed, proc.device)
-        meta = self.batches.meta
-        # the final evals' tasks fit the data: said now, not after the training
-        recall.check_dataset(cfg.final_evals, meta, cfg.block_size, str(data))
+        meta = self.open_data()
+        # the val accuracy on MQAR's answers at each evaluation: what an early stop reads
+        self.tracks_mqar = cfg.stop_at_accuracy is not None or "mqar" in cfg.final_evals
+        self.stopped = False  # stopped early, at an evaluation that reached stop_at_accuracy
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
         self.teacher = self.check_sources(source, meta, ckpt)
@@ -213,7 +222,8 @@ class Trainer:
         if resumed:
             self.restore(ckpt)
         del ckpt
-        self.finished = resumed and self.iter_num >= cfg.max_iters and not cfg.eval_only
+        trained = self.iter_num >= cfg.max_iters or self.stopped
+        self.finished = resumed and trained and not cfg.eval_only
         self.model = torch.compile(self.raw_model) if cfg.compile else self.raw_model
         self.ddp_model = self.model
         if proc.world_size > 1 and not self.sharded:
@@ -229,6 +239,17 @@ class Trainer:
         self.skipped = 0
         self.t_start = self.t_last = time.perf_counter()
         self.last_log = self.iter_num
+
+    def open_data(self) -> dict:
+        """The batches of the dataset (self.batches) and its meta, checked against the final
+        evals' tasks and an early stop: said now, not after the training."""
+        cfg = self.cfg
+        data = data_dir(cfg.dataset)
+        self.batches = Batches(data, cfg.block_size, cfg.batch_size, cfg.seed, self.proc.device)
+        meta = self.batches.meta
+        recall.check_dataset(cfg.final_evals, meta, cfg.block_size, str(data))
+        check_early_stop(cfg, meta, str(data))
+        return meta
 
     def check_sources(
         self, source: checkpoint.Source, meta: dict, ckpt: dict | None
@@ -290,6 +311,7 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         self.iter_num = ckpt["iter_num"]
         self.best_val = ckpt["best_val_loss"]
+        self.stopped = ckpt.get("stopped_early", False)
         self.saved = ckpt["iter_num"]
         if "rng" in ckpt:
             runtime.set_rng_states(ckpt["rng"], self.proc, self.cfg.seed)
@@ -316,11 +338,19 @@ class Trainer:
         """Train to max_iters; on SIGTERM or SIGINT (pre-emption, Ctrl-C) save after the step."""
         if self.finished:  # e.g. --init_from=auto run again after the end
             if self.proc.is_master:
-                print(
-                    f"{Path(self.cfg.out_dir) / 'ckpt.pt'} is at iteration {self.iter_num}, "
-                    f"max_iters={self.cfg.max_iters}: nothing to train (raise --max_iters to "
-                    f"train on, or --eval_only=True to evaluate)"
-                )
+                ckpt = Path(self.cfg.out_dir) / "ckpt.pt"
+                if self.stopped:
+                    print(
+                        f"{ckpt} stopped early at iteration {self.iter_num}, where its val MQAR "
+                        f"accuracy reached stop_at_accuracy={self.cfg.stop_at_accuracy}: nothing "
+                        "to train (--eval_only=True evaluates it)"
+                    )
+                else:
+                    print(
+                        f"{ckpt} is at iteration {self.iter_num}, max_iters={self.cfg.max_iters}: "
+                        "nothing to train (raise --max_iters to train on, or --eval_only=True to "
+                        "evaluate)"
+                    )
             return
         signals: list[int] = []
         previous = {
@@ -358,7 +388,9 @@ class Trainer:
                 rng = runtime.rng_states(proc)  # every rank's (a collective): a resume starts here
                 if proc.is_master or self.sharded:
                     self.evaluate_and_save(lr, rng)
-            if cfg.eval_only or self.iter_num >= cfg.max_iters:
+                if cfg.stop_at_accuracy is not None and proc.world_size > 1 and not self.sharded:
+                    self.stopped = sharding.from_rank0(self.stopped)  # rank 0 evaluated alone
+            if cfg.eval_only or self.iter_num >= cfg.max_iters or self.stopped:
                 break
             # forward, backward and update
             self.step()
@@ -401,9 +433,22 @@ class Trainer:
             self.skipped += 1
 
     def evaluate_and_save(self, lr: float, rng: list[dict]) -> None:
-        """Evaluate, log, and save a checkpoint if val loss improved (or always_save_checkpoint)."""
+        """Evaluate, log, and save a checkpoint if val loss improved (or always_save_checkpoint);
+        stop early where the val MQAR accuracy reached stop_at_accuracy (saved, the final
+        evaluation)."""
         cfg = self.cfg
-        final = self.iter_num == cfg.max_iters or cfg.eval_only
+        val_mqar = self.val_mqar() if self.tracks_mqar else None
+        reached = val_mqar is not None and cfg.stop_at_accuracy is not None
+        reached = reached and val_mqar["accuracy"] >= cfg.stop_at_accuracy
+        if reached and self.iter_num > 0 and not cfg.eval_only:
+            self.stopped = True
+            if self.proc.is_master:
+                print(
+                    f"step {self.iter_num}: val MQAR accuracy {val_mqar['accuracy']:.4f} reached "
+                    f"stop_at_accuracy={cfg.stop_at_accuracy}: stopping early"
+                )
+                self.log.write(event="stop", iter=self.iter_num, val_mqar=val_mqar)
+        final = self.iter_num == cfg.max_iters or cfg.eval_only or self.stopped
         # the test split, where the dataset has one, at the final evaluation only: what a choice
         # made on val (compare.py --lrs) is measured on
         splits = self.batches.splits if final else ("train", "val")
@@ -424,10 +469,11 @@ class Trainer:
                 train_loss=losses["train"],
                 val_loss=val,
                 **({"test_loss": losses["test"]} if "test" in losses else {}),
+                **({"val_mqar": val_mqar} if val_mqar is not None else {}),
                 lr=lr,
                 elapsed_s=time.perf_counter() - self.t_start,
             )
-        improved = val < self.best_val or cfg.always_save_checkpoint
+        improved = val < self.best_val or cfg.always_save_checkpoint or self.stopped
         # not before the first step, nor again at the iteration it resumed from (saved)
         if self.iter_num not in (0, self.saved) and not cfg.eval_only and improved:
             self.best_val = min(self.best_val, val)
@@ -435,6 +481,16 @@ class Trainer:
         if cfg.final_evals and final:
             self.final_evals()
         self.t_last = time.perf_counter()  # ms/iter leaves evaluation out
+
+    def val_mqar(self) -> dict:
+        """The val split's MQAR accuracy (recall.mqar), every rank as rank 0 has it."""
+        cfg = self.cfg
+        self.model.eval()
+        try:
+            result = recall.mqar(self.model, self.batches, cfg.eval_iters, self.amp, split="val")
+        finally:
+            self.model.train()
+        return sharding.from_rank0(result) if self.sharded else result
 
     def final_evals(self) -> None:
         """smallgpt/recall.py's tasks on the final model (induction, position, MQAR), in one
@@ -527,6 +583,7 @@ class Trainer:
                 config=asdict(self.cfg),
                 data_meta=self.batches.meta,
                 rng=rng,
+                stopped_early=self.stopped,
                 **state,
                 **self.teacher_record(),
             )

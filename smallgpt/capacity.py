@@ -5,8 +5,9 @@ the curve's knee, the largest pair count the variant recalls in every seed. Zool
 setting escape a plateau: a knee that moves with the share of attention is a resolved verdict
 where a solved count of 1/5 against 3/5 is not.
 
-Everything here is computed from per-run results (a variant, a pair count, a seed, a rate and
-the test accuracy: `Result`), which `write_results` and `read_results` keep as a small CSV, so a
+Everything here is computed from per-run results (a variant, a pair count, a seed, a rate, the
+val accuracy that chooses the rate and the test accuracy reported: `Result`; `results_of` reads
+them from a comparison's runs), which `write_results` and `read_results` keep as a small CSV, so a
 table is regenerated from committed files without training, and a protocol started on one machine
 goes on on another."""
 
@@ -19,18 +20,19 @@ from pathlib import Path
 from smallgpt import stats
 from smallgpt.atomic import atomic_open
 
-COLUMNS = ("variant", "pairs", "seed", "lr", "accuracy")
+COLUMNS = ("variant", "pairs", "seed", "lr", "val_accuracy", "accuracy")
 
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """One training run's MQAR test accuracy."""
+    """One training run's MQAR accuracy on the examples of one pair count."""
 
     variant: str
     pairs: int  # key-value pairs an example holds
     seed: int
     lr: float
-    accuracy: float
+    val_accuracy: float  # what the rate is chosen on
+    accuracy: float  # on the test split: what is reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,12 +40,12 @@ class Cell:
     """A variant's runs at one pair count, at the rate chosen for it."""
 
     pairs: int
-    lr: float  # the rate of the highest mean accuracy over the seeds (ties: the lower rate)
-    # a rate tried below and one above, each of a lower mean accuracy: the best is inside the
+    lr: float  # the rate of the highest mean val accuracy over the seeds (ties: the lower rate)
+    # a rate tried below and one above, each of a lower mean val accuracy: the best is inside the
     # rates tried, not at their edge
     bracketed: bool
     seeds: tuple[int, ...]
-    accuracies: tuple[float, ...]  # by seed, in the order of seeds
+    accuracies: tuple[float, ...]  # test, by seed, in the order of seeds
     solved: stats.Solved  # the seeds whose accuracy reached the threshold, with its interval
 
 
@@ -60,12 +62,13 @@ class Knee:
 
 
 def best_cell(runs: list[Result], threshold: float) -> Cell:
-    """The cell of one variant's runs at one pair count: the rate of the highest mean accuracy
-    (ties to the lower rate), whether a worse rate lies on each side of it, and its seeds."""
+    """The cell of one variant's runs at one pair count: the rate of the highest mean val accuracy
+    (ties to the lower rate), whether a worse rate lies on each side of it, and its seeds' test
+    accuracies."""
     by_rate: dict[float, list[Result]] = {}
     for run in runs:
         by_rate.setdefault(run.lr, []).append(run)
-    mean = {lr: statistics.fmean(r.accuracy for r in rs) for lr, rs in by_rate.items()}
+    mean = {lr: statistics.fmean(r.val_accuracy for r in rs) for lr, rs in by_rate.items()}
     lr = max(sorted(mean), key=lambda rate: mean[rate])  # max keeps the first of equals
     below = [rate for rate in mean if rate < lr]
     above = [rate for rate in mean if rate > lr]
@@ -148,13 +151,27 @@ def table(by_variant: dict[str, list[Cell]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def section(by_variant: dict[str, list[Cell]], threshold: float, csv_name: str) -> str:
+    """report.md's capacity section: what the table is, then table()."""
+    return (
+        "\n## Capacity: MQAR accuracy by pair count\n\n"
+        "Each variant's test accuracy on the examples of each pair count, at the rate of the "
+        "highest mean val accuracy there (bracketed: a worse rate tried on each side); solved: "
+        f"accuracy at least {threshold:g}, with its 95% Clopper-Pearson interval. The knee: the "
+        "largest count solved in every seed; the capacity lies below the next count measured. "
+        f"Each run's results: {csv_name}.\n\n" + table(by_variant)
+    )
+
+
 def write_results(path: Path, results: Iterable[Result]) -> None:
     """The per-run results as CSV (COLUMNS), whole or not at all."""
     with atomic_open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         for r in results:
-            writer.writerow([r.variant, r.pairs, r.seed, repr(r.lr), repr(r.accuracy)])
+            writer.writerow(
+                [r.variant, r.pairs, r.seed, repr(r.lr), repr(r.val_accuracy), repr(r.accuracy)]
+            )
 
 
 def read_results(path: Path) -> list[Result]:
@@ -166,7 +183,42 @@ def read_results(path: Path) -> list[Result]:
                 int(row["pairs"]),
                 int(row["seed"]),
                 float(row["lr"]),
+                float(row["val_accuracy"]),
                 float(row["accuracy"]),
             )
             for row in csv.DictReader(f)
         ]
+
+
+def results_of(runs: list[dict]) -> list[Result]:
+    """The per-run results of a comparison's runs (report.read_runs's records) trained on a mix of
+    pair counts (data/mqar --pairs_mix): each run's test accuracy by pair count (its final
+    evaluation's MQAR task) and val accuracy (its final evaluation's val_mqar). A run that diverged
+    recalls nothing: 0 at every pair count the others measured. Variants are named by size too
+    where the runs hold more than one."""
+    measured = [r for r in runs if not r["diverged"] and by_pairs(r)]
+    counts = sorted({p for r in measured for p in by_pairs(r)})
+    sizes = {r["size"] for r in measured}
+    out = []
+    for r in runs:
+        if not r["diverged"] and not by_pairs(r):
+            continue
+        name = r["variant"] if len(sizes) < 2 else f"{r['size']} {r['variant']}"
+        lr = float(r["rate"]) if r["rate"] is not None else r["config"]["learning_rate"]
+        test = by_pairs(r)
+        val = {} if r["diverged"] else val_by_pairs(r)
+        for p in counts if r["diverged"] else sorted(test):
+            out.append(Result(name, p, r["seed"], lr, val.get(p, 0.0), test.get(p, 0.0)))
+    return out
+
+
+def by_pairs(run: dict) -> dict[int, float]:
+    """A run's test accuracy by pair count ({} where its final evaluation measured none)."""
+    mqar = (run.get("recall") or {}).get("mqar") or {}
+    return {c["pairs"]: c["accuracy"] for c in mqar.get("by_pairs", [])}
+
+
+def val_by_pairs(run: dict) -> dict[int, float]:
+    """A run's val accuracy by pair count at its final evaluation."""
+    final = run["evals"][-1] if run["evals"] else {}
+    return {c["pairs"]: c["accuracy"] for c in final.get("val_mqar", {}).get("by_pairs", [])}

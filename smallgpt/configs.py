@@ -87,6 +87,9 @@ class TrainConfig:
     # smallgpt/recall.py's tasks on the final model, logged at the last evaluation: induction,
     # position, mqar (an MQAR dataset)
     final_evals: list[str] = field(default_factory=list)
+    # an MQAR dataset: stop at the first evaluation whose val accuracy on the answers reaches this
+    # (Zoology's early stop, 0.99), and make it the final one; None: train to max_iters
+    stop_at_accuracy: float | None = None
     decay_lr: bool = True
     warmup_iters: int = 100
     lr_decay_iters: int = 5000
@@ -111,6 +114,8 @@ class TrainConfig:
                 "have no embedding: train with pos_encoding='rope', or leave them out"
             )
         problems += repeat_problems("final_evals", self.final_evals)
+        if self.stop_at_accuracy is not None and not 0 <= self.stop_at_accuracy <= 1:
+            problems.append(f"stop_at_accuracy={self.stop_at_accuracy} must be in [0, 1]")
         try:
             source = parse_source(self.init_from)
         except ValueError as e:

@@ -1,7 +1,8 @@
 """report.png for the attention-variant comparison (smallgpt/report.py): val loss by iteration, the
 gap to MHA against size, val loss against the learning rate (--lrs), conversions by uptraining
 and, for runs trained with --final_evals, the loss by context position and the induction accuracy
-by distance (MQAR beside it).
+by distance (MQAR beside it), and the capacity curves of runs trained on a mix of MQAR pair
+counts.
 """
 
 import statistics
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from smallgpt.atomic import atomic_open
+from smallgpt.capacity import Cell
 
 
 def losses_by_rate(row: dict) -> dict[str, str]:
@@ -25,8 +27,11 @@ def conversion_target(row: dict) -> str:
     return name[: name.rindex(f"-{row['method']}-u")]
 
 
-def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
-    """report.png: a panel per view the runs and rows hold data for, three to a line."""
+def plot(
+    runs: list[dict], rows: list[dict], path: Path, curves: dict[str, list[Cell]] | None = None
+) -> None:
+    """report.png: a panel per view the runs and rows hold data for, three to a line; curves:
+    the capacity curves (smallgpt/capacity.py), where the runs trained on a mix of pair counts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,6 +55,8 @@ def plot(runs: list[dict], rows: list[dict], path: Path) -> None:
         {r["size"] for r in scratch_rows}
     ):  # some size holds variants of different shares of attention layers
         panels.append(lambda ax: ratio_panel(ax, scratch_rows))
+    if curves:
+        panels.append(lambda ax: capacity_panel(ax, curves))
     # three to a line, the axes left over removed
     ncols = min(len(panels), 3)
     nrows = -(-len(panels) // ncols)
@@ -275,3 +282,21 @@ def ratio_panel(ax: Any, rows: list[dict]) -> None:
     if recall is not None:
         recall.set(ylabel="share of runs that solved MQAR", ylim=(-0.02, 1.02))
         recall.legend(fontsize=7, loc="lower right")
+
+
+def capacity_panel(ax: Any, curves: dict[str, list[Cell]]) -> None:
+    """MQAR test accuracy against the number of key-value pairs (log scale), a line per variant
+    through its seeds' mean at each count's chosen rate, each seed a dot."""
+    for variant, cells in curves.items():
+        pairs = [c.pairs for c in cells]
+        (line,) = ax.plot(
+            pairs, [statistics.fmean(c.accuracies) for c in cells], marker="o", label=variant
+        )
+        for c in cells:
+            ax.scatter([c.pairs] * len(c.accuracies), c.accuracies, s=8, color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set(
+        xlabel="key-value pairs an example (log scale)",
+        ylabel="MQAR test accuracy (each count's rate)",
+        ylim=(-0.02, 1.02),
+    )

@@ -216,15 +216,30 @@ def mqar(
 ) -> dict:
     """Exact-match accuracy on the answers of an MQAR dataset's examples of split (its eval_iters
     evaluation batches): the top token at each answer position is the value of the key just
-    queried."""
+    queried. A dataset of a mix of pair counts (data/mqar --pairs_mix, every key asked) also gets
+    by_pairs: the accuracy of its examples of each count (an example's answers are its pairs)."""
     check_mqar(["mqar"], batches.meta, str(batches.path))
-    correct = n = 0
+    mixed = bool(batches.meta.get("settings", {}).get("pairs_mix"))
+    correct: dict[int, int] = {}  # by the number of answers an example holds
+    n: dict[int, int] = {}
     for k in tqdm(range(eval_iters), desc="mqar", disable=not progress):
         idx, targets = batches.eval(split, k)
         _, hit = token_losses(model, idx, targets, amp)
-        correct += int(hit.sum())
-        n += int((targets >= 0).sum())
-    return {"accuracy": correct / n, "correct": correct, "n": n}
+        asked = (targets >= 0).cpu()
+        answers = asked.sum(1)
+        hits = (hit & asked).sum(1)
+        for count in answers.unique().tolist():
+            rows = answers == count
+            correct[count] = correct.get(count, 0) + int(hits[rows].sum())
+            n[count] = n.get(count, 0) + count * int(rows.sum())
+    total = sum(n.values())
+    out = {"accuracy": sum(correct.values()) / total, "correct": sum(correct.values()), "n": total}
+    if mixed:
+        out["by_pairs"] = [
+            {"pairs": p, "accuracy": correct[p] / n[p], "correct": correct[p], "n": n[p]}
+            for p in sorted(n)
+        ]
+    return out
 
 
 def solved_rows(
@@ -384,8 +399,9 @@ def long_tasks(
 
 def flat(results: dict) -> dict[str, float]:
     """run_tasks's results as named numbers (a wandb summary): induction_acc@16, induction_loss@16,
-    ..., mqar_acc; position_loss_first and position_loss_last (the first and last positions with a
-    target); needle_solved@<length>@<depth> and mqar_long_solved@<length> (the solved share)."""
+    ..., mqar_acc (and mqar_acc@<pairs> on a mix of pair counts); position_loss_first and
+    position_loss_last (the first and last positions with a target); needle_solved@<length>@<depth>
+    and mqar_long_solved@<length> (the solved share)."""
     out = {}
     for r in results.get("induction", []):
         out[f"induction_acc@{r['distance']}"] = r["accuracy"]
@@ -395,6 +411,8 @@ def flat(results: dict) -> dict[str, float]:
         out |= {"position_loss_first": known[0], "position_loss_last": known[-1]}
     if "mqar" in results:
         out["mqar_acc"] = results["mqar"]["accuracy"]
+        for r in results["mqar"].get("by_pairs", []):
+            out[f"mqar_acc@{r['pairs']}"] = r["accuracy"]
     for r in results.get("needle", []):
         out[f"needle_solved@{r['length']}@{r['depth']:g}"] = r["rate"]
     for r in results.get("mqar_long", []):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig
-from smallgpt import runtime, stats
+from smallgpt import capacity, runtime, stats
 from smallgpt.atomic import atomic_open
 from smallgpt.checkpoint import parse_source
 from smallgpt.configs import CompareConfig, TrainConfig
@@ -97,6 +97,9 @@ def speed_settings(cfg: CompareConfig, device: str) -> dict:
     }
 
 
+# each run's MQAR accuracy by pair count, where the runs trained on a mix (smallgpt/capacity.py)
+CAPACITY_FILE = "capacity.csv"
+
 # what to do about a speed.json that compare.py cannot read
 SPEED_REDO = "delete it, and the sweep measures the speeds again (nothing was trained or written)"
 
@@ -172,8 +175,10 @@ def tagged_as(run: dict) -> dict:
     diverged = run.get("diverged")
     final = run["evals"][-1] if not diverged else {"val_loss": math.inf, "iter": diverged["iter"]}
     tokens_per_iter = cfg["gradient_accumulation_steps"] * cfg["batch_size"] * cfg["block_size"]
-    # trained for other iterations than the command plans (a diverged run stopped early)
-    other_budget = not diverged and final["iter"] != run["planned_iters"]
+    # trained for other iterations than the command plans (a diverged run stopped early); an
+    # early stop at stop_at_accuracy is the budget's rule, not another budget
+    stopped = run.get("stopped") is not None
+    other_budget = not diverged and not stopped and final["iter"] != run["planned_iters"]
     return {
         "diverged": bool(diverged),
         "other_budget": other_budget,
@@ -641,13 +646,19 @@ def write_report(
         )
     notes += unscored_notes(choice.kept, rows, cfg.lm_eval, cfg.lm_eval_limit)
     text = markdown(rows, cfg, root, notes, SPEED_FILE)
+    # trained on a mix of pair counts (data/mqar --pairs_mix): each variant's capacity curve
+    results = capacity.results_of([r for r in runs if not r["method"]])
+    curves = capacity.curves(results, cfg.solved_threshold) if results else {}
+    if curves:
+        capacity.write_results(root / CAPACITY_FILE, results)
+        text += capacity.section(curves, cfg.solved_threshold, CAPACITY_FILE)
     with atomic_open(root / "report.md", "w") as f:
         f.write(text)
     with atomic_open(root / "report.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
-    plot(choice.kept, rows, root / "report.png")
+    plot(choice.kept, rows, root / "report.png", curves)
     if base.wandb_log:
         log_table(rows, base, root)
     return text

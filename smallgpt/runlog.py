@@ -217,7 +217,8 @@ def read_run(run_dir: Path) -> dict:
     for the checkpoint of final_iter, by the items it was limited to (None: all; a later record's
     over an earlier's);
     diverged: the record of a training that stopped non-finite, where the log ends with one (None
-    otherwise)."""
+    otherwise); stopped: the record of an early stop (train.py --stop_at_accuracy), whose
+    iteration is then final_iter (None otherwise)."""
     path = run_dir / "log.jsonl"
     records, torn = log_records(path)
     records = records[latest_start(records, path) :]
@@ -233,6 +234,7 @@ def read_run(run_dir: Path) -> dict:
         "recall": run["recalls"].get(run["final_iter"]),
         "benchmarks": run["benchmarks"].get(run["final_iter"], {}),
         "diverged": records[-1] if records[-1]["event"] == "diverged" else None,
+        "stopped": run["stopped"],
     }
 
 
@@ -274,11 +276,13 @@ def by_iteration(records: list[dict]) -> dict:
     """One run's records, its fresh start's config first, by iteration: {'evals', 'trains',
     'recalls'}, each {iter: record} (a resume's records replace those logged after its checkpoint;
     evals and trains get wall_s, the wall-clock continued across resumes), 'benchmarks' ({iter:
-    {task: {limit: metrics}}}) and 'final_iter'."""
+    {task: {limit: metrics}}}), 'final_iter' and 'stopped' (the latest attempt's early stop, whose
+    iteration is then final_iter, or None)."""
     evals = {}
     trains = {}
     recalls = {}
     benchmarks = {}
+    stopped = None
     offset = 0.0  # the wall-clock seconds of the attempts before this one
     last = 0.0  # ... and of this one, so far
     for r in records:
@@ -288,9 +292,14 @@ def by_iteration(records: list[dict]) -> dict:
             last = 0.0
             config = r["config"]
             final_iter = r.get("start_iter", 0) if config.get("eval_only") else config["max_iters"]
+            stopped = None
             for kept in (evals, trains):
                 for it in [it for it in kept if it > r.get("start_iter", math.inf)]:
                     del kept[it]
+        elif r["event"] == "stop":
+            # the evaluation that reached stop_at_accuracy: the attempt's final one
+            stopped = r
+            final_iter = r["iter"]
         elif r["event"] == "recall":
             # smallgpt/recall.py's tasks at the final evaluation (train.py --final_evals)
             recalls[r["iter"]] = r
@@ -309,14 +318,16 @@ def by_iteration(records: list[dict]) -> dict:
         "recalls": recalls,
         "benchmarks": benchmarks,
         "final_iter": final_iter,
+        "stopped": stopped,
     }
 
 
 def unfinished(run: dict, final_iter: int | None = None) -> str | None:
     """Why a run read_run returned is not finished, or None when it is: finished means its final
     evaluation (at final_iter; default, the run's own) is logged, and whole: the log does not end in
-    a line cut short. A run that diverged (non-finite) is finished too: resumed, it would again."""
-    final_iter = run["final_iter"] if final_iter is None else final_iter
+    a line cut short. A run that diverged (non-finite) is finished too: resumed, it would again;
+    one that stopped early (stop_at_accuracy) is finished at the evaluation it stopped at."""
+    final_iter = run["final_iter"] if final_iter is None or run.get("stopped") else final_iter
     if run.get("diverged") and not run["torn"]:
         return None
     if run["torn"]:

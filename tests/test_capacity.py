@@ -12,6 +12,7 @@ from smallgpt.capacity import (
     knee,
     knees_differ,
     read_results,
+    results_of,
     table,
     write_results,
 )
@@ -45,7 +46,7 @@ HYBRID = {
 
 def results() -> list[Result]:
     return [
-        Result(variant, pairs, seed, lr, accuracy)
+        Result(variant, pairs, seed, lr, accuracy, accuracy)  # val as test: chosen on it
         for variant, grid in (("attention", ATTENTION), ("hybrid", HYBRID))
         for (pairs, lr), by_seed in grid.items()
         for seed, accuracy in enumerate(by_seed)
@@ -100,3 +101,41 @@ def test_the_table_is_regenerated_from_the_kept_results(tmp_path: Path) -> None:
     assert (
         "| attention | 16 | 32 | every seed solved up to 16; 32 pairs solved in 1/3 seeds |" in text
     )
+
+
+def test_the_rate_is_chosen_on_val_and_the_test_accuracy_reported() -> None:
+    # at 1e-3 val says solved and test does not; at 3e-3 the reverse: val's choice stands
+    runs = [Result("w", 4, seed, 1e-3, 1.0, 0.9) for seed in range(3)]
+    runs += [Result("w", 4, seed, 3e-3, 0.5, 1.0) for seed in range(3)]
+    (cell,) = curves(runs, THRESHOLD)["w"]
+    assert (cell.lr, cell.accuracies, cell.solved.k) == (1e-3, (0.9, 0.9, 0.9), 0)
+
+
+def run_record(seed: int, rate: str | None, test: list, val: list, diverged: bool = False) -> dict:
+    """A run as report.read_runs gives it, with its final evaluations' MQAR by pair count."""
+    cells = [{"pairs": p, "accuracy": a} for p, a in test]
+    return {
+        "variant": "hybrid",
+        "size": "4x64",
+        "seed": seed,
+        "rate": rate,
+        "diverged": diverged,
+        "config": {"learning_rate": 2e-3},
+        "recall": None if diverged else {"mqar": {"accuracy": 0.5, "by_pairs": cells}},
+        "evals": [{"val_mqar": {"by_pairs": [{"pairs": p, "accuracy": a} for p, a in val]}}],
+    }
+
+
+def test_results_are_read_from_the_runs_final_evaluations() -> None:
+    runs = [
+        run_record(1, "1e-3", [(4, 1.0), (8, 0.25)], [(4, 0.98), (8, 0.5)]),
+        run_record(2, None, [(4, 0.75)], [(4, 0.5)]),  # no --lrs: the run's own rate
+        run_record(3, "3e-3", [], [], diverged=True),  # recalls nothing, at every count measured
+    ]
+    assert results_of(runs) == [
+        Result("hybrid", 4, 1, 1e-3, 0.98, 1.0),
+        Result("hybrid", 8, 1, 1e-3, 0.5, 0.25),
+        Result("hybrid", 4, 2, 2e-3, 0.5, 0.75),
+        Result("hybrid", 4, 3, 3e-3, 0.0, 0.0),
+        Result("hybrid", 8, 3, 3e-3, 0.0, 0.0),
+    ]

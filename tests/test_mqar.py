@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import cli, read_log, run
+from smallgpt import runlog
 from smallgpt.checkpoint import load_run, parse_source
 from smallgpt.data import Batches, load_meta, open_tokens
 from smallgpt.errors import UserError
@@ -63,7 +64,7 @@ def test_splits_are_disjoint_and_meta_is_as_asked(task: Path, tmp_path: Path) ->
     assert meta["chars"] == [chr(0x4E00 + i) for i in range(K + V)]
     # every setting that made it, resolved (a script reusing it compares them), out_dir aside
     made = dict(TASK, layout="compact", power_a=0.01, seed=1337)
-    made |= dict(train_examples=400, val_examples=100, test_examples=100)
+    made |= dict(train_examples=400, val_examples=100, test_examples=100, pairs_mix=[])
     assert meta["settings"] == made
     train, val, test = (examples(task, split)[0] for split in ("train", "val", "test"))
     assert train.shape == (400, L) and val.shape == (100, L) and test.shape == (100, L)
@@ -112,6 +113,70 @@ def test_every_answer_is_the_value_of_its_query_key(task: Path) -> None:
     assert (
         first_query_is_first_pair < 0.5 * 500
     )  # queries come in random order (1/P of them by chance)
+
+
+def test_a_mix_of_pair_counts_asks_every_key_in_equal_shares(tmp_path: Path) -> None:
+    prepare(tmp_path, "--pairs_mix=[5,2,3]", key_vocab=16, value_vocab=10, seq_len=24)
+    settings = load_meta(tmp_path)["settings"]
+    assert settings["pairs_mix"] == [2, 3, 5]
+    assert settings["num_pairs"] == settings["num_queries"] == 5  # what needle and mqar_long read
+    for split, n in (("train", 400), ("val", 100), ("test", 100)):
+        ids, mask = examples(tmp_path, split)
+        pairs = mask.sum(1)  # every key asked: as many answers as pairs
+        # equal shares, the first counts one more where 3 does not divide n
+        shares = [n // 3 + (i < n % 3) for i in range(3)]
+        assert [int((pairs == p).sum()) for p in (2, 3, 5)] == shares
+        for row, row_mask, p in zip(ids, mask, pairs, strict=True):
+            keys, values = row[: 2 * p : 2], row[1 : 2 * p : 2]
+            queries, answers = row[24 - 2 * p :: 2], row[24 - 2 * p + 1 :: 2]
+            assert len(set(keys)) == p and keys.max() < 16 and values.min() >= 16
+            assert sorted(queries) == sorted(keys)  # each key once
+            assert answers.tolist() == [dict(zip(keys, values, strict=True))[q] for q in queries]
+            assert np.flatnonzero(row_mask).tolist() == list(range(24 - 2 * p + 1, 24, 2))
+        assert len(set(pairs[:30].tolist())) > 1  # the counts are shuffled, not in blocks
+
+
+def test_training_stops_early_at_the_accuracy_and_that_evaluation_is_final(tmp_path: Path) -> None:
+    """stop_at_accuracy=0 is reached at the first evaluation after a step: the run stops there,
+    measures the test split and its final evals, saves, and a resume trains no further."""
+    data = tmp_path / "mix"
+    prepare(data, "--pairs_mix=[2,4]", key_vocab=16, value_vocab=10, seq_len=16)
+    out = tmp_path / "run"
+    flags = [
+        "train.py",
+        f"--dataset={data}",
+        "--block_size=15",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=32",
+        "--max_iters=8",
+        "--eval_interval=2",
+        "--eval_iters=2",
+        "--batch_size=4",
+        "--device=cpu",
+        "--dtype=float32",
+        f"--out_dir={out}",
+        "--final_evals=[mqar]",
+        "--stop_at_accuracy=0",
+    ]
+    assert "stopping early" in run(flags).stdout
+    log = read_log(out)
+    assert [(r["event"], r["iter"]) for r in log if r["event"] != "config"] == [
+        ("eval", 0),
+        ("stop", 2),
+        ("eval", 2),
+        ("recall", 2),
+    ]
+    final = [r for r in log if r["event"] == "eval"][-1]
+    assert "test_loss" in final and [c["pairs"] for c in final["val_mqar"]["by_pairs"]] == [2, 4]
+    (recall,) = [r for r in log if r["event"] == "recall"]
+    by_pairs = recall["mqar"]["by_pairs"]
+    assert sum(c["correct"] for c in by_pairs) == recall["mqar"]["correct"]
+    ckpt = torch.load(out / "ckpt.pt", map_location="cpu", weights_only=False)
+    assert ckpt["iter_num"] == 2 and ckpt["stopped_early"]
+    assert runlog.unfinished(runlog.read_run(out), final_iter=8) is None  # finished, at 2
+    again = run([*flags, "--init_from=resume"])
+    assert "stopped early at iteration 2" in again.stdout and read_log(out) == log
 
 
 def test_the_zoology_layout_queries_every_key_once_at_power_law_gaps(tmp_path: Path) -> None:
@@ -192,6 +257,10 @@ def test_the_same_seed_gives_the_same_files(tmp_path: Path) -> None:
         (["--layout=zoology", "--seq_len=33"], "the zoology layout needs an even length"),
         (["--layout=zoology", "--value_vocab=7"], "the zoology layout's values are distinct"),
         (["--layout=zoology", "--power_a=0"], "power_a=0.0 must be positive"),
+        (["--pairs_mix=[2,2]"], "pairs_mix=[2, 2]: pair counts must be positive and distinct"),
+        (["--pairs_mix=[0,2]"], "pair counts must be positive"),
+        (["--pairs_mix=[2,4]", "--num_queries=2"], "a mix's examples ask every key they hold"),
+        (["--pairs_mix=[2,8]", "--seq_len=31"], "seq_len=31 < 2*num_pairs + 2*num_queries = 32"),
         (["--key_vocab=10000", "--value_vocab=10001"], "key_vocab + value_vocab = 20001 > 20000"),
         (
             ["--num_pairs=1", "--key_vocab=1", "--value_vocab=1"],

@@ -210,6 +210,40 @@ def test_mqar_accuracy_is_one_for_a_model_that_looks_keys_up_and_chance_for_a_un
     assert recall.mqar(Uniform(128, 31), batches, eval_iters=4)["accuracy"] == 0.0
 
 
+class FewKeys(Copier):
+    """The copier on examples of at most `most` pairs (their distinct keys, ids below 16), the
+    uniform model's first id (a key: never an answer) on the others."""
+
+    def __init__(self, vocab: int, block_size: int, most: int) -> None:
+        super().__init__(vocab, block_size)
+        self.most = most
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, None]:
+        logits, _ = super().forward(idx, targets)
+        many = torch.tensor([len(set(row[row < 16].tolist())) > self.most for row in idx])
+        return logits.masked_fill(many[:, None, None], 0.0), None
+
+
+def test_mqar_accuracy_by_pair_count_on_a_mix(tmp_path: Path) -> None:
+    """On a mix of 2 and 4 pairs, a model that recalls only examples of at most 2 pairs scores 1
+    there and 0 at 4; the whole accuracy is the share of answers in examples of 2 pairs."""
+    data = ["data/mqar/prepare.py", f"--out_dir={tmp_path}", "--pairs_mix=[2,4]"]
+    run([*data, "--key_vocab=16", "--value_vocab=10", "--seq_len=16", "--val_examples=100"])
+    batches = Batches(tmp_path, 15, 16, 0, "cpu")
+    got = recall.mqar(FewKeys(26, 15, most=2), batches, eval_iters=3)
+    asked = torch.cat([batches.eval("val", k)[1] for k in range(3)]) >= 0
+    two = asked.sum(1) == 2  # the examples of 2 pairs: 2 answers
+    n2, n4 = 2 * int(two.sum()), 4 * int((~two).sum())
+    assert got["by_pairs"] == [
+        {"pairs": 2, "accuracy": 1.0, "correct": n2, "n": n2},
+        {"pairs": 4, "accuracy": 0.0, "correct": 0, "n": n4},
+    ]
+    assert got["accuracy"] == n2 / (n2 + n4) and 0 < n2 and 0 < n4
+    assert recall.flat({"mqar": got})["mqar_acc@4"] == 0.0
+
+
 def eval_rows(args: list[str]) -> list[dict]:
     """eval.py's JSON lines for args (which must succeed)."""
     r = cli(["eval.py", "--device=cpu", "--progress=False", *args])
@@ -364,3 +398,14 @@ def test_a_task_that_needs_an_mqar_dataset_names_itself(pycode_small: Path, tmp_
         assert named in r.stderr and "mqar task" not in r.stderr, r.stderr
         assert f"{pycode_small} is not one (its meta.json records no example_tokens" in r.stderr
         assert f"leave {tasks.replace(',', ' and ')} out of the tasks" in r.stderr, r.stderr
+
+
+def test_an_early_stop_on_text_is_one_line_before_any_work(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    flags = [f"--dataset={pycode_small}", "--device=cpu", f"--out_dir={out}"]
+    r = cli(["train.py", *flags, "--stop_at_accuracy=0.99"])
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "stop_at_accuracy=0.99 reads the val accuracy on an MQAR dataset's answers" in r.stderr
+    assert not out.exists()

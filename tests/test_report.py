@@ -710,3 +710,51 @@ def test_an_lm_eval_task_no_run_was_scored_on_is_said_not_left_an_empty_column(
     out, _, _ = report_of(tmp_path, *flags[:2], "--lm_eval=[lines]", "--lm_eval_limit=8")
     assert "No run has a score of lines at lm_eval_limit=8 (4 have one at another limit)" in out
     assert "--lm_eval=[lines] --lm_eval_limit=8" in out
+
+
+def by_pairs(accuracies: dict[int, float]) -> dict:
+    """recall's MQAR result on a mix of pair counts, 100 answers at each count."""
+    cells = [
+        {"pairs": p, "accuracy": a, "correct": round(100 * a), "n": 100}
+        for p, a in accuracies.items()
+    ]
+    total = sum(c["correct"] for c in cells)
+    n = 100 * len(cells)
+    return {"accuracy": total / n, "correct": total, "n": n, "by_pairs": cells}
+
+
+def test_capacity_curves_are_reported_from_runs_on_a_mix_early_stopped_ones_included(
+    tmp_path: Path,
+) -> None:
+    """Two variants, two seeds, on a mix of 2 and 4 pairs; MHA's seed 1338 stopped early at
+    iteration 10 (of 20): it is finished, not another budget. MHA solves 2 pairs in both seeds and
+    4 in one (knee 2, next 4); MQA solves nothing (no knee, next 2)."""
+    test = {
+        ("mha", 1337): {2: 1.0, 4: 1.0},
+        ("mha", 1338): {2: 1.0, 4: 0.5},
+        ("mqa", 1337): {2: 0.5, 4: 0.25},
+        ("mqa", 1338): {2: 0.75, 4: 0.25},
+    }
+    for (name, seed), accuracies in test.items():
+        stopped = (name, seed) == ("mha", 1338)
+        losses = {10: 1.5} if stopped else {10: 2.0, 20: 1.5}
+        recall = {"mqar": by_pairs(accuracies)}
+        run_dir = write_log(tmp_path, name, 4 if name == "mha" else 1, seed, losses, recall=recall)
+        records = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+        final = [r for r in records if r["event"] == "eval"][-1]
+        final["val_mqar"] = by_pairs(accuracies)  # val as test
+        if stopped:
+            records.insert(records.index(final), {"event": "stop", "iter": 10})
+        (run_dir / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    _, err, rows = report_of(tmp_path, "--kv_heads=[4,1]", "--seeds=2", "--solved_threshold=0.99")
+    assert "unfinished" not in err and rows["mha"]["seeds"] == "2"
+    assert rows["mha"]["other_iters"] == ""  # the early stop is the budget's rule
+    md = (tmp_path / "report.md").read_text()
+    assert "## Capacity: MQAR accuracy by pair count" in md
+    assert (
+        "| mha | 4 | 0.001 | no (at the edge of the rates tried) | 1337: 1.000, 1338: 0.500 |" in md
+    )
+    assert "| mha | 2 | 4 | every seed solved up to 2; 4 pairs solved in 1/2 seeds |" in md
+    assert "| mqa | - | 2 | 2 pairs solved in 0/2 seeds, the smallest |" in md
+    kept = (tmp_path / "capacity.csv").read_text().splitlines()
+    assert kept[0] == "variant,pairs,seed,lr,val_accuracy,accuracy" and len(kept) == 1 + 8

@@ -14,13 +14,18 @@ pairs, some far), every other token random over the whole vocabulary. Zoology hi
 from the input (a random token follows each query); here the answer follows its query, as in a
 stream of next-token targets, where it shows only to later positions.
 
+A mix of difficulties (Zoology's training mix, for capacity curves: docs/compare.md): with
+--pairs_mix=[4,8,16,32] each example holds one of those pair counts (equal shares of every split,
+in random order) and asks every key it holds, so its number of answers is its number of pairs;
+num_pairs and num_queries are then the largest count (what needle and mqar_long build on).
+
 The loss mask is 1 exactly at the answers; no val or test example equals a train example, and no
 test example a val one (a learning rate chosen on val is measured on examples it never saw). Train
 with --block_size=<seq_len - 1>. meta.json records the settings that made the dataset (`settings`:
 every key but out_dir), which a script reusing it compares with its own (scripts/zoology_mqar.py).
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from configurator import run_cli  # first: a Ctrl-C while the libraries import is then one line
@@ -51,8 +56,12 @@ class PrepareConfig:
     val_examples: int = 1000
     test_examples: int = 1000  # 0: no test split
     seed: int = 1337
+    # a mix of pair counts, each example one of them with every key asked; []: num_pairs each
+    pairs_mix: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.pairs_mix:
+            self.check_mix()
         self.num_queries = self.num_pairs if self.num_queries is None else self.num_queries
         sizes = (
             "num_pairs",
@@ -88,6 +97,20 @@ class PrepareConfig:
             raise ValueError(f"layout={self.layout!r} must be 'compact' or 'zoology'")
         if self.layout == "zoology":
             self.check_zoology()
+
+    def check_mix(self) -> None:
+        """A mix of pair counts: positive, distinct, each example asking every key it holds (so
+        num_queries is not given); num_pairs and num_queries become the largest count."""
+        mix = self.pairs_mix
+        if min(mix) <= 0 or len(set(mix)) != len(mix):
+            raise ValueError(f"pairs_mix={mix}: pair counts must be positive and distinct")
+        if self.num_queries is not None:
+            raise ValueError(
+                f"num_queries={self.num_queries} with pairs_mix={mix}: a mix's examples ask every "
+                "key they hold (leave num_queries out)"
+            )
+        self.pairs_mix = sorted(mix)
+        self.num_pairs = self.num_queries = max(mix)
 
     def check_zoology(self) -> None:
         """What Zoology's layout needs: every key queried, values distinct, whole query slots."""
@@ -126,6 +149,8 @@ def distinct(rng: np.random.Generator, n: int, k: int, of: int) -> np.ndarray:
 def draw(rng: np.random.Generator, n: int, cfg: PrepareConfig) -> tuple[np.ndarray, np.ndarray]:
     """n examples (n, seq_len) of cfg's layout and their loss masks (n, seq_len; 1 at the
     answers)."""
+    if cfg.pairs_mix:
+        return draw_mix(rng, n, cfg)
     if cfg.layout == "zoology":
         return draw_zoology(rng, n, cfg)
     P, Q, K, V = cfg.num_pairs, cfg.num_queries, cfg.key_vocab, cfg.value_vocab
@@ -141,6 +166,20 @@ def draw(rng: np.random.Generator, n: int, cfg: PrepareConfig) -> tuple[np.ndarr
     mask = np.zeros((n, cfg.seq_len), dtype=np.uint8)
     mask[:, 1 - 2 * Q :: 2] = 1  # the answers
     return ex, mask
+
+
+def draw_mix(rng: np.random.Generator, n: int, cfg: PrepareConfig) -> tuple[np.ndarray, np.ndarray]:
+    """n examples of cfg's pair counts in equal shares (the first counts one more where n does not
+    divide), every key of each asked, in random order."""
+    shares = np.array_split(np.arange(n), len(cfg.pairs_mix))
+    parts = [
+        draw(rng, len(share), replace(cfg, pairs_mix=[], num_pairs=P, num_queries=P))
+        for P, share in zip(cfg.pairs_mix, shares, strict=True)
+    ]
+    order = rng.permutation(n)
+    return np.concatenate([ex for ex, _ in parts])[order], np.concatenate([m for _, m in parts])[
+        order
+    ]
 
 
 def query_slots(rng: np.random.Generator, n: int, cfg: PrepareConfig) -> np.ndarray:
