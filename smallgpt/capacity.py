@@ -19,6 +19,7 @@ from pathlib import Path
 
 from smallgpt import stats
 from smallgpt.atomic import atomic_open
+from smallgpt.errors import UserError
 
 COLUMNS = ("variant", "pairs", "seed", "lr", "val_accuracy", "accuracy")
 
@@ -175,19 +176,27 @@ def write_results(path: Path, results: Iterable[Result]) -> None:
 
 
 def read_results(path: Path) -> list[Result]:
-    """The per-run results write_results kept."""
-    with open(path, newline="") as f:
-        return [
-            Result(
-                row["variant"],
-                int(row["pairs"]),
-                int(row["seed"]),
-                float(row["lr"]),
-                float(row["val_accuracy"]),
-                float(row["accuracy"]),
-            )
-            for row in csv.DictReader(f)
-        ]
+    """The per-run results write_results kept; a UserError for a file that is not such a CSV."""
+    try:
+        with open(path, newline="") as f:
+            return [
+                Result(
+                    row["variant"],
+                    int(row["pairs"]),
+                    int(row["seed"]),
+                    float(row["lr"]),
+                    float(row["val_accuracy"]),
+                    float(row["accuracy"]),
+                )
+                for row in csv.DictReader(f)
+            ]
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, csv.Error) as e:
+        raise UserError(
+            f"{path} is not a capacity.csv of per-run results (columns {', '.join(COLUMNS)}): "
+            f"{type(e).__name__} {e}"
+        ) from None
 
 
 def results_of(runs: list[dict]) -> list[Result]:

@@ -284,6 +284,23 @@ def ratio_panel(ax: Any, rows: list[dict]) -> None:
         recall.legend(fontsize=7, loc="lower right")
 
 
+def capacity_figure(curves: dict[str, list[Cell]], path: Path) -> None:
+    """The capacity curves alone, as a figure at path (scripts/capacity_table.py)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.1, 4.2))
+    capacity_panel(ax, curves)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_open(path) as f:  # never a half-written figure
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
 def capacity_panel(ax: Any, curves: dict[str, list[Cell]]) -> None:
     """MQAR test accuracy against the number of key-value pairs (log scale), a line per variant
     through its seeds' mean at each count's chosen rate, each seed a dot."""
@@ -295,6 +312,8 @@ def capacity_panel(ax: Any, curves: dict[str, list[Cell]]) -> None:
         for c in cells:
             ax.scatter([c.pairs] * len(c.accuracies), c.accuracies, s=8, color=line.get_color())
     ax.set_xscale("log", base=2)
+    counts = sorted({c.pairs for cells in curves.values() for c in cells})
+    ax.set_xticks(counts, labels=[str(p) for p in counts])
     ax.set(
         xlabel="key-value pairs an example (log scale)",
         ylabel="MQAR test accuracy (each count's rate)",

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import cli
 from smallgpt.capacity import (
     Knee,
     Result,
@@ -139,3 +140,24 @@ def test_results_are_read_from_the_runs_final_evaluations() -> None:
         Result("hybrid", 4, 3, 3e-3, 0.0, 0.0),
         Result("hybrid", 8, 3, 3e-3, 0.0, 0.0),
     ]
+
+
+def test_the_script_reads_a_protocols_parts_together_and_refuses_a_run_twice(
+    tmp_path: Path,
+) -> None:
+    """Two parts of one protocol (the variants split), each its own file: the script's table is
+    the one both give together; a part given twice is one line."""
+    attention = [r for r in results() if r.variant == "attention"]
+    hybrid = [r for r in results() if r.variant == "hybrid"]
+    write_results(tmp_path / "a.csv", attention)
+    write_results(tmp_path / "b.csv", hybrid)
+    files = f"--files=[{tmp_path / 'a.csv'},{tmp_path / 'b.csv'}]"
+    png = tmp_path / "curves.png"
+    r = cli(["scripts/capacity_table.py", files, f"--png={png}"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == table(curves(results(), THRESHOLD)) + f"wrote {png}\n"
+    assert png.read_bytes().startswith(b"\x89PNG")
+    twice = f"--files=[{tmp_path / 'a.csv'},{tmp_path / 'a.csv'}]"
+    r = cli(["scripts/capacity_table.py", twice])
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "attention at 4 pairs, seed 0, rate 0.001 is in the files 2 times (36 such" in r.stderr
