@@ -45,6 +45,27 @@ def examples(out: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+def tiny_run(data: Path, block_size: int, out: Path, max_iters: int, *more: str) -> list[str]:
+    """train.py's command for a tiny run on the MQAR dataset at data: one layer of 32, float32 on
+    the CPU, an evaluation every 2 iterations, then more flags."""
+    return [
+        "train.py",
+        f"--dataset={data}",
+        f"--block_size={block_size}",
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=32",
+        f"--max_iters={max_iters}",
+        "--eval_interval=2",
+        "--eval_iters=2",
+        "--batch_size=4",
+        "--device=cpu",
+        "--dtype=float32",
+        f"--out_dir={out}",
+        *more,
+    ]
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mqar")
@@ -142,23 +163,7 @@ def test_training_stops_early_at_the_accuracy_and_that_evaluation_is_final(tmp_p
     data = tmp_path / "mix"
     prepare(data, "--pairs_mix=[2,4]", key_vocab=16, value_vocab=10, seq_len=16)
     out = tmp_path / "run"
-    flags = [
-        "train.py",
-        f"--dataset={data}",
-        "--block_size=15",
-        "--n_layer=1",
-        "--n_head=2",
-        "--n_embd=32",
-        "--max_iters=8",
-        "--eval_interval=2",
-        "--eval_iters=2",
-        "--batch_size=4",
-        "--device=cpu",
-        "--dtype=float32",
-        f"--out_dir={out}",
-        "--final_evals=[mqar]",
-        "--stop_at_accuracy=0",
-    ]
+    flags = tiny_run(data, 15, out, 8, "--final_evals=[mqar]", "--stop_at_accuracy=0")
     assert "stopping early" in run(flags).stdout
     log = read_log(out)
     assert [(r["event"], r["iter"]) for r in log if r["event"] != "config"] == [
@@ -282,25 +287,8 @@ def test_bad_knobs_are_one_line_and_write_nothing(
 
 def test_train_py_trains_on_it(task: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    run(
-        [
-            "train.py",
-            f"--dataset={task}",
-            f"--block_size={L - 1}",
-            "--n_layer=1",
-            "--n_head=2",
-            "--n_embd=32",
-            "--max_iters=4",
-            "--eval_interval=2",
-            "--eval_iters=2",
-            "--batch_size=4",
-            "--device=cpu",
-            "--dtype=float32",
-            f"--out_dir={out}",
-            "--final_evals=[mqar,position]",
-            "--always_save_checkpoint=True",
-        ]
-    )
+    flags = ["--final_evals=[mqar,position]", "--always_save_checkpoint=True"]
+    run(tiny_run(task, L - 1, out, 4, *flags))
     log = read_log(out)
     evals = [r for r in log if r["event"] == "eval"]
     assert [r["iter"] for r in evals] == [0, 2, 4] and all(
