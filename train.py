@@ -439,13 +439,14 @@ class Trainer:
         cfg = self.cfg
         val_mqar = self.val_mqar() if self.tracks_mqar else None
         reached = val_mqar is not None and cfg.stop_at_accuracy is not None
-        reached = reached and val_mqar["accuracy"] >= cfg.stop_at_accuracy
+        reached = reached and recall.weakest(val_mqar) >= cfg.stop_at_accuracy
         if reached and self.iter_num > 0 and not cfg.eval_only:
             self.stopped = True
             if self.proc.is_master:
                 print(
-                    f"step {self.iter_num}: val MQAR accuracy {val_mqar['accuracy']:.4f} reached "
-                    f"stop_at_accuracy={cfg.stop_at_accuracy}: stopping early"
+                    f"step {self.iter_num}: val MQAR accuracy {recall.weakest(val_mqar):.4f} (at "
+                    f"its lowest pair count) reached stop_at_accuracy={cfg.stop_at_accuracy}: "
+                    "stopping early"
                 )
                 self.log.write(event="stop", iter=self.iter_num, val_mqar=val_mqar)
         final = self.iter_num == cfg.max_iters or cfg.eval_only or self.stopped

@@ -88,7 +88,8 @@ class TrainConfig:
     # position, mqar (an MQAR dataset)
     final_evals: list[str] = field(default_factory=list)
     # an MQAR dataset: stop at the first evaluation whose val accuracy on the answers reaches this
-    # (Zoology's early stop, 0.99), and make it the final one; None: train to max_iters
+    # (Zoology's early stop, 0.99; on a mix, every pair count's), and make it the final one; None:
+    # train to max_iters
     stop_at_accuracy: float | None = None
     decay_lr: bool = True
     warmup_iters: int = 100

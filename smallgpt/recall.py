@@ -242,6 +242,13 @@ def mqar(
     return out
 
 
+def weakest(result: dict) -> float:
+    """An MQAR result's accuracy where it is lowest: on a mix of pair counts the count recalled
+    worst (an early stop on the whole would stop with the hardest count short of it), else the
+    whole."""
+    return min((c["accuracy"] for c in result.get("by_pairs", [])), default=result["accuracy"])
+
+
 def solved_rows(
     model: torch.nn.Module,
     idx: torch.Tensor,

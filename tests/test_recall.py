@@ -409,3 +409,14 @@ def test_an_early_stop_on_text_is_one_line_before_any_work(
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "stop_at_accuracy=0.99 reads the val accuracy on an MQAR dataset's answers" in r.stderr
     assert not out.exists()
+
+
+def test_an_early_stop_reads_the_pair_count_recalled_worst() -> None:
+    """0.995 on the whole of a mix whose 32 pairs score 0.98 has not reached 0.99: stopped there,
+    that count would be reported unsolved for the stop's sake."""
+    mix = {
+        "accuracy": 0.995,
+        "by_pairs": [{"pairs": 4, "accuracy": 1.0}, {"pairs": 32, "accuracy": 0.98}],
+    }
+    assert recall.weakest(mix) == 0.98
+    assert recall.weakest({"accuracy": 0.995}) == 0.995
