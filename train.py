@@ -190,8 +190,6 @@ class Trainer:
         self.amp = self.place.autocast()
         dtype = self.place.dtype
         meta = self.open_data()
-        # the val accuracy on MQAR's answers at each evaluation: what an early stop reads
-        self.tracks_mqar = cfg.stop_at_accuracy is not None or "mqar" in cfg.final_evals
         self.stopped = False  # stopped early, at an evaluation that reached stop_at_accuracy
         source = checkpoint.parse_source(cfg.init_from)
         checkpoint.check_pretrained_tokenizer(source, meta, cfg.dataset)  # weights' own tokens only
@@ -437,19 +435,21 @@ class Trainer:
         stop early where the val MQAR accuracy reached stop_at_accuracy (saved, the final
         evaluation)."""
         cfg = self.cfg
-        val_mqar = self.val_mqar() if self.tracks_mqar else None
-        reached = val_mqar is not None and cfg.stop_at_accuracy is not None
-        reached = reached and recall.weakest(val_mqar) >= cfg.stop_at_accuracy
-        if reached and self.iter_num > 0 and not cfg.eval_only:
+        # the val accuracy on MQAR's answers: what an early stop reads at every evaluation, and what
+        # a capacity curve chooses its rate on at the final one
+        stops = cfg.stop_at_accuracy is not None
+        at_end = self.iter_num == cfg.max_iters or cfg.eval_only
+        val_mqar = self.val_mqar() if stops or (at_end and "mqar" in cfg.final_evals) else None
+        lowest = recall.weakest(val_mqar) if stops else None
+        if stops and lowest >= cfg.stop_at_accuracy and self.iter_num > 0 and not cfg.eval_only:
             self.stopped = True
             if self.proc.is_master:
                 print(
-                    f"step {self.iter_num}: val MQAR accuracy {recall.weakest(val_mqar):.4f} (at "
-                    f"its lowest pair count) reached stop_at_accuracy={cfg.stop_at_accuracy}: "
-                    "stopping early"
+                    f"step {self.iter_num}: val MQAR accuracy {lowest:.4f} (at its lowest pair "
+                    f"count) reached stop_at_accuracy={cfg.stop_at_accuracy}: stopping early"
                 )
                 self.log.write(event="stop", iter=self.iter_num, val_mqar=val_mqar)
-        final = self.iter_num == cfg.max_iters or cfg.eval_only or self.stopped
+        final = at_end or self.stopped
         # the test split, where the dataset has one, at the final evaluation only: what a choice
         # made on val (compare.py --lrs) is measured on
         splits = self.batches.splits if final else ("train", "val")
