@@ -168,12 +168,9 @@ def train_step(
 
 def check_early_stop(cfg: TrainConfig, meta: dict, where: str) -> None:
     """A UserError where stop_at_accuracy is given for a dataset that is not MQAR's."""
-    if cfg.stop_at_accuracy is not None and not meta.get("example_tokens"):
-        raise UserError(
-            f"stop_at_accuracy={cfg.stop_at_accuracy} reads the val accuracy on an MQAR dataset's "
-            f"answers, and {where} is not one (its meta.json records no example_tokens): give "
-            "--dataset=<an MQAR dataset>, or leave it out"
-        )
+    if cfg.stop_at_accuracy is not None:
+        reader = f"stop_at_accuracy={cfg.stop_at_accuracy} reads the val accuracy on the answers of"
+        recall.require_mqar(meta, where, reader, "it out")
 
 
 class Trainer:

@@ -58,14 +58,22 @@ def check_mqar(tasks: list[str], meta: dict, where: str) -> None:
     """A UserError where some of tasks read an MQAR dataset (MQAR_TASKS) and meta is not one's (its
     examples have a fixed length), naming those tasks."""
     readers = [task for task in tasks if task in MQAR_TASKS]
-    if not readers or meta.get("example_tokens"):
+    if not readers:
         return
     names = " and ".join([", ".join(readers[:-1]), readers[-1]] if len(readers) > 2 else readers)
     reads = "task reads" if len(readers) == 1 else "tasks read"
+    require_mqar(meta, where, f"the {names} {reads}", f"{names} out of the tasks")
+
+
+def require_mqar(meta: dict, where: str, reader: str, leave: str) -> None:
+    """A UserError where meta (of the dataset at where) is not an MQAR dataset's, for what reads one
+    (reader, e.g. 'the mqar task reads') and what the user may leave out instead."""
+    if meta.get("example_tokens"):
+        return
     raise UserError(
-        f"the {names} {reads} an MQAR dataset (python data/mqar/prepare.py), and {where} is not "
-        f"one (its meta.json records no example_tokens): give --dataset=<an MQAR dataset>, or "
-        f"leave {names} out of the tasks"
+        f"{reader} an MQAR dataset (python data/mqar/prepare.py), and {where} is not one (its "
+        f"meta.json records no example_tokens): give --dataset=<an MQAR dataset>, or leave "
+        f"{leave}"
     )
 
 
