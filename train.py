@@ -442,8 +442,9 @@ class Trainer:
             self.stopped = True
             if self.proc.is_master:
                 print(
-                    f"step {self.iter_num}: val MQAR accuracy {lowest:.4f} (at its lowest pair "
-                    f"count) reached stop_at_accuracy={cfg.stop_at_accuracy}: stopping early"
+                    f"step {self.iter_num}: val MQAR accuracy {lowest:.4f} (on the pair count "
+                    f"recalled worst) reached stop_at_accuracy={cfg.stop_at_accuracy}: "
+                    "stopping early"
                 )
                 self.log.write(event="stop", iter=self.iter_num, val_mqar=val_mqar)
         final = at_end or self.stopped
