@@ -184,6 +184,18 @@ def test_training_stops_early_at_the_accuracy_and_that_evaluation_is_final(tmp_p
     assert "stopped early at iteration 2" in again.stdout and read_log(out) == log
 
 
+def test_a_sweep_judging_solved_at_its_stop_says_so_up_front(tmp_path: Path) -> None:
+    """A run stops as soon as its val accuracy reaches stop_at_accuracy, so a solved_threshold at or
+    above it judges the stopped runs by the splits' noise: the plan says so, and not below it."""
+    data = tmp_path / "mix"
+    prepare(data, "--pairs_mix=[2,4]", key_vocab=16, value_vocab=10, seq_len=16)
+    sweep = ["compare.py", *tiny_run(data, 15, tmp_path / "cmp", 8)[1:], "--seeds=1"]
+    sweep += ["--stop_at_accuracy=0.95", "--mode=plan"]
+    said = "solved_threshold=0.95 is at or above stop_at_accuracy=0.95: a run stops as soon"
+    assert said in run([*sweep, "--solved_threshold=0.95"]).stdout
+    assert "solved_threshold" not in run(sweep).stdout  # the default, 0.9
+
+
 def test_the_zoology_layout_queries_every_key_once_at_power_law_gaps(tmp_path: Path) -> None:
     """layout=zoology: the pairs first (distinct keys, distinct values), then each key queried once
     in a slot of two tokens with its value after it, the answers the only targets; with one pair,
