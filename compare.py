@@ -81,7 +81,7 @@ from smallgpt.atomic import (
     remove_stale_temps,
 )
 from smallgpt.checkpoint import check_vocabulary, parse_source
-from smallgpt.configs import CompareConfig, TrainConfig, repeated
+from smallgpt.configs import SOLVED_THRESHOLD, CompareConfig, TrainConfig, repeated
 from smallgpt.convert import check_latent_target
 from smallgpt.data import Batches, data_dir, load_meta, vocab_size_of
 from smallgpt.measure import cached_step_throughput, default_kv_heads, table, training_seconds
@@ -731,7 +731,7 @@ def say_where_solved_is_at_the_stop(cfg: CompareConfig, base: TrainConfig) -> No
             f"solved_threshold={cfg.solved_threshold} is at or above stop_at_accuracy={stop}: a "
             f"run stops as soon as its val accuracy reaches {stop}, so whether its test accuracy "
             f"counts it solved is the splits' noise; give a solved_threshold below it (the "
-            f"default is {CompareConfig.solved_threshold})",
+            f"default is {SOLVED_THRESHOLD})",
             flush=True,
         )
 

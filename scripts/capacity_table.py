@@ -18,6 +18,7 @@ from configurator import run_cli  # first: a Ctrl-C while the libraries import i
 
 # isort: split
 from smallgpt import capacity
+from smallgpt.configs import SOLVED_THRESHOLD
 from smallgpt.errors import UserError
 from smallgpt.plots import capacity_figure
 
@@ -25,7 +26,7 @@ from smallgpt.plots import capacity_figure
 @dataclass(slots=True)
 class TableConfig:
     files: list[str] = field(default_factory=list)  # capacity.csv files, read together
-    solved_threshold: float = 0.99  # the accuracy at which a seed counts as having solved a count
+    solved_threshold: float = SOLVED_THRESHOLD  # compare.py's: a seed at this solved its count
     png: str = ""  # also draw the curves into this file
 
 

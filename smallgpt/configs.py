@@ -333,6 +333,9 @@ class SampleConfig:
 
 
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}  # what \n, \t and \\ typed in --stop stand for
+# the recall accuracy at which a run counts as having solved a task (compare.py's solved_threshold):
+# below an early stop's usual 0.99, so a run that stops on just reaching that is judged solved
+SOLVED_THRESHOLD = 0.9
 
 
 @dataclass(slots=True)
@@ -387,7 +390,7 @@ class CompareConfig:
     decode_steps: int = 16
     speed_repeats: int = 3
     # a run whose accuracy on a recall task reaches this solved it (the report's "solved k/n")
-    solved_threshold: float = 0.9
+    solved_threshold: float = SOLVED_THRESHOLD
     # lm-evaluation-harness tasks (eval.py --lm_eval: hellaswag, arc_easy, lines...) scored on each
     # run once it is trained, each a column of the report (mean over seeds, seed-paired vs MHA);
     # lm_eval_limit: items per task (None: all)
