@@ -635,9 +635,9 @@ def test_bf16_speedup_probe_measures_both_dtypes() -> None:
     from smallgpt import runtime
 
     speedup = runtime.bf16_speedup(32, rows=64)
-    assert (
-        math.isfinite(speedup) and 0.01 < speedup < 100
-    )  # a ratio of two measured times, whatever this CPU is
+    # a ratio of two measured times, whatever this CPU is and however busy: no band on its size
+    # (a loaded box measured 0.0075 here beside the rest of the suite; speeds live in bench.py)
+    assert math.isfinite(speedup) and speedup > 0
 
 
 def test_dtype_auto_decodes_in_bf16_only_with_the_compiled_step_on_a_native_bf16_cpu(
