@@ -33,6 +33,10 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -203,6 +207,101 @@ inline void finish_correction(const Head<scalar_t>& h, int64_t t, const scalar_t
     d.b_at(t) = dbt;
 }
 
+// The four sums over a row i of the state in the backward's fused pass (B of token t, A of
+// token s = t - 1; backward_head) and its updates of G's row and du:
+//
+//     D = a S_s,  dD = G + k_t dp^T,  dkt = D . dp,  dgr = dD . D,     (B of t)
+//     G <- a dD + q_s do_s^T,  dqs = S_s . do_s,  dks = G . u_s,  du += k_s G   (A of s)
+template <typename scalar_t>
+struct RowSums {
+    scalar_t dkt;
+    scalar_t dgr;
+    scalar_t dqs;
+    scalar_t dks;
+};
+
+// Whether a row takes the AVX2 form below: float, a square state of a multiple of 8 a side.
+template <typename scalar_t, int DV>
+constexpr bool avx_rows() {
+#if defined(__AVX2__) && defined(__FMA__)
+    return std::is_same<scalar_t, float>::value && DV > 0 && DV % 8 == 0;
+#else
+    return false;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The fused row in 8-wide vectors, its four sums reduced together at the end: the compiler's
+// form of the loop below sums each one's eight lanes one after another (eight dependent adds
+// and seven shuffles a sum, four sums a row: as many instructions as the row's own work).
+template <int DV>
+inline RowSums<float> fused_row_avx(float a, float kt, float qs, float ks, const float* Si,
+                                    float* Gi, const float* dp, const float* do_s,
+                                    const float* u_s, float* du) {
+    const __m256 va = _mm256_set1_ps(a);
+    const __m256 vkt = _mm256_set1_ps(kt);
+    const __m256 vqs = _mm256_set1_ps(qs);
+    const __m256 vks = _mm256_set1_ps(ks);
+    __m256 dkt = _mm256_setzero_ps();
+    __m256 dgr = _mm256_setzero_ps();
+    __m256 dqs = _mm256_setzero_ps();
+    __m256 dks = _mm256_setzero_ps();
+    for (int j = 0; j < DV; j += 8) {
+        const __m256 S = _mm256_loadu_ps(Si + j);
+        const __m256 dpj = _mm256_loadu_ps(dp + j);
+        const __m256 doj = _mm256_loadu_ps(do_s + j);
+        const __m256 D = _mm256_mul_ps(va, S);
+        const __m256 dD = _mm256_fmadd_ps(vkt, dpj, _mm256_loadu_ps(Gi + j));
+        dkt = _mm256_fmadd_ps(D, dpj, dkt);
+        dgr = _mm256_fmadd_ps(dD, D, dgr);
+        const __m256 g_s = _mm256_fmadd_ps(va, dD, _mm256_mul_ps(vqs, doj));
+        _mm256_storeu_ps(Gi + j, g_s);
+        dqs = _mm256_fmadd_ps(S, doj, dqs);
+        dks = _mm256_fmadd_ps(g_s, _mm256_loadu_ps(u_s + j), dks);
+        _mm256_storeu_ps(du + j, _mm256_fmadd_ps(g_s, vks, _mm256_loadu_ps(du + j)));
+    }
+    // lanes [0..3 | 4..7] of each sum pairwise (hadd), then again: [dkt, dgr, dqs, dks] of each
+    // half, the halves added
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(dkt, dgr), _mm256_hadd_ps(dqs, dks));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+    alignas(16) float out[4];
+    _mm_store_ps(out, sums);
+    return {out[0], out[1], out[2], out[3]};
+}
+#endif
+
+template <typename scalar_t, int DV>
+inline RowSums<scalar_t> fused_row(int64_t d_v_, scalar_t a, scalar_t kt, scalar_t qs,
+                                   scalar_t ks, const scalar_t* Si, scalar_t* Gi,
+                                   const scalar_t* dp, const scalar_t* do_s, const scalar_t* u_s,
+                                   scalar_t* du) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (avx_rows<scalar_t, DV>()) {
+        return fused_row_avx<DV>(a, kt, qs, ks, Si, Gi, dp, do_s, u_s, du);
+    }
+#endif
+    const int64_t d_v = DV > 0 ? DV : d_v_;
+    scalar_t dkt = 0;
+    scalar_t dgr = 0;
+    scalar_t dqs = 0;
+    scalar_t dks = 0;
+#pragma omp simd reduction(+ : dkt, dgr, dqs, dks)
+    for (int64_t j = 0; j < d_v; ++j) {
+        // B(t): dD = G + k dp^T, dk += D dp, dg = <dD, D>, G <- a dD
+        const scalar_t D = a * Si[j];
+        const scalar_t dD = Gi[j] + kt * dp[j];
+        dkt += D * dp[j];
+        dgr += dD * D;
+        // A(s): G += q do^T, dq = S_s do, dk = G u, du = G^T k
+        const scalar_t g_s = a * dD + qs * do_s[j];
+        Gi[j] = g_s;
+        dqs += Si[j] * do_s[j];
+        dks += g_s * u_s[j];
+        du[j] += g_s * ks;
+    }
+    return {dkt, dgr, dqs, dks};
+}
+
 template <typename scalar_t, int DV>
 void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints,
                    Tokens<const scalar_t> d_out, const scalar_t* d_final, int64_t chunk,
@@ -287,26 +386,13 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints,
                 scalar_t dkt = 0;
                 scalar_t dgr = 0;
                 if (fused) {
-                    const scalar_t qs = h.q_at(s)[i];
-                    const scalar_t ks = h.k_at(s)[i];
-                    scalar_t dqs = 0;
-                    scalar_t dks = 0;
-#pragma omp simd reduction(+ : dkt, dgr, dqs, dks)
-                    for (int64_t j = 0; j < d_v; ++j) {
-                        // B(t): dD = G + k dp^T, dk += D dp, dg = <dD, D>, G <- a dD
-                        const scalar_t D = a * Si[j];
-                        const scalar_t dD = Gi[j] + kt * dp[j];
-                        dkt += D * dp[j];
-                        dgr += dD * D;
-                        // A(s): G += q do^T, dq = S_s do, dk = G u, du = G^T k
-                        const scalar_t g_s = a * dD + qs * do_s[j];
-                        Gi[j] = g_s;
-                        dqs += Si[j] * do_s[j];
-                        dks += g_s * u_s[j];
-                        du[j] += g_s * ks;
-                    }
-                    d.q_at(s)[i] = dqs;
-                    d.k_at(s)[i] = dks;
+                    const auto sums = fused_row<scalar_t, DV>(
+                        d_v, a, kt, h.q_at(s)[i], h.k_at(s)[i], Si, Gi, dp.data(), do_s, u_s,
+                        du.data());
+                    dkt = sums.dkt;
+                    dgr = sums.dgr;
+                    d.q_at(s)[i] = sums.dqs;
+                    d.k_at(s)[i] = sums.dks;
                 } else {
 #pragma omp simd reduction(+ : dkt, dgr)
                     for (int64_t j = 0; j < d_v; ++j) {
