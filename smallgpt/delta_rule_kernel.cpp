@@ -220,7 +220,8 @@ struct RowSums {
     scalar_t dks;
 };
 
-// Whether a row takes the AVX2 form below: float, a square state of a multiple of 8 a side.
+// Whether the fused pass takes the AVX2 form below: float, a square state of a multiple of 8
+// a side.
 template <typename scalar_t, int DV>
 constexpr bool avx_rows() {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -231,42 +232,74 @@ constexpr bool avx_rows() {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// The fused row in 8-wide vectors, its four sums reduced together at the end: the compiler's
-// form of the loop below sums each one's eight lanes one after another (eight dependent adds
-// and seven shuffles a sum, four sums a row: as many instructions as the row's own work).
+// The fused pass over every row of the state (fused_row, row after row) in 8-wide vectors: the
+// rows' shared vectors (dp, do_s, u_s, and du's running sums) held in registers across the rows,
+// and each row's four sums reduced together at its end. The compiler's form of fused_row's loop
+// sums each one's eight lanes one after another (eight dependent adds and seven shuffles a sum,
+// four sums a row: as many instructions as the row's own work). Writes dk_t (adding to it),
+// dg_t (a head's one decay: the rows' sum), dq_s, dk_s and du.
 template <int DV>
-inline RowSums<float> fused_row_avx(float a, float kt, float qs, float ks, const float* Si,
-                                    float* Gi, const float* dp, const float* do_s,
-                                    const float* u_s, float* du) {
-    const __m256 va = _mm256_set1_ps(a);
-    const __m256 vkt = _mm256_set1_ps(kt);
-    const __m256 vqs = _mm256_set1_ps(qs);
-    const __m256 vks = _mm256_set1_ps(ks);
-    __m256 dkt = _mm256_setzero_ps();
-    __m256 dgr = _mm256_setzero_ps();
-    __m256 dqs = _mm256_setzero_ps();
-    __m256 dks = _mm256_setzero_ps();
-    for (int j = 0; j < DV; j += 8) {
-        const __m256 S = _mm256_loadu_ps(Si + j);
-        const __m256 dpj = _mm256_loadu_ps(dp + j);
-        const __m256 doj = _mm256_loadu_ps(do_s + j);
-        const __m256 D = _mm256_mul_ps(va, S);
-        const __m256 dD = _mm256_fmadd_ps(vkt, dpj, _mm256_loadu_ps(Gi + j));
-        dkt = _mm256_fmadd_ps(D, dpj, dkt);
-        dgr = _mm256_fmadd_ps(dD, D, dgr);
-        const __m256 g_s = _mm256_fmadd_ps(va, dD, _mm256_mul_ps(vqs, doj));
-        _mm256_storeu_ps(Gi + j, g_s);
-        dqs = _mm256_fmadd_ps(S, doj, dqs);
-        dks = _mm256_fmadd_ps(g_s, _mm256_loadu_ps(u_s + j), dks);
-        _mm256_storeu_ps(du + j, _mm256_fmadd_ps(g_s, vks, _mm256_loadu_ps(du + j)));
+inline void fused_pass_avx(const float* a, int64_t d_g, const float* k_t, const float* q_s,
+                           const float* k_s, const float* S_s, float* G, const float* dp,
+                           const float* do_s, const float* u_s, float* du, float* dk_t,
+                           float* dg_t, float* dq_s, float* dk_s) {
+    constexpr int N = DV / 8;  // vectors a row
+    __m256 dpv[N];
+    __m256 dov[N];
+    __m256 uv[N];
+    __m256 duv[N];
+    for (int n = 0; n < N; ++n) {
+        dpv[n] = _mm256_loadu_ps(dp + 8 * n);
+        dov[n] = _mm256_loadu_ps(do_s + 8 * n);
+        uv[n] = _mm256_loadu_ps(u_s + 8 * n);
+        duv[n] = _mm256_setzero_ps();
     }
-    // lanes [0..3 | 4..7] of each sum pairwise (hadd), then again: [dkt, dgr, dqs, dks] of each
-    // half, the halves added
-    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(dkt, dgr), _mm256_hadd_ps(dqs, dks));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
-    alignas(16) float out[4];
-    _mm_store_ps(out, sums);
-    return {out[0], out[1], out[2], out[3]};
+    float dg_head = 0;
+    for (int i = 0; i < DV; ++i) {
+        const __m256 va = _mm256_set1_ps(a[d_g == 1 ? 0 : i]);
+        const __m256 vkt = _mm256_set1_ps(k_t[i]);
+        const __m256 vqs = _mm256_set1_ps(q_s[i]);
+        const __m256 vks = _mm256_set1_ps(k_s[i]);
+        const float* Si = S_s + i * DV;
+        float* Gi = G + i * DV;
+        __m256 dkt = _mm256_setzero_ps();
+        __m256 dgr = _mm256_setzero_ps();
+        __m256 dqs = _mm256_setzero_ps();
+        __m256 dks = _mm256_setzero_ps();
+        for (int n = 0; n < N; ++n) {
+            const __m256 S = _mm256_loadu_ps(Si + 8 * n);
+            const __m256 D = _mm256_mul_ps(va, S);
+            const __m256 dD = _mm256_fmadd_ps(vkt, dpv[n], _mm256_loadu_ps(Gi + 8 * n));
+            dkt = _mm256_fmadd_ps(D, dpv[n], dkt);
+            dgr = _mm256_fmadd_ps(dD, D, dgr);
+            const __m256 g_s = _mm256_fmadd_ps(va, dD, _mm256_mul_ps(vqs, dov[n]));
+            _mm256_storeu_ps(Gi + 8 * n, g_s);
+            dqs = _mm256_fmadd_ps(S, dov[n], dqs);
+            dks = _mm256_fmadd_ps(g_s, uv[n], dks);
+            duv[n] = _mm256_fmadd_ps(g_s, vks, duv[n]);
+        }
+        // lanes [0..3 | 4..7] of each sum pairwise (hadd), then again: [dkt, dgr, dqs, dks] of
+        // each half, the halves added
+        const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(dkt, dgr), _mm256_hadd_ps(dqs, dks));
+        const __m128 sums =
+            _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+        alignas(16) float out[4];
+        _mm_store_ps(out, sums);
+        dk_t[i] += out[0];
+        if (d_g == 1) {
+            dg_head += out[1];
+        } else {
+            dg_t[i] = out[1];
+        }
+        dq_s[i] = out[2];
+        dk_s[i] = out[3];
+    }
+    for (int n = 0; n < N; ++n) {
+        _mm256_storeu_ps(du + 8 * n, duv[n]);
+    }
+    if (d_g == 1) {
+        dg_t[0] = dg_head;
+    }
 }
 #endif
 
@@ -275,11 +308,6 @@ inline RowSums<scalar_t> fused_row(int64_t d_v_, scalar_t a, scalar_t kt, scalar
                                    scalar_t ks, const scalar_t* Si, scalar_t* Gi,
                                    const scalar_t* dp, const scalar_t* do_s, const scalar_t* u_s,
                                    scalar_t* du) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if constexpr (avx_rows<scalar_t, DV>()) {
-        return fused_row_avx<DV>(a, kt, qs, ks, Si, Gi, dp, do_s, u_s, du);
-    }
-#endif
     const int64_t d_v = DV > 0 ? DV : d_v_;
     scalar_t dkt = 0;
     scalar_t dgr = 0;
@@ -377,8 +405,19 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints,
             const scalar_t* u_s = fused ? us.data() + (m - 1) * d_v : nullptr;
             const scalar_t* do_s = fused ? d_out.at(s) : nullptr;
             std::fill(du.begin(), du.end(), scalar_t(0));
+            bool rows_done = false;
+#if defined(__AVX2__) && defined(__FMA__)
+            if constexpr (avx_rows<scalar_t, DV>()) {
+                if (fused) {
+                    fused_pass_avx<DV>(h.g_at(t), h.d_g, h.k_at(t), h.q_at(s), h.k_at(s), S_s,
+                                       G.data(), dp.data(), do_s, u_s, du.data(), d.k_at(t),
+                                       d.g_at(t), d.q_at(s), d.k_at(s));
+                    rows_done = true;
+                }
+            }
+#endif
             scalar_t dg_head = 0;
-            for (int64_t i = 0; i < d_k; ++i) {
+            for (int64_t i = 0; i < d_k && !rows_done; ++i) {
                 const scalar_t a = decay_at(h, t, i);
                 const scalar_t kt = h.k_at(t)[i];
                 scalar_t* Gi = G.data() + i * d_v;
@@ -410,7 +449,7 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints,
                     d.g_at(t)[i] = dgr;
                 }
             }
-            if (h.d_g == 1) {
+            if (h.d_g == 1 && !rows_done) {
                 d.g_at(t)[0] = dg_head;
             }
             if (fused) {
