@@ -113,11 +113,17 @@ def kernel() -> ModuleType | None:
     return module
 
 
-@torch.compiler.assume_constant_result  # torch.compile asks once, as it traces, and keeps it
 def available() -> bool:
     """Whether the kernel runs here (built now if it was not): False where SMALLGPT_DELTA_RULE=torch
     or the build failed."""
     return kernel() is not None
+
+
+# torch.compile asks once, as it traces, and keeps the answer (it would otherwise trace into the
+# build). The mark torch.compiler.assume_constant_result sets, set without it: that function imports
+# torch._dynamo, 1.2 s of every process that imports the model and never compiles (sample.py, every
+# script the tests start). test_delta_rule_kernel checks that torch.compile still keeps it.
+available._dynamo_marked_constant = True
 
 
 @torch.library.custom_op("smallgpt::delta_rule", mutates_args=())

@@ -60,15 +60,25 @@ os.environ.setdefault(
 )
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """template_where_it_can registered with inductor in each process that runs tests, not in
-    pytest-xdist's controller, which runs none: importing inductor's autotuning there took 2 s
-    before any worker started."""
-    if config.getoption("numprocesses", default=None) and not hasattr(config, "workerinput"):
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """template_where_it_can registered with inductor before the first test that compiles a step
+    (those in the two groups above; any test after inductor was first imported): importing
+    inductor's autotuning takes 1.5-2 s, which a worker whose tests compile nothing, or a run of
+    a few tests, should not pay at its start."""
+    if Registered.done:
+        return
+    if item.get_closest_marker("xdist_group") is None and "torch._inductor" not in sys.modules:
         return
     from torch._inductor import select_algorithm
 
     select_algorithm.add_preprocessing_fn(template_where_it_can)
+    Registered.done = True
+
+
+class Registered:
+    """Whether this process registered template_where_it_can."""
+
+    done = False
 
 
 # A shell starts a background job with SIGINT ignored, and a Python started so keeps it ignored

@@ -273,3 +273,18 @@ def test_compiled_training_through_the_op_is_eager() -> None:
     torch.testing.assert_close(compiled_loss, loss, rtol=1e-5, atol=1e-6)
     for p, want in zip(m.parameters(), eager, strict=True):
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_asks_whether_the_kernel_runs_once_without_tracing_its_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """available() carries the mark of torch.compiler.assume_constant_result, set by hand (the
+    decorator imports torch._dynamo): traced before the kernel is loaded, torch.compile calls it
+    (which loads it) instead of tracing the build's file reads, which would break the graph."""
+    monkeypatch.setattr(delta_rule_kernel.Build, "module", None)
+    torch._dynamo.reset()
+    ask = torch.compile(
+        lambda x: x + 1 if delta_rule_kernel.available() else x, fullgraph=True, backend="eager"
+    )
+    assert torch.equal(ask(torch.zeros(2)), torch.ones(2))
+    assert delta_rule_kernel.Build.module is not None

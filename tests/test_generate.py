@@ -275,10 +275,12 @@ def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
     assert len(layouts) == len(probes)
 
 
+@COMPILES
 def test_the_process_running_the_tests_compiles_with_the_template_untimed() -> None:
-    """conftest registers template_where_it_can with inductor in the process that runs the tests
-    (a pytest-xdist worker, or pytest itself with -n 0), not only in xdist's controller: else every
-    compile here would time each product's choices (docs/testing.md "Compiled decode steps")."""
+    """conftest registers template_where_it_can with inductor in the process that runs a test of
+    the compiling groups (a pytest-xdist worker, or pytest itself with -n 0), before the test:
+    else every compile here would time each product's choices (docs/testing.md "Compiled decode
+    steps")."""
     from torch._inductor import select_algorithm
 
     selector = select_algorithm.get_algorithm_selector_cache()
