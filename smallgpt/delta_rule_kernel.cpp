@@ -220,17 +220,6 @@ struct RowSums {
     scalar_t dks;
 };
 
-// Whether the fused pass takes the AVX2 form below: float, a square state of a multiple of 8
-// a side.
-template <typename scalar_t, int DV>
-constexpr bool avx_rows() {
-#if defined(__AVX2__) && defined(__FMA__)
-    return std::is_same<scalar_t, float>::value && DV > 0 && DV % 8 == 0;
-#else
-    return false;
-#endif
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 // The fused pass over every row of the state (fused_row, row after row) in 8-wide vectors: the
 // rows' shared vectors (dp, do_s, u_s, and du's running sums) held in registers across the rows,
@@ -303,6 +292,24 @@ inline void fused_pass_avx(const float* a, int64_t d_g, const float* k_t, const 
 }
 #endif
 
+// The fused pass in AVX2 (fused_pass_avx) where it applies (float, a square state of a multiple
+// of 8 a side): true where it ran, false where backward_head's row loop (fused_row) is to do it.
+template <typename scalar_t, int DV>
+inline bool fused_pass_vectorised(const scalar_t* a, int64_t d_g, const scalar_t* k_t,
+                                  const scalar_t* q_s, const scalar_t* k_s, const scalar_t* S_s,
+                                  scalar_t* G, const scalar_t* dp, const scalar_t* do_s,
+                                  const scalar_t* u_s, scalar_t* du, scalar_t* dk_t,
+                                  scalar_t* dg_t, scalar_t* dq_s, scalar_t* dk_s) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same<scalar_t, float>::value && DV > 0 && DV % 8 == 0) {
+        fused_pass_avx<DV>(a, d_g, k_t, q_s, k_s, S_s, G, dp, do_s, u_s, du, dk_t, dg_t, dq_s,
+                           dk_s);
+        return true;
+    }
+#endif
+    return false;
+}
+
 template <typename scalar_t, int DV>
 inline RowSums<scalar_t> fused_row(int64_t d_v_, scalar_t a, scalar_t kt, scalar_t qs,
                                    scalar_t ks, const scalar_t* Si, scalar_t* Gi,
@@ -330,29 +337,61 @@ inline RowSums<scalar_t> fused_row(int64_t d_v_, scalar_t a, scalar_t kt, scalar
     return {dkt, dgr, dqs, dks};
 }
 
+// backward_head's buffers, made once for all the heads a thread takes: made for each head, the
+// chunk's states (260 KiB at 64 tokens of a 32 x 32 state) came from mmap whenever glibc's
+// threshold for it stood low, and each backward then spent as long again in page faults (1.8 ->
+// 3.3-4.4 ms at 64 x 24, in runs of calls; docs/performance-cpu.md).
+template <typename scalar_t>
+struct Scratch {
+    Scratch(int64_t d_k, int64_t d_v, int64_t chunk)
+        : G(d_k * d_v),
+          states((chunk + 1) * d_k * d_v),
+          us(chunk * d_v),
+          misses(chunk * d_v),
+          S(d_k * d_v),
+          zeros(d_k, scalar_t(0)),
+          u(d_v),
+          read(d_v),
+          du(d_v),
+          dp(d_v),
+          dp_next(d_v) {}
+    std::vector<scalar_t> G;
+    // a chunk's states recomputed (states[m]: before its m-th token; states[len]: after it), and
+    // each token's correction u and miss v - D^T k
+    std::vector<scalar_t> states;
+    std::vector<scalar_t> us;
+    std::vector<scalar_t> misses;
+    std::vector<scalar_t> S;
+    std::vector<scalar_t> zeros;  // k_prev before a chunk's first token: never written
+    std::vector<scalar_t> u;
+    std::vector<scalar_t> read;
+    std::vector<scalar_t> du;
+    std::vector<scalar_t> dp;  // dL/dp of the later token of a fused pass
+    std::vector<scalar_t> dp_next;
+};
+
 template <typename scalar_t, int DV>
 void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints,
                    Tokens<const scalar_t> d_out, const scalar_t* d_final, int64_t chunk,
-                   const Rows<scalar_t>& d, scalar_t* d_state) {
+                   const Rows<scalar_t>& d, scalar_t* d_state, Scratch<scalar_t>& scratch) {
     // the state's sides: constants where forward()/backward() dispatched a square state's size
     const int64_t d_v = DV > 0 ? DV : h.d_v;
     const int64_t d_k = DV > 0 ? DV : h.d_k;
     
     const int64_t size = d_k * d_v;
     // G: dL/dS after the token at hand, from the final state's
-    std::vector<scalar_t> G(d_final, d_final + size);
-    // a chunk's states recomputed (states[m]: before its m-th token; states[len]: after it), and
-    // each token's correction u and miss v - D^T k
-    std::vector<scalar_t> states((chunk + 1) * size);
-    std::vector<scalar_t> us(chunk * d_v);
-    std::vector<scalar_t> misses(chunk * d_v);
-    std::vector<scalar_t> S(size);
-    std::vector<scalar_t> zeros(d_k, scalar_t(0));
-    std::vector<scalar_t> u(d_v);
-    std::vector<scalar_t> read(d_v);
-    std::vector<scalar_t> du(d_v);
-    std::vector<scalar_t> dp(d_v);  // dL/dp of the later token of a fused pass
-    std::vector<scalar_t> dp_next(d_v);
+    std::vector<scalar_t>& G = scratch.G;
+    std::copy(d_final, d_final + size, G.begin());
+    std::vector<scalar_t>& states = scratch.states;
+    std::vector<scalar_t>& us = scratch.us;
+    std::vector<scalar_t>& misses = scratch.misses;
+    std::vector<scalar_t>& S = scratch.S;
+    const std::vector<scalar_t>& zeros = scratch.zeros;
+    std::vector<scalar_t>& u = scratch.u;
+    std::vector<scalar_t>& read = scratch.read;
+    std::vector<scalar_t>& du = scratch.du;
+    std::vector<scalar_t>& dp = scratch.dp;
+    std::vector<scalar_t>& dp_next = scratch.dp_next;
     const int64_t n = (h.T + chunk - 1) / chunk;
     for (int64_t c = n - 1; c >= 0; --c) {
         const int64_t t0 = c * chunk;
@@ -405,17 +444,11 @@ void backward_head(const Head<scalar_t>& h, const scalar_t* checkpoints,
             const scalar_t* u_s = fused ? us.data() + (m - 1) * d_v : nullptr;
             const scalar_t* do_s = fused ? d_out.at(s) : nullptr;
             std::fill(du.begin(), du.end(), scalar_t(0));
-            bool rows_done = false;
-#if defined(__AVX2__) && defined(__FMA__)
-            if constexpr (avx_rows<scalar_t, DV>()) {
-                if (fused) {
-                    fused_pass_avx<DV>(h.g_at(t), h.d_g, h.k_at(t), h.q_at(s), h.k_at(s), S_s,
-                                       G.data(), dp.data(), do_s, u_s, du.data(), d.k_at(t),
-                                       d.g_at(t), d.q_at(s), d.k_at(s));
-                    rows_done = true;
-                }
-            }
-#endif
+            const bool rows_done =
+                fused && fused_pass_vectorised<scalar_t, DV>(
+                             h.g_at(t), h.d_g, h.k_at(t), h.q_at(s), h.k_at(s), S_s, G.data(),
+                             dp.data(), do_s, u_s, du.data(), d.k_at(t), d.g_at(t), d.q_at(s),
+                             d.k_at(s));
             scalar_t dg_head = 0;
             for (int64_t i = 0; i < d_k && !rows_done; ++i) {
                 const scalar_t a = decay_at(h, t, i);
@@ -567,6 +600,7 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
     auto d_state = torch::empty({B, H, d_k, d_v}, q.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "delta_rule_backward", [&] {
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+            Scratch<scalar_t> scratch(d_k, d_v, chunk);
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
                 auto d = rows_of<scalar_t>(dq, dk, dv, dg, db, bh);
@@ -578,7 +612,7 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
                 with_width(d_k == d_v ? d_v : 0, [&](auto width) {
                     constexpr int W = decltype(width)::value;
                     backward_head<scalar_t, W>(h, checkpoints_bh, d_out_bh, d_final_bh, chunk, d,
-                                               d_state_bh);
+                                               d_state_bh, scratch);
                 });
             }
         });
