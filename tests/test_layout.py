@@ -189,6 +189,26 @@ def test_every_module_imports_first_and_alone_and_does_nothing(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
+# What a script must not import before it needs it: torch's compiler (1.2 s for dynamo alone, and
+# 0.7-0.9 s more at exit), and the libraries a hub or a logger brings (docs/performance-cpu.md
+# "Start-up")
+HEAVY = ["torch._dynamo", "torch._inductor", "transformers", "datasets", "wandb", "matplotlib"]
+
+
+def test_the_scripts_start_without_the_compiler_or_the_hub_libraries() -> None:
+    """Importing every script (what `python train.py --help` pays before it does anything) loads
+    none of HEAVY: a decorator of torch.compiler's at a module's top imported torch._dynamo into
+    every script and every test that starts one."""
+    code = (
+        f"import sys, {', '.join(sorted(SCRIPTS))}\n"
+        f"print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "", r.stdout + r.stderr
+
+
 RUN_WITH_A_BUG = """
 import sys, train, configurator
 def broken(*args, **kwargs):
