@@ -7,8 +7,10 @@ run on different days or machines and committed beside docs/compare.md, read tog
 
 Prints the markdown table compare.py's report gives (each pair count at its rate of the highest
 mean val accuracy, the seeds' test accuracies, the solved k/n with its interval, and each
-variant's knee). A run listed twice (the same variant, pair count, seed and rate in two files)
-is one line of error, not counted twice.
+variant's knee), then each variant's rates side by side (the mean val accuracy at the smallest
+count and the seeds that solved every count: where the rate search stands). A run listed twice
+(the same variant, pair count, seed and rate in two files) is one line of error, not counted
+twice.
 """
 
 from dataclasses import dataclass, field
@@ -46,6 +48,12 @@ def main(cfg: TableConfig) -> None:
         )
     curves = capacity.curves(results, cfg.solved_threshold)
     print(capacity.table(curves), end="")
+    rows = capacity.by_rate(results, cfg.solved_threshold)
+    print(
+        f"\nBy rate: the mean val accuracy at {min(r.pairs for r in rows)} pairs (the smallest "
+        "count), and the seeds that solved every count:\n"
+    )
+    print(capacity.rates_table(rows), end="")
     if cfg.png:
         capacity_figure(curves, Path(cfg.png))
         print(f"wrote {cfg.png}")

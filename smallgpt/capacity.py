@@ -152,6 +152,52 @@ def table(by_variant: dict[str, list[Cell]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@dataclass(frozen=True, slots=True)
+class RateRow:
+    """A variant's runs at one rate, over every pair count: how the rate did, whatever count it is
+    chosen at."""
+
+    variant: str
+    lr: float
+    pairs: int  # the smallest count measured: the one every run that learns anything learns first
+    val_accuracy: float  # the mean over the seeds of the val accuracy at `pairs`
+    solved: int  # the seeds whose test accuracy reached the threshold at every count
+    seeds: int
+
+
+def by_rate(results: Iterable[Result], threshold: float) -> list[RateRow]:
+    """Each variant's rates (variants in order of appearance, rates rising): where the rate search
+    stands, what a bracket rests on."""
+    runs: dict[str, dict[float, dict[int, list[Result]]]] = {}
+    for r in results:
+        runs.setdefault(r.variant, {}).setdefault(r.lr, {}).setdefault(r.seed, []).append(r)
+    rows = []
+    for variant, rates in runs.items():
+        for lr in sorted(rates):
+            seeds = rates[lr]
+            pairs = min(r.pairs for rs in seeds.values() for r in rs)
+            at_pairs = [r.val_accuracy for rs in seeds.values() for r in rs if r.pairs == pairs]
+            solved = sum(all(r.accuracy >= threshold for r in rs) for rs in seeds.values())
+            rows.append(RateRow(variant, lr, pairs, statistics.fmean(at_pairs), solved, len(seeds)))
+    return rows
+
+
+def rates_table(rows: list[RateRow]) -> str:
+    """by_rate's rows as markdown, a row per variant and a column per rate: the mean val accuracy
+    at the smallest count, and the seeds that solved every count ('-': the rate not tried)."""
+    rates = sorted({r.lr for r in rows})
+    cells = {(r.variant, r.lr): r for r in rows}
+    lines = [
+        "| variant | " + " | ".join(f"{lr:g}" for lr in rates) + " |",
+        "|---|" + "---|" * len(rates),
+    ]
+    for variant in dict.fromkeys(r.variant for r in rows):
+        tried = [cells.get((variant, lr)) for lr in rates]
+        entries = [f"{c.val_accuracy:.3f} ({c.solved}/{c.seeds})" if c else "-" for c in tried]
+        lines.append(f"| {variant} | " + " | ".join(entries) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def section(by_variant: dict[str, list[Cell]], threshold: float, csv_name: str) -> str:
     """report.md's capacity section: what the table is, then table()."""
     return (

@@ -8,10 +8,13 @@ import pytest
 from conftest import cli
 from smallgpt.capacity import (
     Knee,
+    RateRow,
     Result,
+    by_rate,
     curves,
     knee,
     knees_differ,
+    rates_table,
     read_results,
     results_of,
     table,
@@ -90,6 +93,25 @@ def test_the_knee_is_where_the_curve_first_falls() -> None:
     assert (none.pairs, none.next_pairs) == (None, 32) and none.how.endswith("the smallest")
 
 
+def test_each_rate_is_summed_up_over_every_count() -> None:
+    """By hand from the grids above: the mean val accuracy at 4 pairs, and the seeds that reached
+    0.99 at every count (the hybrid's seed 1 fails at 8 pairs, so 2/3 at 1e-3)."""
+    rows = by_rate(results(), THRESHOLD)
+    assert [(r.variant, r.lr, r.solved, r.seeds) for r in rows] == [
+        ("attention", 1e-3, 0, 3),  # every seed fails at 16 pairs
+        ("attention", 3e-3, 0, 3),  # and here at 32
+        ("attention", 1e-2, 0, 3),
+        ("hybrid", 1e-3, 2, 3),
+        ("hybrid", 3e-3, 0, 3),  # seeds 1 and 2 solve 4 pairs, none 8
+    ]
+    assert rows[2].val_accuracy == pytest.approx((0.5 + 1.0 + 1.0) / 3)
+    assert rows[3] == RateRow("hybrid", 1e-3, 4, pytest.approx(2.999 / 3), 2, 3)
+    text = rates_table(rows)
+    assert "| variant | 0.001 | 0.003 | 0.01 |" in text
+    assert "| attention | 1.000 (0/3) | 1.000 (0/3) | 0.833 (0/3) |" in text
+    assert "| hybrid | 1.000 (2/3) | 0.993 (0/3) | - |" in text
+
+
 def test_the_table_is_regenerated_from_the_kept_results(tmp_path: Path) -> None:
     path = tmp_path / "capacity.csv"
     write_results(path, results())
@@ -155,7 +177,9 @@ def test_the_script_reads_a_protocols_parts_together_and_refuses_a_run_twice(
     png = tmp_path / "curves.png"
     r = cli(["scripts/capacity_table.py", files, f"--png={png}"])
     assert r.returncode == 0, r.stderr
-    assert r.stdout == table(curves(results(), THRESHOLD)) + f"wrote {png}\n"
+    assert r.stdout.startswith(table(curves(results(), THRESHOLD)))
+    assert rates_table(by_rate(results(), THRESHOLD)) in r.stdout
+    assert r.stdout.endswith(f"wrote {png}\n")
     assert png.read_bytes().startswith(b"\x89PNG")
     twice = f"--files=[{tmp_path / 'a.csv'},{tmp_path / 'a.csv'}]"
     r = cli(["scripts/capacity_table.py", twice])
