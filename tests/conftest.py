@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import getpass
 import io
 import json
@@ -60,25 +61,21 @@ os.environ.setdefault(
 )
 
 
+@functools.cache
+def register_template_choice() -> None:
+    """template_where_it_can registered with inductor, once a process."""
+    from torch._inductor import select_algorithm
+
+    select_algorithm.add_preprocessing_fn(template_where_it_can)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """template_where_it_can registered with inductor before the first test that compiles a step
     (those in the two groups above; any test after inductor was first imported): importing
     inductor's autotuning takes 1.5-2 s, which a worker whose tests compile nothing, or a run of
     a few tests, should not pay at its start."""
-    if Registered.done:
-        return
-    if item.get_closest_marker("xdist_group") is None and "torch._inductor" not in sys.modules:
-        return
-    from torch._inductor import select_algorithm
-
-    select_algorithm.add_preprocessing_fn(template_where_it_can)
-    Registered.done = True
-
-
-class Registered:
-    """Whether this process registered template_where_it_can."""
-
-    done = False
+    if item.get_closest_marker("xdist_group") is not None or "torch._inductor" in sys.modules:
+        register_template_choice()
 
 
 # A shell starts a background job with SIGINT ignored, and a Python started so keeps it ignored
