@@ -20,6 +20,7 @@ import torch
 
 import budgets
 from model import GPT, GPTConfig
+from smallgpt import delta_rule_kernel
 
 VARIANTS = {"MHA": 4, "GQA": 2, "MQA": 1}  # n_kv_head for n_head=4
 # The GPT-2-shaped model (as bench.py --mode=hf builds it) that the tests compiling a decode step
@@ -59,6 +60,16 @@ os.environ.setdefault(
     "TORCHINDUCTOR_CACHE_DIR",
     str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}_smallgpt_tests"),
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The delta-rule CPU kernel built once before the tests (cached outside the repo: a line while
+    it builds, nothing after), in the one process that starts the others (pytest-xdist's
+    controller: a worker has `workerinput`), so that no test pays for it and two workers never
+    build it at once; a machine that cannot build it says so and tests the torch path
+    (smallgpt/delta_rule_kernel.py)."""
+    if not hasattr(config, "workerinput"):
+        delta_rule_kernel.available()
 
 
 @functools.cache
