@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -128,8 +129,7 @@ def available() -> bool:
 available._dynamo_marked_constant = True
 
 
-@torch.library.custom_op("smallgpt::delta_rule", mutates_args=())
-def delta_rule_op(
+def kernel_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -147,6 +147,9 @@ def delta_rule_op(
     return tuple(kernel().forward(q, k, v, g, b, state.contiguous(), CHECKPOINT))
 
 
+delta_rule_op = torch.library.custom_op("smallgpt::delta_rule", kernel_forward, mutates_args=())
+
+
 def features_contiguous(x: torch.Tensor) -> torch.Tensor:
     """x, or a copy where a token's features (its last dimension) are not side by side, which is
     all the kernel asks of a layout."""
@@ -161,8 +164,7 @@ def _(q, k, v, g, b, state):  # noqa: ANN001, ANN202
     return out, state.new_empty(state.shape), q.new_empty(B, H, n, d_k, v.shape[-1])
 
 
-@torch.library.custom_op("smallgpt::delta_rule_backward", mutates_args=())
-def delta_rule_backward_op(
+def kernel_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -182,6 +184,11 @@ def delta_rule_backward_op(
     return tuple(laid_out_as(x, grad) for x, grad in zip(inputs, grads, strict=True))
 
 
+delta_rule_backward_op = torch.library.custom_op(
+    "smallgpt::delta_rule_backward", kernel_backward, mutates_args=()
+)
+
+
 def laid_out_as(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """grad (contiguous) with x's strides: itself where x is contiguous too, else a copy."""
     if grad.stride() == x.stride():
@@ -199,16 +206,53 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
 
 
 def backward(ctx, d_out, d_final, d_checkpoints):  # noqa: ANN001, ANN201
-    q, k, v, g, b, state, checkpoints = ctx.saved_tensors
+    return gradients(ctx.saved_tensors, d_out, d_final, delta_rule_backward_op)
+
+
+delta_rule_op.register_autograd(backward, setup_context=setup_context)
+
+
+def gradients(
+    saved: tuple[torch.Tensor, ...],
+    d_out: torch.Tensor | None,
+    d_final: torch.Tensor | None,
+    backward: Callable[..., tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...]:
+    """The gradients of q, k, v, g, b and the initial state by `backward` (the op, or the plain
+    function it is made of), from what the forward saved: its inputs and checkpoints."""
+    q, k, v, g, b, state, checkpoints = saved
     # an output the loss did not read has no gradient
     if d_out is None:
         d_out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     if d_final is None:
         d_final = state.new_zeros(state.shape)
-    return delta_rule_backward_op(q, k, v, g, b, state, checkpoints, d_out, d_final)
+    return backward(q, k, v, g, b, state, checkpoints, d_out, d_final)
 
 
-delta_rule_op.register_autograd(backward, setup_context=setup_context)
+class EagerRule(torch.autograd.Function):
+    """The same forward and backward as the op's, for eager calls: a custom op's Python dispatch
+    and autograd wrapper cost 0.6 ms of a forward and backward of 3.7 at 64 x 24 (4 heads of 32;
+    docs/performance-cpu.md). torch.compile, torch.export and AOTAutograd's fake tensors take
+    the op (`run` chooses), which they see as one call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, b, state):  # noqa: ANN001, ANN205
+        out, final, checkpoints = kernel_forward(q, k, v, g, b, state)
+        ctx.save_for_backward(q, k, v, g, b, state, checkpoints)
+        return out, final
+
+    @staticmethod
+    def backward(ctx, d_out, d_final):  # noqa: ANN001, ANN205
+        return gradients(ctx.saved_tensors, d_out, d_final, kernel_backward)
+
+
+def traced(inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether these inputs are being traced rather than run: under torch.compile (dynamo), or as
+    tensors of a subclass (the fake and functional tensors of AOTAutograd and torch.export)."""
+    return torch.compiler.is_compiling() or any(type(x) not in PLAIN for x in inputs)
+
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types of tensors run, not traced
 
 
 def run(
@@ -228,16 +272,22 @@ def run(
     per_head = g.dim() == 3
     if per_head:
         g = g[..., None]
-    inputs = (x.to(dtype) for x in (q, k, v, g, b, state))
-    out, final, _ = delta_rule_op(*inputs)
-    return out, final
+    inputs = tuple(x.to(dtype) for x in (q, k, v, g, b, state))
+    if traced(inputs):
+        out, final, _ = delta_rule_op(*inputs)
+        return out, final
+    return EagerRule.apply(*inputs)
 
 
-@torch.library.custom_op("smallgpt::short_convolution", mutates_args=())
-def convolution_op(x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+def kernel_convolve(x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """The short causal depthwise convolution (before its SiLU) of x (B, T, W) after `before`
     (B, K - 1, W), its last inputs, with taps (K, W), of one float type: (B, T, W), contiguous."""
     return kernel().convolve(x.contiguous(), before.contiguous(), taps.contiguous())
+
+
+convolution_op = torch.library.custom_op(
+    "smallgpt::short_convolution", kernel_convolve, mutates_args=()
+)
 
 
 @convolution_op.register_fake
@@ -245,8 +295,7 @@ def _(x, before, taps):  # noqa: ANN001, ANN202
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("smallgpt::short_convolution_backward", mutates_args=())
-def convolution_backward_op(
+def kernel_convolve_backward(
     x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor, d_y: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of x, before and the taps, each laid out as its input is."""
@@ -254,6 +303,11 @@ def convolution_backward_op(
     flat = (t.contiguous() for t in (x, before, taps, d_y))
     grads = kernel().convolve_backward(*flat)
     return tuple(laid_out_as(t, grad) for t, grad in zip(inputs, grads, strict=True))
+
+
+convolution_backward_op = torch.library.custom_op(
+    "smallgpt::short_convolution_backward", kernel_convolve_backward, mutates_args=()
+)
 
 
 @convolution_backward_op.register_fake
@@ -272,8 +326,22 @@ def convolution_backward(ctx, d_y):  # noqa: ANN001, ANN201
 convolution_op.register_autograd(convolution_backward, setup_context=convolution_context)
 
 
+class EagerConvolution(torch.autograd.Function):
+    """The convolution op's forward and backward for eager calls (as EagerRule is the rule's)."""
+
+    @staticmethod
+    def forward(ctx, x, before, taps):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, before, taps)
+        return kernel_convolve(x, before, taps)
+
+    @staticmethod
+    def backward(ctx, d_y):  # noqa: ANN001, ANN205
+        return kernel_convolve_backward(*ctx.saved_tensors, d_y)
+
+
 def convolve(x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """The convolution (before its SiLU) through the kernel, in float32 whatever x's type (float64
     stays float64): x (B, T, W), before (B, K - 1, W), taps (K, W)."""
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return convolution_op(x.to(dtype), before.to(dtype), taps.to(dtype))
+    inputs = tuple(t.to(dtype) for t in (x, before, taps))
+    return convolution_op(*inputs) if traced(inputs) else EagerConvolution.apply(*inputs)

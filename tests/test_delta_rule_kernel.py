@@ -97,6 +97,16 @@ CASES = [
 ]
 
 
+def through_the_op(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule through the custom op and its registered autograd formula, as torch.compile runs
+    it (an eager call of `run` takes delta_rule_kernel.EagerRule)."""
+    q, k, v, g, b, state = xs
+    out, final, _ = delta_rule_kernel.delta_rule_op(
+        q, k, v, g if g.dim() == 4 else g[..., None], b, state
+    )
+    return out, final
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
 @pytest.mark.parametrize(("B", "H", "T", "d", "d_v"), CASES)
 @pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
@@ -105,6 +115,7 @@ def test_the_kernel_is_the_recurrence_in_outputs_state_and_every_gradient(
 ) -> None:
     xs = sharp_inputs(B, H, T, per_channel, dtype, d=d, d_v=d_v)
     assert mismatches(delta_rule_kernel.run, xs, rtol) == []
+    assert mismatches(through_the_op, xs, rtol) == []
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
@@ -208,8 +219,10 @@ def test_the_convolution_op_is_the_shifted_products_with_every_gradient(T: int) 
         return shifted_products(x, before, taps.flip(0))
 
     want = output_and_gradients(shifted_products)
-    for got, expected in zip(output_and_gradients(delta_rule_kernel.convolve), want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # eager calls of convolve (EagerConvolution), and the op torch.compile takes
+    for path in (delta_rule_kernel.convolve, delta_rule_kernel.convolution_op):
+        for got, expected in zip(output_and_gradients(path), want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(output_and_gradients(reversed_taps)[0], want[0])
     torch.library.opcheck(delta_rule_kernel.convolution_op, inputs)
     # gradcheck perturbs each input number in turn: on two rows of 5 channels
