@@ -231,9 +231,10 @@ def gradients(
 
 class EagerRule(torch.autograd.Function):
     """The same forward and backward as the op's, for eager calls: a custom op's Python dispatch
-    and autograd wrapper cost 0.6 ms of a forward and backward of 3.7 at 64 x 24 (4 heads of 32;
-    docs/performance-cpu.md). torch.compile, torch.export and AOTAutograd's fake tensors take
-    the op (`run` chooses), which they see as one call."""
+    and autograd wrapper cost 0.4-0.9 ms of a forward and backward (3.75 against 3.32 ms at
+    64 x 24, 4 heads of 32: docs/performance-cpu.md), and its first call imports torch._dynamo.
+    torch.compile, torch.export and AOTAutograd's fake tensors take the op (`run` chooses), which
+    they see as one call."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, b, state):  # noqa: ANN001, ANN205
