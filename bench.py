@@ -185,9 +185,11 @@ def bench_train(cfg: BenchConfig, base: TrainConfig, mcfg: GPTConfig, device: st
         rules = cfg.delta_rules if mcfg.recurrent_layers else [None]
         settings = itertools.product(cfg.compiles, cfg.chunks or [None], rules)
         for compiled, chunk, rule in settings:
-            # the recurrent layers' rule on the kernel or the torch path, traced anew
+            # the recurrent layers' rule on the kernel or the torch path, traced anew (where
+            # something compiled before: importing torch._dynamo to reset nothing is 1.2 s)
             delta_rule_kernel.Build.off = rule == "torch"
-            torch._dynamo.reset()
+            if "torch._dynamo" in sys.modules:
+                torch._dynamo.reset()
             # a fresh model and its optimizer, as train.py makes them
             torch.manual_seed(base.seed)
             raw = GPT(mcfg).to(device)

@@ -13,8 +13,10 @@ import torch
 
 from conftest import COMPILES, cli, distinct, lively, tiny_model
 from model import GPT
+
+# smallgpt.compiled_step (torch's inductor: 1.5 s a process, then conftest's registration of its
+# template choice, 1.4 s) is imported in the tests that use it, not as the workers collect
 from smallgpt.checkpoint import load_run, parse_source, save_checkpoint
-from smallgpt.compiled_step import STEPS
 from smallgpt.errors import UserError
 from smallgpt.generation import generate, left_pad
 from smallgpt.hf import to_hf
@@ -234,6 +236,8 @@ def test_the_compiled_int8_step_decodes_the_greedy_tokens(int8_models: dict[str,
     """compile_step=True with int8 weights (their products in inductor's GEMM template, MLA's kv_b
     read as a float matrix, the query latent's 12-wide rows, the local layer's ring), compiled
     once, decodes the greedy tokens past block_size."""
+    from smallgpt.compiled_step import STEPS
+
     q = int8_models["MLA-window-GDN"]
     idx = torch.tensor(prompts(5, (3,)))
     with torch.inference_mode():

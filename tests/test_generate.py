@@ -18,8 +18,10 @@ from conftest import (
     template_where_it_can,
     tiny_model,
 )
-from smallgpt import compiled_step, fast_paths
-from smallgpt.compiled_step import STEPS, CompiledStep
+
+# smallgpt.compiled_step (torch's inductor: 1.5 s a process, then conftest's registration of its
+# template choice, 1.4 s) is imported in the tests that use it, not as the workers collect
+from smallgpt import fast_paths
 from smallgpt.generation import generate, left_pad, sample_logits, stream
 
 
@@ -268,6 +270,8 @@ def test_probes_tell_every_weight_apart(dtype: torch.dtype) -> None:
     """The stand-ins that the compiled step is compiled on (compiled_step.probe) are exact in each
     dtype, and the blocked layouts of any two of the same shape differ, past 128 of them too (the
     first elements repeat)."""
+    from smallgpt import compiled_step
+
     w = torch.zeros(48, 32, dtype=dtype)
     probes = [compiled_step.probe(w, i) for i in range(300)]
     assert all(p.dtype == dtype and p.view(-1)[0] == -1 - i % 128 for i, p in enumerate(probes))
@@ -307,6 +311,9 @@ def test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size(
     ring in the local first layer) with the layers' products through the template and the lm_head
     split over views of its weight, its odd row (vocab 101) multiplied apart. A padded batch takes
     the eager step and still matches each prompt."""
+    from smallgpt import compiled_step
+    from smallgpt.compiled_step import STEPS, CompiledStep
+
     if (
         variant != "MHA"
     ):  # GQA: no product through the template; MLA: all but the lm_head's (32 x 101 floats)
@@ -382,6 +389,8 @@ def test_compiled_bf16_step_gives_the_eager_logits_through_blocked_weights() -> 
     read the weights with pairs of input features together, others as in fp32): each step's logits
     are the eager step's to bf16 rounding, read through blocked copies of the weights in whichever
     layout the template took."""
+    from smallgpt.compiled_step import STEPS, CompiledStep
+
     m = tiny_model(None, "rope", **DECODE).to(torch.bfloat16)
     idx = torch.randint(0, 96, (1, 40))
     cache, ref = m.make_kv_cache(1, 64), m.make_kv_cache(1, 64)
@@ -408,6 +417,8 @@ def test_compiled_steps_of_two_models_in_turns_each_decode_their_own_tokens() ->
     block_size, each decode their eager tokens. (The first is the DECODE model: its batch-1 step is
     bench.py's and sample.py's, its batch-2 step
     test_compiled_cpu_step_decodes_the_eager_tokens_past_block_size's MHA case.)"""
+    from smallgpt.compiled_step import STEPS
+
     models = [tiny_model(None, "learned", **DECODE | {"n_head": h}) for h in (4, 2)]
     runs = [
         (models[0], torch.randint(0, 96, (1, 3))),
@@ -435,6 +446,9 @@ def test_release_steps_removes_the_unpacked_steps_of_models_still_alive(
     (about 14 folders a run). compiled_step.release_steps, run at exit, lets every loader go while
     its model lives on; the model then loads its step again. The step is the batch-1 DECODE one the
     other tests loading it share, so it is loaded from inductor's cache, not compiled."""
+    from smallgpt import compiled_step
+    from smallgpt.compiled_step import STEPS
+
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     m = tiny_model(None, "learned", **DECODE)
     idx = torch.randint(0, 96, (1, 3))
@@ -454,6 +468,8 @@ def test_the_compiled_step_reads_the_weights_as_they_are_at_each_stream() -> Non
     under an optimizer) or is replaced, so the compiled tokens follow the eager ones after each
     change (and each change does change them). Which products take the template is autotuning's
     choice (timed): the weights changed are two of those that did."""
+    from smallgpt.compiled_step import STEPS
+
     torch.manual_seed(
         0
     )  # the model, the prompt and the new weights: a change of one weight that shows in the tokens
@@ -517,6 +533,7 @@ def test_the_compiled_steps_cache_name_is_the_same_in_a_checkout_elsewhere() -> 
     """The exported program's text names the source files it came from: the package's cache name
     leaves them out, so a clone at another path loads the steps compiled here instead of compiling
     them again; another shape differs."""
+    from smallgpt import compiled_step
 
     def program(n_embd: int) -> str:
         model = tiny_model(n_embd=n_embd)

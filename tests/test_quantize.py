@@ -8,8 +8,10 @@ import torch
 
 from conftest import COMPILES, DECODE, cli, distinct, lively, run, tiny_model
 from model import GPT, GPTConfig
+
+# smallgpt.compiled_step (torch's inductor: 1.5 s a process, then conftest's registration of its
+# template choice, 1.4 s) is imported in the tests that use it, not as the workers collect
 from smallgpt.checkpoint import save_checkpoint
-from smallgpt.compiled_step import STEPS
 from smallgpt.data import Batches, write_dataset
 from smallgpt.generation import generate
 from smallgpt.quantize import Int8Linear, quantize
@@ -46,6 +48,8 @@ def test_quantized_model_decodes_close_to_fp32_and_compiles() -> None:
     eager int8 tokens past block_size (the DECODE model, which bench.py --mode=int8 compiles next:
     one package for both), its int8 products through inductor's GEMM template (autotuning may still
     pick torch's kernel for some)."""
+    from smallgpt.compiled_step import STEPS
+
     m = tiny_model(2, "rope", block_size=16, vocab_size=101)
     q = quantize(copy.deepcopy(m), "int8")
     assert not [mod for mod in q.modules() if isinstance(mod, torch.nn.Linear)]
