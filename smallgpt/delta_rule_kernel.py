@@ -1,10 +1,12 @@
 """The gated delta rule as one compiled CPU kernel, forward and backward (delta_rule_kernel.cpp
 beside this file): the custom op `smallgpt::delta_rule` that Gated DeltaNet and Kimi Delta
 Attention train and prefill with on a CPU (smallgpt/delta_rule.py's `sequence` picks it), so
-that torch.compile traces it as one opaque call with its own autograd formula. Beside it, the
-same build holds the op of the short convolution both kinds run before the rule
-(`smallgpt::short_convolution`, gated_deltanet.py's `short_convolution` picks it): one pass each
-way where the torch path takes seven, the costliest elementwise work of the eager layer.
+that torch.compile traces it as one opaque call with its own autograd formula; an eager call runs
+the same C++ through a plain autograd Function (`EagerRule`), which skips the op's Python
+dispatch. Beside it, the same build holds the op of the short convolution both kinds run before
+the rule (`smallgpt::short_convolution`, gated_deltanet.py's `short_convolution` picks it; eager
+calls through `EagerConvolution`): one pass each way where the torch path takes seven, the
+costliest elementwise work of the eager layer.
 
 No maintained library trains the delta rule on a CPU (docs/performance-cpu.md "The delta-rule
 kernel"). The kernel is built once, on first use, by torch's extension builder (g++, which
@@ -205,13 +207,6 @@ def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
     ctx.save_for_backward(*inputs, output[2])  # the inputs, and the states kept every CHECKPOINT
 
 
-def backward(ctx, d_out, d_final, d_checkpoints):  # noqa: ANN001, ANN201
-    return gradients(ctx.saved_tensors, d_out, d_final, delta_rule_backward_op)
-
-
-delta_rule_op.register_autograd(backward, setup_context=setup_context)
-
-
 def gradients(
     saved: tuple[torch.Tensor, ...],
     d_out: torch.Tensor | None,
@@ -227,6 +222,13 @@ def gradients(
     if d_final is None:
         d_final = state.new_zeros(state.shape)
     return backward(q, k, v, g, b, state, checkpoints, d_out, d_final)
+
+
+def backward(ctx, d_out, d_final, d_checkpoints):  # noqa: ANN001, ANN201
+    return gradients(ctx.saved_tensors, d_out, d_final, delta_rule_backward_op)
+
+
+delta_rule_op.register_autograd(backward, setup_context=setup_context)
 
 
 class EagerRule(torch.autograd.Function):
@@ -247,13 +249,13 @@ class EagerRule(torch.autograd.Function):
         return gradients(ctx.saved_tensors, d_out, d_final, kernel_backward)
 
 
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types of tensors run, not traced
+
+
 def traced(inputs: tuple[torch.Tensor, ...]) -> bool:
     """Whether these inputs are being traced rather than run: under torch.compile (dynamo), or as
     tensors of a subclass (the fake and functional tensors of AOTAutograd and torch.export)."""
     return torch.compiler.is_compiling() or any(type(x) not in PLAIN for x in inputs)
-
-
-PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types of tensors run, not traced
 
 
 def run(
