@@ -83,8 +83,9 @@ def register_template_choice() -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """template_where_it_can registered with inductor before the first test that compiles a step
     (those in the two groups above; any test after inductor was first imported): importing
-    inductor's autotuning takes 1.5-2 s, which a worker whose tests compile nothing, or a run of
-    a few tests, should not pay at its start."""
+    inductor's autotuning takes 1-2 s, which a run of tests that compile nothing and build no
+    optimizer does not pay (torch's optimizers import torch._dynamo, and so inductor, in their
+    constructor: most workers pay it once, at the test after their first training)."""
     if item.get_closest_marker("xdist_group") is not None or "torch._inductor" in sys.modules:
         register_template_choice()
 
