@@ -30,13 +30,6 @@ def real_tokens(
     return torch.arange(start, start + T, device=device)[None, :] >= pad[:, None]
 
 
-def l2_normalised(x: torch.Tensor) -> torch.Tensor:
-    """x over the root of its squared features' sum (plus 1e-6, as Qwen3.5 and fla write it)."""
-    # over the last dim (head_dim): a unit key makes (I - b k k^T) a contraction (eigenvalues
-    # 1 - b along k, 1 elsewhere), so the rule's corrections cannot blow the state up
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
 def short_convolution(
     x: torch.Tensor, conv: torch.Tensor, conv_in: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,10 +79,10 @@ class Recurrence(Mixer):
         self, x: torch.Tensor, kv_cache: Cache | None
     ) -> tuple[torch.Tensor, ...]:
         """q, k, v (B, H, T, head_dim) of x (B, T, n_embd; pads already zeros) through the
-        convolution after the cache's last inputs, q and k L2-normalised and q scaled, in fp32
-        (or a float64 model's own dtype); the state before these tokens (None from an empty
-        context); the convolution's last inputs (remember's); the products' dtype (the
-        autocast's)."""
+        convolution after the cache's last inputs, in fp32 (or a float64 model's own dtype), q and
+        k before their L2 norm and q's scale (`normalised`; delta_rule.sequence applies both);
+        the state before these tokens (None from an empty context); the convolution's last
+        inputs (remember's); the products' dtype (the autocast's)."""
         B, T, C = x.shape
         qkv = self.c_qkv(x)  # (B, T, 3 C)
         # no cache (training, a recompute): zeros before the first token, the rule from zeros
@@ -110,8 +103,18 @@ class Recurrence(Mixer):
         # join in one copy (unbound from a permuted view: a stack, then a copy into the layout)
         thirds = qkv.to(wide).split(C, dim=-1)
         q, k, v = (x.view(B, T, self.n_head, -1).transpose(1, 2) for x in thirds)
-        # q scaled by head_dim^-0.5 as attention's scores are: the rule itself applies no scale
-        return l2_normalised(q) * self.head_dim**-0.5, l2_normalised(k), v, state, inputs, products
+        return q, k, v, state, inputs, products
+
+    @property
+    def q_scale(self) -> float:
+        """q's scale after its L2 norm, head_dim^-0.5 as attention's scores have it: the rule
+        itself applies none."""
+        return self.head_dim**-0.5
+
+    def normalised(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as the rule reads them: L2-normalised, q then scaled (for the paths that take
+        them so: one decoded token, fla's kernels; delta_rule.sequence does it itself)."""
+        return delta_rule.l2_normalised(q) * self.q_scale, delta_rule.l2_normalised(k)
 
     def remember(self, kv_cache: Cache | None, inputs: torch.Tensor, state: torch.Tensor) -> None:
         """What the next tokens start from: the convolution's last inputs and the state."""
@@ -242,13 +245,15 @@ class GatedDeltaNet(Recurrence, LayerKind):
         with torch.autocast(x.device.type, enabled=False):
             if T == 1 and state is not None:
                 # one decoded token after a state: the step form, O(1) a token
-                o, state = delta_rule.recurrent(q, k, v, g, b, state)
+                o, state = delta_rule.recurrent(*self.normalised(q, k), v, g, b, state)
             elif kernel := delta_rule.kernels_for(q):
                 # CUDA with fla: its Triton kernels, q, k and v in the products' dtype
+                q, k = self.normalised(q, k)
                 o, state = delta_rule.on_kernels(kernel, q, k, v, g, b, state, products)
             else:
-                # a CPU's compiled kernel, else the chunked torch form (delta_rule.sequence picks)
-                o, state = delta_rule.sequence(q, k, v, g, b, state, self.chunk)
+                # a CPU's compiled kernel (the norms in it), else the chunked torch form
+                # (delta_rule.sequence picks)
+                o, state = delta_rule.sequence(q, k, v, g, b, state, self.chunk, self.q_scale)
         # the state after these tokens, (B, H, head_dim, head_dim), for the next call
         self.remember(kv_cache, inputs, state)
         # each head's output normed and gated by SiLU(c_z x), then projected

@@ -134,11 +134,11 @@ class KimiDeltaAttention(Recurrence, LayerKind):
         with torch.autocast(x.device.type, enabled=False):
             # one decoded token after a state: the step form, O(1) a token
             if T == 1 and state is not None:
-                o, state = delta_rule.recurrent(q, k, v, g, b, state)
+                o, state = delta_rule.recurrent(*self.normalised(q, k), v, g, b, state)
             else:
-                # a CPU's compiled kernel, else the chunked form; no fla path here: the kernel
-                # kernels_for finds takes one decay a head
-                o, state = delta_rule.sequence(q, k, v, g, b, state, self.chunk)
+                # a CPU's compiled kernel (the norms in it), else the chunked form; no fla path
+                # here: the kernel kernels_for finds takes one decay a head
+                o, state = delta_rule.sequence(q, k, v, g, b, state, self.chunk, self.q_scale)
         # the state after these tokens, and the convolution's last inputs, for the next call
         self.remember(kv_cache, inputs, state)
         # each head's output normed, gated by sigmoid of the low-rank gate, then projected

@@ -217,6 +217,13 @@ def chunked(
     return torch.cat(out, dim=2)[:, :, :T], state
 
 
+def l2_normalised(x: torch.Tensor) -> torch.Tensor:
+    """x over the root of its squared features' sum (plus 1e-6, as Qwen3.5 and fla write it)."""
+    # over the last dim (head_dim): a unit key makes (I - b k k^T) a contraction (eigenvalues
+    # 1 - b along k, 1 elsewhere), so the rule's corrections cannot blow the state up
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
 def sequence(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -225,11 +232,16 @@ def sequence(
     b: torch.Tensor,
     state: torch.Tensor | None,
     chunk: int,
+    q_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule over a sequence (training, a prefill): on a CPU, the compiled kernel where it runs
-    (delta_rule_kernel), else `chunked` in chunks of `chunk` tokens."""
+    (delta_rule_kernel), else `chunked` in chunks of `chunk` tokens. With q_scale, q and k come
+    before their L2 norm (l2_normalised), q then scaled by it: the kernel applies both in its own
+    passes (a tenth of a layer's time in torch's, eager), the torch path here."""
     if not q.is_cuda and delta_rule_kernel.available():
-        return delta_rule_kernel.run(q, k, v, g, b, state)
+        return delta_rule_kernel.run(q, k, v, g, b, state, q_scale)
+    if q_scale is not None:
+        q, k = l2_normalised(q) * q_scale, l2_normalised(k)
     return chunked(q, k, v, g, b, state, chunk)
 
 

@@ -541,16 +541,83 @@ inline void with_width(int64_t d_v, F f) {
     }
 }
 
+// The layers' L2 norm of q and k, fused: each of x's T rows (`step` apart) over the root of its
+// squares' sum plus 1e-6, times `scale`, into `into` (T x d, contiguous), what the kernel then reads
+// as q or k. A pass over d floats a token where torch takes five over the whole tensor each way.
+template <typename scalar_t>
+void normalise_rows(const scalar_t* x, int64_t step, int64_t T, int64_t d, scalar_t scale,
+                    scalar_t* into) {
+    for (int64_t t = 0; t < T; ++t) {
+        const scalar_t* row = x + t * step;
+        scalar_t squares = 0;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t j = 0; j < d; ++j) {
+            squares += row[j] * row[j];
+        }
+        const scalar_t r = scale / std::sqrt(squares + scalar_t(1e-6));
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) {
+            into[t * d + j] = row[j] * r;
+        }
+    }
+}
+
+// Back through normalise_rows, in place: dx's rows hold the gradients of the normalised rows and
+// become those of x's, dx = scale r (dn - n (n . dn)), with r = 1 / sqrt(x . x + 1e-6) and
+// n = x r (the derivative of x r is r (I - n n^T), the 1e-6 included).
+template <typename scalar_t>
+void normalise_rows_backward(const scalar_t* x, int64_t step, int64_t T, int64_t d,
+                             scalar_t scale, scalar_t* dx, int64_t dx_step) {
+    for (int64_t t = 0; t < T; ++t) {
+        const scalar_t* row = x + t * step;
+        scalar_t* grad = dx + t * dx_step;
+        scalar_t squares = 0;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t j = 0; j < d; ++j) {
+            squares += row[j] * row[j];
+        }
+        const scalar_t r = scalar_t(1) / std::sqrt(squares + scalar_t(1e-6));
+        scalar_t along = 0;  // n . dn
+#pragma omp simd reduction(+ : along)
+        for (int64_t j = 0; j < d; ++j) {
+            along += row[j] * r * grad[j];
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < d; ++j) {
+            grad[j] = scale * r * (grad[j] - row[j] * r * along);
+        }
+    }
+}
+
+// Where the layer asks the kernel to normalise q and k (q_scale > 0), h's q and k read from their
+// normalised rows (`qn`, `kn`, T x d_k a thread), else h unchanged.
+template <typename scalar_t>
+void read_normalised(Head<scalar_t>& h, double q_scale, std::vector<scalar_t>& qn,
+                     std::vector<scalar_t>& kn) {
+    if (q_scale <= 0) {
+        return;
+    }
+    qn.resize(h.T * h.d_k);
+    kn.resize(h.T * h.d_k);
+    normalise_rows(h.q, h.q_step, h.T, h.d_k, static_cast<scalar_t>(q_scale), qn.data());
+    normalise_rows(h.k, h.k_step, h.T, h.d_k, scalar_t(1), kn.data());
+    h.q = qn.data();
+    h.k = kn.data();
+    h.q_step = h.d_k;
+    h.k_step = h.d_k;
+}
+
 }  // namespace
 
 // q, k (B, H, T, d_k), v (B, H, T, d_v), the decays a = exp(g) (B, H, T, d_g), b (B, H, T), of one
 // type, each token's features contiguous (a token's rows may be apart: views of (B, T, H, d)),
 // and the state (B, H, d_k, d_v), contiguous: the outputs (B, H, T, d_v), laid out (B, T, H,
 // d_v) as the layers read them, the final state and the checkpoints (B, H, ceil(T / chunk), d_k,
-// d_v).
+// d_v). With q_scale > 0, q and k are the layer's rows before their L2 norm, which the kernel
+// applies (normalise_rows), q then times q_scale.
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                    torch::Tensor g, torch::Tensor b, torch::Tensor state,
-                                   int64_t chunk) {
+                                   int64_t chunk, double q_scale) {
     const int64_t B = q.size(0);
     const int64_t H = q.size(1);
     const int64_t T = q.size(2);
@@ -563,8 +630,11 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
     auto checkpoints = torch::empty({B, H, n, d_k, d_v}, q.options());
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "delta_rule_forward", [&] {
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+            std::vector<scalar_t> qn;
+            std::vector<scalar_t> kn;
             for (int64_t bh = begin; bh < end; ++bh) {
                 auto h = head_of<scalar_t>(q, k, v, g, b, bh);
+                read_normalised(h, q_scale, qn, kn);
                 const scalar_t* state_bh = state.data_ptr<scalar_t>() + bh * size;
                 Tokens<scalar_t> out_bh{row_of<scalar_t>(out, bh, H), out.stride(2)};
                 scalar_t* final_bh = final_state.data_ptr<scalar_t>() + bh * size;
@@ -583,9 +653,11 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 // those of the outputs (laid out as the inputs may be) and the final state (contiguous), the
 // inputs as forward took them and its checkpoints. Each gradient is laid out as its input is
 // (empty_like's rule: a view with gaps between its tokens gets a dense layout of the same order).
+// With q_scale > 0 (forward's), the gradients of q and k are those of the rows before the norm.
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                     torch::Tensor g, torch::Tensor b, torch::Tensor checkpoints,
-                                    torch::Tensor d_out, torch::Tensor d_final, int64_t chunk) {
+                                    torch::Tensor d_out, torch::Tensor d_final, int64_t chunk,
+                                    double q_scale) {
     const int64_t B = q.size(0);
     const int64_t H = q.size(1);
     const int64_t d_k = q.size(3);
@@ -601,8 +673,12 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
     AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "delta_rule_backward", [&] {
         at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
             Scratch<scalar_t> scratch(d_k, d_v, chunk);
+            std::vector<scalar_t> qn;
+            std::vector<scalar_t> kn;
             for (int64_t bh = begin; bh < end; ++bh) {
-                auto h = head_of<scalar_t>(q, k, v, g, b, bh);
+                const auto raw = head_of<scalar_t>(q, k, v, g, b, bh);
+                auto h = raw;
+                read_normalised(h, q_scale, qn, kn);
                 auto d = rows_of<scalar_t>(dq, dk, dv, dg, db, bh);
                 const scalar_t* checkpoints_bh = checkpoints.data_ptr<scalar_t>() + bh * n * size;
                 Tokens<const scalar_t> d_out_bh{row_of<const scalar_t>(d_out, bh, H),
@@ -614,6 +690,12 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
                     backward_head<scalar_t, W>(h, checkpoints_bh, d_out_bh, d_final_bh, chunk, d,
                                                d_state_bh, scratch);
                 });
+                if (q_scale > 0) {  // dq and dk of the normalised rows, back to the raw ones
+                    normalise_rows_backward(raw.q, raw.q_step, raw.T, raw.d_k,
+                                            static_cast<scalar_t>(q_scale), d.q, d.q_step);
+                    normalise_rows_backward(raw.k, raw.k_step, raw.T, raw.d_k, scalar_t(1), d.k,
+                                            d.k_step);
+                }
             }
         });
     });

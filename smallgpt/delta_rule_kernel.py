@@ -138,15 +138,17 @@ def kernel_forward(
     g: torch.Tensor,
     b: torch.Tensor,
     state: torch.Tensor,
+    q_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's forward: q, k (B, H, T, d_k), v (B, H, T, d_v), g (B, H, T, 1 or d_k), b
     (B, H, T), state (B, H, d_k, d_v), of one float type. The outputs are laid out (B, T, H, d_v)
     (what the layers read next), the final state and checkpoints contiguous. q, k, v and g may be
     views of a (B, T, H, d) layout (the layers' products): the kernel steps over their tokens as
     they lie. It takes the decays exp(g), exponentiated here by torch (vectorised: one exp a
-    channel and token in the kernel's loop cost as much as the rest of it)."""
+    channel and token in the kernel's loop cost as much as the rest of it). q_scale > 0: q and k
+    come before their L2 norm, which the kernel applies, q then times q_scale (0: as they are)."""
     q, k, v, g = (features_contiguous(x) for x in (q, k, v, g.exp()))
-    return tuple(kernel().forward(q, k, v, g, b, state.contiguous(), CHECKPOINT))
+    return tuple(kernel().forward(q, k, v, g, b, state.contiguous(), CHECKPOINT, q_scale))
 
 
 delta_rule_op = torch.library.custom_op("smallgpt::delta_rule", kernel_forward, mutates_args=())
@@ -159,7 +161,7 @@ def features_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @delta_rule_op.register_fake
-def _(q, k, v, g, b, state):  # noqa: ANN001, ANN202
+def _(q, k, v, g, b, state, q_scale):  # noqa: ANN001, ANN202
     B, H, T, d_k = q.shape
     n = math.ceil(T / CHECKPOINT)
     out = q.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)
@@ -176,13 +178,16 @@ def kernel_backward(
     checkpoints: torch.Tensor,
     d_out: torch.Tensor,
     d_final: torch.Tensor,
+    q_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's backward: the gradients of q, k, v, g, b and the initial state, each laid out
-    as its input is (as torch.compile's fake implementation below says they are)."""
+    as its input is (as torch.compile's fake implementation below says they are); q_scale as the
+    forward had it."""
     inputs = (q, k, v, g, b, state)
     q_, k_, v_, a, d_out = (features_contiguous(x) for x in (q, k, v, g.exp(), d_out))
     states = checkpoints.contiguous()
-    grads = kernel().backward(q_, k_, v_, a, b, states, d_out, d_final.contiguous(), CHECKPOINT)
+    d_final = d_final.contiguous()
+    grads = kernel().backward(q_, k_, v_, a, b, states, d_out, d_final, CHECKPOINT, q_scale)
     return tuple(laid_out_as(x, grad) for x, grad in zip(inputs, grads, strict=True))
 
 
@@ -199,12 +204,13 @@ def laid_out_as(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 
 @delta_rule_backward_op.register_fake
-def _(q, k, v, g, b, state, checkpoints, d_out, d_final):  # noqa: ANN001, ANN202
+def _(q, k, v, g, b, state, checkpoints, d_out, d_final, q_scale):  # noqa: ANN001, ANN202
     return tuple(torch.empty_like(x) for x in (q, k, v, g, b, state))
 
 
 def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # noqa: ANN001
-    ctx.save_for_backward(*inputs, output[2])  # the inputs, and the states kept every CHECKPOINT
+    *tensors, ctx.q_scale = inputs
+    ctx.save_for_backward(*tensors, output[2])  # the inputs, and the states kept every CHECKPOINT
 
 
 def gradients(
@@ -212,20 +218,22 @@ def gradients(
     d_out: torch.Tensor | None,
     d_final: torch.Tensor | None,
     backward: Callable[..., tuple[torch.Tensor, ...]],
-) -> tuple[torch.Tensor, ...]:
+    q_scale: float,
+) -> tuple[torch.Tensor | None, ...]:
     """The gradients of q, k, v, g, b and the initial state by `backward` (the op, or the plain
-    function it is made of), from what the forward saved: its inputs and checkpoints."""
+    function it is made of), from what the forward saved: its inputs and checkpoints; and None
+    for q_scale."""
     q, k, v, g, b, state, checkpoints = saved
     # an output the loss did not read has no gradient
     if d_out is None:
         d_out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     if d_final is None:
         d_final = state.new_zeros(state.shape)
-    return backward(q, k, v, g, b, state, checkpoints, d_out, d_final)
+    return (*backward(q, k, v, g, b, state, checkpoints, d_out, d_final, q_scale), None)
 
 
 def backward(ctx, d_out, d_final, d_checkpoints):  # noqa: ANN001, ANN201
-    return gradients(ctx.saved_tensors, d_out, d_final, delta_rule_backward_op)
+    return gradients(ctx.saved_tensors, d_out, d_final, delta_rule_backward_op, ctx.q_scale)
 
 
 delta_rule_op.register_autograd(backward, setup_context=setup_context)
@@ -239,14 +247,15 @@ class EagerRule(torch.autograd.Function):
     they see as one call."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, b, state):  # noqa: ANN001, ANN205
-        out, final, checkpoints = kernel_forward(q, k, v, g, b, state)
+    def forward(ctx, q, k, v, g, b, state, q_scale):  # noqa: ANN001, ANN205
+        out, final, checkpoints = kernel_forward(q, k, v, g, b, state, q_scale)
         ctx.save_for_backward(q, k, v, g, b, state, checkpoints)
+        ctx.q_scale = q_scale
         return out, final
 
     @staticmethod
     def backward(ctx, d_out, d_final):  # noqa: ANN001, ANN205
-        return gradients(ctx.saved_tensors, d_out, d_final, kernel_backward)
+        return gradients(ctx.saved_tensors, d_out, d_final, kernel_backward, ctx.q_scale)
 
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # the types of tensors run, not traced
@@ -265,9 +274,12 @@ def run(
     g: torch.Tensor,
     b: torch.Tensor,
     state: torch.Tensor | None,
+    q_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule.recurrent's outputs and final state through the kernel: the inputs in float32
-    (float64 stays float64), contiguous, g as (B, H, T, 1) for a decay a head."""
+    (float64 stays float64), contiguous, g as (B, H, T, 1) for a decay a head. With q_scale, q and
+    k come before their L2 norm (delta_rule.l2_normalised), which the kernel applies, q then times
+    q_scale."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, H, T, d_k = k.shape
     if state is None:
@@ -276,10 +288,11 @@ def run(
     if per_head:
         g = g[..., None]
     inputs = tuple(x.to(dtype) for x in (q, k, v, g, b, state))
+    scale = 0.0 if q_scale is None else float(q_scale)  # 0: the kernel normalises nothing
     if traced(inputs):
-        out, final, _ = delta_rule_op(*inputs)
+        out, final, _ = delta_rule_op(*inputs, scale)
         return out, final
-    return EagerRule.apply(*inputs)
+    return EagerRule.apply(*inputs, scale)
 
 
 def kernel_convolve(x: torch.Tensor, before: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:

@@ -73,11 +73,13 @@ def gradients(rule: Rule, xs: list[torch.Tensor]) -> list[torch.Tensor]:
 NAMES = ("outputs", "final state", "dq", "dk", "dv", "dg", "db", "d state")
 
 
-def mismatches(rule: Rule, xs: list[torch.Tensor], rtol: float) -> list[str]:
-    """What of rule's outputs, final state and gradients differs from the float64 recurrence's by
-    more than rtol of the largest entry of each (empty: all agree)."""
+def mismatches(
+    rule: Rule, xs: list[torch.Tensor], rtol: float, oracle: Rule = delta_rule.recurrent
+) -> list[str]:
+    """What of rule's outputs, final state and gradients differs from the float64 recurrence's
+    (or oracle's, in float64) by more than rtol of the largest entry of each (empty: all agree)."""
     wide = [x.detach().double().requires_grad_() for x in xs]
-    want = gradients(delta_rule.recurrent, wide)
+    want = gradients(oracle, wide)
     got = gradients(rule, xs)
     bad = []
     for name, a, b in zip(NAMES, got, want, strict=True):
@@ -97,14 +99,46 @@ CASES = [
 ]
 
 
-def through_the_op(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def through_the_op(*xs: torch.Tensor, q_scale: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule through the custom op and its registered autograd formula, as torch.compile runs
-    it (an eager call of `run` takes delta_rule_kernel.EagerRule)."""
+    it (an eager call of `run` takes delta_rule_kernel.EagerRule); q_scale > 0: q and k raw."""
     q, k, v, g, b, state = xs
-    out, final, _ = delta_rule_kernel.delta_rule_op(
-        q, k, v, g if g.dim() == 4 else g[..., None], b, state
-    )
+    per_head_g = g if g.dim() == 4 else g[..., None]
+    out, final, _ = delta_rule_kernel.delta_rule_op(q, k, v, per_head_g, b, state, q_scale)
     return out, final
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_the_kernels_l2_norms_are_the_layers(
+    per_channel: bool, dtype: torch.dtype, rtol: float
+) -> None:
+    """Given q_scale, the kernel L2-normalises q and k itself (q then scaled), as the layers did
+    before the rule: the float64 recurrence on delta_rule.l2_normalised's rows gives the same
+    outputs, final state and gradients of every input, q and k's being those of the rows before
+    the norm; eagerly and through the op. The rows' norms spread from 0.03 to 30, so that a
+    gradient missing the norm's projection (r (I - n n^T)) or its scale cannot pass."""
+    xs = sharp_inputs(2, 3, CHECKPOINT + 5, per_channel, dtype, d=8, d_v=11)
+    gen = torch.Generator().manual_seed(2)
+    spread = (10 ** (3 * torch.rand(2, 3, CHECKPOINT + 5, 1, generator=gen) - 1.5)).to(dtype)
+    for i in (0, 1):  # q and k off the unit sphere
+        xs[i] = (xs[i].detach() * spread.roll(i, dims=2)).requires_grad_()
+    scale = 8**-0.5
+
+    def oracle(q, k, v, g, b, state):  # noqa: ANN001, ANN202
+        q, k = delta_rule.l2_normalised(q) * scale, delta_rule.l2_normalised(k)
+        return delta_rule.recurrent(q, k, v, g, b, state)
+
+    def eager(q, k, v, g, b, state):  # noqa: ANN001, ANN202
+        return delta_rule_kernel.run(q, k, v, g, b, state, q_scale=scale)
+
+    def op(*xs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return through_the_op(*xs, q_scale=scale)
+
+    assert mismatches(eager, xs, rtol, oracle) == []
+    assert mismatches(op, xs, rtol, oracle) == []
+    # the norm forgotten is told apart
+    assert {"outputs", "dq", "dk"} <= set(mismatches(delta_rule_kernel.run, xs, rtol, oracle))
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
@@ -128,10 +162,11 @@ def test_the_op_passes_torch_librarys_opcheck() -> None:
     """The schema, the fake (meta) implementation torch.compile traces with, and the autograd
     registration, as torch.library checks a custom op."""
     q, k, v, g, b, state = (x.detach() for x in sharp_inputs(1, 2, 70, True, torch.float32))
-    args = (q, k, v, g.contiguous(), b, state)
     for x in (q, k, v):
         x.requires_grad_()
-    torch.library.opcheck(delta_rule_kernel.delta_rule_op, args)
+    for q_scale in (0.0, 8**-0.5):  # q and k as they are, and normalised by the kernel
+        args = (q, k, v, g.contiguous(), b, state, q_scale)
+        torch.library.opcheck(delta_rule_kernel.delta_rule_op, args)
 
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per head", "per channel"])
@@ -159,7 +194,7 @@ def test_views_of_the_layers_layout_give_the_contiguous_results(per_channel: boo
         assert torch.equal(a, c), name
     per_head_g = views[3] if per_channel else views[3][..., None]
     torch.library.opcheck(
-        delta_rule_kernel.delta_rule_op, [*views[:3], per_head_g, *views[4:], state]
+        delta_rule_kernel.delta_rule_op, [*views[:3], per_head_g, *views[4:], state, 0.0]
     )
 
 

@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from conftest import QWEN, TINY_TRAIN, cli, exported_logits, lively, read_log, run, tiny_model
-from gated_deltanet import GatedDeltaNet, l2_normalised
+from gated_deltanet import GatedDeltaNet
 from model import GPT
 from smallgpt import hybridize
 from smallgpt.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 from smallgpt.data import Batches, load_meta, write_dataset
+from smallgpt.delta_rule import l2_normalised
 from smallgpt.errors import UserError
 from smallgpt.measure import evaluate
 
