@@ -12,7 +12,8 @@ model gives the same numbers. A key left out is the run's, as its train.py --fin
 --out_dir=RUN` prints the numbers in the run's log.jsonl (on the device it trained on): position
 and mqar read the dataset's test split where it has one, as train.py's final evaluation does
 (--split=val for the other). --dataset must be in the model's own tokens. One JSON line per
-measure at the end, as bench.py prints.
+measure at the end, as bench.py prints. --zero_mixers=[3] measures the model with layer 3's token
+mixer (its attention, or its recurrent layer) giving zeros: which layers a recall needs.
 
 Standard benchmarks (smallgpt/harness.py, docs/benchmarks.md): --lm_eval=[hellaswag,arc_easy,...]
 scores the model with lm-evaluation-harness (an optional dependency) through a temporary
@@ -88,6 +89,9 @@ class EvalConfig:
     device: str = "auto"
     dtype: str | None = None  # float32, bfloat16, float16 or auto (train.py's choice); else float32
     progress: bool = True  # progress bars on stderr
+    # these layers' token mixers (attention or recurrent, 0-based) output zeros, the MLPs kept:
+    # which layers a recall needs (docs/compare.md's KDA hybrid, whose attention went unused)
+    zero_mixers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         problems = []
@@ -108,6 +112,14 @@ class EvalConfig:
         problems += repeat_problems("lengths", self.lengths)
         problems += repeat_problems("depths", self.depths)
         problems += repeat_problems("lm_eval", self.lm_eval)
+        problems += repeat_problems("zero_mixers", self.zero_mixers)
+        problems += [f"zero_mixers: {i} must not be negative" for i in self.zero_mixers if i < 0]
+        if self.zero_mixers and self.lm_eval:
+            # the harness scores a transformers copy of the model, which keeps every mixer
+            problems.append(
+                f"zero_mixers={self.zero_mixers} with lm_eval={self.lm_eval}: the harness scores "
+                "a transformers copy of the whole model; leave one of them out"
+            )
         problems += [f"lengths: {n} must be positive" for n in self.lengths if n < 1]
         problems += [f"depths: {d} must be between 0 and 1" for d in self.depths if not 0 <= d <= 1]
         if self.seed is not None and self.seed < 0:
@@ -194,6 +206,7 @@ def main(cfg: EvalConfig) -> None:
         # before any work: the run's log takes the scores (log_scores), not after all are scored
         runlog.check_appendable(Path(cfg.out_dir), "eval.py --lm_eval")
     model = run.model
+    zero_out_mixers(model, cfg.zero_mixers)
     block_size = model.config.block_size
     name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)
     dataset = cfg.dataset or run.config.get("dataset", "")
@@ -231,13 +244,28 @@ def main(cfg: EvalConfig) -> None:
         vocab = min(run.tokenizer.n_vocab, model.config.vocab_size)
         results = run_tasks(cfg, model, batches, vocab, place.autocast(), split)
         for row in measures(results):
-            print(json.dumps(row))
+            # a measure of the model with mixers zeroed says so: it is not the run's
+            print(json.dumps(row | ({"zero_mixers": cfg.zero_mixers} if cfg.zero_mixers else {})))
         if folder is not None:
             scores = harness_scores(cfg, run, model, place, tasks, folder)
             for task, values in scores.items():
                 print(json.dumps({"task": "lm_eval", "name": task, **values}))
             if source.kind == "resume":
                 log_scores(cfg, run, scores)
+
+
+def zero_out_mixers(model: torch.nn.Module, layers: list[int]) -> None:
+    """The token mixer (attention, or a recurrent layer) of each of these layers outputs zeros
+    from now on, by a forward hook: the block adds nothing to the residual there, its MLP still
+    runs. A UserError for a layer the model does not have."""
+    blocks = model.transformer.h
+    if missing := [i for i in layers if i >= len(blocks)]:
+        raise UserError(
+            f"zero_mixers={layers}: the model has {len(blocks)} layers (0 to {len(blocks) - 1}), "
+            f"no layer {missing[0]}"
+        )
+    for i in layers:
+        blocks[i].attn.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
 
 
 def split_of(split: str, meta: dict, data: Path) -> str:

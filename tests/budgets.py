@@ -201,6 +201,8 @@ BUDGETS: dict[str, dict[str, float]] = {
         # with needle and mqar_long on the run, and their refusal past block_size: 2 more evals
         "test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged": 10,
         "test_train_logs_its_final_evals_and_eval_py_prints_the_same": 6,
+        # a run, a copy of its checkpoint and three evaluations
+        "test_a_zeroed_mixer_scores_as_the_model_whose_mixer_projects_to_zero": 8,
     },
     "test_reliability.py": {
         "test_torchrun_restarts_a_killed_worker_and_resumes_exactly": 120,

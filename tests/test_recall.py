@@ -325,6 +325,34 @@ def test_eval_py_with_no_settings_prints_the_mqar_accuracy_the_run_logged(tmp_pa
     assert "has none past them" in r.stderr, r.stderr
 
 
+def test_a_zeroed_mixer_scores_as_the_model_whose_mixer_projects_to_zero(
+    pycode_small: Path, tmp_path: Path
+) -> None:
+    """--zero_mixers=[0] gives the numbers of the same run with layer 0's attention output
+    projection set to zero (the oracle, built by hand in its checkpoint), and not the whole
+    model's; a layer the model lacks, or one named twice, is one line."""
+    out = tmp_path / "run"
+    flags = ["--max_iters=4", "--eval_interval=4", "--always_save_checkpoint=True"]
+    run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, *flags])
+    oracle = tmp_path / "oracle"
+    shutil.copytree(out, oracle)
+    ckpt = torch.load(oracle / "ckpt.pt", weights_only=True)
+    for name, weights in ckpt["model"].items():
+        if name.startswith("transformer.h.0.attn.c_proj."):
+            weights.zero_()
+    torch.save(ckpt, oracle / "ckpt.pt")
+    tasks = "--tasks=[position]"
+    zeroed = eval_rows([f"--out_dir={out}", tasks, "--zero_mixers=[0]"])
+    assert all(row.pop("zero_mixers") == [0] for row in zeroed)
+    assert zeroed == eval_rows([f"--out_dir={oracle}", tasks])
+    whole = eval_rows([f"--out_dir={out}", tasks])
+    assert whole[0]["task"] == "position" and whole[0]["loss"] != zeroed[0]["loss"]
+    for bad, says in (("[2]", "the model has 2 layers (0 to 1), no layer 2"), ("[1,1]", "twice")):
+        r = cli(["eval.py", f"--out_dir={out}", "--device=cpu", f"--zero_mixers={bad}"])
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+        assert says in r.stderr, r.stderr
+
+
 def test_eval_py_refuses_a_dataset_it_cannot_read_before_any_work(
     pycode_small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
