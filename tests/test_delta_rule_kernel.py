@@ -96,6 +96,8 @@ CASES = [
     pytest.param(1, 2, 2 * CHECKPOINT + 21, 8, 11, id="T past two checkpoints, BxH below cores"),
     pytest.param(3, 3, CHECKPOINT, 8, 11, id="T one checkpoint, BxH above the cores"),
     pytest.param(2, 2, CHECKPOINT + 3, 32, 32, id="a square state of 32, unrolled"),
+    # the capacity protocol's 64-wide models have heads of 16
+    pytest.param(1, 2, CHECKPOINT + 5, 16, 16, id="a square state of 16, unrolled"),
 ]
 
 
