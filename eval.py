@@ -57,6 +57,8 @@ TASK_KEYS = {
 # ... and those the project's own harness tasks read (lines, next_line: examples items, seeded)
 LINES_KEYS = ("dataset", "examples", "batch_size", "seed")
 # ... and those that only the harness reads: without lm_eval, refused too (__post_init__)
+# the recall tasks that read a dataset's split (induction makes its own sequences)
+DATA_TASKS = ("position", *recall.MQAR_TASKS)
 HARNESS_KEYS = ("lm_eval_limit", "lm_eval_check")
 
 
@@ -208,24 +210,7 @@ def main(cfg: EvalConfig) -> None:
     model = run.model
     zero_out_mixers(model, cfg.zero_mixers)
     block_size = model.config.block_size
-    name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)
-    dataset = cfg.dataset or run.config.get("dataset", "")
-    recall_data = [t for t in cfg.tasks if t in ("position", *recall.MQAR_TASKS)]
-    own = [task for task in cfg.lm_eval if task in choice_task.TASKS]
-    reads_data = recall_data + own
-    if reads_data and not dataset:
-        raise UserError(
-            f"tasks {', '.join(reads_data)} read a dataset's {cfg.split} split and "
-            f"{cfg.init_from} names none: give --dataset=..."
-        )
-    data = data_dir(dataset) if reads_data else None
-    meta = None
-    split = cfg.split
-    if data is not None:  # before any work: the model's own tokens, and a dataset the tasks fit
-        meta = load_meta(data)
-        check_tokens(run, source, meta, dataset, name)
-        recall.check_dataset(reads_data, meta, block_size, str(data))
-        split = split_of(cfg.split, meta, data)
+    data, meta, split = task_data(cfg, run, source)
 
     with contextlib.ExitStack() as stack:
         folder = None
@@ -237,7 +222,7 @@ def main(cfg: EvalConfig) -> None:
         place = runtime.place(cfg.device, cfg.dtype, model.config.n_embd, training=False)
         model = model.to(place.device)
         batches = None
-        if recall_data:
+        if any(task in DATA_TASKS for task in cfg.tasks):
             seed = run.config.get("seed", 1337)  # the run's: its evaluation batches
             batches = Batches(data, block_size, cfg.batch_size, seed, place.device)
         # GPT-2's embedding rows past its 50257 tokens are padding
@@ -252,6 +237,28 @@ def main(cfg: EvalConfig) -> None:
                 print(json.dumps({"task": "lm_eval", "name": task, **values}))
             if source.kind == "resume":
                 log_scores(cfg, run, scores)
+
+
+def task_data(cfg: EvalConfig, run: Run, source: Source) -> tuple[Path | None, dict | None, str]:
+    """The dataset folder that cfg's tasks read (position, mqar and the project's own harness tasks;
+    None where none does), its meta and the split they read, checked before any work: the model's
+    own tokens, and a dataset the tasks fit."""
+    reads_data = [t for t in cfg.tasks if t in DATA_TASKS]
+    reads_data += [task for task in cfg.lm_eval if task in choice_task.TASKS]
+    dataset = cfg.dataset or run.config.get("dataset", "")
+    if reads_data and not dataset:
+        raise UserError(
+            f"tasks {', '.join(reads_data)} read a dataset's {cfg.split} split and "
+            f"{cfg.init_from} names none: give --dataset=..."
+        )
+    if not reads_data:
+        return None, None, cfg.split
+    data = data_dir(dataset)
+    meta = load_meta(data)
+    name = f"the run in {cfg.out_dir}" if source.kind == "resume" else str(source)
+    check_tokens(run, source, meta, dataset, name)
+    recall.check_dataset(reads_data, meta, run.model.config.block_size, str(data))
+    return data, meta, split_of(cfg.split, meta, data)
 
 
 def zero_out_mixers(model: torch.nn.Module, layers: list[int]) -> None:
