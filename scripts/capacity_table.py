@@ -10,7 +10,8 @@ mean val accuracy, the seeds' test accuracies, the solved k/n with its interval,
 variant's knee), then each variant's rates side by side (the mean val accuracy at the smallest
 count and the seeds that solved every count: where the rate search stands). A run listed twice
 (the same variant, pair count, seed and rate in two files) is one line of error, not counted
-twice.
+twice. Parts of other sizes (7:1 at 8 layers beside the 4-layer ones) are told apart: each variant
+is then named by its size too ("8x64 mha").
 """
 
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ class TableConfig:
 def main(cfg: TableConfig) -> None:
     if not cfg.files:
         raise UserError("--files=[...]: give the capacity.csv files to read")
-    results = [r for f in cfg.files for r in capacity.read_results(Path(f))]
+    results = capacity.sized(r for f in cfg.files for r in capacity.read_results(Path(f)))
     seen: dict[tuple, int] = {}
     for r in results:
         where = (r.variant, r.pairs, r.seed, r.lr)

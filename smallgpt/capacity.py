@@ -12,6 +12,7 @@ table is regenerated from committed files without training, and a protocol start
 goes on on another."""
 
 import csv
+import dataclasses
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from smallgpt import stats
 from smallgpt.atomic import atomic_open
 from smallgpt.errors import UserError
 
-COLUMNS = ("variant", "pairs", "seed", "lr", "val_accuracy", "accuracy")
+COLUMNS = ("variant", "size", "pairs", "seed", "lr", "val_accuracy", "accuracy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +35,7 @@ class Result:
     lr: float
     val_accuracy: float  # what the rate is chosen on
     accuracy: float  # on the test split: what is reported
+    size: str = ""  # the model's layers x width ("4x64"): a protocol's parts may differ in it
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,15 @@ def best_cell(runs: list[Result], threshold: float) -> Cell:
         accuracies=accuracies,
         solved=stats.solved(list(accuracies), threshold),
     )
+
+
+def sized(results: Iterable[Result]) -> list[Result]:
+    """The results, each variant named by its size too ("8x64 mha") where they hold more than one
+    size: the same variant at two depths is two curves, not one."""
+    results = list(results)
+    if len({r.size for r in results}) < 2:
+        return results
+    return [dataclasses.replace(r, variant=f"{r.size} {r.variant}") for r in results]
 
 
 def curves(results: Iterable[Result], threshold: float) -> dict[str, list[Cell]]:
@@ -217,7 +228,15 @@ def write_results(path: Path, results: Iterable[Result]) -> None:
         writer.writerow(COLUMNS)
         for r in results:
             writer.writerow(
-                [r.variant, r.pairs, r.seed, repr(r.lr), repr(r.val_accuracy), repr(r.accuracy)]
+                [
+                    r.variant,
+                    r.size,
+                    r.pairs,
+                    r.seed,
+                    repr(r.lr),
+                    repr(r.val_accuracy),
+                    repr(r.accuracy),
+                ]
             )
 
 
@@ -233,6 +252,7 @@ def read_results(path: Path) -> list[Result]:
                     float(row["lr"]),
                     float(row["val_accuracy"]),
                     float(row["accuracy"]),
+                    row["size"],
                 )
                 for row in csv.DictReader(f)
             ]
@@ -248,22 +268,20 @@ def read_results(path: Path) -> list[Result]:
 def results_of(runs: list[dict]) -> list[Result]:
     """The per-run results of a comparison's runs (report.read_runs's records) trained on a mix of
     pair counts (data/mqar --pairs_mix): each run's test accuracy by pair count (its final
-    evaluation's MQAR task) and val accuracy (its final evaluation's val_mqar). A run that diverged
-    recalls nothing: 0 at every pair count the others measured. Variants are named by size too
-    where the runs hold more than one."""
+    evaluation's MQAR task) and val accuracy (its final evaluation's val_mqar), with its size. A run
+    that diverged recalls nothing: 0 at every pair count the others measured."""
     measured = [r for r in runs if not r["diverged"] and by_pairs(r)]
     counts = sorted({p for r in measured for p in by_pairs(r)})
-    sizes = {r["size"] for r in measured}
     out = []
     for r in runs:
         if not r["diverged"] and not by_pairs(r):
             continue
-        name = r["variant"] if len(sizes) < 2 else f"{r['size']} {r['variant']}"
         lr = float(r["rate"]) if r["rate"] is not None else r["config"]["learning_rate"]
         test = by_pairs(r)
         val = {} if r["diverged"] else val_by_pairs(r)
         for p in counts if r["diverged"] else sorted(test):
-            out.append(Result(name, p, r["seed"], lr, val.get(p, 0.0), test.get(p, 0.0)))
+            accuracies = (val.get(p, 0.0), test.get(p, 0.0))
+            out.append(Result(r["variant"], p, r["seed"], lr, *accuracies, r["size"]))
     return out
 
 

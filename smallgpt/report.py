@@ -648,7 +648,7 @@ def write_report(
     text = markdown(rows, cfg, root, notes, SPEED_FILE)
     # trained on a mix of pair counts (data/mqar --pairs_mix): each variant's capacity curve
     results = capacity.results_of([r for r in runs if not r["method"]])
-    curves = capacity.curves(results, cfg.solved_threshold) if results else {}
+    curves = capacity.curves(capacity.sized(results), cfg.solved_threshold) if results else {}
     if curves:
         capacity.write_results(root / CAPACITY_FILE, results)
         text += capacity.section(curves, cfg.solved_threshold, CAPACITY_FILE)

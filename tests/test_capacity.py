@@ -1,6 +1,7 @@
 """smallgpt/capacity.py: capacity curves and their knees from hand-written per-run results, each
 number worked by hand (issue 88), including a variant whose seeds disagree."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from smallgpt.capacity import (
     rates_table,
     read_results,
     results_of,
+    sized,
     table,
     write_results,
 )
@@ -50,7 +52,7 @@ HYBRID = {
 
 def results() -> list[Result]:
     return [
-        Result(variant, pairs, seed, lr, accuracy, accuracy)  # val as test: chosen on it
+        Result(variant, pairs, seed, lr, accuracy, accuracy, "4x64")  # val as test: chosen on it
         for variant, grid in (("attention", ATTENTION), ("hybrid", HYBRID))
         for (pairs, lr), by_seed in grid.items()
         for seed, accuracy in enumerate(by_seed)
@@ -156,11 +158,11 @@ def test_results_are_read_from_the_runs_final_evaluations() -> None:
         run_record(3, "3e-3", [], [], diverged=True),  # recalls nothing, at every count measured
     ]
     assert results_of(runs) == [
-        Result("hybrid", 4, 1, 1e-3, 0.98, 1.0),
-        Result("hybrid", 8, 1, 1e-3, 0.5, 0.25),
-        Result("hybrid", 4, 2, 2e-3, 0.5, 0.75),
-        Result("hybrid", 4, 3, 3e-3, 0.0, 0.0),
-        Result("hybrid", 8, 3, 3e-3, 0.0, 0.0),
+        Result("hybrid", 4, 1, 1e-3, 0.98, 1.0, "4x64"),
+        Result("hybrid", 8, 1, 1e-3, 0.5, 0.25, "4x64"),
+        Result("hybrid", 4, 2, 2e-3, 0.5, 0.75, "4x64"),
+        Result("hybrid", 4, 3, 3e-3, 0.0, 0.0, "4x64"),
+        Result("hybrid", 8, 3, 3e-3, 0.0, 0.0, "4x64"),
     ]
 
 
@@ -168,7 +170,8 @@ def test_the_script_reads_a_protocols_parts_together_and_refuses_a_run_twice(
     tmp_path: Path,
 ) -> None:
     """Two parts of one protocol (the variants split), each its own file: the script's table is
-    the one both give together; a part given twice is one line."""
+    the one both give together; a part given twice is one line; a part at another size, of the
+    same variants, seeds and rates, is other curves, each variant named by its size."""
     attention = [r for r in results() if r.variant == "attention"]
     hybrid = [r for r in results() if r.variant == "hybrid"]
     write_results(tmp_path / "a.csv", attention)
@@ -185,3 +188,11 @@ def test_the_script_reads_a_protocols_parts_together_and_refuses_a_run_twice(
     r = cli(["scripts/capacity_table.py", twice])
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
     assert "attention at 4 pairs, seed 0, rate 0.001 is in the files 2 times (36 such" in r.stderr
+    deeper = [dataclasses.replace(r, size="8x64", accuracy=0.0) for r in attention]
+    write_results(tmp_path / "c.csv", deeper)
+    r = cli(["scripts/capacity_table.py", f"--files=[{tmp_path / 'a.csv'},{tmp_path / 'c.csv'}]"])
+    assert r.returncode == 0, r.stderr
+    by_variant = curves(sized(attention + deeper), THRESHOLD)
+    assert list(by_variant) == ["4x64 attention", "8x64 attention"]
+    assert r.stdout.startswith(table(by_variant))
+    assert by_variant["4x64 attention"] == curves(attention, THRESHOLD)["attention"]

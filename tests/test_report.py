@@ -757,4 +757,4 @@ def test_capacity_curves_are_reported_from_runs_on_a_mix_early_stopped_ones_incl
     assert "| mha | 2 | 4 | every seed solved up to 2; 4 pairs solved in 1/2 seeds |" in md
     assert "| mqa | - | 2 | 2 pairs solved in 0/2 seeds, the smallest |" in md
     kept = (tmp_path / "capacity.csv").read_text().splitlines()
-    assert kept[0] == "variant,pairs,seed,lr,val_accuracy,accuracy" and len(kept) == 1 + 8
+    assert kept[0] == "variant,size,pairs,seed,lr,val_accuracy,accuracy" and len(kept) == 1 + 8
