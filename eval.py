@@ -57,9 +57,9 @@ TASK_KEYS = {
 # ... and those the project's own harness tasks read (lines, next_line: examples items, seeded)
 LINES_KEYS = ("dataset", "examples", "batch_size", "seed")
 # ... and those that only the harness reads: without lm_eval, refused too (__post_init__)
+HARNESS_KEYS = ("lm_eval_limit", "lm_eval_check")
 # the recall tasks that read a dataset's split (induction makes its own sequences)
 DATA_TASKS = ("position", *recall.MQAR_TASKS)
-HARNESS_KEYS = ("lm_eval_limit", "lm_eval_check")
 
 
 @dataclass(slots=True)
