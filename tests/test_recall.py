@@ -15,7 +15,7 @@ import torch
 
 from conftest import TINY_TRAIN, cli, read_log, run, tiny_model
 from smallgpt import recall
-from smallgpt.checkpoint import save_checkpoint
+from smallgpt.checkpoint import load_checkpoint, save_checkpoint
 from smallgpt.configs import TrainConfig
 from smallgpt.data import Batches
 from smallgpt.errors import UserError
@@ -336,7 +336,7 @@ def test_a_zeroed_mixer_scores_as_the_model_whose_mixer_projects_to_zero(
     run(["train.py", f"--dataset={pycode_small}", f"--out_dir={out}", *TINY_TRAIN, *flags])
     oracle = tmp_path / "oracle"
     shutil.copytree(out, oracle)
-    ckpt = torch.load(oracle / "ckpt.pt", weights_only=True)
+    ckpt = load_checkpoint(oracle / "ckpt.pt")
     for name, weights in ckpt["model"].items():
         if name.startswith("transformer.h.0.attn.c_proj."):
             weights.zero_()
