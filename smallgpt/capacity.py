@@ -280,8 +280,17 @@ def results_of(runs: list[dict]) -> list[Result]:
         test = by_pairs(r)
         val = {} if r["diverged"] else val_by_pairs(r)
         for p in counts if r["diverged"] else sorted(test):
-            accuracies = (val.get(p, 0.0), test.get(p, 0.0))
-            out.append(Result(r["variant"], p, r["seed"], lr, *accuracies, r["size"]))
+            out.append(
+                Result(
+                    r["variant"],
+                    p,
+                    r["seed"],
+                    lr,
+                    val_accuracy=val.get(p, 0.0),
+                    accuracy=test.get(p, 0.0),
+                    size=r["size"],
+                )
+            )
     return out
 
 
